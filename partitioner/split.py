@@ -21,6 +21,7 @@ import torch.fx as fx
 from torch import nn
 
 from .errors import PartitionError
+from .fxutil import compute_nodes, flat_outputs
 
 __all__ = ["ValueSpec", "StageIO", "StagedModel", "split_graph"]
 
@@ -153,8 +154,7 @@ def split_graph(
     p = num_stages
     nodes = list(gm.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
-    (output_node,) = [n for n in nodes if n.op == "output"]
-    compute = [n for n in nodes if n.op in ("call_function", "call_method", "call_module")]
+    compute = compute_nodes(gm)
 
     missing = [n.name for n in compute if n.name not in stage_of]
     if missing:
@@ -185,8 +185,8 @@ def split_graph(
         for a in n.all_input_nodes:
             if a in readers and (a.op == "placeholder" or stage[a] != stage[n]):
                 readers[a].add(stage[n])
-    flat_outputs = _flat_output_nodes(output_node)
-    for o in flat_outputs:
+    outputs = flat_outputs(gm)
+    for o in outputs:
         if isinstance(o, fx.Node) and o in readers and (o.op == "placeholder" or stage[o] != p - 1):
             readers[o].add(p - 1)
 
@@ -204,7 +204,7 @@ def split_graph(
         if s < p - 1:
             outs = [specs[n] for n in own if n in specs]
         else:
-            outs = [_output_spec(o, specs, p) for o in flat_outputs]
+            outs = [_output_spec(o, specs, p) for o in outputs]
         graph = _stage_graph(gm, own, ins, outs, {v.name: v for v in specs.values()})
         module = fx.GraphModule(gm, graph, class_name=f"Stage{s}")
         _fix_buffers(module, persistent_buffers)
@@ -292,23 +292,6 @@ def _to_bool(t: torch.Tensor) -> bool:
 
 
 _SCALAR_DECODERS = {"int": _to_int, "float": _to_float, "bool": _to_bool}
-
-
-def _flat_output_nodes(output_node: fx.Node) -> list[Any]:
-    out: list[Any] = []
-
-    def visit(a: Any) -> None:
-        if isinstance(a, (tuple, list)):
-            for b in a:
-                visit(b)
-        elif isinstance(a, dict):
-            for b in a.values():
-                visit(b)
-        else:
-            out.append(a)
-
-    visit(output_node.args[0])
-    return out
 
 
 def _output_spec(o: Any, specs: dict[fx.Node, ValueSpec], p: int) -> ValueSpec:

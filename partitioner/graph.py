@@ -1,0 +1,243 @@
+"""The costed graph as a networkx DiGraph, its grouping into units, and its reduction to a Problem.
+
+Legend: ``n`` units, ``p`` stages, ``s`` a stage index, ``i`` a unit index. A *unit* is what the
+partitioner places: one fx node (``granularity='node'``) or a run of consecutive nodes of the same
+module (``granularity='module'``, e.g. one transformer block).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import networkx as nx
+import torch.fx as fx
+
+from .algorithms.problem import GRAPH_INPUT, Problem, Tensor
+from .cost import NodeCost, node_time
+from .devices import Cluster
+from .fxutil import COMPUTE_OPS, flat_outputs
+
+__all__ = ["Unit", "build_graph", "layer_depth", "group_units", "to_problem", "module_range"]
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A placeable run of graph nodes.
+
+    Attributes:
+        index: position in the unit order.
+        nodes: fx node names, in graph order.
+        module: the module the run belongs to (its group key), ``''`` for top-level code.
+    """
+
+    index: int
+    nodes: tuple[str, ...]
+    module: str
+
+
+def build_graph(
+    gm: fx.GraphModule,
+    costs: Mapping[str, NodeCost],
+    module_path: Callable[[fx.Node], str],
+) -> nx.DiGraph:
+    """The compute nodes of ``gm`` as a DiGraph with their costs.
+
+    Node attributes: ``cost`` (NodeCost), ``module`` (innermost module path), ``order`` (graph
+    position). Edge ``u -> v`` attribute ``nbytes``: the size of ``u``'s output. Graph attributes:
+    ``inputs`` (placeholder name -> (reader nodes, nbytes)) and ``outputs`` (names of the nodes
+    whose values the model returns, in output order).
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from partitioner.trace import trace
+        >>> from partitioner.cost import cost_graph
+        >>> t = trace(nn.Sequential(nn.Linear(4, 8), nn.ReLU()), (torch.randn(2, 4),))
+        >>> g = build_graph(t.gm, cost_graph(t), t.module_path)
+        >>> sorted(g.nodes)
+        ['_0', '_1']
+    """
+    g = nx.DiGraph()
+    order = 0
+    for node in gm.graph.nodes:
+        if node.op in COMPUTE_OPS:
+            g.add_node(node.name, cost=costs[node.name], module=module_path(node), order=order)
+            order += 1
+    inputs: dict[str, tuple[tuple[str, ...], int]] = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            readers = tuple(u.name for u in node.users if u.name in g)
+            inputs[node.name] = (readers, _value_nbytes(node))
+        elif node.op in COMPUTE_OPS:
+            nbytes = costs[node.name].output_bytes
+            for u in node.users:
+                if u.name in g:
+                    g.add_edge(node.name, u.name, nbytes=nbytes)
+    g.graph["inputs"] = inputs
+    g.graph["outputs"] = tuple(
+        a.name for a in flat_outputs(gm) if isinstance(a, fx.Node) and a.name in g
+    )
+    return g
+
+
+def layer_depth(paths: Sequence[str]) -> int:
+    """The module depth at which a model's repeated layers sit.
+
+    The container whose direct children cover the most distinct node groups wins, numbered
+    children (``h.0``, ``h.1``, ``layer1.0``...) first; its children are the layers, so the depth
+    is one more than the container's. ``'transformer.h.3.attn'`` in a GPT-2 gives depth 3.
+    """
+    children: dict[str, set[str]] = {}
+    for path in paths:
+        parts = path.split(".") if path else []
+        for d in range(len(parts)):
+            children.setdefault(".".join(parts[:d]), set()).add(parts[d])
+    if not children:
+        return 1
+
+    def score(item: tuple[str, set[str]]) -> tuple[int, int, int]:
+        prefix, kids = item
+        numbered = sum(k.isdigit() for k in kids)
+        return (numbered, len(kids), -len(prefix))
+
+    prefix, _ = max(children.items(), key=score)
+    return (len(prefix.split(".")) if prefix else 0) + 1
+
+
+def group_units(
+    g: nx.DiGraph, granularity: str = "node", module_depth: int | None = None
+) -> list[Unit]:
+    """Group the graph's nodes into units, in graph order.
+
+    Args:
+        g: from ``build_graph``.
+        granularity: ``'node'`` (every node a unit) or ``'module'`` (consecutive nodes sharing
+            their module path truncated to ``module_depth`` form one unit).
+        module_depth: the truncation depth; default ``layer_depth`` of the model.
+    """
+    names = sorted(g.nodes, key=lambda v: g.nodes[v]["order"])
+    if granularity == "node":
+        return [Unit(i, (v,), g.nodes[v]["module"]) for i, v in enumerate(names)]
+    if granularity != "module":
+        raise ValueError(f"granularity must be 'node' or 'module', got {granularity!r}")
+    depth = module_depth or layer_depth([g.nodes[v]["module"] for v in names])
+    units: list[Unit] = []
+    run: list[str] = []
+    key = None
+    for v in names:
+        k = _truncate(g.nodes[v]["module"], depth)
+        if run and k != key:
+            units.append(Unit(len(units), tuple(run), key or ""))
+            run = []
+        run.append(v)
+        key = k
+    if run:
+        units.append(Unit(len(units), tuple(run), key or ""))
+    return units
+
+
+def to_problem(
+    g: nx.DiGraph,
+    units: Sequence[Unit],
+    cluster: Cluster,
+    *,
+    inflight: Sequence[int],
+    param_numel: Mapping[str, int],
+    state_bytes_per_param: float = 16.0,
+) -> Problem:
+    """Reduce the costed graph to the plain-data ``Problem`` the algorithms solve.
+
+    Args:
+        g: from ``build_graph``.
+        units: from ``group_units``.
+        cluster: ``p`` devices; ``compute[s]`` uses ``cluster.devices[s]``.
+        inflight: micro-batches each stage holds activations for (depends on the schedule).
+        param_numel: element count of every parameter by name.
+        state_bytes_per_param: training-state bytes per parameter element (weights + grads +
+            optimizer; Adam in fp32 is 4 + 4 + 8 = 16).
+    """
+    unit_of = {v: u.index for u in units for v in u.nodes}
+    n = len(units)
+    owned: set[str] = set()
+    state = [0.0] * n
+    counts = [0.0] * n
+    act = [0.0] * n
+    for u in units:
+        for v in u.nodes:
+            c: NodeCost = g.nodes[v]["cost"]
+            act[u.index] += c.saved_bytes
+            state[u.index] += c.buffer_bytes
+            for name in c.param_names:
+                if name not in owned:  # a parameter is owned by its first user (tied ones too)
+                    owned.add(name)
+                    state[u.index] += param_numel.get(name, 0) * state_bytes_per_param
+                    counts[u.index] += param_numel.get(name, 0)
+    compute = []
+    for dev in cluster.devices:
+        row = [0.0] * n
+        for u in units:
+            row[u.index] = sum(sum(node_time(g.nodes[v]["cost"], dev)) for v in u.nodes)
+        compute.append(tuple(row))
+    outputs = set(g.graph["outputs"])
+    tensors: list[Tensor] = []
+    for v in sorted(g.nodes, key=lambda x: g.nodes[x]["order"]):
+        i = unit_of[v]
+        readers = {unit_of[w] for w in g.successors(v)} - {i}
+        if v in outputs:
+            readers.add(n)
+        if readers:
+            tensors.append(Tensor(i, tuple(sorted(readers)), float(g.nodes[v]["cost"].output_bytes)))
+    for readers, nbytes in g.graph["inputs"].values():
+        if readers:
+            tensors.append(Tensor(GRAPH_INPUT, tuple(sorted({unit_of[r] for r in readers})), float(nbytes)))
+    return Problem(
+        compute=tuple(compute),
+        state_bytes=tuple(state),
+        act_bytes=tuple(act),
+        tensors=tuple(tensors),
+        capacity=tuple(d.memory for d in cluster.devices),
+        inflight=tuple(inflight),
+        link_bandwidth=tuple(cluster.link_bandwidth),
+        link_latency=tuple(cluster.link_latency),
+        names=tuple(u.module + ":" + u.nodes[0] if u.module else u.nodes[0] for u in units),
+        param_counts=tuple(counts),
+    )
+
+
+def module_range(modules: Sequence[str]) -> str:
+    """A short reading of the modules a stage holds, in order: ``'h.0 … h.5'``.
+
+    Consecutive duplicates collapse; top-level code reads as ``'<top>'``.
+    """
+    seq: list[str] = []
+    for m in modules:
+        m = m or "<top>"
+        if not seq or seq[-1] != m:
+            seq.append(m)
+    if len(seq) <= 2:
+        return ", ".join(seq)
+    common = Counter(_family(m) for m in seq).most_common(1)[0][0]
+    first = next(m for m in seq if _family(m) == common)
+    last = next(m for m in reversed(seq) if _family(m) == common)
+    extra = [m for m in dict.fromkeys(seq) if _family(m) != common]
+    core = f"{first} … {last}" if first != last else first
+    return ", ".join([*(e for e in extra if seq.index(e) < seq.index(first)), core,
+                      *(e for e in extra if seq.index(e) > seq.index(first))])
+
+
+def _family(module: str) -> str:
+    return re.sub(r"\.\d+(\..*)?$", "", module)
+
+
+def _truncate(path: str, depth: int) -> str:
+    return ".".join(path.split(".")[:depth]) if path else ""
+
+
+def _value_nbytes(node: fx.Node) -> int:
+    val = node.meta.get("val")
+    if val is not None and hasattr(val, "numel") and hasattr(val, "element_size"):
+        return int(val.numel()) * int(val.element_size())
+    return 8

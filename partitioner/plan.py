@@ -1,0 +1,394 @@
+"""The Plan: a frozen, printable, serialisable description of how a model is cut into stages.
+
+Legend: ``p`` stages, ``s`` a stage index, ``m`` micro-batches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .devices import Cluster, DeviceSpec
+from .errors import PlanFormatError, PlanMismatchError
+from .split import StagedModel, StageIO, ValueSpec, split_graph
+
+if TYPE_CHECKING:
+    import torch
+
+    from .trace import TracedModel
+
+__all__ = ["FORMAT_VERSION", "StagePlan", "Prediction", "Plan"]
+
+FORMAT = "pipecut-plan"
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One stage of a plan, with its estimated costs for one micro-batch.
+
+    Attributes:
+        index: the stage index ``s``.
+        device: the device's preset name.
+        nodes: the fx node names the stage computes, in graph order.
+        modules: a short reading of the module range (``'transformer.h.0 … transformer.h.5'``).
+        params: parameter elements the stage holds (a tied parameter counts in every holder).
+        fwd_flops: forward FLOPs.
+        bwd_flops: backward FLOPs.
+        memory: estimated peak bytes: training state of its parameters and buffers plus saved
+            activations times the micro-batches in flight.
+        capacity: the device's memory in bytes.
+        inflight: micro-batches whose activations the stage holds at its peak.
+        fwd_time: forward compute seconds.
+        bwd_time: backward compute seconds.
+        comm_in_time: seconds receiving from the previous stage.
+        comm_out_time: seconds sending to the next stage.
+        send_bytes: bytes crossing the boundary to the next stage (0 for the last stage).
+    """
+
+    index: int
+    device: str
+    nodes: tuple[str, ...]
+    modules: str
+    params: int
+    fwd_flops: float
+    bwd_flops: float
+    memory: float
+    capacity: float
+    inflight: int
+    fwd_time: float
+    bwd_time: float
+    comm_in_time: float
+    comm_out_time: float
+    send_bytes: float
+
+    @property
+    def time(self) -> float:
+        """Forward + backward + transfer seconds: the quantity the partitioner balances."""
+        return self.fwd_time + self.bwd_time + self.comm_in_time + self.comm_out_time
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Predicted step time and idle fraction of one schedule at the plan's micro-batch count."""
+
+    schedule: str
+    microbatches: int
+    step_time: float
+    bubble: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a model is cut into pipeline stages, with the costs that justify it.
+
+    ``print(plan)`` shows the stage table; ``plan.save(path)`` / ``Plan.load(path)`` round-trip
+    through JSON; ``plan.build_stages()`` returns one ``nn.Module`` per stage.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from partitioner import partition, Cluster
+        >>> model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16), nn.ReLU())
+        >>> plan = partition(model, (torch.randn(4, 16),), num_stages=2,
+        ...                  cluster=Cluster.uniform(2, "cpu"), microbatches=4)
+        >>> len(plan.stages), plan.method
+        (2, 'exact')
+        >>> staged = plan.build_stages()
+        >>> x = torch.randn(4, 16)
+        >>> torch.allclose(staged(x)[0], model(x))
+        True
+    """
+
+    stages: tuple[StagePlan, ...]
+    method: str
+    schedule: str
+    microbatches: int
+    granularity: str
+    bottleneck: float
+    lower_bound: float
+    predictions: tuple[Prediction, ...]
+    cluster: Cluster
+    state_bytes_per_param: float
+    fingerprint: str
+    trace_method: str
+    input_names: tuple[str, ...]
+    io: tuple[StageIO, ...]
+    shared_params: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    param_aliases: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    _binding: _Binding | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def bottleneck_stage(self) -> int:
+        return max(range(len(self.stages)), key=lambda s: self.stages[s].time)
+
+    def prediction(self, schedule: str) -> Prediction:
+        """The prediction for ``schedule`` (``'gpipe'`` or ``'1f1b'``)."""
+        for pr in self.predictions:
+            if pr.schedule == schedule:
+                return pr
+        known = ", ".join(pr.schedule for pr in self.predictions)
+        raise KeyError(f"no prediction for schedule {schedule!r}; the plan has: {known}")
+
+    def stage_of(self) -> dict[str, int]:
+        """Stage of every compute node, by node name."""
+        return {v: st.index for st in self.stages for v in st.nodes}
+
+    def __str__(self) -> str:
+        from .render import render_text
+
+        return render_text(self)
+
+    # -- stages ---------------------------------------------------------------------------
+
+    @property
+    def is_bound(self) -> bool:
+        """Whether the plan holds the traced graph it was made from (``build_stages`` needs it)."""
+        return self._binding is not None
+
+    def bind(self, model: torch.nn.Module, example_inputs: Sequence[Any], **trace_kwargs: Any) -> Plan:
+        """Attach a model to a loaded plan, checking it is the model the plan was made for.
+
+        Args:
+            model: the model (on any device, ``meta`` included).
+            example_inputs: one micro-batch of inputs, as given to ``partition``.
+            trace_kwargs: forwarded to ``partitioner.trace.trace`` (``leaf_modules``...).
+
+        Raises:
+            PlanMismatchError: the model's traced graph differs from the plan's.
+        """
+        from .trace import trace
+
+        traced = trace(model, tuple(example_inputs), **trace_kwargs)
+        got = traced.fingerprint()
+        if got != self.fingerprint:
+            raise PlanMismatchError(
+                f"this plan was made for a different graph (plan fingerprint {self.fingerprint[:12]}, "
+                f"model fingerprint {got[:12]}): the model, its example input shapes or dtypes, or "
+                "the trace options changed. Re-plan with partitioner.partition(model, ...)."
+            )
+        return replace(self, _binding=_Binding(traced, _persistent_names(model)))
+
+    def build_stages(self) -> StagedModel:
+        """One ``fx.GraphModule`` per stage, named with the original model's parameter names.
+
+        The stages share parameters with the model the plan was made from (or bound to), so
+        training the stages trains that model.
+
+        Raises:
+            PlanMismatchError: the plan was loaded from a file and not bound to a model yet.
+        """
+        if self._binding is None:
+            raise PlanMismatchError(
+                "this plan holds no model: it was loaded from a file. Call "
+                "plan = plan.bind(model, example_inputs) first, then plan.build_stages()."
+            )
+        b = self._binding
+        return split_graph(
+            b.traced.gm,
+            self.stage_of(),
+            self.num_stages,
+            param_aliases=dict(self.param_aliases),
+            persistent_buffers=b.persistent,
+        )
+
+    # -- files ----------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict; ``Plan.from_dict`` reads it back."""
+        body = {
+            "format": FORMAT,
+            "version": FORMAT_VERSION,
+            "fingerprint": self.fingerprint,
+            "trace_method": self.trace_method,
+            "method": self.method,
+            "schedule": self.schedule,
+            "microbatches": self.microbatches,
+            "granularity": self.granularity,
+            "bottleneck": self.bottleneck,
+            "lower_bound": self.lower_bound,
+            "state_bytes_per_param": self.state_bytes_per_param,
+            "input_names": list(self.input_names),
+            "cluster": {
+                "devices": [asdict(d) for d in self.cluster.devices],
+                "link_bandwidth": list(self.cluster.link_bandwidth),
+                "link_latency": list(self.cluster.link_latency),
+            },
+            "stages": [_finite(asdict(st)) for st in self.stages],
+            "predictions": [asdict(pr) for pr in self.predictions],
+            "io": [
+                {"stage": io.stage, "inputs": [asdict(v) for v in io.inputs],
+                 "outputs": [asdict(v) for v in io.outputs]}
+                for io in self.io
+            ],
+            "shared_params": {k: list(v) for k, v in self.shared_params},
+            "param_aliases": {k: list(v) for k, v in self.param_aliases},
+        }
+        body["checksum"] = _checksum(body)
+        return body
+
+    @staticmethod
+    def from_dict(data: Any) -> Plan:
+        """Rebuild a plan from ``to_dict`` output, validating every field.
+
+        Raises:
+            PlanFormatError: a field is missing, of the wrong type, inconsistent, or the checksum
+                does not match (the file was edited after it was saved).
+        """
+        return _parse(data)
+
+    def save(self, path: str | Path) -> None:
+        """Write the plan as JSON (format version ``FORMAT_VERSION``, with a checksum)."""
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+    @staticmethod
+    def load(
+        path: str | Path,
+        model: torch.nn.Module | None = None,
+        example_inputs: Sequence[Any] | None = None,
+        **trace_kwargs: Any,
+    ) -> Plan:
+        """Read a plan saved with ``save``; with ``model`` and ``example_inputs``, bind it too.
+
+        Raises:
+            PlanFormatError: the file is not valid JSON or not a valid plan.
+            PlanMismatchError: ``model`` is not the model the plan was made for.
+        """
+        try:
+            data = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as e:
+            raise PlanFormatError(
+                f"{path} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); "
+                "re-create it with plan.save(...) or `pipecut plan ... --json`"
+            ) from e
+        plan = _parse(data, str(path))
+        if model is not None:
+            if example_inputs is None:
+                raise TypeError("Plan.load(path, model, example_inputs): example_inputs is needed with model")
+            plan = plan.bind(model, example_inputs, **trace_kwargs)
+        return plan
+
+    def to_dot(self, path: str | Path | None = None) -> str:
+        """Graphviz DOT of the stage graph (and of the nodes in each stage when bound)."""
+        from .render import render_dot
+
+        text = render_dot(self)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+
+@dataclass(frozen=True)
+class _Binding:
+    traced: TracedModel
+    persistent: set[str]
+
+
+def _persistent_names(model: torch.nn.Module) -> set[str]:
+    return set(model.state_dict().keys())
+
+
+def _finite(d: dict[str, Any]) -> dict[str, Any]:
+    # JSON has no infinity: an unlimited capacity is written as null.
+    return {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in d.items()}
+
+
+def _checksum(body: dict[str, Any]) -> str:
+    blob = json.dumps({k: v for k, v in body.items() if k != "checksum"}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _parse(data: Any, where: str = "plan") -> Plan:
+    def fail(msg: str) -> PlanFormatError:
+        return PlanFormatError(
+            f"{where}: {msg}. The file is corrupt or was edited by hand; re-create it with "
+            "plan.save(...) or `pipecut plan ... --json`."
+        )
+
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise fail(f"not a pipecut plan (expected 'format': {FORMAT!r})")
+    if data.get("version") != FORMAT_VERSION:
+        raise PlanFormatError(
+            f"{where}: plan format version {data.get('version')!r} is not supported by this pipecut "
+            f"(it reads version {FORMAT_VERSION}); re-create the plan with this version"
+        )
+    if data.get("checksum") != _checksum(data):
+        raise fail("checksum mismatch: the content changed after the plan was saved")
+    try:
+        cluster = Cluster(
+            devices=tuple(DeviceSpec(**d) for d in data["cluster"]["devices"]),
+            link_bandwidth=tuple(float(x) for x in data["cluster"]["link_bandwidth"]),
+            link_latency=tuple(float(x) for x in data["cluster"]["link_latency"]),
+        )
+        names = {f.name for f in fields(StagePlan)}
+        stages = []
+        for raw in data["stages"]:
+            if set(raw) != names:
+                raise fail(f"stage fields {sorted(set(raw) ^ names)} are missing or unknown")
+            st = {k: (math.inf if v is None and k == "capacity" else v) for k, v in raw.items()}
+            st["nodes"] = tuple(st["nodes"])
+            stages.append(StagePlan(**st))
+        io = tuple(
+            StageIO(int(r["stage"]), tuple(_value(v) for v in r["inputs"]), tuple(_value(v) for v in r["outputs"]))
+            for r in data["io"]
+        )
+        plan = Plan(
+            stages=tuple(stages),
+            method=str(data["method"]),
+            schedule=str(data["schedule"]),
+            microbatches=int(data["microbatches"]),
+            granularity=str(data["granularity"]),
+            bottleneck=float(data["bottleneck"]),
+            lower_bound=float(data["lower_bound"]),
+            predictions=tuple(Prediction(**pr) for pr in data["predictions"]),
+            cluster=cluster,
+            state_bytes_per_param=float(data["state_bytes_per_param"]),
+            fingerprint=str(data["fingerprint"]),
+            trace_method=str(data["trace_method"]),
+            input_names=tuple(data["input_names"]),
+            io=io,
+            shared_params=tuple((k, tuple(v)) for k, v in data["shared_params"].items()),
+            param_aliases=tuple((k, tuple(v)) for k, v in data["param_aliases"].items()),
+        )
+    except PlanFormatError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise fail(f"bad or missing field ({type(e).__name__}: {e})") from e
+    _check_consistent(plan, fail)
+    return plan
+
+
+def _value(raw: dict[str, Any]) -> ValueSpec:
+    return ValueSpec(
+        name=str(raw["name"]), producer=int(raw["producer"]), consumers=tuple(raw["consumers"]),
+        kind=str(raw["kind"]), shape=tuple(raw["shape"]), dtype=str(raw["dtype"]),
+    )
+
+
+def _check_consistent(plan: Plan, fail: Any) -> None:
+    p = len(plan.stages)
+    if p == 0:
+        raise fail("the plan has no stages")
+    if [st.index for st in plan.stages] != list(range(p)):
+        raise fail(f"stage indices {[st.index for st in plan.stages]} are not 0..{p - 1}")
+    if len(plan.cluster) != p or len(plan.io) != p:
+        raise fail(f"{p} stages but {len(plan.cluster)} devices and {len(plan.io)} stage wirings")
+    seen: dict[str, int] = {}
+    for st in plan.stages:
+        if not st.nodes:
+            raise fail(f"stage {st.index} has no nodes")
+        for v in st.nodes:
+            if v in seen:
+                raise fail(f"node {v!r} is in stage {seen[v]} and stage {st.index}")
+            seen[v] = st.index
+    if plan.microbatches < 1:
+        raise fail(f"microbatches must be at least 1, got {plan.microbatches}")

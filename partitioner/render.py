@@ -1,0 +1,133 @@
+"""Human-readable forms of a Plan: the stage table (rich) and a Graphviz DOT picture."""
+
+from __future__ import annotations
+
+import io
+import math
+from typing import TYPE_CHECKING
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+if TYPE_CHECKING:
+    from .plan import Plan
+
+__all__ = ["render_text", "render_dot", "fmt_bytes", "fmt_time", "fmt_flops", "fmt_count"]
+
+
+def fmt_bytes(n: float) -> str:
+    """``1536 -> '1.5 KiB'``; infinity reads as 'unlimited'."""
+    if math.isinf(n):
+        return "unlimited"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # unreachable: the loop returns at TiB
+
+
+def fmt_time(seconds: float) -> str:
+    """``0.0123 -> '12.3 ms'``."""
+    if seconds >= 1:
+        return f"{seconds:.2f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds * 1e6:.1f} µs"
+
+
+def fmt_flops(n: float) -> str:
+    """``2.5e12 -> '2.50 T'``."""
+    for unit, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f}"
+
+
+def fmt_count(n: float) -> str:
+    """``124_000_000 -> '124.0M'``."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return f"{n:.0f}"
+
+
+def render_text(plan: Plan, width: int = 140) -> str:
+    """The stage table with the summary lines under it, as plain text."""
+    worst = plan.bottleneck_stage
+    table = Table(
+        title=(
+            f"pipecut plan: {plan.num_stages} stages, method {plan.method}, "
+            f"{plan.microbatches} micro-batches, schedule {plan.schedule}"
+        ),
+        box=box.SIMPLE_HEAD,
+        title_justify="left",
+    )
+    for col, justify in (
+        ("stage", "right"), ("device", "left"), ("modules", "left"), ("nodes", "right"),
+        ("params", "right"), ("fwd FLOPs", "right"), ("bwd FLOPs", "right"),
+        ("memory / capacity", "right"), ("F", "right"), ("B", "right"), ("comm", "right"),
+        ("time", "right"), ("sends", "right"),
+    ):
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for st in plan.stages:
+        over = st.memory > st.capacity
+        mem = f"{fmt_bytes(st.memory)} / {fmt_bytes(st.capacity)}" + (" OVER" if over else "")
+        table.add_row(
+            f"{st.index}{'*' if st.index == worst else ''}",
+            st.device,
+            st.modules,
+            str(len(st.nodes)),
+            fmt_count(st.params),
+            fmt_flops(st.fwd_flops),
+            fmt_flops(st.bwd_flops),
+            mem,
+            fmt_time(st.fwd_time),
+            fmt_time(st.bwd_time),
+            fmt_time(st.comm_in_time + st.comm_out_time),
+            fmt_time(st.time),
+            fmt_bytes(st.send_bytes) if st.index < plan.num_stages - 1 else "-",
+        )
+    lines = [
+        f"bottleneck: {fmt_time(plan.bottleneck)} (stage {worst}, marked *)   "
+        f"lower bound: {fmt_time(plan.lower_bound)}   "
+        f"bottleneck / lower bound: {plan.bottleneck / plan.lower_bound:.3f}"
+        if plan.lower_bound > 0
+        else f"bottleneck: {fmt_time(plan.bottleneck)} (stage {worst})",
+        "predicted step (per micro-batch costs x "
+        f"{plan.microbatches} micro-batches): "
+        + "   ".join(
+            f"{pr.schedule} {fmt_time(pr.step_time)} (bubble {pr.bubble:.1%})" for pr in plan.predictions
+        ),
+    ]
+    if plan.shared_params:
+        shared = ", ".join(f"{name} (stages {', '.join(map(str, ss))})" for name, ss in plan.shared_params)
+        lines.append(f"shared parameters, gradients summed across holders: {shared}")
+    buf = io.StringIO()
+    console = Console(file=buf, width=width, no_color=True, highlight=False, soft_wrap=False)
+    console.print(table)
+    for line in lines:
+        console.print(line, soft_wrap=True)
+    return buf.getvalue().rstrip() + "\n"
+
+
+def render_dot(plan: Plan) -> str:
+    """A DOT digraph: one cluster per stage (its nodes listed when few), edges with bytes."""
+    out = ["digraph pipecut_plan {", "  rankdir=LR;", '  node [shape=box, fontname="Helvetica"];']
+    for st in plan.stages:
+        label = (
+            f"stage {st.index} ({st.device})\\n{st.modules}\\n{len(st.nodes)} nodes, "
+            f"{fmt_count(st.params)} params\\ntime {fmt_time(st.time)}, mem {fmt_bytes(st.memory)}"
+        )
+        out.append(f'  s{st.index} [label="{_esc(label)}"];')
+    for io_ in plan.io:
+        for v in io_.outputs:
+            for c in v.consumers:
+                if c != io_.stage:
+                    out.append(f'  s{io_.stage} -> s{c} [label="{_esc(v.name)}\\n{fmt_bytes(v.nbytes)}"];')
+    out.append("}")
+    return "\n".join(out) + "\n"
+
+
+def _esc(s: str) -> str:
+    return s.replace('"', '\\"')

@@ -1,0 +1,204 @@
+"""Moving activations and gradients between stages: in one process, or over torch.distributed.
+
+Legend: ``s`` a stage index, ``mb`` a micro-batch index. A *message* is the list of tensors one
+stage sends another for one micro-batch and direction (activations forward, gradients back).
+
+Both transports have the same contract, so the executor runs unchanged over either:
+
+* ``send`` never blocks: the tensors are handed off (in-process) or posted (``isend``);
+* ``recv`` blocks until the message is there, at most ``timeout`` seconds, then raises
+  ``TransportTimeout`` naming what it waited for;
+* the distributed transport needs no handshake: shapes and dtypes come from the plan, and
+  messages between two ranks match in the order they were posted, so every pair of ranks must
+  post its sends and receives in the same order (the schedules guarantee this).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from partitioner.errors import PipecutError
+
+__all__ = ["Key", "TensorMeta", "Transport", "LocalTransport", "DistTransport", "TransportTimeout"]
+
+log = logging.getLogger(__name__)
+
+
+class TransportTimeout(PipecutError, RuntimeError):
+    """A receive waited longer than the transport's timeout."""
+
+
+@dataclass(frozen=True)
+class Key:
+    """Names one message: from stage ``src`` to stage ``dst``, ``kind`` 'act' or 'grad', for ``mb``."""
+
+    src: int
+    dst: int
+    kind: str
+    mb: int
+
+    def __str__(self) -> str:
+        what = "activations" if self.kind == "act" else "gradients"
+        return f"{what} of micro-batch {self.mb} from stage {self.src} to stage {self.dst}"
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Shape and dtype of a tensor on the wire, known ahead of time from the plan."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class Transport(ABC):
+    """Moves tensor messages between stages; see the module docstring for the contract."""
+
+    timeout: float
+
+    @abstractmethod
+    def send(self, key: Key, tensors: Sequence[torch.Tensor]) -> None:
+        """Post a message; returns at once. The tensors must not be modified afterwards."""
+
+    @abstractmethod
+    def recv(self, key: Key, metas: Sequence[TensorMeta], device: torch.device) -> list[torch.Tensor]:
+        """Wait for a message and return its tensors on ``device``."""
+
+    def wait_sends(self) -> None:
+        """Block until every posted send has completed (called at the end of a step)."""
+
+    def close(self) -> None:
+        """Release resources; the transport is unusable afterwards."""
+
+
+class LocalTransport(Transport):
+    """All stages in this process: a thread-safe mailbox keyed by message.
+
+    Each receiver gets tensors already on its device; a send to a stage on another device copies
+    there at send time, so the receiving thread never waits on a copy it could not overlap.
+
+    Args:
+        devices: device of every stage.
+        timeout: seconds a ``recv`` may wait.
+    """
+
+    def __init__(self, devices: Mapping[int, torch.device], timeout: float = 300.0) -> None:
+        self.devices = dict(devices)
+        self.timeout = timeout
+        self._box: dict[Key, list[torch.Tensor]] = {}
+        self._cv = threading.Condition()
+        self._closed = False
+
+    def send(self, key: Key, tensors: Sequence[torch.Tensor]) -> None:
+        dev = self.devices[key.dst]
+        moved = [t.detach().to(dev, non_blocking=True) for t in tensors]
+        with self._cv:
+            if key in self._box:
+                raise RuntimeError(f"{key} was sent twice without being received; the schedule is inconsistent")
+            self._box[key] = moved
+            self._cv.notify_all()
+
+    def recv(self, key: Key, metas: Sequence[TensorMeta], device: torch.device) -> list[torch.Tensor]:
+        deadline = time.monotonic() + self.timeout
+        with self._cv:
+            while key not in self._box:
+                left = deadline - time.monotonic()
+                if self._closed or left <= 0:
+                    raise TransportTimeout(
+                        f"waited {self.timeout:.0f} s for {key}; the sending stage failed or the "
+                        "schedules disagree (raise timeout= if a stage is just slow)"
+                    )
+                self._cv.wait(left)
+            return self._box.pop(key)
+
+    def pending(self) -> list[Key]:
+        """Messages sent but not received (empty after a consistent step)."""
+        with self._cv:
+            return list(self._box)
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._box.clear()
+            self._cv.notify_all()
+
+
+class DistTransport(Transport):
+    """Point-to-point over torch.distributed (gloo on CPU, NCCL on GPUs), one rank per stage group.
+
+    Sends and receives are posted with ``batch_isend_irecv``; receive buffers are allocated from
+    the plan's shapes, so no per-step metadata exchange is needed. Every wait is bounded by
+    ``timeout``.
+
+    Args:
+        stage_to_rank: rank of every stage.
+        timeout: seconds a receive (or the final wait for sends) may take.
+        group: the process group (default: the world).
+    """
+
+    def __init__(
+        self, stage_to_rank: Sequence[int], timeout: float = 300.0, group: dist.ProcessGroup | None = None
+    ) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialised: launch with torchrun (or call "
+                "dist.init_process_group) before building a distributed pipeline"
+            )
+        self.stage_to_rank = tuple(stage_to_rank)
+        self.timeout = timeout
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self._sends: list[tuple[Key, list[dist.Work], list[torch.Tensor]]] = []
+
+    def _peer(self, stage: int) -> int:
+        rank = self.stage_to_rank[stage]
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+    def send(self, key: Key, tensors: Sequence[torch.Tensor]) -> None:
+        peer = self._peer(key.dst)
+        bufs = [t.detach().contiguous() for t in tensors]
+        ops = [dist.P2POp(dist.isend, t, peer, self.group) for t in bufs]
+        works = dist.batch_isend_irecv(ops) if ops else []
+        self._sends.append((key, works, bufs))
+        self._reap()
+
+    def recv(self, key: Key, metas: Sequence[TensorMeta], device: torch.device) -> list[torch.Tensor]:
+        peer = self._peer(key.src)
+        bufs = [torch.empty(m.shape, dtype=m.dtype, device=device) for m in metas]
+        ops = [dist.P2POp(dist.irecv, t, peer, self.group) for t in bufs]
+        works = dist.batch_isend_irecv(ops) if ops else []
+        for w in works:
+            self._wait(w, f"{key} (from rank {peer})")
+        return bufs
+
+    def wait_sends(self) -> None:
+        for key, works, _ in self._sends:
+            for w in works:
+                self._wait(w, f"the send of {key}")
+        self._sends.clear()
+
+    def _reap(self) -> None:
+        # Drop references to sends that finished, so their buffers can be freed early.
+        self._sends = [entry for entry in self._sends if not all(w.is_completed() for w in entry[1])]
+
+    def _wait(self, work: dist.Work, what: str) -> None:
+        try:
+            ok = work.wait(timedelta(seconds=self.timeout))
+        except RuntimeError as e:
+            raise TransportTimeout(
+                f"rank {self.rank} gave up on {what} after {self.timeout:.0f} s ({e}); the peer failed, "
+                "or the ranks' schedules disagree"
+            ) from e
+        if ok is False:
+            raise TransportTimeout(f"rank {self.rank} gave up on {what} after {self.timeout:.0f} s")
+
+    def close(self) -> None:
+        self._sends.clear()

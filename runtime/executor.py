@@ -1,0 +1,339 @@
+"""Run one rank's action list: forwards, backwards, the activation stash, and the messages between.
+
+Legend: ``s`` a stage index, ``mb`` a micro-batch index, ``m`` micro-batches in a step.
+
+Per action, for stage ``s`` of this rank:
+
+* ``F`` (forward): gather inputs (graph inputs of ``mb``, or received from producer stages),
+  run the stage with autograd, stash inputs and outputs, send outputs to consumer stages; on
+  the last stage, compute the loss scaled by ``mb``'s share of the batch, so the gradients
+  accumulated over the step equal those of the whole batch's (mean-reduced) loss.
+* ``B`` (full backward): receive output gradients from every consumer stage (summing those of a
+  value read by several stages), backpropagate, send input gradients to producer stages, and free
+  the stash of ``mb`` at once.
+* ``I`` / ``W`` (split backward, zero-bubble schedules): ``I`` computes and sends input
+  gradients only, keeping the graph; ``W`` then accumulates the weight gradients and frees it.
+  ``W`` re-walks the stage's autograd graph from its outputs, so split backward is exact but
+  costs more compute than a fused ``B``.
+
+Which values travel in which message is fixed by the plan (``StageIO``): the message from stage
+``a`` to stage ``b`` carries, in order, ``a``'s outputs that ``b`` reads; gradients travel back
+for the floating-point ones only. Both ends derive the same lists, so nothing is negotiated.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from partitioner.split import StageIO, ValueSpec, decode_value
+
+from .transport import Key, TensorMeta, Transport
+
+__all__ = ["ActionLike", "StageRuntime", "Executor", "RunResult", "ActionRecord", "message_values"]
+
+log = logging.getLogger(__name__)
+
+
+class ActionLike(Protocol):
+    """What the executor reads from a schedule action."""
+
+    stage: int
+    kind: Any
+    mb: int
+
+
+@dataclass
+class StageRuntime:
+    """One stage as this rank runs it."""
+
+    index: int
+    module: nn.Module
+    io: StageIO
+    device: torch.device
+
+
+@dataclass(frozen=True)
+class ActionRecord:
+    """When one action ran on this rank (``time.perf_counter`` seconds)."""
+
+    rank: int
+    stage: int
+    kind: str
+    mb: int
+    start: float
+    end: float
+
+
+@dataclass
+class RunResult:
+    """What one rank's run of a step produced.
+
+    Attributes:
+        losses: per micro-batch, the scaled loss (last stage only), detached.
+        outputs: per micro-batch, the flat model outputs (last stage only, forward-only runs).
+        peak_inflight: per stage of this rank, the most micro-batches whose activations were
+            held at once.
+        records: per action, when it ran (when recording was asked for).
+    """
+
+    losses: dict[int, torch.Tensor] = field(default_factory=dict)
+    outputs: dict[int, tuple[Any, ...]] = field(default_factory=dict)
+    peak_inflight: dict[int, int] = field(default_factory=dict)
+    records: list[ActionRecord] = field(default_factory=list)
+
+
+def message_values(ios: Sequence[StageIO], src: int, dst: int) -> list[ValueSpec]:
+    """The values stage ``src`` sends stage ``dst`` for one micro-batch, in wire order."""
+    return [v for v in ios[src].outputs if dst in v.consumers and v.producer == src]
+
+
+def _is_float(v: ValueSpec) -> bool:
+    return v.kind == "tensor" and any(k in v.dtype for k in ("float", "bfloat", "complex"))
+
+
+@dataclass
+class _Stash:
+    args: list[Any]
+    outputs: tuple[Any, ...]
+    loss: torch.Tensor | None = None
+    # Split backward: what ``W`` needs after ``I`` ran (roots, their gradients, the parameters).
+    pending_w: tuple[list[torch.Tensor], list[torch.Tensor | None], list[nn.Parameter]] | None = None
+
+
+class Executor:
+    """Runs the actions of one rank over a transport.
+
+    Args:
+        stages: this rank's stages, by stage index.
+        ios: the wiring of every stage of the plan (all ranks), indexed by stage.
+        transport: moves messages between stages.
+        loss_fn: ``loss_fn(output, target) -> scalar``; ``output`` is the model's single output,
+            or the tuple of its outputs when it has several.
+        rank: this rank (for records and messages).
+        record: keep an ``ActionRecord`` per action.
+
+    Example: see ``runtime.trainer.PipelineTrainer``, which builds one executor per rank.
+    """
+
+    def __init__(
+        self,
+        stages: Mapping[int, StageRuntime],
+        ios: Sequence[StageIO],
+        transport: Transport,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+        *,
+        rank: int = 0,
+        record: bool = False,
+    ) -> None:
+        self.stages = dict(stages)
+        self.ios = list(ios)
+        self.p = len(ios)
+        self.transport = transport
+        self.loss_fn = loss_fn
+        self.rank = rank
+        self.record = record
+        self._metas = {
+            (a, b): [TensorMeta(v.shape, _dtype(v.dtype)) for v in message_values(self.ios, a, b)]
+            for s in self.stages
+            for a, b in [(q, s) for q in range(self.p)] + [(s, c) for c in range(self.p)]
+        }
+
+    # -- a step ---------------------------------------------------------------------------
+
+    def run(
+        self,
+        actions: Sequence[ActionLike],
+        inputs: Sequence[Mapping[str, Any]],
+        targets: Sequence[Any] | None = None,
+        scales: Sequence[float] | None = None,
+        *,
+        train: bool = True,
+        mb_shapes: Mapping[int, Mapping[str, tuple[int, ...]]] | None = None,
+    ) -> RunResult:
+        """Execute ``actions`` in order.
+
+        Args:
+            actions: this rank's action list.
+            inputs: per micro-batch, graph inputs by name (only those this rank's stages read
+                are used).
+            targets: per micro-batch, the loss target (needed where the last stage lives).
+            scales: per micro-batch, the loss weight (its share of the batch); default ``1/m``.
+            train: build autograd graphs and run backward actions; ``False`` for inference.
+            mb_shapes: per micro-batch, wire shapes by value name when they differ from the
+                plan's (a smaller last micro-batch); default: the plan's shapes.
+        """
+        m = len(inputs)
+        scales = list(scales) if scales is not None else [1.0 / m] * m
+        result = RunResult(peak_inflight={s: 0 for s in self.stages})
+        stash: dict[tuple[int, int], _Stash] = {}
+        held = {s: 0 for s in self.stages}
+        try:
+            for act in actions:
+                kind = str(getattr(act.kind, "value", act.kind))
+                s, mb = act.stage, act.mb
+                if s not in self.stages:
+                    raise ValueError(f"rank {self.rank} was given action {kind} for stage {s}, which it does not hold")
+                t0 = time.perf_counter()
+                if kind == "F":
+                    st = self._forward(s, mb, inputs[mb], targets[mb] if targets is not None else None,
+                                       scales[mb], train, result, mb_shapes)
+                    if train:
+                        stash[(s, mb)] = st
+                        held[s] += 1
+                        result.peak_inflight[s] = max(result.peak_inflight[s], held[s])
+                elif kind in ("B", "I"):
+                    st = stash[(s, mb)]
+                    self._backward(s, mb, st, split=(kind == "I"), mb_shapes=mb_shapes)
+                    if kind == "B":
+                        del stash[(s, mb)]
+                        held[s] -= 1
+                elif kind == "W":
+                    st = stash.pop((s, mb))
+                    self._weights(st)
+                    held[s] -= 1
+                else:
+                    raise ValueError(f"unknown action kind {kind!r} (known: F, B, I, W)")
+                if self.record:
+                    result.records.append(ActionRecord(self.rank, s, kind, mb, t0, time.perf_counter()))
+            if stash:
+                left = sorted(stash)
+                raise RuntimeError(
+                    f"rank {self.rank}: activations of (stage, micro-batch) {left[:6]} were never "
+                    "backpropagated; the schedule lacks their backward actions"
+                )
+            self.transport.wait_sends()
+        finally:
+            stash.clear()
+        return result
+
+    # -- actions --------------------------------------------------------------------------
+
+    def _forward(
+        self, s: int, mb: int, inputs: Mapping[str, Any], target: Any, scale: float, train: bool,
+        result: RunResult, mb_shapes: Mapping[int, Mapping[str, tuple[int, ...]]] | None,
+    ) -> _Stash:
+        stage = self.stages[s]
+        received: dict[str, Any] = {}
+        for q in sorted({v.producer for v in stage.io.inputs if v.producer >= 0}):
+            vals = message_values(self.ios, q, s)
+            tensors = self.transport.recv(Key(q, s, "act", mb), self._shaped(q, s, mb, mb_shapes), stage.device)
+            for v, t in zip(vals, tensors):
+                if train and _is_float(v):
+                    t.requires_grad_(True)
+                received[v.name] = t
+        args: list[Any] = []
+        for v in stage.io.inputs:
+            if v.producer < 0:
+                if v.name not in inputs:
+                    raise KeyError(f"stage {s} reads graph input {v.name!r}, which was not given")
+                x = inputs[v.name]
+                args.append(x.to(stage.device) if isinstance(x, torch.Tensor) else x)
+            else:
+                args.append(received[v.name])
+        with torch.set_grad_enabled(train):
+            outputs = stage.module(*args)
+        for c in sorted({c for v in stage.io.outputs if v.producer == s for c in v.consumers}):
+            vals = message_values(self.ios, s, c)
+            idx = {v.name: i for i, v in enumerate(stage.io.outputs)}
+            self.transport.send(Key(s, c, "act", mb), [outputs[idx[v.name]] for v in vals])
+        st = _Stash(args, outputs)
+        if s == self.p - 1:
+            flat = tuple(decode_value(v, t) for v, t in zip(stage.io.outputs, outputs))
+            if not train:
+                result.outputs[mb] = flat
+            elif self.loss_fn is not None:
+                out = flat[0] if len(flat) == 1 else flat
+                loss = self.loss_fn(out, target) * scale
+                st.loss = loss
+                result.losses[mb] = loss.detach()
+        return st
+
+    def _backward(
+        self, s: int, mb: int, st: _Stash, *, split: bool,
+        mb_shapes: Mapping[int, Mapping[str, tuple[int, ...]]] | None,
+    ) -> None:
+        stage = self.stages[s]
+        roots: list[torch.Tensor] = []
+        grads: list[torch.Tensor | None] = []
+        if s == self.p - 1:
+            if st.loss is None:
+                raise RuntimeError("the last stage has no loss to backpropagate: give the trainer a loss_fn")
+            roots, grads = [st.loss], [None]
+        else:
+            acc: dict[str, torch.Tensor] = {}
+            for c in sorted({c for v in stage.io.outputs if v.producer == s for c in v.consumers}):
+                vals = [v for v in message_values(self.ios, s, c) if _is_float(v)]
+                metas = [mt for v, mt in zip(message_values(self.ios, s, c), self._shaped(s, c, mb, mb_shapes)) if _is_float(v)]
+                got = self.transport.recv(Key(c, s, "grad", mb), metas, stage.device)
+                for v, g in zip(vals, got):
+                    acc[v.name] = acc[v.name] + g if v.name in acc else g
+            for v, out in zip(stage.io.outputs, st.outputs):
+                if v.name in acc and isinstance(out, torch.Tensor) and out.requires_grad:
+                    roots.append(out)
+                    grads.append(acc[v.name])
+        inputs = [a for a in st.args if isinstance(a, torch.Tensor) and a.requires_grad]
+        if roots:
+            if split:
+                params = [p for p in stage.module.parameters() if p.requires_grad]
+                in_grads = torch.autograd.grad(roots, inputs, grads, retain_graph=True, allow_unused=True) if inputs else ()
+                for a, g in zip(inputs, in_grads):
+                    a.grad = g
+                st.pending_w = (roots, grads, params)
+            else:
+                torch.autograd.backward(roots, grads)
+        self._send_input_grads(s, mb, st)
+        if not split:
+            st.args, st.outputs, st.loss = [], (), None
+
+    def _weights(self, st: _Stash) -> None:
+        if st.pending_w is None:
+            return
+        roots, grads, params = st.pending_w
+        if params:
+            wgrads = torch.autograd.grad(roots, params, grads, allow_unused=True)
+            for prm, g in zip(params, wgrads):
+                if g is None:
+                    continue
+                if prm.grad is None:
+                    prm.grad = g.detach().clone()
+                else:
+                    prm.grad.add_(g)
+        st.pending_w = None
+        st.args, st.outputs, st.loss = [], (), None
+
+    def _send_input_grads(self, s: int, mb: int, st: _Stash) -> None:
+        stage = self.stages[s]
+        by_name = {v.name: a for v, a in zip(stage.io.inputs, st.args)}
+        for q in sorted({v.producer for v in stage.io.inputs if v.producer >= 0}):
+            out = []
+            for v in message_values(self.ios, q, s):
+                if not _is_float(v):
+                    continue
+                a = by_name[v.name]
+                g = a.grad if isinstance(a, torch.Tensor) else None
+                out.append(g if g is not None else torch.zeros_like(a))
+            self.transport.send(Key(s, q, "grad", mb), out)
+
+    def _shaped(
+        self, src: int, dst: int, mb: int, mb_shapes: Mapping[int, Mapping[str, tuple[int, ...]]] | None
+    ) -> list[TensorMeta]:
+        metas = self._metas[(src, dst)]
+        if not mb_shapes or mb not in mb_shapes:
+            return metas
+        shapes = mb_shapes[mb]
+        vals = message_values(self.ios, src, dst)
+        return [TensorMeta(shapes.get(v.name, mt.shape), mt.dtype) for v, mt in zip(vals, metas)]
+
+
+def _dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name.replace("torch.", ""), None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r} in the plan")
+    return dt

@@ -36,7 +36,7 @@ from partitioner.split import StageIO, ValueSpec, decode_value
 
 from .transport import Key, TensorMeta, Transport
 
-__all__ = ["ActionLike", "StageRuntime", "Executor", "RunResult", "ActionRecord", "message_values"]
+__all__ = ["ActionLike", "StageRuntime", "Executor", "StepState", "RunResult", "ActionRecord", "message_values"]
 
 log = logging.getLogger(__name__)
 
@@ -100,11 +100,27 @@ def _is_float(v: ValueSpec) -> bool:
 
 @dataclass
 class _Stash:
+    """What a forward keeps for its backward."""
+
     args: list[Any]
     outputs: tuple[Any, ...]
     loss: torch.Tensor | None = None
     # Split backward: what ``W`` needs after ``I`` ran (roots, their gradients, the parameters).
     pending_w: tuple[list[torch.Tensor], list[torch.Tensor | None], list[nn.Parameter]] | None = None
+
+
+@dataclass
+class StepState:
+    """The state of one step on one rank, between ``Executor.start`` and ``Executor.finish``."""
+
+    inputs: Sequence[Mapping[str, Any]]
+    targets: Sequence[Any] | None
+    scales: list[float]
+    train: bool
+    mb_shapes: Mapping[int, Mapping[str, tuple[int, ...]]] | None
+    result: RunResult
+    held: dict[int, int]
+    stash: dict[tuple[int, int], _Stash] = field(default_factory=dict)
 
 
 class Executor:
@@ -167,51 +183,89 @@ class Executor:
             scales: per micro-batch, the loss weight (its share of the batch); default ``1/m``.
             train: build autograd graphs and run backward actions; ``False`` for inference.
             mb_shapes: per micro-batch, wire shapes by value name when they differ from the
-                plan's (a smaller last micro-batch); default: the plan's shapes.
+                plan's (another micro-batch size); default: the plan's shapes.
         """
-        m = len(inputs)
-        scales = list(scales) if scales is not None else [1.0 / m] * m
-        result = RunResult(peak_inflight={s: 0 for s in self.stages})
-        stash: dict[tuple[int, int], _Stash] = {}
-        held = {s: 0 for s in self.stages}
+        state = self.start(inputs, targets, scales, train=train, mb_shapes=mb_shapes)
         try:
             for act in actions:
-                kind = str(getattr(act.kind, "value", act.kind))
-                s, mb = act.stage, act.mb
-                if s not in self.stages:
-                    raise ValueError(f"rank {self.rank} was given action {kind} for stage {s}, which it does not hold")
-                t0 = time.perf_counter()
-                if kind == "F":
-                    st = self._forward(s, mb, inputs[mb], targets[mb] if targets is not None else None,
-                                       scales[mb], train, result, mb_shapes)
-                    if train:
-                        stash[(s, mb)] = st
-                        held[s] += 1
-                        result.peak_inflight[s] = max(result.peak_inflight[s], held[s])
-                elif kind in ("B", "I"):
-                    st = stash[(s, mb)]
-                    self._backward(s, mb, st, split=(kind == "I"), mb_shapes=mb_shapes)
-                    if kind == "B":
-                        del stash[(s, mb)]
-                        held[s] -= 1
-                elif kind == "W":
-                    st = stash.pop((s, mb))
-                    self._weights(st)
-                    held[s] -= 1
-                else:
-                    raise ValueError(f"unknown action kind {kind!r} (known: F, B, I, W)")
-                if self.record:
-                    result.records.append(ActionRecord(self.rank, s, kind, mb, t0, time.perf_counter()))
-            if stash:
-                left = sorted(stash)
-                raise RuntimeError(
-                    f"rank {self.rank}: activations of (stage, micro-batch) {left[:6]} were never "
-                    "backpropagated; the schedule lacks their backward actions"
-                )
-            self.transport.wait_sends()
-        finally:
-            stash.clear()
-        return result
+                self.execute(state, act)
+        except BaseException:
+            state.stash.clear()
+            raise
+        return self.finish(state)
+
+    def start(
+        self,
+        inputs: Sequence[Mapping[str, Any]],
+        targets: Sequence[Any] | None = None,
+        scales: Sequence[float] | None = None,
+        *,
+        train: bool = True,
+        mb_shapes: Mapping[int, Mapping[str, tuple[int, ...]]] | None = None,
+    ) -> StepState:
+        """Begin a step; then ``execute`` each action and ``finish``. ``run`` does all three."""
+        m = len(inputs)
+        return StepState(
+            inputs=inputs,
+            targets=targets,
+            scales=list(scales) if scales is not None else [1.0 / m] * m,
+            train=train,
+            mb_shapes=mb_shapes,
+            result=RunResult(peak_inflight={s: 0 for s in self.stages}),
+            held={s: 0 for s in self.stages},
+        )
+
+    def execute(self, state: StepState, act: ActionLike) -> None:
+        """Run one action of this rank."""
+        kind = str(getattr(act.kind, "value", act.kind))
+        s, mb = act.stage, act.mb
+        if s not in self.stages:
+            raise ValueError(f"rank {self.rank} was given action {s}{kind}{mb} for stage {s}, which it does not hold")
+        t0 = time.perf_counter()
+        if kind == "F":
+            target = state.targets[mb] if state.targets is not None else None
+            st = self._forward(s, mb, state.inputs[mb], target, state.scales[mb], state.train,
+                               state.result, state.mb_shapes)
+            if state.train:
+                state.stash[(s, mb)] = st
+                state.held[s] += 1
+                state.result.peak_inflight[s] = max(state.result.peak_inflight[s], state.held[s])
+        elif kind in ("B", "I"):
+            self._backward(s, mb, state.stash[(s, mb)], split=(kind == "I"), mb_shapes=state.mb_shapes)
+            if kind == "B":
+                del state.stash[(s, mb)]
+                state.held[s] -= 1
+        elif kind == "W":
+            self._weights(state.stash.pop((s, mb)))
+            state.held[s] -= 1
+        else:
+            raise ValueError(f"unknown action kind {kind!r} (known: F, B, I, W)")
+        if self.record:
+            state.result.records.append(ActionRecord(self.rank, s, kind, mb, t0, time.perf_counter()))
+
+    def finish(self, state: StepState) -> RunResult:
+        """End a step: check nothing is left stashed and wait for outstanding sends."""
+        if state.stash:
+            left = sorted(state.stash)
+            state.stash.clear()
+            raise RuntimeError(
+                f"rank {self.rank}: activations of (stage, micro-batch) {left[:6]} were never "
+                "backpropagated; the schedule lacks their backward actions"
+            )
+        self.transport.wait_sends()
+        return state.result
+
+    def needs(self, act: ActionLike) -> list[Key]:
+        """The messages ``act`` waits for (to interleave several ranks in one thread)."""
+        kind = str(getattr(act.kind, "value", act.kind))
+        s, mb = act.stage, act.mb
+        io = self.stages[s].io
+        if kind == "F":
+            return [Key(q, s, "act", mb) for q in sorted({v.producer for v in io.inputs if v.producer >= 0})]
+        if kind in ("B", "I") and s < self.p - 1:
+            consumers = sorted({c for v in io.outputs if v.producer == s for c in v.consumers})
+            return [Key(c, s, "grad", mb) for c in consumers]
+        return []
 
     # -- actions --------------------------------------------------------------------------
 

@@ -119,6 +119,11 @@ class LocalTransport(Transport):
                 self._cv.wait(left)
             return self._box.pop(key)
 
+    def has(self, key: Key) -> bool:
+        """Whether ``key`` has arrived and not been received yet."""
+        with self._cv:
+            return key in self._box
+
     def pending(self) -> list[Key]:
         """Messages sent but not received (empty after a consistent step)."""
         with self._cv:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -67,6 +68,8 @@ def _never_sent(rank: int, world: int) -> None:
     tr = DistTransport([0, 1], timeout=2)
     if rank == 1:
         tr.recv(Key(0, 1, "act", 0), [TensorMeta((1,), torch.float32)], CPU)
+    else:
+        time.sleep(6)  # outlive rank 1's timeout, so its failure is the one reported
 
 
 @pytest.mark.multiprocess

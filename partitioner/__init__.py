@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .api import METHODS, partition
 from .devices import DEVICE_PRESETS, Cluster, DeviceSpec
 from .errors import (
     InfeasibleMemoryError,
@@ -14,8 +15,21 @@ from .errors import (
     TraceError,
     UnknownDeviceError,
 )
+from .plan import Plan, Prediction, StagePlan
+from .split import StagedModel, StageIO, ValueSpec
+from .trace import TracedModel, trace
 
 __all__ = [
+    "partition",
+    "METHODS",
+    "Plan",
+    "StagePlan",
+    "Prediction",
+    "StagedModel",
+    "StageIO",
+    "ValueSpec",
+    "trace",
+    "TracedModel",
     "Cluster",
     "DeviceSpec",
     "DEVICE_PRESETS",

@@ -193,8 +193,8 @@ def _make_plan(
                 inflight=held[s],
                 fwd_time=float(sum(f for f, _ in times)),
                 bwd_time=float(sum(b for _, b in times)),
-                comm_in_time=float(ev.stages[s].comm_in),
-                comm_out_time=float(ev.stages[s].comm_out),
+                comm_in_time=float(ev.transfer_in[s]),
+                comm_out_time=float(ev.transfer_out[s]),
                 send_bytes=float(ev.boundary_bytes[s]) if s < p - 1 else 0.0,
             )
         )

@@ -7,8 +7,6 @@ module (``granularity='module'``, e.g. one transformer block).
 
 from __future__ import annotations
 
-import re
-from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -211,6 +209,12 @@ def module_range(modules: Sequence[str]) -> str:
     """A short reading of the modules a stage holds, in order: ``'h.0 … h.5'``.
 
     Consecutive duplicates collapse; top-level code reads as ``'<top>'``.
+
+    Example:
+        >>> module_range(["emb", "h.0", "h.0", "h.1", "h.2"])
+        'emb … h.2'
+        >>> module_range(["h.3", "", "head"])
+        'h.3 … head'
     """
     seq: list[str] = []
     for m in modules:
@@ -219,17 +223,7 @@ def module_range(modules: Sequence[str]) -> str:
             seq.append(m)
     if len(seq) <= 2:
         return ", ".join(seq)
-    common = Counter(_family(m) for m in seq).most_common(1)[0][0]
-    first = next(m for m in seq if _family(m) == common)
-    last = next(m for m in reversed(seq) if _family(m) == common)
-    extra = [m for m in dict.fromkeys(seq) if _family(m) != common]
-    core = f"{first} … {last}" if first != last else first
-    return ", ".join([*(e for e in extra if seq.index(e) < seq.index(first)), core,
-                      *(e for e in extra if seq.index(e) > seq.index(first))])
-
-
-def _family(module: str) -> str:
-    return re.sub(r"\.\d+(\..*)?$", "", module)
+    return f"{seq[0]} … {seq[-1]}"
 
 
 def _truncate(path: str, depth: int) -> str:

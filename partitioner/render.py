@@ -52,7 +52,7 @@ def fmt_count(n: float) -> str:
     return f"{n:.0f}"
 
 
-def render_text(plan: Plan, width: int = 140) -> str:
+def render_text(plan: Plan, width: int = 160) -> str:
     """The stage table with the summary lines under it, as plain text."""
     worst = plan.bottleneck_stage
     table = Table(
@@ -69,7 +69,7 @@ def render_text(plan: Plan, width: int = 140) -> str:
         ("memory / capacity", "right"), ("F", "right"), ("B", "right"), ("comm", "right"),
         ("time", "right"), ("sends", "right"),
     ):
-        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+        table.add_column(col, justify=justify, no_wrap=col != "modules", overflow="fold")  # type: ignore[arg-type]
     for st in plan.stages:
         over = st.memory > st.capacity
         mem = f"{fmt_bytes(st.memory)} / {fmt_bytes(st.capacity)}" + (" OVER" if over else "")

@@ -129,6 +129,7 @@ def gpt2(
     cfg = GPT2Config(
         n_layer=n_layer, n_embd=n_embd, n_head=n_head, vocab_size=vocab_size, n_positions=n_positions,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True,
+        bos_token_id=vocab_size - 1, eos_token_id=vocab_size - 1,
     )
     with torch.device(device):
         model = CausalLMLogits(GPT2LMHeadModel(cfg))

@@ -111,7 +111,9 @@ class LocalTransport(Transport):
         with self._cv:
             while key not in self._box:
                 left = deadline - time.monotonic()
-                if self._closed or left <= 0:
+                if self._closed:
+                    raise TransportTimeout(f"stopped waiting for {key}: another stage failed")
+                if left <= 0:
                     raise TransportTimeout(
                         f"waited {self.timeout:.0f} s for {key}; the sending stage failed or the "
                         "schedules disagree (raise timeout= if a stage is just slow)"

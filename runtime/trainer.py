@@ -1,0 +1,427 @@
+"""PipelineTrainer: train a Plan as a micro-batched pipeline, in one process or one rank per stage.
+
+Legend: ``p`` ranks, ``m`` micro-batches, ``s`` a stage index, ``mb`` a micro-batch index.
+
+The same script runs both ways::
+
+    python train.py                                   # all stages here, one thread each
+    torchrun --standalone --nproc-per-node 4 train.py # one stage per rank (gloo on CPU, NCCL on GPU)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from partitioner.errors import PipecutError
+from partitioner.plan import Plan
+
+from .executor import ActionRecord, Executor, RunResult, StageRuntime
+from .schedules import Schedule, get_schedule, validate
+from .transport import DistTransport, LocalTransport, Transport
+
+__all__ = ["PipelineTrainer", "MicrobatchError", "split_microbatches"]
+
+log = logging.getLogger(__name__)
+
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+class MicrobatchError(PipecutError, ValueError):
+    """A batch cannot be cut into the asked number of equal micro-batches."""
+
+
+def split_microbatches(batch: Any, m: int, what: str = "inputs") -> list[Any]:
+    """Cut every tensor of ``batch`` (a tensor, or a tuple/list of them) into ``m`` equal chunks.
+
+    Non-tensor leaves are repeated in every micro-batch.
+
+    Raises:
+        MicrobatchError: a tensor's first dimension is not divisible by ``m``.
+
+    Example:
+        >>> [tuple(c.shape) for c in split_microbatches(torch.zeros(8, 3), 4)]
+        [(2, 3), (2, 3), (2, 3), (2, 3)]
+    """
+    if isinstance(batch, torch.Tensor):
+        n = batch.shape[0] if batch.dim() else 0
+        if batch.dim() == 0 or n % m:
+            raise MicrobatchError(
+                f"{what}: a batch of {n} cannot be split into {m} equal micro-batches; use a batch "
+                f"size divisible by {m}, or a micro-batch count that divides {n}"
+            )
+        return list(batch.chunk(m))
+    if isinstance(batch, (tuple, list)):
+        parts = [split_microbatches(x, m, what) for x in batch]
+        return [type(batch)(p[i] for p in parts) for i in range(m)]
+    return [batch] * m
+
+
+class PipelineTrainer:
+    """Trains the stages of a plan with a pipeline schedule and exact gradients.
+
+    Args:
+        plan: a bound plan (from ``partition``, or ``Plan.load(...).bind(model, inputs)``).
+        loss_fn: ``loss_fn(output, target) -> scalar`` with mean reduction over the batch;
+            ``output`` is the model's output (a tuple when it returns several tensors).
+        optimizer: called with this process's parameters; ``None`` to only compute gradients.
+        schedule: ``'gpipe'`` or ``'1f1b'`` (default: the plan's).
+        microbatches: ``m`` (default: the plan's). Batches must divide evenly by ``m``.
+        transport: ``'auto'`` (distributed when launched by torchrun, else ``'local'``),
+            ``'local'`` (all stages in this process, one thread per stage), ``'sequential'``
+            (all stages in this process, one thread: for debugging and as a baseline) or
+            ``'dist'`` (one rank per stage over torch.distributed).
+        devices: with the in-process transports, a device per stage (default: all ``cpu``);
+            with ``'dist'``, this rank's device (default ``cuda:LOCAL_RANK`` with NCCL, else cpu).
+        timeout: seconds any wait for a peer may take before failing loudly.
+        record: keep when each action ran (``last_records``), for timelines.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from partitioner import partition
+        >>> model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        >>> plan = partition(model, (torch.randn(2, 8),), 2, microbatches=4)
+        >>> trainer = PipelineTrainer(plan, nn.functional.mse_loss,
+        ...                           lambda ps: torch.optim.SGD(ps, lr=0.1))
+        >>> loss = trainer.step(torch.randn(8, 8), torch.randn(8, 4))
+        >>> loss.shape
+        torch.Size([])
+    """
+
+    def __init__(
+        self,
+        plan: Plan,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+        optimizer: OptimizerFactory | None = None,
+        *,
+        schedule: str | None = None,
+        microbatches: int | None = None,
+        transport: str = "auto",
+        devices: Sequence[str | torch.device] | str | torch.device | None = None,
+        timeout: float = 300.0,
+        record: bool = False,
+    ) -> None:
+        self.plan = plan
+        self.loss_fn = loss_fn
+        self.p = plan.num_stages
+        self.m = microbatches or plan.microbatches
+        self.schedule_name = schedule or plan.schedule
+        self.schedule: Schedule = get_schedule(self.schedule_name, self.p, self.m)
+        validate(self.schedule)
+        self.timeout = timeout
+        self.record = record
+        self.mode = _resolve_mode(transport)
+        self.last_peak_inflight: dict[int, int] = {}
+        self.last_records: list[ActionRecord] = []
+        staged = plan.build_stages()
+        ios = list(staged.io)
+
+        if self.mode == "dist":
+            _ensure_process_group()
+            self.rank = dist.get_rank()
+            world = dist.get_world_size()
+            if world != self.schedule.num_ranks:
+                raise ValueError(
+                    f"the plan has {self.p} stages on {self.schedule.num_ranks} ranks but the job has "
+                    f"{world} processes; launch with --nproc-per-node {self.schedule.num_ranks}"
+                )
+            device = torch.device(devices) if isinstance(devices, (str, torch.device)) else _default_device()
+            self._ranks = [self.rank]
+            own = self.schedule.stages_of(self.rank)
+            self.devices = {s: device for s in own}
+        else:
+            self.rank = 0
+            self._ranks = list(range(self.schedule.num_ranks))
+            own = tuple(range(self.p))
+            self.devices = _local_devices(devices, self.p)
+        self.stages: dict[int, StageRuntime] = {}
+        for s in own:
+            module = staged.stages[s]
+            _check_materialised(module, s)
+            self.stages[s] = StageRuntime(s, module, ios[s], self.devices[s])
+        self._ios = ios
+        self._tied = self._setup_tied(staged.shared_params)
+        for st in self.stages.values():
+            st.module.to(st.device)
+        params = list(self.parameters())
+        self.optimizer = optimizer(params) if optimizer is not None else None
+        self._dist_transport = (
+            DistTransport(self.schedule.stage_to_rank, timeout) if self.mode == "dist" else None
+        )
+
+    # -- public API -----------------------------------------------------------------------
+
+    def step(self, inputs: Any, targets: Any) -> torch.Tensor:
+        """One optimizer step over ``m`` micro-batches; returns the batch's mean loss.
+
+        Raises:
+            MicrobatchError: the batch does not split into ``m`` equal micro-batches.
+        """
+        if self.optimizer is None:
+            raise RuntimeError("this trainer has no optimizer: pass optimizer=lambda params: ... to step")
+        self.zero_grad()
+        loss = self.forward_backward(inputs, targets)
+        self.optimizer.step()
+        return loss
+
+    def forward_backward(self, inputs: Any, targets: Any) -> torch.Tensor:
+        """Accumulate the gradients of the whole batch's loss (no optimizer step); return the loss."""
+        ins = self._micro_inputs(inputs)
+        tgts = split_microbatches(targets, self.m, "targets")
+        results = self._run(self.schedule, ins, tgts, train=True)
+        self._sync_tied_grads()
+        loss = torch.zeros((), dtype=torch.float32)
+        for res in results:
+            for v in res.losses.values():
+                loss = loss + v.detach().to("cpu", torch.float32)
+        if self.mode == "dist":
+            loss = loss.to(_comm_device())
+            dist.broadcast(loss, src=self.schedule.stage_to_rank[self.p - 1])
+            loss = loss.cpu()
+        return loss
+
+    def predict(self, inputs: Any) -> Any:
+        """Pipelined forward-only inference; returns the model's output for the whole batch.
+
+        Under ``'dist'`` only the rank holding the last stage returns the output; others return
+        ``None``.
+        """
+        ins = self._micro_inputs(inputs)
+        fwd = get_schedule("forward", self.schedule.num_ranks, self.m)
+        with torch.no_grad():
+            results = self._run(fwd, ins, None, train=False)
+        outs: dict[int, tuple[Any, ...]] = {}
+        for res in results:
+            outs.update(res.outputs)
+        if not outs:
+            return None
+        cols = list(zip(*(outs[mb] for mb in range(self.m))))
+        merged = tuple(torch.cat(c) if isinstance(c[0], torch.Tensor) and c[0].dim() else c[0] for c in cols)
+        return merged[0] if len(merged) == 1 else merged
+
+    def zero_grad(self) -> None:
+        """Clear the gradients of this process's parameters."""
+        for prm in self.parameters():
+            prm.grad = None
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """This process's parameters, each once (a tied parameter shared in-process once)."""
+        for _, prm in self.named_parameters():
+            yield prm
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This process's parameters with the original model's names, each once."""
+        seen: set[int] = set()
+        for s in sorted(self.stages):
+            for name, prm in self.stages[s].module.named_parameters():
+                if id(prm) not in seen:
+                    seen.add(id(prm))
+                    yield name, prm
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This process's stages' state, keyed by the original model's names."""
+        out: dict[str, torch.Tensor] = {}
+        for s in sorted(self.stages):
+            out.update(self.stages[s].module.state_dict())
+        return out
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _micro_inputs(self, inputs: Any) -> list[dict[str, Any]]:
+        flat = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
+        names = self.plan.input_names
+        if len(flat) != len(names):
+            raise TypeError(f"the model takes {len(names)} inputs {list(names)}, got {len(flat)}")
+        per_input = [split_microbatches(x, self.m, f"input {n!r}") for n, x in zip(names, flat)]
+        return [{n: chunks[mb] for n, chunks in zip(names, per_input)} for mb in range(self.m)]
+
+    def _executors(self, transport: Transport) -> dict[int, Executor]:
+        out = {}
+        for r in self._ranks:
+            mine = {s: self.stages[s] for s in self.schedule.stages_of(r) if s in self.stages}
+            out[r] = Executor(mine, self._ios, transport, self.loss_fn, rank=r, record=self.record)
+        return out
+
+    def _run(self, schedule: Schedule, ins: list[dict[str, Any]], tgts: list[Any] | None, *, train: bool) -> list[RunResult]:
+        if self.mode == "dist":
+            assert self._dist_transport is not None
+            ex = self._executors(self._dist_transport)[self.rank]
+            results = [ex.run(schedule.actions[self.rank], ins, tgts, train=train)]
+        else:
+            transport = LocalTransport(self.devices, self.timeout)
+            exs = self._executors(transport)
+            try:
+                if self.mode == "sequential":
+                    results = _run_interleaved(exs, schedule, transport, ins, tgts, train)
+                else:
+                    results = _run_threads(exs, schedule, transport, ins, tgts, train)
+            finally:
+                transport.close()
+        self.last_peak_inflight = {s: n for res in results for s, n in res.peak_inflight.items()}
+        self.last_records = sorted((r for res in results for r in res.records), key=lambda r: r.start)
+        return results
+
+    def _setup_tied(self, shared: Mapping[str, tuple[int, ...]]) -> list[tuple[list[nn.Parameter], Any]]:
+        """Groups of copies of one tied parameter whose gradients must be summed."""
+        groups: list[tuple[list[nn.Parameter], Any]] = []
+        for name, holders in sorted(shared.items()):
+            if self.mode == "dist":
+                ranks = sorted({self.schedule.stage_to_rank[s] for s in holders})
+                if len(ranks) < 2:
+                    continue
+                group = dist.new_group(ranks)  # every rank calls new_group, in the same order
+                if self.rank in ranks:
+                    copies = [dict(self.stages[s].module.named_parameters())[name] for s in holders if s in self.stages]
+                    prm = copies[0]
+                    with torch.no_grad():  # start from identical values on every holder
+                        buf = prm.data.to(_comm_device())
+                        dist.broadcast(buf, src=ranks[0], group=group)
+                        prm.data.copy_(buf.to(prm.device))
+                    groups.append(([prm], group))
+            else:
+                devs = {self.devices[s] for s in holders}
+                if len(devs) > 1:
+                    groups.append((self._untie_across_devices(name, holders), None))
+        return groups
+
+    def _untie_across_devices(self, name: str, holders: Sequence[int]) -> list[nn.Parameter]:
+        # One Parameter cannot live on two devices: each holder on another device than the first
+        # gets its own copy (under every alias), kept equal by summing gradients before each step.
+        module0 = self.stages[holders[0]].module
+        first = dict(module0.named_parameters())[name]
+        copies = [first]
+        for s in holders[1:]:
+            if self.devices[s] == self.devices[holders[0]]:
+                continue
+            module = self.stages[s].module
+            clone = nn.Parameter(first.detach().clone(), requires_grad=first.requires_grad)
+            for alias, prm in list(module.named_parameters(remove_duplicate=False)):
+                if prm is first:
+                    owner_name, _, leaf = alias.rpartition(".")
+                    setattr(module.get_submodule(owner_name) if owner_name else module, leaf, clone)
+            copies.append(clone)
+        return copies
+
+    def _sync_tied_grads(self) -> None:
+        for copies, group in self._tied:
+            if group is not None:
+                prm = copies[0]
+                g = prm.grad if prm.grad is not None else torch.zeros_like(prm)
+                buf = g.to(_comm_device())
+                dist.all_reduce(buf, group=group)
+                prm.grad = buf.to(prm.device)
+            else:
+                grads = [c.grad for c in copies if c.grad is not None]
+                if not grads:
+                    continue
+                total = sum(g.to(copies[0].device) for g in grads)
+                for c in copies:
+                    c.grad = total.to(c.device).clone()
+
+
+def _run_threads(
+    exs: Mapping[int, Executor], schedule: Schedule, transport: LocalTransport,
+    ins: list[dict[str, Any]], tgts: list[Any] | None, train: bool,
+) -> list[RunResult]:
+    results: dict[int, RunResult] = {}
+    errors: list[BaseException] = []  # in the order they happened: the first is the cause
+    lock = threading.Lock()
+
+    def work(r: int) -> None:
+        try:
+            results[r] = exs[r].run(schedule.actions[r], ins, tgts, train=train)
+        except BaseException as e:  # stop the other stages at once instead of letting them time out
+            with lock:
+                errors.append(e)
+            transport.close()
+
+    threads = [threading.Thread(target=work, args=(r,), name=f"pipecut-rank{r}") for r in exs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return [results[r] for r in sorted(results)]
+
+
+def _run_interleaved(
+    exs: Mapping[int, Executor], schedule: Schedule, transport: LocalTransport,
+    ins: list[dict[str, Any]], tgts: list[Any] | None, train: bool,
+) -> list[RunResult]:
+    """All ranks in one thread: repeatedly run the next action of any rank whose inputs are here."""
+    states = {r: ex.start(ins, tgts, train=train) for r, ex in exs.items()}
+    pos = {r: 0 for r in exs}
+    lists = {r: schedule.actions[r] for r in exs}
+    while any(pos[r] < len(lists[r]) for r in exs):
+        progressed = False
+        for r, ex in exs.items():
+            while pos[r] < len(lists[r]) and all(transport.has(k) for k in ex.needs(lists[r][pos[r]])):
+                ex.execute(states[r], lists[r][pos[r]])
+                pos[r] += 1
+                progressed = True
+        if not progressed:
+            stuck = {r: str(lists[r][pos[r]]) for r in exs if pos[r] < len(lists[r])}
+            raise RuntimeError(f"the schedule cannot progress; next actions per rank: {stuck}")
+    return [exs[r].finish(states[r]) for r in sorted(exs)]
+
+
+def _resolve_mode(transport: str) -> str:
+    if transport not in ("auto", "local", "sequential", "dist"):
+        raise ValueError(f"transport must be 'auto', 'local', 'sequential' or 'dist', got {transport!r}")
+    if transport != "auto":
+        return transport
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    return "dist" if dist.is_initialized() or launched else "local"
+
+
+def _ensure_process_group() -> None:
+    if dist.is_initialized():
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend)
+    log.info("initialised torch.distributed with %s, rank %d of %d", backend, dist.get_rank(), dist.get_world_size())
+
+
+def _default_device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def _comm_device() -> torch.device:
+    return _default_device() if dist.is_initialized() else torch.device("cpu")
+
+
+def _local_devices(devices: Sequence[str | torch.device] | str | torch.device | None, p: int) -> dict[int, torch.device]:
+    if devices is None:
+        return {s: torch.device("cpu") for s in range(p)}
+    if isinstance(devices, (str, torch.device)):
+        return {s: torch.device(devices) for s in range(p)}
+    if len(devices) != p:
+        raise ValueError(f"give one device per stage: {p} stages, {len(devices)} devices")
+    return {s: torch.device(d) for s, d in enumerate(devices)}
+
+
+def _check_materialised(module: nn.Module, s: int) -> None:
+    meta = [n for n, t in _tensors(module) if t.is_meta]
+    if meta:
+        raise PipecutError(
+            f"stage {s} still has parameters on the meta device (e.g. {meta[:3]}); build the model "
+            "with real weights before training (plans can be made on meta, training needs values)"
+        )
+
+
+def _tensors(module: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
+    yield from module.named_parameters()
+    yield from module.named_buffers()

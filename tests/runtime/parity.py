@@ -1,0 +1,138 @@
+"""Shared parity checks: a pipelined trainer must match the unpartitioned model exactly.
+
+Used by the in-process tests and, inside spawned ranks, by the multi-process tests (so every
+function here is importable and picklable).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from partitioner import partition
+from partitioner.zoo import MLPChain, gpt2
+from runtime.trainer import PipelineTrainer
+
+TOL = {"rtol": 2e-5, "atol": 2e-6}
+
+
+class SkipChain(nn.Module):
+    """Six blocks; the stem's output is added back after the last one (a skip over many stages)."""
+
+    def __init__(self, width: int = 24) -> None:
+        super().__init__()
+        self.stem = nn.Linear(12, width)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(6))
+        self.head = nn.Linear(width, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h0 = torch.relu(self.stem(x))
+        h = h0
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h + h0)
+
+
+def _lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def case(name: str, p: int) -> dict[str, Any]:
+    """Model, batch, loss and partition options for a named parity case on ``p`` stages."""
+    torch.manual_seed(1234)
+    if name == "mlp":
+        model: nn.Module = MLPChain((16, 48, 24, 64, 32, 40, 8))
+        x, y = torch.randn(8, 16), torch.randn(8, 8)
+        return dict(model=model, example=(x[:2],), x=x, y=y, loss=nn.functional.mse_loss, opts={})
+    if name == "gpt2":
+        model, _ = gpt2(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, batch=2, seq=8)
+        x = torch.randint(0, 64, (8, 8))
+        y = torch.randint(0, 64, (8, 8))
+        return dict(model=model, example=(x[:2],), x=x, y=y, loss=_lm_loss, opts={})
+    if name == "skip":
+        model = SkipChain()
+        x, y = torch.randn(8, 12), torch.randn(8, 5)
+        # Stages begin at blocks spread over the chain, so the stem's output skips >= 2 stages.
+        starts = {2: ["blocks.3"], 3: ["blocks.2", "blocks.4"], 4: ["blocks.1", "blocks.3", "blocks.5"]}[p]
+        return dict(model=model, example=(x[:2],), x=x, y=y, loss=nn.functional.mse_loss,
+                    opts={"split_points": starts})
+    raise ValueError(name)
+
+
+def make_trainer(
+    c: dict[str, Any], p: int, schedule: str, *, transport: str = "local",
+    optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None, **kw: Any,
+) -> PipelineTrainer:
+    plan = partition(c["model"], c["example"], p, microbatches=4, schedule=schedule, **c["opts"])
+    return PipelineTrainer(plan, c["loss"], optimizer, schedule=schedule, transport=transport, **kw)
+
+
+def reference_grads(c: dict[str, Any], ref: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    ref.zero_grad()
+    loss = c["loss"](ref(x), y)
+    loss.backward()
+    return loss.detach(), {n: prm.grad.clone() for n, prm in ref.named_parameters(remove_duplicate=False) if prm.grad is not None}
+
+
+def check_grads(trainer: PipelineTrainer, want: dict[str, torch.Tensor]) -> int:
+    """Every parameter this process holds has the reference gradient; returns how many were checked."""
+    n = 0
+    for name, prm in trainer.named_parameters():
+        assert prm.grad is not None, f"{name} got no gradient"
+        torch.testing.assert_close(prm.grad, want[name], **TOL, msg=lambda m: f"{name}: {m}")
+        n += 1
+    assert n > 0
+    return n
+
+
+def check_case(name: str, p: int, schedule: str, transport: str = "local") -> dict[str, Any]:
+    """Loss and gradients of one step, then weights after 3 optimizer steps, equal the reference."""
+    c = case(name, p)
+    ref = copy.deepcopy(c["model"])
+    opt = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)  # noqa: E731
+    trainer = make_trainer(c, p, schedule, transport=transport, optimizer=opt)
+    gen = torch.Generator().manual_seed(99)
+    x, y = _fresh(c, gen), _fresh_y(c, gen)
+    loss = trainer.forward_backward(x, y)
+    want_loss, want = reference_grads(c, ref, x, y)
+    torch.testing.assert_close(loss, want_loss, **TOL)
+    checked = check_grads(trainer, want)
+
+    ref_opt = opt(list(ref.parameters()))
+    trainer.zero_grad()
+    for _ in range(3):
+        x, y = _fresh(c, gen), _fresh_y(c, gen)
+        trainer.step(x, y)
+        ref_opt.zero_grad()
+        c["loss"](ref(x), y).backward()
+        ref_opt.step()
+    ref_params = dict(ref.named_parameters(remove_duplicate=False))
+    for pname, prm in trainer.named_parameters():
+        torch.testing.assert_close(prm.detach(), ref_params[pname].detach(), **TOL, msg=lambda m: f"{pname}: {m}")
+    return {"checked": checked, "peak": dict(trainer.last_peak_inflight), "loss": float(loss)}
+
+
+def _fresh(c: dict[str, Any], gen: torch.Generator) -> torch.Tensor:
+    x = c["x"]
+    if x.dtype.is_floating_point:
+        return torch.randn(x.shape, generator=gen)
+    return torch.randint(0, 64, x.shape, generator=gen)
+
+
+def _fresh_y(c: dict[str, Any], gen: torch.Generator) -> torch.Tensor:
+    y = c["y"]
+    if y.dtype.is_floating_point:
+        return torch.randn(y.shape, generator=gen)
+    return torch.randint(0, 64, y.shape, generator=gen)
+
+
+def dist_worker(rank: int, world: int, cases: list[tuple[str, str]]) -> dict[str, Any]:
+    """Run every (model, schedule) case on this rank of a ``world``-stage pipeline."""
+    out = {}
+    for name, schedule in cases:
+        out[f"{name}/{schedule}"] = check_case(name, world, schedule, transport="dist")
+    return out

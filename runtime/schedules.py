@@ -349,6 +349,13 @@ def gpipe(p: int, m: int) -> Schedule:
 
     Holds ``m`` micro-batches of activations on every stage.
 
+    Args:
+        p: ranks, one stage each (stage ``s`` on rank ``s``).
+        m: micro-batches per step; any ``m >= 1``, fewer than ``p`` included.
+
+    Raises:
+        ScheduleError: ``p`` or ``m`` is not an int >= 1.
+
     Example:
         >>> print(gpipe(2, 2))
         step    0   1   2   3   4   5
@@ -367,6 +374,13 @@ def one_f_one_b(p: int, m: int) -> Schedule:
     """1F1B: stage ``s`` runs ``min(p - 1 - s, m)`` warm-up forwards, then alternates F and B, then cools down.
 
     Holds ``min(m, p - s)`` micro-batches of activations on stage ``s``; same bubble as GPipe.
+
+    Args:
+        p: ranks, one stage each (stage ``s`` on rank ``s``).
+        m: micro-batches per step; any ``m >= 1``, fewer than ``p`` included.
+
+    Raises:
+        ScheduleError: ``p`` or ``m`` is not an int >= 1.
 
     Example:
         >>> print(one_f_one_b(2, 3))
@@ -388,6 +402,13 @@ def one_f_one_b(p: int, m: int) -> Schedule:
 
 def forward_only(p: int, m: int) -> Schedule:
     """Inference: stage ``s`` runs the ``m`` forwards in order; nothing is kept for a backward.
+
+    Args:
+        p: ranks, one stage each (stage ``s`` on rank ``s``).
+        m: micro-batches per step; any ``m >= 1``, fewer than ``p`` included.
+
+    Raises:
+        ScheduleError: ``p`` or ``m`` is not an int >= 1.
 
     Example:
         >>> print(forward_only(2, 2))

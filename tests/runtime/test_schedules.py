@@ -9,6 +9,7 @@ message matching here, independently of the module, so they can disagree with it
 
 from __future__ import annotations
 
+import ast
 import doctest
 import random
 from collections import deque
@@ -46,7 +47,9 @@ TRAINING = ("gpipe", "1f1b")
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "runtime.md"
 
 
-def sched(*rows: str, placement: tuple[int, ...] | None = None, m: int = 0, **kw: object) -> Schedule:
+def sched(
+    *rows: str, placement: tuple[int, ...] | None = None, m: int = 0, **kw: object
+) -> Schedule:
     """A schedule from one string of actions per rank; ``m`` defaults to the largest mb + 1."""
     actions = [[A(tok) for tok in row.split()] for row in rows]
     m = m or 1 + max(a.mb for row in actions for a in row)
@@ -89,14 +92,19 @@ def _deadlocks(schedule: Schedule) -> bool:
     while moved:
         moved = False
         for r, row in enumerate(schedule.actions):
-            while pos[r] < len(row) and set(_reads(row[pos[r]], present, schedule.num_stages, edges)) <= done:
+            while (
+                pos[r] < len(row)
+                and set(_reads(row[pos[r]], present, schedule.num_stages, edges)) <= done
+            ):
                 done.add(row[pos[r]])
                 pos[r] += 1
                 moved = True
     return any(pos[r] < len(row) for r, row in enumerate(schedule.actions))
 
 
-def _run_buffered(schedule: Schedule, plans: tuple[tuple[Op, ...], ...], edges: list[tuple[int, int]]) -> None:
+def _run_buffered(
+    schedule: Schedule, plans: tuple[tuple[Op, ...], ...], edges: list[tuple[int, int]]
+) -> None:
     """Execute the programs: sends never block, receives block, untagged FIFO per rank pair.
 
     Asserts that every action finds its inputs (done locally, or received), every receive gets
@@ -118,17 +126,23 @@ def _run_buffered(schedule: Schedule, plans: tuple[tuple[Op, ...], ...], edges: 
                     queue = queues.get((op.peer, r))
                     if not queue:
                         break
-                    assert queue.popleft() == (op.stage, op.kind, op.mb, op.to_stage), f"rank {r}: {op}"
+                    assert queue.popleft() == (op.stage, op.kind, op.mb, op.to_stage), (
+                        f"rank {r}: {op}"
+                    )
                     inbox[r].add((Action(op.stage, op.kind, op.mb), op.to_stage))
                 elif isinstance(op, Send):
                     assert Action(op.stage, op.kind, op.mb) in done[r]
                     assert place[op.to_stage] == op.peer != r
-                    queues.setdefault((r, op.peer), deque()).append((op.stage, op.kind, op.mb, op.to_stage))
+                    queues.setdefault((r, op.peer), deque()).append(
+                        (op.stage, op.kind, op.mb, op.to_stage)
+                    )
                 else:
                     assert place[op.stage] == r
                     for src in _reads(op, present, S, edges):
                         local = place[src.stage] == r
-                        assert (src in done[r]) if local else ((src, op.stage) in inbox[r]), f"rank {r}: {op} before {src}"
+                        assert (src in done[r]) if local else ((src, op.stage) in inbox[r]), (
+                            f"rank {r}: {op} before {src}"
+                        )
                     done[r].add(op)
                 pos[r] += 1
                 moved = True
@@ -143,7 +157,9 @@ def _run_rendezvous(plans: tuple[tuple[Op, ...], ...], *, batched: bool) -> bool
     group (``batch_isend_irecv``) and waited on as a whole; else each op is waited on alone.
     Between two ranks in one direction the k-th send meets the k-th receive. Actions never block.
     """
-    segments: list[list[list[tuple[str, int, int, int]]]] = []  # rank -> group -> (side, src, dst, k)
+    segments: list[
+        list[list[tuple[str, int, int, int]]]
+    ] = []  # rank -> group -> (side, src, dst, k)
     where: dict[tuple[str, int, int, int], tuple[int, int]] = {}  # op -> (rank, group)
     counts: dict[tuple[str, int, int], int] = {}
     for r, ops in enumerate(plans):
@@ -151,7 +167,9 @@ def _run_rendezvous(plans: tuple[tuple[Op, ...], ...], *, batched: bool) -> bool
         after_comm = False
         for op in ops:
             if isinstance(op, (Send, Recv)):
-                side, src, dst = ("send", r, op.peer) if isinstance(op, Send) else ("recv", op.peer, r)
+                side, src, dst = (
+                    ("send", r, op.peer) if isinstance(op, Send) else ("recv", op.peer, r)
+                )
                 k = counts.get((side, src, dst), 0)
                 counts[(side, src, dst)] = k + 1
                 if not (batched and after_comm):
@@ -166,7 +184,10 @@ def _run_rendezvous(plans: tuple[tuple[Op, ...], ...], *, batched: bool) -> bool
         moved = False
         for r, groups in enumerate(segments):
             while at[r] < len(groups):
-                partners = [where[("recv" if side == "send" else "send", src, dst, k)] for side, src, dst, k in groups[at[r]]]
+                partners = [
+                    where[("recv" if side == "send" else "send", src, dst, k)]
+                    for side, src, dst, k in groups[at[r]]
+                ]
                 if any(at[q] < g for q, g in partners):
                     break
                 at[r] += 1
@@ -198,7 +219,11 @@ def valid_schedules(draw: st.DrawFn) -> Schedule:
     if not infer:
         for s in range(S):
             for mb in range(m):
-                kinds = [Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT] if rnd.random() < 0.5 else [Kind.BACKWARD]
+                kinds = (
+                    [Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT]
+                    if rnd.random() < 0.5
+                    else [Kind.BACKWARD]
+                )
                 todo |= {Action(s, k, mb) for k in kinds}
     present, done = set(todo), set()
     rows: list[list[Action]] = [[] for _ in range(p)]
@@ -212,11 +237,37 @@ def valid_schedules(draw: st.DrawFn) -> Schedule:
     return Schedule(rows, placement, m, forward_only=infer, name=name)
 
 
-actions = st.builds(Action, st.integers(0, 10**6), st.sampled_from(list(Kind)), st.integers(0, 10**6))
+actions = st.builds(
+    Action, st.integers(0, 10**6), st.sampled_from(list(Kind)), st.integers(0, 10**6)
+)
 quick = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 # -- notation and text form ------------------------------------------------------------------
+
+
+def test_schedules_module_imports_only_the_standard_library() -> None:
+    tree = ast.parse(Path(schedules_module.__file__).read_text())
+    imported = {
+        alias.name.split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        for alias in node.names
+    }
+    imported |= {
+        node.module.split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module
+    }
+    assert imported <= {
+        "__future__",
+        "collections",
+        "dataclasses",
+        "difflib",
+        "enum",
+        "re",
+        "typing",
+    }, imported
 
 
 def test_docstring_examples_run() -> None:
@@ -258,7 +309,10 @@ def test_valid_schedule_text_round_trips(schedule: Schedule) -> None:
 
 
 @quick
-@given(st.lists(st.lists(actions, max_size=5), min_size=1, max_size=4), st.lists(st.integers(0, 9), max_size=5))
+@given(
+    st.lists(st.lists(actions, max_size=5), min_size=1, max_size=4),
+    st.lists(st.integers(0, 9), max_size=5),
+)
 def test_any_schedule_text_round_trips(rows: list[list[Action]], placement: list[int]) -> None:
     schedule = Schedule(rows, placement, 3, name="x y")
     assert Schedule.from_text(schedule.to_text()) == schedule
@@ -279,13 +333,28 @@ def test_text_form_is_one_line_per_rank() -> None:
     [
         ("", "first line must be 'pipecut schedule v1'"),
         ("pipecut schedule v2\n", "not a pipecut schedule"),
-        ("pipecut schedule v1\nmicrobatches: 2\nstage_to_rank: 0\nrank 0: 0F0 0Q1\n", r"line 4: cannot parse '0Q1'"),
-        ("pipecut schedule v1\nmicrobatches: 2\nstage_to_rank: 0 1\nrank 1: 1F0\n", "next expected: 'rank 0:'"),
-        ("pipecut schedule v1\nmicrobatches: 2\nstage_to_rank: 0\nrank 0: 0F0\nname: late\n", "line 5: unexpected 'name'"),
+        (
+            "pipecut schedule v1\nmicrobatches: 2\nstage_to_rank: 0\nrank 0: 0F0 0Q1\n",
+            r"line 4: cannot parse '0Q1'",
+        ),
+        (
+            "pipecut schedule v1\nmicrobatches: 2\nstage_to_rank: 0 1\nrank 1: 1F0\n",
+            "next expected: 'rank 0:'",
+        ),
+        (
+            "pipecut schedule v1\nmicrobatches: 2\nstage_to_rank: 0\nrank 0: 0F0\nname: late\n",
+            "line 5: unexpected 'name'",
+        ),
         ("pipecut schedule v1\nmicrobatches: 2\nmicrobatches: 3\n", "'microbatches' given twice"),
-        ("pipecut schedule v1\nmicrobatches: two\nstage_to_rank: 0\n", "needs 'microbatches: <int>'"),
+        (
+            "pipecut schedule v1\nmicrobatches: two\nstage_to_rank: 0\n",
+            "needs 'microbatches: <int>'",
+        ),
         ("pipecut schedule v1\nstage_to_rank: 0\n", "needs 'microbatches: <int>'"),
-        ("pipecut schedule v1\nmicrobatches: 1\nstage_to_rank: 0\nforward_only: true\n", "'yes' or 'no'"),
+        (
+            "pipecut schedule v1\nmicrobatches: 1\nstage_to_rank: 0\nforward_only: true\n",
+            "'yes' or 'no'",
+        ),
         ("pipecut schedule v1\nmicrobatches 1\n", "expected 'key: value'"),
     ],
 )
@@ -337,6 +406,13 @@ def test_1f1b_shape_warm_up_steady_cool_down() -> None:
             assert [a.mb for a in row if a.kind is Kind.BACKWARD] == list(range(m))
 
 
+def test_split_backward_holds_the_micro_batch_until_w() -> None:
+    assert peak_inflight(sched("0F0 0I0 0F1 0W0 0I1 0W1")) == (2,)
+    assert peak_inflight(sched("0F0 0I0 0W0 0F1 0I1 0W1")) == (1,)
+    two_stages = sched("0F0 0F1 0I0 0I1 0W0 0W1", "1F0 1B0 1F1 1B1")
+    assert peak_inflight(two_stages) == (2, 1)
+
+
 def test_forward_only_holds_nothing_and_runs_only_forwards() -> None:
     for p, m in GRID:
         schedule = forward_only(p, m)
@@ -350,7 +426,10 @@ def test_registry_names_and_errors() -> None:
     with pytest.raises(UnknownScheduleError) as info:
         get_schedule("gpip", 2, 2)
     assert isinstance(info.value, ValueError)
-    assert str(info.value) == "unknown schedule 'gpip' (known: 'gpipe', '1f1b', 'forward'); did you mean 'gpipe'?"
+    assert (
+        str(info.value)
+        == "unknown schedule 'gpip' (known: 'gpipe', '1f1b', 'forward'); did you mean 'gpipe'?"
+    )
     for p, m in ((0, 4), (2, 0), (2.0, 4), (True, 4)):
         with pytest.raises(ScheduleError, match="must be an int >= 1"):
             get_schedule("1f1b", p, m)  # type: ignore[arg-type]
@@ -385,7 +464,9 @@ def test_docs_show_the_generated_grids() -> None:
     docs = DOCS.read_text()
     assert docs.startswith("# Runtime\n") and "\n## Schedules\n" in docs
     for name in TRAINING:
-        assert format_grid(get_schedule(name, 4, 8)) in docs, f"docs/runtime.md has a stale {name} grid"
+        assert format_grid(get_schedule(name, 4, 8)) in docs, (
+            f"docs/runtime.md has a stale {name} grid"
+        )
 
 
 # -- validate catches ------------------------------------------------------------------------
@@ -396,7 +477,9 @@ def test_validate_catches_a_missing_backward() -> None:
     broken = Schedule((schedule.actions[0][:-1],) + schedule.actions[1:], (0, 1, 2), 4, name="1f1b")
     err = error_of(broken)
     message = str(err)
-    assert message.startswith("schedule '1f1b' (3 ranks, 3 stages, 4 micro-batches): never runs the backward")
+    assert message.startswith(
+        "schedule '1f1b' (3 ranks, 3 stages, 4 micro-batches): never runs the backward"
+    )
     assert "rank 0  0F0 0F1 0F2" in message and "<- missing 0B3" in message
     assert "Add 0B3 (or 0I3 then 0W3) to rank 0's list after 0F3." in message
 
@@ -404,16 +487,28 @@ def test_validate_catches_a_missing_backward() -> None:
 def test_validate_catches_a_missing_backward_that_others_wait_for() -> None:
     rows = [" ".join(map(str, row)) for row in one_f_one_b(2, 4).actions]
     message = str(error_of(sched(rows[0], rows[1].replace(" 1B2", ""), name="1f1b")))
-    assert "never runs the backward of stage 1, micro-batch 2" in message and "<- missing 1B2" in message
+    assert (
+        "never runs the backward of stage 1, micro-batch 2" in message
+        and "<- missing 1B2" in message
+    )
 
 
 def test_validate_catches_a_backward_before_its_forward() -> None:
     err = error_of(sched("0F0 0F1 0B0 0B1", "1B0 1F0 1F1 1B1"))
     message = str(err)
     assert "deadlocks at step 2" in message
-    assert "rank 1 waits at 1B0 (position 0) for 1F0, which comes later in its own list (position 1); move 1F0 before 1B0." in message
-    assert "rank 0 waits at 0B0 (position 2) for 1B0, rank 1's next action, which waits too." in message
-    assert "rank 0   0F0  0F1 [0B0]                0B1\nrank 1            [1B0] 1F0  1F1  1B1\n" in message
+    assert (
+        "rank 1 waits at 1B0 (position 0) for 1F0, which comes later in its own list (position 1); move 1F0 before 1B0."
+        in message
+    )
+    assert (
+        "rank 0 waits at 0B0 (position 2) for 1B0, rank 1's next action, which waits too."
+        in message
+    )
+    assert (
+        "rank 0   0F0  0F1 [0B0]                0B1\nrank 1            [1B0] 1F0  1F1  1B1\n"
+        in message
+    )
     assert (err.rank, err.step, err.action) == (0, 2, A("0B0"))
 
 
@@ -421,7 +516,10 @@ def test_validate_catches_an_action_on_the_wrong_rank() -> None:
     err = error_of(sched("0F0 1F0 0B0", "1B0"))
     assert (err.rank, err.action, err.step) == (0, A("1F0"), 1)
     message = str(err)
-    assert "rank 0 runs 1F0 (position 1 in its list), but stage 1 is on rank 1 (stage_to_rank=(0, 1))" in message
+    assert (
+        "rank 0 runs 1F0 (position 1 in its list), but stage 1 is on rank 1 (stage_to_rank=(0, 1))"
+        in message
+    )
     assert "rank 0   0F0 [1F0]      0B0" in message
     assert "Move 1F0 to rank 1's list" in message
 
@@ -449,17 +547,29 @@ def test_validate_catches_a_deadlocking_swap_with_grid_and_marker() -> None:
 @pytest.mark.parametrize(
     "schedule, match",
     [
-        (sched("0F0 0B0", "1F0 1B0 1F0"), r"rank 1 runs 1F0 \(position 2 in its list\) a second time \(first at position 0\)"),
+        (
+            sched("0F0 0B0", "1F0 1B0 1F0"),
+            r"rank 1 runs 1F0 \(position 2 in its list\) a second time \(first at position 0\)",
+        ),
         (sched("0F0 0B0", "1F0 1B0", m=1, placement=(0, 1)), None),
         (sched("0F0 0F1 0B0", "1F0 1B0", m=1), "there are only micro-batches 0..0"),
         (sched("0F0 0B0 2F0", "1F0 1B0"), r"2F0 .*there are only stages 0..1"),
-        (sched("0F0 0B0", "1F0", forward_only=True), r"rank 0 runs 0B0 \(position 1 in its list\) in a forward-only schedule"),
+        (
+            sched("0F0 0B0", "1F0", forward_only=True),
+            r"rank 0 runs 0B0 \(position 1 in its list\) in a forward-only schedule",
+        ),
         (sched("0F0 0B0 0I0 0W0"), "runs both 0B0 and a split backward"),
         (sched("0F0 0I0"), "runs 0I0 but never 0W0"),
         (sched("0F0 0W0"), "runs 0W0 but never 0I0"),
-        (sched("0F0 0W0 0I0"), r"waits at 0W0 \(position 1\) for 0I0, which comes later in its own list"),
+        (
+            sched("0F0 0W0 0I0"),
+            r"waits at 0W0 \(position 1\) for 0I0, which comes later in its own list",
+        ),
         (sched("0B0", m=2), "never runs 0F0"),
-        (sched("0F0 0B0", "1F0 1B0", placement=(0, 2)), r"places stage 1 on rank 2, but there are ranks 0..1"),
+        (
+            sched("0F0 0B0", "1F0 1B0", placement=(0, 2)),
+            r"places stage 1 on rank 2, but there are ranks 0..1",
+        ),
         (sched("0F0 0B0", "", placement=(0,)), "places no stage on rank 1"),
         (Schedule([[A("0F0")]], (0,), 0), "has num_microbatches=0"),
         (Schedule([], (), 1), "is empty"),
@@ -476,11 +586,15 @@ def test_validate_catches(schedule: Schedule, match: str | None) -> None:
 
 @quick
 @given(valid_schedules(), st.randoms(use_true_random=False))
-def test_validate_agrees_with_an_independent_deadlock_check(schedule: Schedule, rnd: random.Random) -> None:
+def test_validate_agrees_with_an_independent_deadlock_check(
+    schedule: Schedule, rnd: random.Random
+) -> None:
     validate(schedule)
     rows = [list(row) for row in schedule.actions]
     rnd.shuffle(rows[rnd.randrange(len(rows))])
-    shuffled = Schedule(rows, schedule.stage_to_rank, schedule.num_microbatches, schedule.forward_only)
+    shuffled = Schedule(
+        rows, schedule.stage_to_rank, schedule.num_microbatches, schedule.forward_only
+    )
     if _deadlocks(shuffled):
         message = str(error_of(shuffled))
         assert "deadlocks at step" in message and "[" in message
@@ -496,15 +610,24 @@ def test_comm_plan_of_gpipe_and_1f1b_receives_lazily_and_runs() -> None:
     for name in ("gpipe", "1f1b", "forward"):
         for p, m in GRID:
             schedule = get_schedule(name, p, m)
-            skips = [(s, t) for s in range(p) for t in range(s + 1, p) if t == s + 1 or (s + t) % 3 == 0]
+            skips = [
+                (s, t) for s in range(p) for t in range(s + 1, p) if t == s + 1 or (s + t) % 3 == 0
+            ]
             for edges in (None, skips):
                 plans = comm_plan(schedule, edges=edges)
                 _run_buffered(schedule, plans, edges or _chain(p))
-                for ops in plans:  # the action right after each Recv (and its run of Recvs) reads it
+                for (
+                    ops
+                ) in plans:  # the action right after each Recv (and its run of Recvs) reads it
                     for i, op in enumerate(ops):
                         if isinstance(op, Recv):
                             reader = next(o for o in ops[i:] if isinstance(o, Action))
-                            assert (reader.stage, reader.mb) == (op.to_stage, op.mb), (name, p, m, op)
+                            assert (reader.stage, reader.mb) == (op.to_stage, op.mb), (
+                                name,
+                                p,
+                                m,
+                                op,
+                            )
                             assert (reader.kind is Kind.FORWARD) == (op.kind is Kind.FORWARD)
 
 
@@ -551,11 +674,16 @@ def test_comm_plan_skips_stages_on_the_same_rank() -> None:
 
 @quick
 @given(valid_schedules(), st.randoms(use_true_random=False))
-def test_random_valid_schedules_run_under_the_comm_model(schedule: Schedule, rnd: random.Random) -> None:
+def test_random_valid_schedules_run_under_the_comm_model(
+    schedule: Schedule, rnd: random.Random
+) -> None:
     validate(schedule)
     assert "[" not in format_grid(schedule)
     S = schedule.num_stages
-    edges = sorted({(s, s + 1) for s in range(S - 1)} | {(a, b) for a in range(S) for b in range(a + 2, S) if rnd.random() < 0.3})
+    edges = sorted(
+        {(s, s + 1) for s in range(S - 1)}
+        | {(a, b) for a in range(S) for b in range(a + 2, S) if rnd.random() < 0.3}
+    )
     _run_buffered(schedule, comm_plan(schedule, edges=edges), edges)
     peak = peak_inflight(schedule)
     if schedule.forward_only:

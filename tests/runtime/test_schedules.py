@@ -53,7 +53,11 @@ def sched(
     """A schedule from one string of actions per rank; ``m`` defaults to the largest mb + 1."""
     actions = [[A(tok) for tok in row.split()] for row in rows]
     m = m or 1 + max(a.mb for row in actions for a in row)
-    return Schedule(actions, placement or tuple(range(len(rows))), m, **kw)  # type: ignore[arg-type]
+    return Schedule(_tuples(actions), placement or tuple(range(len(rows))), m, **kw)  # type: ignore[arg-type]
+
+
+def _tuples(rows: list[list[Action]]) -> tuple[tuple[Action, ...], ...]:
+    return tuple(map(tuple, rows))
 
 
 def error_of(schedule: Schedule) -> ScheduleError:
@@ -87,7 +91,7 @@ def _deadlocks(schedule: Schedule) -> bool:
     """Greedy run in any order: running an action never blocks another, so the verdict is unique."""
     present = {a for row in schedule.actions for a in row}
     edges = _chain(schedule.num_stages)
-    pos, done = [0] * schedule.num_ranks, set()
+    pos, done = [0] * schedule.num_ranks, set[Action]()
     moved = True
     while moved:
         moved = False
@@ -225,7 +229,7 @@ def valid_schedules(draw: st.DrawFn) -> Schedule:
                     else [Kind.BACKWARD]
                 )
                 todo |= {Action(s, k, mb) for k in kinds}
-    present, done = set(todo), set()
+    present, done = set(todo), set[Action]()
     rows: list[list[Action]] = [[] for _ in range(p)]
     while todo:
         ready = sorted((a for a in todo if set(_reads(a, present, S, _chain(S))) <= done), key=str)
@@ -234,7 +238,7 @@ def valid_schedules(draw: st.DrawFn) -> Schedule:
         done.add(a)
         rows[placement[a.stage]].append(a)
     name = draw(st.text("abcxyz-1_", max_size=8))
-    return Schedule(rows, placement, m, forward_only=infer, name=name)
+    return Schedule(_tuples(rows), placement, m, forward_only=infer, name=name)
 
 
 actions = st.builds(
@@ -314,7 +318,7 @@ def test_valid_schedule_text_round_trips(schedule: Schedule) -> None:
     st.lists(st.integers(0, 9), max_size=5),
 )
 def test_any_schedule_text_round_trips(rows: list[list[Action]], placement: list[int]) -> None:
-    schedule = Schedule(rows, placement, 3, name="x y")
+    schedule = Schedule(_tuples(rows), tuple(placement), 3, name="x y")
     assert Schedule.from_text(schedule.to_text()) == schedule
 
 
@@ -571,8 +575,8 @@ def test_validate_catches_a_deadlocking_swap_with_grid_and_marker() -> None:
             r"places stage 1 on rank 2, but there are ranks 0..1",
         ),
         (sched("0F0 0B0", "", placement=(0,)), "places no stage on rank 1"),
-        (Schedule([[A("0F0")]], (0,), 0), "has num_microbatches=0"),
-        (Schedule([], (), 1), "is empty"),
+        (Schedule(((A("0F0"),),), (0,), 0), "has num_microbatches=0"),
+        (Schedule((), (), 1), "is empty"),
     ],
 )
 def test_validate_catches(schedule: Schedule, match: str | None) -> None:
@@ -593,7 +597,7 @@ def test_validate_agrees_with_an_independent_deadlock_check(
     rows = [list(row) for row in schedule.actions]
     rnd.shuffle(rows[rnd.randrange(len(rows))])
     shuffled = Schedule(
-        rows, schedule.stage_to_rank, schedule.num_microbatches, schedule.forward_only
+        _tuples(rows), schedule.stage_to_rank, schedule.num_microbatches, schedule.forward_only
     )
     if _deadlocks(shuffled):
         message = str(error_of(shuffled))

@@ -343,7 +343,7 @@ class _Coster:
                         grad_inputs.append(x)
                     fresh.append(x)
                 else:
-                    fresh.append(t if fake else _on(t, torch.device("cpu")))
+                    fresh.append(_on(t, torch.device("cpu")) if not fake or _is_meta(t) else t)
             state: dict[str, torch.Tensor] = {}
             if module is not None:
                 for name, p in module.named_parameters():
@@ -521,10 +521,21 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def _fresh(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
     """A new (fake, under the mode) tensor like ``t``; requires_grad only for float tensors."""
-    x = torch.empty_strided(tuple(t.shape), t.stride(), dtype=t.dtype, device=t.device)
+    x = torch.empty_strided(tuple(t.shape), t.stride(), dtype=t.dtype, device=_fake_device(t.device))
     if requires_grad and (x.is_floating_point() or x.is_complex()):
         x.requires_grad_(True)
     return x
+
+
+def _fake_device(device: torch.device) -> torch.device:
+    # Fake tensors allocate nothing on any device; on 'meta' scaled_dot_product_attention falls
+    # back to the unfused math path (saving the T x T attention matrix), so a meta-device model is
+    # costed as if on CPU, whose fused kernel behaves like the GPU ones.
+    return torch.device("cpu") if device.type == "meta" else device
+
+
+def _is_meta(value: Any) -> bool:
+    return isinstance(value, torch.device) and value.type == "meta"
 
 
 def _real_bytes(leaves: list[Any], module: nn.Module | None) -> int:

@@ -426,7 +426,13 @@ def _traced(
     inputs: list[torch.Tensor],
 ) -> TracedModel:
     gm.graph.lint()
-    names = tuple(n.name for n in gm.graph.nodes if n.op == "placeholder")
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, t in zip(placeholders, inputs):
+        val = node.meta.get("val")
+        # Shape propagation detaches; remember which inputs the caller wants gradients for.
+        if isinstance(val, torch.Tensor) and t.requires_grad and not val.requires_grad:
+            val.requires_grad_(True)
+    names = tuple(n.name for n in placeholders)
     metas = tuple(
         InputMeta(name, tuple(int(d) for d in t.shape), str(t.dtype)) for name, t in zip(names, inputs)
     )

@@ -82,4 +82,8 @@ class SplitPointError(PartitionError):
 
 
 def _gib(nbytes: float) -> str:
-    return f"{nbytes / 2**30:.2f} GiB"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.2f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:.2f} GiB"

@@ -1,1 +1,42 @@
-"""Pure partition algorithms over plain data (see problem.py for the cost they minimise)."""
+"""Pure partition algorithms over plain data (see problem.py for the cost they minimise).
+
+``exact`` is the planner's algorithm; ``refine`` improves any plan beyond one unit order;
+``equal_count``, ``balanced_params`` and ``equal_size`` are what other libraries do, kept for
+comparison; ``manual`` takes the user's cuts. ``evaluate`` prices any assignment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from .baselines import balanced_params, equal_count, equal_size
+from .evaluate import Evaluation, check_assignment, evaluate, lower_bound
+from .exact import exact
+from .manual import manual
+from .problem import Partition, Problem, Tensor
+from .refine import refine
+
+__all__ = [
+    "Problem",
+    "Tensor",
+    "Partition",
+    "Evaluation",
+    "evaluate",
+    "lower_bound",
+    "check_assignment",
+    "exact",
+    "refine",
+    "equal_count",
+    "balanced_params",
+    "equal_size",
+    "manual",
+    "METHODS",
+]
+
+# The automatic partitioners by name: each maps a Problem to a Partition.
+METHODS: dict[str, Callable[[Problem], Partition]] = {
+    "exact": exact,
+    "equal_count": equal_count,
+    "balanced_params": balanced_params,
+    "equal_size": equal_size,
+}

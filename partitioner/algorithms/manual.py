@@ -1,0 +1,84 @@
+"""The user's own cut positions, checked and turned into a partition.
+
+Legend: ``n`` units, ``p`` stages, ``k`` a cut position (units ``< k`` lie before it).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from ..errors import SplitPointError
+from .problem import Partition, Problem
+
+__all__ = ["manual"]
+
+logger = logging.getLogger(__name__)
+
+
+def manual(problem: Problem, cuts: Sequence[int]) -> Partition:
+    """The contiguous partition with exactly the cuts given: stage ``s`` is units ``cuts[s-1]..cuts[s]-1``.
+
+    Nothing is optimised and memory is not checked (``evaluate`` the result to see its cost).
+
+    Args:
+        problem: the problem to cut.
+        cuts: ``p - 1`` strictly increasing positions in ``1..n-1``, each allowed by
+            ``problem.cuts`` when that is set.
+
+    Returns:
+        A ``Partition`` with ``method='manual'``.
+
+    Raises:
+        SplitPointError: naming the first bad position, why it is bad and how to fix it.
+
+    Example:
+        >>> pb = Problem(compute=((1.0,) * 4,) * 2, state_bytes=(0,) * 4, act_bytes=(0,) * 4,
+        ...              tensors=(), capacity=(1, 1), inflight=(1, 1),
+        ...              link_bandwidth=(1.0,), link_latency=(0.0,))
+        >>> manual(pb, [3]).assignment
+        (0, 0, 0, 1)
+        >>> manual(pb, [4])
+        Traceback (most recent call last):
+          ...
+        partitioner.errors.SplitPointError: cut position 4 (cuts[0]) is outside 1..3: a cut at k puts units 0..k-1 on one stage and k.. on the next, so it must leave a unit on each side; use a position between 1 and 3
+    """
+    n, p = problem.n, problem.p
+    cuts = list(cuts)
+    for idx, k in enumerate(cuts):
+        if isinstance(k, bool) or not isinstance(k, int):
+            raise SplitPointError(
+                f"cut position {k!r} (cuts[{idx}]) is not an integer; give unit positions "
+                f"as ints in 1..{n - 1}"
+            )
+    if len(cuts) != p - 1:
+        raise SplitPointError(
+            f"{len(cuts)} cut positions given for {p} stages (cuts: {cuts}); {p} stages need "
+            f"exactly {p - 1} cuts: give {p - 1} positions, or ask for {len(cuts) + 1} stages"
+        )
+    for idx, k in enumerate(cuts):
+        if not 1 <= k <= n - 1:
+            raise SplitPointError(
+                f"cut position {k} (cuts[{idx}]) is outside 1..{n - 1}: a cut at k puts units "
+                "0..k-1 on one stage and k.. on the next, so it must leave a unit on each side; "
+                f"use a position between 1 and {n - 1}"
+            )
+        if idx and k <= cuts[idx - 1]:
+            raise SplitPointError(
+                f"cut position {k} (cuts[{idx}]) does not come after {cuts[idx - 1]} "
+                f"(cuts[{idx - 1}]): every stage needs at least one unit, so positions must be "
+                f"strictly increasing; sort them and drop duplicates (sorted: {sorted(set(cuts))})"
+            )
+    if problem.cuts is not None:
+        allowed = sorted(set(problem.cuts))
+        for idx, k in enumerate(cuts):
+            if k not in allowed:
+                near = min(allowed, key=lambda a: (abs(a - k), a)) if allowed else None
+                hint = f"the nearest allowed position is {near}" if near is not None else "no cut is allowed"
+                raise SplitPointError(
+                    f"cut position {k} (cuts[{idx}]) falls between {problem.unit_name(k - 1)} and "
+                    f"{problem.unit_name(k)}, where no cut is allowed (cuts must fall on module "
+                    f"edges); {hint}, or use granularity='node' to cut inside modules"
+                )
+    logger.debug("manual: cuts %s", cuts)
+    return Partition.from_cuts(cuts, n, "manual")

@@ -55,25 +55,32 @@ def fmt_count(n: float) -> str:
 def render_text(plan: Plan, width: int = 160) -> str:
     """The stage table with the summary lines under it, as plain text."""
     worst = plan.bottleneck_stage
+    names = {st.device for st in plan.stages}
+    uniform = len(names) == 1
+    where = f"{plan.num_stages} x {next(iter(names))}" if uniform else f"{plan.num_stages} stages"
     table = Table(
         title=(
-            f"pipecut plan: {plan.num_stages} stages, method {plan.method}, "
+            f"pipecut plan: {plan.num_stages} stages on {where}, method {plan.method}, "
             f"{plan.microbatches} micro-batches, schedule {plan.schedule}"
         ),
         box=box.SIMPLE_HEAD,
         title_justify="left",
     )
-    for col, justify in (
+    columns = [
         ("stage", "right"), ("device", "left"), ("modules", "left"), ("nodes", "right"),
         ("params", "right"), ("fwd FLOPs", "right"), ("bwd FLOPs", "right"),
         ("memory / capacity", "right"), ("F", "right"), ("B", "right"), ("comm", "right"),
         ("time", "right"), ("sends", "right"),
-    ):
-        table.add_column(col, justify=justify, no_wrap=col != "modules", overflow="fold")  # type: ignore[arg-type]
+    ]
+    if uniform:
+        columns.pop(1)
+    for col, justify in columns:
+        wraps = col == "modules"
+        table.add_column(col, justify=justify, no_wrap=not wraps, min_width=24 if wraps else None)  # type: ignore[arg-type]
     for st in plan.stages:
         over = st.memory > st.capacity
         mem = f"{fmt_bytes(st.memory)} / {fmt_bytes(st.capacity)}" + (" OVER" if over else "")
-        table.add_row(
+        row = [
             f"{st.index}{'*' if st.index == worst else ''}",
             st.device,
             st.modules,
@@ -87,7 +94,10 @@ def render_text(plan: Plan, width: int = 160) -> str:
             fmt_time(st.comm_in_time + st.comm_out_time),
             fmt_time(st.time),
             fmt_bytes(st.send_bytes) if st.index < plan.num_stages - 1 else "-",
-        )
+        ]
+        if uniform:
+            row.pop(1)
+        table.add_row(*row)
     lines = [
         f"bottleneck: {fmt_time(plan.bottleneck)} (stage {worst}, marked *)   "
         f"lower bound: {fmt_time(plan.lower_bound)}   "

@@ -1,0 +1,46 @@
+"""The pipecut command line: prints the plan table, writes JSON and DOT, fails with a clear message."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from partitioner import Plan
+from partitioner.cli import main
+
+
+def test_plan_command_prints_and_writes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    js, dot = tmp_path / "plan.json", tmp_path / "plan.dot"
+    code = main(["plan", "mlp", "--stages", "3", "--device", "cpu", "--json", str(js), "--dot", str(dot)])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "pipecut plan: 3 stages" in out and "bottleneck:" in out
+    assert Plan.load(js).num_stages == 3
+    assert dot.read_text().startswith("digraph")
+
+
+def test_gpt2_tiny_by_name(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "gpt2-tiny", "--stages", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "transformer.h" in out and "shared parameters" in out
+
+
+def test_factory_from_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = tmp_path / "mymodel.py"
+    src.write_text(
+        "import torch\n"
+        "def build():\n"
+        "    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))\n"
+        "    return m, (torch.randn(3, 4),)\n"
+    )
+    assert main(["plan", f"{src}:build", "--stages", "2", "--device", "cpu", "--method", "equal_count"]) == 0
+    assert "method equal_count" in capsys.readouterr().out
+
+
+def test_errors_are_one_line_with_a_fix(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "no-such-model", "--stages", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown model 'no-such-model'" in err and "path/to/file.py:factory" in err
+    assert main(["plan", "mlp", "--stages", "99"]) == 2
+    assert "ask for at most" in capsys.readouterr().err

@@ -22,8 +22,27 @@ from .schedules import (
     schedule_names,
     validate,
 )
+from .executor import ActionRecord, Executor, RunResult, StageRuntime
+from .launch import LaunchError, spawn
+from .trainer import MicrobatchError, PipelineTrainer, split_microbatches
+from .transport import DistTransport, Key, LocalTransport, TensorMeta, Transport, TransportTimeout
 
 __all__ = [
+    "PipelineTrainer",
+    "MicrobatchError",
+    "split_microbatches",
+    "Executor",
+    "StageRuntime",
+    "RunResult",
+    "ActionRecord",
+    "Transport",
+    "LocalTransport",
+    "DistTransport",
+    "Key",
+    "TensorMeta",
+    "TransportTimeout",
+    "spawn",
+    "LaunchError",
     "Action",
     "Kind",
     "Op",

@@ -25,6 +25,7 @@ real device with random tensors of the recorded shapes.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import operator
 import statistics
@@ -50,8 +51,8 @@ __all__ = ["NodeCost", "cost_graph", "node_time"]
 log = logging.getLogger(__name__)
 
 _COMPUTE_OPS = ("call_function", "call_method", "call_module")
-_SCALAR_BYTES = 8
-_REAL_FALLBACK_BYTES = 256 * 2**20  # run a node for real only when its tensors are this small  # a Python scalar crossing a stage boundary travels as one 64-bit element
+_SCALAR_BYTES = 8  # a Python scalar crossing a stage boundary travels as one 64-bit element
+_REAL_FALLBACK_BYTES = 256 * 2**20  # run a node for real only when its tensors are this small
 _INPLACE_OPERATORS = {
     operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
     operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.setitem,
@@ -59,11 +60,11 @@ _INPLACE_OPERATORS = {
 
 
 def _sdpa_cpu_fwd(q: Any, k: Any, v: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
-    return int(flop_counter.sdpa_flop_count(q, k, v))
+    return int(flop_counter.sdpa_flop_count(q, k, v))  # type: ignore[no-untyped-call]
 
 
 def _sdpa_cpu_bwd(grad: Any, q: Any, k: Any, v: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
-    return int(flop_counter.sdpa_backward_flop_count(grad, q, k, v))
+    return int(flop_counter.sdpa_backward_flop_count(grad, q, k, v))  # type: ignore[no-untyped-call]
 
 
 # FlopCounterMode knows the CUDA attention kernels but not the CPU flash kernel that
@@ -183,11 +184,14 @@ def cost_graph(
     costs = coster.run()
     if profile:
         dev = torch.device(device) if device is not None else _default_device()
-        costs = _Profiler(gm, coster.requires_grad, dev, warmup, repeat).run(costs)
+        costs = coster.profile(costs, dev, warmup, repeat)
     return costs
 
 
 # --- analytic costs on fake tensors --------------------------------------------------------------
+
+
+_Prepared = tuple[fx.Node, "nn.Module | None", list[Any], Any]  # node, leaf module, arg leaves, spec
 
 
 @dataclass(frozen=True)
@@ -209,13 +213,12 @@ class _Coster:
     def __init__(self, gm: fx.GraphModule) -> None:
         self.gm = gm
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
-        self.params = dict(gm.named_parameters(remove_duplicate=False))
-        self.buffers = dict(gm.named_buffers(remove_duplicate=False))
         self.cache: dict[Any, _Run] = {}
         self.requires_grad: dict[int, bool] = {}  # id(val leaf) -> needs grad
         self.param_storages: set[StorageWeakRef] = set()
         self.charged: set[Any] = set()
         self.failed: set[str] = set()
+        self.calls: dict[str, tuple[Any, _Prepared]] = {}  # node name -> (cache key, call)
 
     def run(self) -> dict[str, NodeCost]:
         costs: dict[str, NodeCost] = {}
@@ -250,6 +253,7 @@ class _Coster:
         module = self.gm.get_submodule(str(node.target)) if node.op == "call_module" else None
 
         key = self._key(node, leaves, spec, module)
+        self.calls[node.name] = (key, (node, module, leaves, spec))
         run = self.cache.get(key)
         if run is None:
             run = self._execute(node, leaves, spec, module)
@@ -288,7 +292,7 @@ class _Coster:
         else:
             target = (node.op, node.target)
         first: dict[StorageWeakRef, int] = {}
-        desc = []
+        desc: list[tuple[Any, ...]] = []
         for i, t in enumerate(leaves):
             if isinstance(t, torch.Tensor):
                 st = _storage(t)
@@ -329,50 +333,53 @@ class _Coster:
         self, node: fx.Node, leaves: list[Any], spec: Any, module: nn.Module | None, *, fake: bool,
         leaf_inputs: bool,
     ) -> _Run:
-        def make(t: torch.Tensor, requires_grad: bool, leaf: bool = True) -> torch.Tensor:
-            x = _fresh(t, requires_grad) if fake else _random_like(t, torch.device("cpu"), requires_grad)
-            return x if leaf or not x.requires_grad else x.clone()
+        cpu = torch.device("cpu")
+
+        def make(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+            x = _fresh(t, requires_grad) if fake else _random_like(t, cpu, requires_grad)
+            return x if leaf_inputs or not x.requires_grad else x.clone()
+
+        def swap(v: Any) -> Any:
+            return cpu if isinstance(v, torch.device) and (not fake or v.type == "meta") else v
 
         with self.mode if fake else contextlib.nullcontext():
-            fresh: list[Any] = []
-            grad_inputs: list[torch.Tensor] = []
-            for t in leaves:
-                if isinstance(t, torch.Tensor):
-                    x = make(t, self.requires_grad.get(id(t), False), leaf_inputs)
-                    if x.requires_grad:
-                        grad_inputs.append(x)
-                    fresh.append(x)
-                else:
-                    fresh.append(_on(t, torch.device("cpu")) if not fake or _is_meta(t) else t)
-            state: dict[str, torch.Tensor] = {}
-            if module is not None:
-                for name, p in module.named_parameters():
-                    state[name] = make(p, p.requires_grad)
-                    if state[name].requires_grad:
-                        grad_inputs.append(state[name])
-                for name, b in module.named_buffers():
-                    state[name] = make(b, False)
-            args, kwargs = pytree.tree_unflatten(fresh, spec)
-            fn = _callable(node, module, state)
-
+            call = _Call.prepare(node, module, leaves, spec, self._needs_grad, make, swap)
             saved: list[torch.Tensor] = []
-            with FlopCounterMode(display=False, custom_mapping=_EXTRA_FORMULAS) as fwd_counter:
-                with torch.autograd.graph.saved_tensors_hooks(_keeper(saved), _identity):
-                    out = fn(*args, **kwargs)
+            with (
+                FlopCounterMode(display=False, custom_mapping=_EXTRA_FORMULAS) as fwd_counter,
+                torch.autograd.graph.saved_tensors_hooks(_keeper(saved), _identity),
+            ):
+                out = call.fn(*call.args, **call.kwargs)
             outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
-            diff = [o for o in outs if o.requires_grad]
-            bwd = 0
-            if diff and grad_inputs:
-                grads = [torch.ones_like(o) for o in diff]
-                with FlopCounterMode(display=False, custom_mapping=_EXTRA_FORMULAS) as bwd_counter:
-                    torch.autograd.grad(diff, grad_inputs, grads, allow_unused=True)
-                bwd = bwd_counter.get_total_flops()
+            with FlopCounterMode(display=False, custom_mapping=_EXTRA_FORMULAS) as bwd_counter:
+                call.backward(outs)
             return _Run(
                 fwd_flops=fwd_counter.get_total_flops(),
-                bwd_flops=bwd,
-                saved=_classify(saved, fresh, outs, state),
+                bwd_flops=bwd_counter.get_total_flops(),
+                saved=_classify(saved, call.fresh, outs, call.state),
                 out_requires_grad=tuple(bool(o.requires_grad) for o in outs),
             )
+
+    def _needs_grad(self, t: torch.Tensor) -> bool:
+        return self.requires_grad.get(id(t), False)
+
+    def profile(
+        self, costs: dict[str, NodeCost], device: torch.device, warmup: int, repeat: int
+    ) -> dict[str, NodeCost]:
+        """``costs`` with measured times; each distinct call (cache key) is timed once."""
+        timed: dict[Any, tuple[float, float | None] | None] = {}
+        out = dict(costs)
+        for name, (key, call) in self.calls.items():
+            if key not in timed:
+                try:
+                    timed[key] = _measure(call, self._needs_grad, device, warmup, repeat)
+                except Exception as e:  # keep the analytic estimate for this node
+                    log.warning("could not profile %s (%s): %s", name, _label(call[0]), _first_line(e))
+                    timed[key] = None
+            measured = timed[key]
+            if measured is not None:
+                out[name] = replace(costs[name], measured_fwd_s=measured[0], measured_bwd_s=measured[1])
+        return out
 
     def _charge(self, run: _Run, leaves: list[Any], outs: list[torch.Tensor]) -> int:
         total = 0
@@ -391,116 +398,98 @@ class _Coster:
         return total
 
     def _attrs(self, node: fx.Node, module: nn.Module | None) -> tuple[tuple[str, ...], int, int, int]:
-        names: list[str] = []
-        count = pbytes = bbytes = 0
+        """(parameter names, their elements, their bytes, buffer and constant bytes) read by ``node``."""
+        params: dict[str, torch.Tensor] = {}
+        others: list[torch.Tensor] = []
         if module is not None:
-            for name, p in module.named_parameters():
-                names.append(f"{node.target}.{name}")
-                count += p.numel()
-                pbytes += p.numel() * p.element_size()
-            bbytes += sum(b.numel() * b.element_size() for b in module.buffers())
+            params.update((f"{node.target}.{n}", p) for n, p in module.named_parameters())
+            others += module.buffers()
         for a in node.all_input_nodes:
-            if a.op != "get_attr":
-                continue
-            target = str(a.target)
-            p = self.params.get(target)
-            if p is not None:
-                if target not in names:
-                    names.append(target)
-                    count += p.numel()
-                    pbytes += p.numel() * p.element_size()
-            else:
-                attr = self.buffers.get(target)
-                if attr is None:
-                    attr = _fetch(self.gm, target)
-                if isinstance(attr, torch.Tensor):
-                    bbytes += attr.numel() * attr.element_size()
-        return tuple(names), count, pbytes, bbytes
+            if a.op == "get_attr":
+                attr = _fetch(self.gm, str(a.target))
+                if isinstance(attr, nn.Parameter):
+                    params[str(a.target)] = attr
+                elif isinstance(attr, torch.Tensor):
+                    others.append(attr)
+        return (
+            tuple(params), sum(p.numel() for p in params.values()),
+            sum(_nbytes(p) for p in params.values()), sum(_nbytes(b) for b in others),
+        )
 
 
 # --- measured costs on a real device -------------------------------------------------------------
 
 
-class _Profiler:
-    def __init__(
-        self, gm: fx.GraphModule, requires_grad: Mapping[int, bool], device: torch.device, warmup: int, repeat: int
-    ) -> None:
-        self.gm, self.device, self.warmup, self.repeat = gm, device, warmup, repeat
-        self.requires_grad = requires_grad  # id(val leaf) -> needs grad, from the fake pass
-        self.cache: dict[Any, tuple[float, float | None]] = {}
+def _measure(
+    call: _Prepared, needs_grad: Callable[[torch.Tensor], bool], device: torch.device, warmup: int, repeat: int
+) -> tuple[float, float | None]:
+    """Median forward and backward seconds of one node on real random tensors on ``device``."""
+    node, module, leaves, spec = call
 
-    def run(self, costs: dict[str, NodeCost]) -> dict[str, NodeCost]:
-        out = dict(costs)
-        for node in self.gm.graph.nodes:
-            if node.op not in _COMPUTE_OPS:
-                continue
-            c = costs[node.name]
-            args, kwargs = fx.node.map_arg((node.args, node.kwargs), _val)
-            leaves, spec = pytree.tree_flatten((args, kwargs))
-            module = self.gm.get_submodule(str(node.target)) if node.op == "call_module" else None
-            key = (
-                _label(node) if module is None else repr(module), str(spec),
-                tuple(self._desc(t) for t in leaves), c.requires_grad,
-            )
-            if key not in self.cache:
-                try:
-                    self.cache[key] = self._measure(node, leaves, spec, module, c.requires_grad)
-                except Exception as e:  # keep the analytic estimate for this node
-                    log.warning("could not profile %s (%s): %s", node.name, _label(node), e)
-                    self.cache[key] = (float("nan"), None)
-            fwd, bwd = self.cache[key]
-            if fwd == fwd:  # not NaN
-                out[node.name] = replace(c, measured_fwd_s=fwd, measured_bwd_s=bwd)
-        return out
+    def make(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+        return _random_like(t, device, requires_grad)
 
-    def _measure(
-        self, node: fx.Node, leaves: list[Any], spec: Any, module: nn.Module | None, needs_grad: bool
-    ) -> tuple[float, float | None]:
-        def build() -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any], list[torch.Tensor]]:
-            real = [
-                _random_like(t, self.device, self.requires_grad.get(id(t), False))
-                if isinstance(t, torch.Tensor) else _on(t, self.device)
-                for t in leaves
-            ]
-            state: dict[str, torch.Tensor] = {}
-            if module is not None:
-                for n, prm in module.named_parameters():
-                    state[n] = _random_like(prm, self.device, prm.requires_grad)
-                for n, buf in module.named_buffers():
-                    state[n] = _random_like(buf, self.device, False)
-            grad_in = [t for t in (*real, *state.values()) if isinstance(t, torch.Tensor) and t.requires_grad]
-            args, kwargs = pytree.tree_unflatten(real, spec)
-            return _callable(node, module, state), args, kwargs, grad_in
+    def swap(v: Any) -> Any:  # device constants recorded at trace time (often 'meta')
+        return device if isinstance(v, torch.device) else v
 
-        fwd_times: list[float] = []
-        bwd_times: list[float] = []
-        for i in range(self.warmup + self.repeat):
-            fn, args, kwargs, grad_in = build()
-            _sync(self.device)
-            t0 = time.perf_counter()
-            out = fn(*args, **kwargs)
-            _sync(self.device)
-            t1 = time.perf_counter()
-            diff = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
-            if needs_grad and diff and grad_in:
-                grads = [torch.ones_like(o) for o in diff]
-                _sync(self.device)
-                t2 = time.perf_counter()
-                torch.autograd.grad(diff, grad_in, grads, allow_unused=True)
-                _sync(self.device)
-                if i >= self.warmup:
-                    bwd_times.append(time.perf_counter() - t2)
-            if i >= self.warmup:
-                fwd_times.append(t1 - t0)
-        return statistics.median(fwd_times), statistics.median(bwd_times) if bwd_times else None
-
-    def _desc(self, t: Any) -> Any:
-        if isinstance(t, torch.Tensor):
-            return (tuple(t.shape), t.stride(), t.dtype, self.requires_grad.get(id(t), False))
-        return (type(t).__name__, repr(t))
+    fwd_times: list[float] = []
+    bwd_times: list[float] = []
+    for i in range(warmup + repeat):
+        run = _Call.prepare(node, module, leaves, spec, needs_grad, make, swap)
+        _sync(device)
+        t0 = time.perf_counter()
+        out = run.fn(*run.args, **run.kwargs)
+        _sync(device)
+        t1 = time.perf_counter()
+        ran_backward = run.backward(pytree.tree_leaves(out))
+        _sync(device)
+        if i >= warmup:
+            fwd_times.append(t1 - t0)
+            if ran_backward:
+                bwd_times.append(time.perf_counter() - t1)
+    return statistics.median(fwd_times), statistics.median(bwd_times) if bwd_times else None
 
 
 # --- helpers -------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Call:
+    """One node made runnable on new tensors like its recorded inputs (fake or real)."""
+
+    fn: Callable[..., Any]
+    args: Any
+    kwargs: Any
+    fresh: list[Any]  # the flat argument leaves, as created
+    state: dict[str, torch.Tensor]  # a call_module's parameters and buffers, as created
+    grad_inputs: list[torch.Tensor]
+
+    @staticmethod
+    def prepare(
+        node: fx.Node,
+        module: nn.Module | None,
+        leaves: list[Any],
+        spec: Any,
+        needs_grad: Callable[[torch.Tensor], bool],
+        make: Callable[[torch.Tensor, bool], torch.Tensor],
+        swap: Callable[[Any], Any],
+    ) -> _Call:
+        fresh = [make(t, needs_grad(t)) if isinstance(t, torch.Tensor) else swap(t) for t in leaves]
+        state: dict[str, torch.Tensor] = {}
+        if module is not None:
+            state.update((n, make(p, p.requires_grad)) for n, p in module.named_parameters())
+            state.update((n, make(b, False)) for n, b in module.named_buffers())
+        grad_inputs = [t for t in (*fresh, *state.values()) if isinstance(t, torch.Tensor) and t.requires_grad]
+        args, kwargs = pytree.tree_unflatten(fresh, spec)
+        return _Call(_callable(node, module, state), args, kwargs, fresh, state, grad_inputs)
+
+    def backward(self, outs: list[Any]) -> bool:
+        """Gradients of ``outs`` for every input that needs one; False when there is nothing to do."""
+        diff = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
+        if not diff or not self.grad_inputs:
+            return False
+        torch.autograd.grad(diff, self.grad_inputs, [torch.ones_like(o) for o in diff], allow_unused=True)
+        return True
 
 
 def _val(n: fx.Node) -> Any:
@@ -508,7 +497,7 @@ def _val(n: fx.Node) -> Any:
 
 
 def _storage(t: torch.Tensor) -> StorageWeakRef:
-    return StorageWeakRef(t.untyped_storage())
+    return StorageWeakRef(t.untyped_storage())  # type: ignore[no-untyped-call]
 
 
 def _storage_bytes(t: torch.Tensor) -> int:
@@ -532,10 +521,6 @@ def _fake_device(device: torch.device) -> torch.device:
     # back to the unfused math path (saving the T x T attention matrix), so a meta-device model is
     # costed as if on CPU, whose fused kernel behaves like the GPU ones.
     return torch.device("cpu") if device.type == "meta" else device
-
-
-def _is_meta(value: Any) -> bool:
-    return isinstance(value, torch.device) and value.type == "meta"
 
 
 def _real_bytes(leaves: list[Any], module: nn.Module | None) -> int:
@@ -565,11 +550,11 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
 def _classify(
     saved: list[torch.Tensor], fresh: list[Any], outs: list[torch.Tensor], state: Mapping[str, torch.Tensor]
 ) -> tuple[tuple[str, int], ...]:
-    ins = {}
+    ins: dict[StorageWeakRef, int] = {}
     for i, x in enumerate(fresh):
         if isinstance(x, torch.Tensor):
             ins.setdefault(_storage(x), i)
-    outputs = {}
+    outputs: dict[StorageWeakRef, int] = {}
     for k, o in enumerate(outs):
         outputs.setdefault(_storage(o), k)
     params = {_storage(t) for t in state.values()}
@@ -645,10 +630,7 @@ def _label(node: fx.Node) -> str:
 
 
 def _fetch(gm: fx.GraphModule, target: str) -> Any:
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
+    return functools.reduce(getattr, target.split("."), gm)
 
 
 def _random_like(t: torch.Tensor, device: torch.device, requires_grad: bool) -> torch.Tensor:
@@ -668,11 +650,6 @@ def _random_like(t: torch.Tensor, device: torch.device, requires_grad: bool) -> 
     if requires_grad and (x.is_floating_point() or x.is_complex()):
         x = x.detach().requires_grad_(True)
     return x
-
-
-def _on(value: Any, device: torch.device) -> Any:
-    # Device constants recorded at trace time (often 'meta') must point at the profiling device.
-    return device if isinstance(value, torch.device) else value
 
 
 def _sync(device: torch.device) -> None:

@@ -460,12 +460,12 @@ def _aliases(model: nn.Module, gm: fx.GraphModule) -> dict[str, tuple[str, ...]]
             prefix = f"{node.target}."
             used.extend(prefix + n for n, _ in sub.named_parameters(remove_duplicate=False))
             used.extend(prefix + n for n, _ in sub.named_buffers(remove_duplicate=False))
-    model_tensors = dict(model.named_parameters(remove_duplicate=False))
+    model_tensors: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     model_tensors.update(model.named_buffers(remove_duplicate=False))
     aliases: dict[str, tuple[str, ...]] = {}
     for name in used:
-        t = model_tensors.get(name)
-        group = names_of.get(id(t), []) if t is not None else []
+        found = model_tensors.get(name)
+        group = names_of.get(id(found), []) if found is not None else []
         if len(group) > 1:
             aliases[name] = (name, *(n for n in group if n != name))
     return aliases
@@ -491,7 +491,8 @@ def _flatten_output(graph: fx.Graph) -> pytree.TreeSpec:
 
 def _fill_output_val(graph: fx.Graph) -> None:
     out = graph.output_node()
-    out.meta["val"] = tuple(a.meta.get("val") if isinstance(a, fx.Node) else a for a in out.args[0])
+    flat: Sequence[Any] = out.args[0]  # type: ignore[assignment]
+    out.meta["val"] = tuple(a.meta.get("val") if isinstance(a, fx.Node) else a for a in flat)
 
 
 def _on_meta(model: nn.Module) -> bool:
@@ -520,8 +521,7 @@ def _check_leaf_names(model: nn.Module, leaf_modules: Sequence[type | str]) -> N
 def _clean_path(path: str) -> str:
     # Dynamo-style stacks spell the root L['self'] or L__self__; repeated calls add '@N'.
     for prefix in ("L['self'].", "L__self__."):
-        if path.startswith(prefix):
-            path = path[len(prefix):]
+        path = path.removeprefix(prefix)
     if path in ("L['self']", "L__self__"):
         return ""
     return path.split("@")[0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -17,7 +18,7 @@ F32 = 4
 
 def _mlp(widths: list[int], *, inplace: bool = False) -> nn.Sequential:
     layers: list[nn.Module] = []
-    for a, b in zip(widths, widths[1:]):
+    for a, b in itertools.pairwise(widths):
         layers += [nn.Linear(a, b), nn.ReLU(inplace=inplace)]
     return nn.Sequential(*layers[:-1])
 
@@ -35,7 +36,7 @@ def test_mlp_chain_flops_forward_and_backward() -> None:
     costs = cost_graph(t)
     assert set(costs) == {"_0", "_1", "_2", "_3", "_4"}
     linears = [costs["_0"], costs["_2"], costs["_4"]]
-    for c, (a, b) in zip(linears, zip(widths, widths[1:])):
+    for c, (a, b) in zip(linears, itertools.pairwise(widths)):
         assert c.fwd_flops == 2 * batch * a * b
     # The graph input needs no grad, so the first Linear only computes its weight gradient.
     assert linears[0].bwd_flops == linears[0].fwd_flops

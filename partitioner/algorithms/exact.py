@@ -88,7 +88,7 @@ def exact(problem: Problem) -> Partition:
         (0, 0, 0, 1)
     """
     inst = _Instance.build(problem)
-    best, hi = inst.solve(lower_bound(problem))
+    best, _ = inst.solve(lower_bound(problem))
     if best is None:
         raise _memory_error(problem, inst)
     return Partition.from_cuts([int(inst.pos[j]) for j in best[1:-1]], problem.n, "exact")
@@ -317,16 +317,18 @@ class _Instance:
 
 def _memory_error(problem: Problem, inst: _Instance) -> InfeasibleMemoryError:
     path = inst.least_memory_ratio()
-    if path is None:
+    if path is None:  # only zero-capacity stages make every ratio infinite: report one unit each
         path = list(range(inst.p)) + [inst.m - 1]
     needed = [float(inst.mem[s, path[s + 1]] - inst.mem[s, path[s]]) for s in range(inst.p)]
-    ratios = [needed[s] / problem.capacity[s] if problem.capacity[s] > 0 else math.inf
-              for s in range(inst.p) if needed[s] > 0]
-    worst = max(range(inst.p), key=lambda s: needed[s] / problem.capacity[s]
-                if problem.capacity[s] > 0 else (math.inf if needed[s] > 0 else 0.0))
+
+    def ratio(s: int) -> float:
+        cap = problem.capacity[s]
+        return needed[s] / cap if cap > 0 else (math.inf if needed[s] > 0 else 0.0)
+
+    worst = max(range(inst.p), key=ratio)
     first, last = int(inst.pos[path[worst]]), int(inst.pos[path[worst + 1]]) - 1
     detail = (
-        f"The closest partition still needs {max(ratios, default=0.0):.2f}x the capacity of stage "
-        f"{worst} ({problem.unit_name(first)} .. {problem.unit_name(last)})."
+        f"The closest partition still needs {ratio(worst):.2f}x the capacity of stage {worst} "
+        f"({problem.unit_name(first)} .. {problem.unit_name(last)})."
     )
     return InfeasibleMemoryError(needed, list(problem.capacity), detail)

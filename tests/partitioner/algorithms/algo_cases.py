@@ -102,10 +102,8 @@ def forward_valid(pb: Problem, stage: tuple[int, ...]) -> bool:
     for t in pb.tensors:
         if t.producer >= 0 and any(c < pb.n and stage[c] < stage[t.producer] for c in t.consumers):
             return False
-    if pb.cuts is not None:
-        if any(stage[k] != stage[k - 1] for k in range(1, pb.n) if k not in pb.cuts):
-            return False
-    return True
+    cut_ok = pb.cuts is None or all(stage[k] == stage[k - 1] for k in range(1, pb.n) if k not in pb.cuts)
+    return cut_ok
 
 
 def all_assignments(pb: Problem) -> Iterator[tuple[int, ...]]:

@@ -77,7 +77,7 @@ def spawn(
         for proc in procs:
             proc.start()
         results: dict[int, Any] = {}
-        errors: dict[int, str] = {}
+        errors: dict[int, str] = {}  # insertion order is arrival order: the first is the cause
         deadline = time.monotonic() + timeout
         try:
             while len(results) + len(errors) < nprocs:
@@ -105,9 +105,9 @@ def spawn(
                     proc.kill()
                     proc.join()
         if errors:
-            first = min(errors)
+            first = next(iter(errors))
             raise LaunchError(
-                f"rank(s) {sorted(errors)} of {nprocs} failed; rank {first}:\n{errors[first]}"
+                f"rank(s) {sorted(errors)} of {nprocs} failed; rank {first} failed first:\n{errors[first]}"
             )
         return [results[r] for r in range(nprocs)]
 

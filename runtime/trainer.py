@@ -152,7 +152,9 @@ class PipelineTrainer:
         for st in self.stages.values():
             st.module.to(st.device)
         params = list(self.parameters())
-        self.optimizer = optimizer(params) if optimizer is not None else None
+        self._trains = optimizer is not None
+        # A stage may hold no parameters (only reshapes, say): it has nothing to update.
+        self.optimizer = optimizer(params) if optimizer is not None and params else None
         self._dist_transport = (
             DistTransport(self.schedule.stage_to_rank, timeout) if self.mode == "dist" else None
         )
@@ -165,11 +167,12 @@ class PipelineTrainer:
         Raises:
             MicrobatchError: the batch does not split into ``m`` equal micro-batches.
         """
-        if self.optimizer is None:
+        if not self._trains:
             raise RuntimeError("this trainer has no optimizer: pass optimizer=lambda params: ... to step")
         self.zero_grad()
         loss = self.forward_backward(inputs, targets)
-        self.optimizer.step()
+        if self.optimizer is not None:
+            self.optimizer.step()
         return loss
 
     def forward_backward(self, inputs: Any, targets: Any) -> torch.Tensor:
@@ -279,7 +282,7 @@ class PipelineTrainer:
                     continue
                 group = dist.new_group(ranks)  # every rank calls new_group, in the same order
                 if self.rank in ranks:
-                    copies = [dict(self.stages[s].module.named_parameters())[name] for s in holders if s in self.stages]
+                    copies = [_param(self.stages[s].module, name) for s in holders if s in self.stages]
                     prm = copies[0]
                     with torch.no_grad():  # start from identical values on every holder
                         buf = prm.data.to(_comm_device())
@@ -296,7 +299,7 @@ class PipelineTrainer:
         # One Parameter cannot live on two devices: each holder on another device than the first
         # gets its own copy (under every alias), kept equal by summing gradients before each step.
         module0 = self.stages[holders[0]].module
-        first = dict(module0.named_parameters())[name]
+        first = _param(module0, name)
         copies = [first]
         for s in holders[1:]:
             if self.devices[s] == self.devices[holders[0]]:
@@ -411,6 +414,11 @@ def _local_devices(devices: Sequence[str | torch.device] | str | torch.device | 
     if len(devices) != p:
         raise ValueError(f"give one device per stage: {p} stages, {len(devices)} devices")
     return {s: torch.device(d) for s, d in enumerate(devices)}
+
+
+def _param(module: nn.Module, name: str) -> nn.Parameter:
+    """A parameter by any of its names (a tied weight has several; named_parameters() shows one)."""
+    return dict(module.named_parameters(remove_duplicate=False))[name]
 
 
 def _check_materialised(module: nn.Module, s: int) -> None:

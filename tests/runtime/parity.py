@@ -78,15 +78,14 @@ def reference_grads(c: dict[str, Any], ref: nn.Module, x: torch.Tensor, y: torch
     return loss.detach(), {n: prm.grad.clone() for n, prm in ref.named_parameters(remove_duplicate=False) if prm.grad is not None}
 
 
-def check_grads(trainer: PipelineTrainer, want: dict[str, torch.Tensor]) -> int:
-    """Every parameter this process holds has the reference gradient; returns how many were checked."""
-    n = 0
+def check_grads(trainer: PipelineTrainer, want: dict[str, torch.Tensor]) -> list[str]:
+    """Every parameter this process holds has the reference gradient; returns the names checked."""
+    names = []
     for name, prm in trainer.named_parameters():
         assert prm.grad is not None, f"{name} got no gradient"
         torch.testing.assert_close(prm.grad, want[name], **TOL, msg=lambda m: f"{name}: {m}")
-        n += 1
-    assert n > 0
-    return n
+        names.append(name)
+    return names
 
 
 def check_case(name: str, p: int, schedule: str, transport: str = "local") -> dict[str, Any]:
@@ -113,7 +112,18 @@ def check_case(name: str, p: int, schedule: str, transport: str = "local") -> di
     ref_params = dict(ref.named_parameters(remove_duplicate=False))
     for pname, prm in trainer.named_parameters():
         torch.testing.assert_close(prm.detach(), ref_params[pname].detach(), **TOL, msg=lambda m: f"{pname}: {m}")
-    return {"checked": checked, "peak": dict(trainer.last_peak_inflight), "loss": float(loss)}
+    every = {id(prm): n for n, prm in ref.named_parameters()}  # one name per tensor (tied: one)
+    return {"checked": checked, "peak": dict(trainer.last_peak_inflight), "loss": float(loss),
+            "tensors": len(every), "aliases": _aliases(ref)}
+
+
+def _aliases(model: nn.Module) -> dict[str, str]:
+    """Every parameter name -> the first name of the same tensor."""
+    first: dict[int, str] = {}
+    out = {}
+    for n, prm in model.named_parameters(remove_duplicate=False):
+        out[n] = first.setdefault(id(prm), n)
+    return out
 
 
 def _fresh(c: dict[str, Any], gen: torch.Generator) -> torch.Tensor:

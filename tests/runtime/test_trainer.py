@@ -18,6 +18,7 @@ SCHEDULES = ["gpipe", "1f1b"]
 @pytest.mark.parametrize("name", MODELS)
 def test_in_process_threads_match_reference(name: str, schedule: str) -> None:
     res = check_case(name, 3, schedule, transport="local")
+    assert len({res["aliases"][n] for n in res["checked"]}) == res["tensors"]
     m, p = 4, 3
     want = [m] * p if schedule == "gpipe" else [min(m, p - s) for s in range(p)]
     assert [res["peak"][s] for s in range(p)] == want
@@ -33,9 +34,12 @@ def test_sequential_transport_matches_reference(name: str) -> None:
 def test_gloo_processes_match_reference(world: int) -> None:
     cases = [(n, s) for n in MODELS for s in SCHEDULES]
     results = spawn(dist_worker, world, cases, timeout=600)
+    for key in results[0]:  # together the ranks checked every tensor of the model
+        aliases = results[0][key]["aliases"]
+        covered = {aliases[n] for res in results for n in res[key]["checked"]}
+        assert len(covered) == results[0][key]["tensors"], (key, sorted(covered))
     for rank, res in enumerate(results):
         for key, r in res.items():
-            assert r["checked"] > 0, (rank, key)
             sched = key.split("/")[1]
             want = 4 if sched == "gpipe" else min(4, world - rank)
             assert r["peak"] == {rank: want}, (rank, key, r["peak"])

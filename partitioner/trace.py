@@ -12,6 +12,7 @@ Shapes come from ``FakeTensorMode``: nothing is allocated, so a model built unde
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import hashlib
 import inspect
@@ -19,14 +20,14 @@ import logging
 import operator
 import os
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 import torch.fx as fx
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
 
@@ -137,7 +138,8 @@ def trace(
         model: the model, on any device including ``meta``. Its train/eval mode is what gets
             traced (dropout in training mode, for instance).
         example_inputs: one micro-batch of positional inputs (real, fake or meta tensors).
-            When the model lives on ``meta``, inputs are moved to ``meta`` too.
+            A model on ``meta`` (and its inputs) is captured as if it lived on the CPU, with
+            fake tensors, so its graph is the graph of the same model with real CPU weights.
         example_kwargs: keyword inputs. Non-tensor values are specialised into the graph.
         leaf_modules: module classes, or qualified names (``fnmatch`` patterns allowed, e.g.
             ``'h.*'``), to keep as single ``call_module`` nodes (fx only; export inlines all).
@@ -189,9 +191,9 @@ def trace(
 def retarget_device(gm_or_graph: fx.GraphModule | fx.Graph, device: torch.device | str) -> int:
     """Point every device constant in the graph's calls at ``device``; returns how many changed.
 
-    Graphs captured on ``meta`` carry ``device=meta`` in factory calls (``arange`` for position
-    ids, ``to``...). Call this before running the graph (or a stage cut from it) on real tensors.
-    A GraphModule is recompiled.
+    Export records the tracing device in factory calls (``arange`` for position ids, ``to``...):
+    ``cpu`` for models on the CPU or on ``meta`` (captured as if on the CPU). Call this before
+    running the graph, or a stage cut from it, on another device. A GraphModule is recompiled.
 
     Example:
         >>> import torch
@@ -200,10 +202,10 @@ def retarget_device(gm_or_graph: fx.GraphModule | fx.Graph, device: torch.device
         ...     def forward(self, x):
         ...         return x + torch.arange(x.shape[1], device=x.device)
         >>> t = trace(Pos(), (torch.zeros(2, 3, device="meta"),), method="export")
-        >>> retarget_device(t.gm, "cpu")
+        >>> retarget_device(t.gm, "meta")
         1
-        >>> t.gm(torch.zeros(2, 3))[0].tolist()
-        [[0.0, 1.0, 2.0], [0.0, 1.0, 2.0]]
+        >>> t.gm(torch.zeros(2, 3, device="meta"))[0].device
+        device(type='meta')
     """
     target = torch.device(device)
     graph = gm_or_graph.graph if isinstance(gm_or_graph, fx.GraphModule) else gm_or_graph
@@ -330,7 +332,8 @@ def _trace_fx(
     gm.recompile()
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    _LeafTolerantProp(gm, mode).propagate_dont_convert_inputs(*[mode.from_tensor(t) for t in inputs])
+    with _cpu_fake_state(gm, mode):  # a meta model is shaped as if on the CPU, as in export
+        _LeafTolerantProp(gm, mode).propagate_dont_convert_inputs(*[_cpu_fake(mode, t) for t in inputs])
     _fill_output_val(gm.graph)
     return _traced(model, gm, "fx", out_spec, inputs)
 
@@ -379,7 +382,17 @@ def _run_for_real(module: nn.Module, args: Any, kwargs: Any, mode: FakeTensorMod
 
 
 def _trace_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> TracedModel:
-    ep = torch.export.export(model, args, kwargs, strict=False)
+    if _on_meta(model) or any(t.is_meta for t in _tensors((args, kwargs))):
+        # On 'meta' some kernels report other strides than on a real device (attention outputs,
+        # so Hugging Face's .contiguous() becomes a copy node): capture a meta model as if it
+        # lived on the CPU, so that its graph -- node names and fingerprint included -- is the
+        # graph of the same model with real weights, and a plan made on meta binds to it.
+        mode = FakeTensorMode()
+        fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, lambda t: _cpu_fake(mode, t), (args, kwargs))
+        with _cpu_fake_state(model, mode):
+            ep = torch.export.export(model, fake_args, fake_kwargs, strict=False)
+    else:
+        ep = torch.export.export(model, args, kwargs, strict=False)
     unlifted = ep.module()
     graph = unlifted.graph
     out_spec = graph._codegen.pytree_info.out_spec  # type: ignore[attr-defined]
@@ -406,11 +419,13 @@ def _trace_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     if not isinstance(flat_out, (tuple, list)):
         graph.output_node().args = ((flat_out,),)
     gm = fx.GraphModule(unlifted, graph, type(model).__name__)
+    _restore_originals(gm, model)
     missing = [n.name for n in gm.graph.nodes if n.op != "output" and "val" not in n.meta]
     if missing:
         log.debug("export left %d nodes without 'val'; propagating fake tensors", len(missing))
         mode = FakeTensorMode(allow_non_fake_inputs=True)
-        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*[mode.from_tensor(t) for t in kept])
+        with _cpu_fake_state(gm, mode):
+            FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*[_cpu_fake(mode, t) for t in kept])
     _fill_output_val(gm.graph)
     return _traced(model, gm, "export", out_spec, kept)
 
@@ -493,6 +508,63 @@ def _fill_output_val(graph: fx.Graph) -> None:
     out = graph.output_node()
     flat: Sequence[Any] = out.args[0]  # type: ignore[assignment]
     out.meta["val"] = tuple(a.meta.get("val") if isinstance(a, fx.Node) else a for a in flat)
+
+
+def _cpu_fake(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
+    """A fake tensor that claims the CPU; a meta tensor is wrapped directly, allocating nothing."""
+    if not t.is_meta:
+        return mode.from_tensor(t)
+    fake = FakeTensor(mode, t.detach(), torch.device("cpu"))
+    if isinstance(t, nn.Parameter):
+        return nn.Parameter(fake, requires_grad=t.requires_grad)
+    return fake.requires_grad_(t.requires_grad) if t.requires_grad else fake
+
+
+@contextlib.contextmanager
+def _cpu_fake_state(model: nn.Module, mode: FakeTensorMode) -> Iterator[None]:
+    """Swap the model's meta parameters and buffers for CPU fakes in place (ties kept), and back."""
+    fakes: dict[int, torch.Tensor] = {}
+    swapped: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+    try:
+        for module in model.modules():
+            stores: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
+            for store in stores:
+                for key, t in list(store.items()):
+                    if t is None or not t.is_meta:
+                        continue
+                    if id(t) not in fakes:
+                        fakes[id(t)] = _cpu_fake(mode, t)
+                    swapped.append((store, key, t))
+                    store[key] = fakes[id(t)]
+        yield
+    finally:
+        for store, key, t in swapped:
+            store[key] = t
+
+
+def _restore_originals(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Point ``gm``'s attributes at the model's own tensors, whatever export held them as."""
+    originals: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
+    originals.update(model.named_buffers(remove_duplicate=False))
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        name = str(node.target)
+        owner_name, _, leaf = name.rpartition(".")
+        owner = gm.get_submodule(owner_name) if owner_name else gm
+        current = getattr(owner, leaf)
+        if name in originals and current is not originals[name]:
+            if isinstance(originals[name], nn.Parameter):
+                owner._parameters[leaf] = originals[name]  # type: ignore[assignment]
+            else:
+                owner._buffers[leaf] = originals[name]
+        elif name not in originals and isinstance(current, FakeTensor):
+            # A tensor constant made inside forward while tracing a meta model: no data either way.
+            setattr(owner, leaf, torch.empty_strided(current.shape, current.stride(), dtype=current.dtype, device="meta"))
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
 def _on_meta(model: nn.Module) -> bool:

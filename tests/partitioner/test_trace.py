@@ -205,16 +205,22 @@ def test_export_module_paths(gpt2: tuple[nn.Module, TracedModel]) -> None:
     assert "model.lm_head" in paths
 
 
-def test_gpt2_built_on_meta_traces() -> None:
+def test_gpt2_built_on_meta_traces_to_the_real_models_graph(gpt2: tuple[nn.Module, TracedModel]) -> None:
     transformers = pytest.importorskip("transformers")
     with torch.device("meta"):
-        model = CausalLMLogits(transformers.GPT2LMHeadModel(_gpt2_config()))
+        model = CausalLMLogits(transformers.GPT2LMHeadModel(_gpt2_config())).eval()
     t = trace(model, (torch.randint(0, 128, (2, 16)),))
     assert t.method == "export"
-    val = t.gm.graph.output_node().meta["val"][0]
-    assert val.shape == (2, 16, 128) and val.device.type == "meta"
-    assert all(p.is_meta for p in t.gm.parameters())
+    assert t.gm.graph.output_node().meta["val"][0].shape == (2, 16, 128)
     _vals_everywhere(t)
+    # The model keeps its meta tensors, the graph holds those same tensors, ties included.
+    assert all(p.is_meta for p in model.parameters())
+    assert t.gm.get_parameter("model.lm_head.weight") is model.model.lm_head.weight
+    assert t.param_aliases == gpt2[1].param_aliases
+    # Captured as if on the CPU: the same nodes as the real model, so a plan made on meta binds.
+    _, real = gpt2
+    assert [n.name for n in t.gm.graph.nodes] == [n.name for n in real.gm.graph.nodes]
+    assert t.fingerprint() == real.fingerprint()
 
 
 def test_nested_inputs_are_flattened() -> None:
@@ -229,17 +235,25 @@ def test_nested_inputs_are_flattened() -> None:
     torch.testing.assert_close(t.gm(x, y, z)[0], x * y + z)
 
 
-def test_retarget_device_lets_a_meta_trace_run_on_cpu() -> None:
+def _device_constants(t: TracedModel) -> list[torch.device]:
+    return [n.kwargs["device"] for n in t.gm.graph.nodes if isinstance(n.kwargs.get("device"), torch.device)]
+
+
+def test_retarget_device_moves_factory_calls() -> None:
+    # Captured from meta inputs as if on the CPU: the position ids are made on the CPU.
     t = trace(Positions(), (torch.zeros(2, 5, device="meta"),), method="export")
-    consts = [n for n in t.gm.graph.nodes if n.kwargs.get("device") == torch.device("meta")]
-    assert consts, "expected a device=meta constant in the export graph"
+    assert _device_constants(t) == [torch.device("cpu")]
     x = torch.randn(2, 5)
-    with pytest.raises(Exception):  # noqa: B017 - any device-mismatch error will do
-        t.gm(x)
-    assert retarget_device(t.gm, "cpu") >= 1
-    assert not [n for n in t.gm.graph.nodes if n.kwargs.get("device") == torch.device("meta")]
     torch.testing.assert_close(t.gm(x)[0], x + torch.arange(5))
-    assert retarget_device(t.gm.graph, torch.device("cpu")) == 0  # idempotent, graphs accepted
+    with pytest.raises(RuntimeError):  # CPU position ids do not mix with tensors on meta
+        t.gm(x.to("meta"))
+    assert retarget_device(t.gm, "meta") == 1
+    assert _device_constants(t) == [torch.device("meta")]
+    assert t.gm(x.to("meta"))[0].shape == (2, 5)
+    assert retarget_device(t.gm.graph, torch.device("cpu")) == 1  # graphs are accepted too
+    t.gm.recompile()
+    torch.testing.assert_close(t.gm(x)[0], x + torch.arange(5))
+    assert retarget_device(t.gm, "cpu") == 0
 
 
 # --- fingerprint ---------------------------------------------------------------------------------

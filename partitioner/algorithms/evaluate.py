@@ -13,6 +13,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..errors import PartitionError
 from .problem import Partition, Problem
 
@@ -163,21 +165,19 @@ def lower_bound(problem: Problem) -> float:
         >>> round(lower_bound(pb), 6)   # 1 / (1/4 + 1/8)
         2.666667
     """
-    n, p = problem.n, problem.p
-    if n == 0:
+    if problem.n == 0:
         return 0.0
-    w = [min(problem.compute[s][i] for s in range(p)) for i in range(n)]
-    largest = max(w)
-    total = sum(w)
+    rows = np.asarray(problem.compute, dtype=float).reshape(problem.p, problem.n)
+    w = rows.min(axis=0)
+    largest = float(w.max())
+    total = float(w.sum())
     if total <= 0:
         return max(largest, 0.0)
-    speed = 0.0  # sum_s 1 / (r[s] * total)
-    for s in range(p):
-        r = min(problem.compute[s][i] / w[i] for i in range(n) if w[i] > 0)
-        if r <= 0:
-            return largest  # a device that does some unit for free: the work term says nothing
-        speed += 1.0 / (r * total)
-    return max(1.0 / speed, largest)
+    used = w > 0
+    r = (rows[:, used] / w[used]).min(axis=1)  # per device, its speed factor against w
+    if np.any(r <= 0):
+        return largest  # a device that does some unit for free: the work term says nothing
+    return max(1.0 / float(np.sum(1.0 / (r * total))), largest)
 
 
 def check_assignment(problem: Problem, assignment: Partition | Sequence[int]) -> None:

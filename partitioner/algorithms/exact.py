@@ -201,15 +201,19 @@ class _Instance:
         reach[0, 0] = True
         nxt = math.inf
         for s in range(p):
-            first = int(np.argmax(reach[s]))  # no end before the first reachable start
-            if s == p - 1:
-                ends = np.array([m - 1], dtype=np.intp)
-            else:
-                ends = np.arange(max(first + 1, 1), m - 1, dtype=np.intp)
-            if ends.size == 0:
+            starts = np.flatnonzero(reach[s])
+            first, last = int(starts[0]), int(starts[-1])
+            # Ends past every window that still holds a reachable start are out of reach; lo[s]
+            # never decreases, so those form a suffix and the ends tried form one range.
+            top = m - 1 if s == p - 1 else min(m - 2, int(np.searchsorted(lo[s], last, side="right")) - 1)
+            bottom = m - 1 if s == p - 1 else first + 1
+            if bottom > top:
                 return None, nxt
-            vals = np.where(reach[s], self.v[s], _NEG)
-            best = self._window_max(vals, lo[s, ends], ends - 1, first)
+            ends = np.arange(bottom, top + 1, dtype=np.intp)
+            vals = np.where(reach[s, first:last + 1], self.v[s, first:last + 1], _NEG)
+            left = np.maximum(lo[s, ends], first) - first
+            right = np.minimum(ends - 1, last) - first
+            best = self._window_max(vals, left, right)
             cost = self.a[s, ends] - best  # inf where no reachable start fits memory
             ok = cost <= T
             ok &= best > _NEG
@@ -223,28 +227,26 @@ class _Instance:
             return None, nxt
         return reach, nxt
 
-    def _window_max(self, vals: np.ndarray, left: np.ndarray, right: np.ndarray, first: int) -> np.ndarray:
+    def _window_max(self, vals: np.ndarray, left: np.ndarray, right: np.ndarray) -> np.ndarray:
         """``max(vals[left[e]:right[e] + 1])`` for each ``e`` (``-inf`` if empty), via a sparse table."""
-        left = np.maximum(left, first)  # nothing is reachable before `first`
         length = right - left + 1
         out = np.full(length.shape, _NEG)
         has = length > 0
         if not has.any():
             return out
-        if not np.any(left[has] > first):  # every window starts at the first reachable: prefix max
-            pref = np.maximum.accumulate(vals[first:])
-            out[has] = pref[right[has] - first]
+        left, right, length = left[has], right[has], length[has]
+        if not left.any():  # every window starts at 0: a running maximum will do
+            out[has] = np.maximum.accumulate(vals)[right]
             return out
-        levels = int(self._log2[int(length[has].max())]) + 1
+        levels = int(self._log2[int(length.max())]) + 1
         table = np.empty((levels, vals.size))
         table[0] = vals
         for k in range(1, levels):
             half = 1 << (k - 1)
             table[k] = table[k - 1]
             np.maximum(table[k - 1, :-half], table[k - 1, half:], out=table[k, :-half])
-        k = self._log2[length[has]]
-        l, r = left[has], right[has]
-        out[has] = np.maximum(table[k, l], table[k, r - (1 << k) + 1])
+        k = self._log2[length]
+        out[has] = np.maximum(table[k, left], table[k, right - (1 << k) + 1])
         return out
 
     def reconstruct(self, reach: np.ndarray, lo: np.ndarray | None = None) -> tuple[list[int], float]:

@@ -152,6 +152,7 @@ def test_lower_bound_of_an_empty_or_free_problem() -> None:
     assert lower_bound(pb) == 0.0
 
 
+@settings(deadline=None)
 @given(st.floats(0, 1e12), st.floats(1e-3, 1e12), st.floats(0, 1))
 def test_link_time(nbytes: float, bw: float, lat: float) -> None:
     from partitioner.algorithms.evaluate import link_time

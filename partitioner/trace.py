@@ -7,7 +7,8 @@ with Hugging Face models and most Python control flow on shapes). Either way the
 flat tuple; ``TracedModel.unflatten_outputs`` rebuilds the model's own output structure.
 
 Shapes come from ``FakeTensorMode``: nothing is allocated, so a model built under
-``torch.device('meta')`` traces as well as a real one.
+``torch.device('meta')`` traces as well as a real one. A meta model is captured as if it lived on
+the CPU (fake CPU tensors), so its graph is exactly the graph of the same model with real weights.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from torch.utils import _pytree as pytree
 
 from .errors import TraceError
 
-__all__ = ["InputMeta", "TracedModel", "trace", "retarget_device", "CausalLMLogits"]
+__all__ = ["InputMeta", "TracedModel", "trace", "retarget_device", "graph_fingerprint", "CausalLMLogits"]
 
 log = logging.getLogger(__name__)
 
@@ -114,8 +115,9 @@ class TracedModel:
     def fingerprint(self) -> str:
         """sha256 over the graph's ops, targets, argument structure, shapes and dtypes.
 
-        Stable across traces of the same model; devices are left out, so a plan made from a
-        meta-device trace matches the same model traced on a GPU.
+        Stable across traces of the same model. Devices are left out and a meta model is captured
+        as if on the CPU, so a plan made from a meta-device model matches the same model with
+        real weights (a model on another device matches when its code takes the same path there).
         """
         return graph_fingerprint(self.gm.graph)
 
@@ -572,7 +574,7 @@ def _on_meta(model: nn.Module) -> bool:
 
 
 def _to_meta(t: torch.Tensor) -> torch.Tensor:
-    return t if t.is_meta else torch.empty_like(t, device="meta")
+    return t if t.is_meta else torch.empty_like(t, device="meta").requires_grad_(t.requires_grad)
 
 
 def _check_leaf_names(model: nn.Module, leaf_modules: Sequence[type | str]) -> None:

@@ -17,7 +17,7 @@ from itertools import accumulate
 import numpy as np
 
 from ..errors import TooManyStagesError
-from .exact import _Instance
+from .exact import _Instance  # the threshold search of `exact`, reused on plain prefix sums
 from .problem import Partition, Problem
 
 __all__ = ["equal_count", "balanced_params", "equal_size"]
@@ -133,8 +133,9 @@ def equal_size(problem: Problem) -> Partition:
 
 def _allowed(problem: Problem) -> list[int]:
     allowed = sorted(set(problem.allowed_cuts()))
-    if problem.p > len(allowed) + 1:
-        raise TooManyStagesError(problem.p, len(allowed) + 1, "node" if problem.cuts is None else "module")
+    most = min(problem.n, len(allowed) + 1)  # stages that can each get a unit
+    if problem.p > most:
+        raise TooManyStagesError(problem.p, most, "node" if problem.cuts is None else "module")
     return allowed
 
 

@@ -94,7 +94,7 @@ def exact(problem: Problem) -> Partition:
     return Partition.from_cuts([int(inst.pos[j]) for j in best[1:-1]], problem.n, "exact")
 
 
-def crossing_bytes(problem: Problem) -> np.ndarray:
+def _crossing_bytes(problem: Problem) -> np.ndarray:
     """Bytes crossing each cut position ``k = 0..n`` of a contiguous partition (ends are 0).
 
     A tensor made by unit ``i >= 0`` and last read by unit ``j`` (``n`` for the graph output)
@@ -157,10 +157,11 @@ class _Instance:
     def build(problem: Problem) -> _Instance:
         n, p = problem.n, problem.p
         allowed = problem.allowed_cuts() if problem.cuts is None else tuple(sorted(set(problem.cuts)))
-        if p > len(allowed) + 1:
-            raise TooManyStagesError(p, len(allowed) + 1, "node" if problem.cuts is None else "module")
+        most = min(n, len(allowed) + 1)  # stages that can each get a unit
+        if p > most:
+            raise TooManyStagesError(p, most, "node" if problem.cuts is None else "module")
         pos = np.array([0, *allowed, n], dtype=np.intp)
-        x = crossing_bytes(problem)[pos]
+        x = _crossing_bytes(problem)[pos]
         compute = np.asarray(problem.compute, dtype=float).reshape(p, n)
         prefix = np.zeros((p, n + 1))
         np.cumsum(compute, axis=1, out=prefix[:, 1:])

@@ -155,6 +155,20 @@ class Plan:
         """Whether the plan holds the traced graph it was made from (``build_stages`` needs it)."""
         return self._binding is not None
 
+    @property
+    def traced(self) -> TracedModel:
+        """The traced graph the plan was made from or bound to.
+
+        Raises:
+            PlanMismatchError: the plan was loaded from a file and not bound yet.
+        """
+        if self._binding is None:
+            raise PlanMismatchError(
+                "this plan holds no model: it was loaded from a file. Call "
+                "plan = plan.bind(model, example_inputs) first."
+            )
+        return self._binding.traced
+
     def bind(self, model: torch.nn.Module, example_inputs: Sequence[Any], **trace_kwargs: Any) -> Plan:
         """Attach a model to a loaded plan, checking it is the model the plan was made for.
 
@@ -187,18 +201,14 @@ class Plan:
         Raises:
             PlanMismatchError: the plan was loaded from a file and not bound to a model yet.
         """
-        if self._binding is None:
-            raise PlanMismatchError(
-                "this plan holds no model: it was loaded from a file. Call "
-                "plan = plan.bind(model, example_inputs) first, then plan.build_stages()."
-            )
-        b = self._binding
+        traced = self.traced
+        assert self._binding is not None
         return split_graph(
-            b.traced.gm,
+            traced.gm,
             self.stage_of(),
             self.num_stages,
             param_aliases=dict(self.param_aliases),
-            persistent_buffers=b.persistent,
+            persistent_buffers=self._binding.persistent,
         )
 
     # -- files ----------------------------------------------------------------------------

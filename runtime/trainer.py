@@ -25,6 +25,7 @@ from partitioner.plan import Plan
 
 from .executor import ActionRecord, Executor, RunResult, StageRuntime
 from .schedules import Schedule, get_schedule, validate
+from .shapes import wire_shapes
 from .transport import DistTransport, LocalTransport, Transport
 
 __all__ = ["PipelineTrainer", "MicrobatchError", "split_microbatches"]
@@ -155,6 +156,7 @@ class PipelineTrainer:
         self._trains = optimizer is not None
         # A stage may hold no parameters (only reshapes, say): it has nothing to update.
         self.optimizer = optimizer(params) if optimizer is not None and params else None
+        self._shape_cache: dict[tuple[tuple[int, ...], ...], dict[str, tuple[int, ...]]] = {}
         self._dist_transport = (
             DistTransport(self.schedule.stage_to_rank, timeout) if self.mode == "dist" else None
         )
@@ -246,6 +248,17 @@ class PipelineTrainer:
         per_input = [split_microbatches(x, self.m, f"input {n!r}") for n, x in zip(names, flat)]
         return [{n: chunks[mb] for n, chunks in zip(names, per_input)} for mb in range(self.m)]
 
+    def _wire_shapes(self, mb_inputs: Mapping[str, Any]) -> dict[str, tuple[int, ...]] | None:
+        """Wire shapes for this micro-batch size, or None when it is the plan's example size."""
+        traced = self.plan.traced
+        key = tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else () for x in mb_inputs.values())
+        example = tuple(tuple(meta.shape) for meta in traced.example_inputs)
+        if key == example:
+            return None
+        if key not in self._shape_cache:
+            self._shape_cache[key] = wire_shapes(traced.gm, mb_inputs, method=traced.method)
+        return self._shape_cache[key]
+
     def _executors(self, transport: Transport) -> dict[int, Executor]:
         out = {}
         for r in self._ranks:
@@ -257,7 +270,9 @@ class PipelineTrainer:
         if self.mode == "dist":
             assert self._dist_transport is not None
             ex = self._executors(self._dist_transport)[self.rank]
-            results = [ex.run(schedule.actions[self.rank], ins, tgts, train=train)]
+            shapes = self._wire_shapes(ins[0])
+            mb_shapes = {mb: shapes for mb in range(len(ins))} if shapes is not None else None
+            results = [ex.run(schedule.actions[self.rank], ins, tgts, train=train, mb_shapes=mb_shapes)]
         else:
             transport = LocalTransport(self.devices, self.timeout)
             exs = self._executors(transport)

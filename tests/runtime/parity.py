@@ -48,6 +48,10 @@ def case(name: str, p: int) -> dict[str, Any]:
         model: nn.Module = MLPChain((16, 48, 24, 64, 32, 40, 8))
         x, y = torch.randn(8, 16), torch.randn(8, 8)
         return dict(model=model, example=(x[:2],), x=x, y=y, loss=nn.functional.mse_loss, opts={})
+    if name == "mlp-mb4":  # micro-batches of 4 rows from a plan traced on 2: shapes found per size
+        model = MLPChain((16, 48, 24, 64, 32, 40, 8))
+        x, y = torch.randn(16, 16), torch.randn(16, 8)
+        return dict(model=model, example=(x[:2],), x=x, y=y, loss=nn.functional.mse_loss, opts={})
     if name == "gpt2":
         model, _ = gpt2(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, batch=2, seq=8)
         x = torch.randint(0, 64, (8, 8))

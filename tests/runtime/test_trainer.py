@@ -24,7 +24,7 @@ def test_in_process_threads_match_reference(name: str, schedule: str) -> None:
     assert [res["peak"][s] for s in range(p)] == want
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", [*MODELS, "mlp-mb4"])
 def test_sequential_transport_matches_reference(name: str) -> None:
     check_case(name, 2, "1f1b", transport="sequential")
 
@@ -32,7 +32,7 @@ def test_sequential_transport_matches_reference(name: str) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("world", [2, 4])
 def test_gloo_processes_match_reference(world: int) -> None:
-    cases = [(n, s) for n in MODELS for s in SCHEDULES]
+    cases = [(n, s) for n in MODELS for s in SCHEDULES] + [("mlp-mb4", "1f1b")]
     results = spawn(dist_worker, world, cases, timeout=600)
     for key in results[0]:  # together the ranks checked every tensor of the model
         aliases = results[0][key]["aliases"]
@@ -46,6 +46,17 @@ def test_gloo_processes_match_reference(world: int) -> None:
     # Every rank reports the same (broadcast) loss.
     for key in results[0]:
         assert len({round(res[key]["loss"], 6) for res in results}) == 1
+
+
+def test_export_graph_on_another_micro_batch_size_is_a_clear_error() -> None:
+    from partitioner.errors import PlanMismatchError
+    from runtime.shapes import wire_shapes
+
+    c = case("gpt2", 2)
+    trainer = make_trainer(c, 2, "gpipe")
+    traced = trainer.plan.traced
+    with pytest.raises(PlanMismatchError, match="specialises the graph"):
+        wire_shapes(traced.gm, {traced.input_names[0]: torch.zeros(3, 8, dtype=torch.long)}, method=traced.method)
 
 
 def test_tied_embeddings_are_shared_and_listed() -> None:

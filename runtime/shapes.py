@@ -1,0 +1,73 @@
+"""Wire shapes for a micro-batch size other than the plan's example, found without computing.
+
+The plan records each crossing value's shape for the example micro-batch. A trainer that runs
+another micro-batch size needs the receive-buffer shapes for it before any data moves (the
+distributed transport allocates them ahead: no handshake). We interpret the traced graph on fake
+tensors -- no memory, no FLOPs -- and keep every value's shape, without touching the graph's own
+metadata.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from partitioner.errors import PlanMismatchError
+
+__all__ = ["wire_shapes"]
+
+
+class _ShapeRecorder(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.shapes: dict[str, tuple[int, ...]] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        out = super().run_node(n)
+        if isinstance(out, torch.Tensor):
+            self.shapes[n.name] = tuple(int(d) for d in out.shape)
+        return out
+
+
+def wire_shapes(gm: fx.GraphModule, inputs: Mapping[str, Any], *, method: str = "fx") -> dict[str, tuple[int, ...]]:
+    """Shape of every tensor value of ``gm`` for the given graph inputs, by node name.
+
+    Args:
+        gm: the traced graph (its placeholders named as in ``inputs``).
+        inputs: one micro-batch of graph inputs by placeholder name (real or fake tensors).
+        method: the tracer that made ``gm``; ``'export'`` graphs are specialised to the example
+            shapes, which the error message then explains.
+
+    Raises:
+        PlanMismatchError: the graph cannot run on these input shapes.
+
+    Example:
+        >>> from torch import nn
+        >>> gm = fx.symbolic_trace(nn.Sequential(nn.Linear(4, 8), nn.ReLU()))
+        >>> wire_shapes(gm, {"input_1": torch.zeros(5, 4)})["_1"]
+        (5, 8)
+    """
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake = [mode.from_tensor(inputs[n]) if isinstance(inputs[n], torch.Tensor) else inputs[n] for n in names]
+    rec = _ShapeRecorder(gm)
+    try:
+        with mode:
+            rec.run(*fake)
+    except Exception as e:  # any op may reject the new shapes: say why in pipecut's terms
+        given = {n: tuple(v.shape) for n, v in inputs.items() if isinstance(v, torch.Tensor)}
+        hint = (
+            " torch.export specialises the graph to the example's shapes: plan with example inputs "
+            "of exactly one micro-batch of the size you train with."
+            if method == "export"
+            else ""
+        )
+        raise PlanMismatchError(
+            f"the planned graph cannot run on micro-batch inputs of shapes {given} "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}).{hint}"
+        ) from e
+    return rec.shapes

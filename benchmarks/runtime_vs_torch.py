@@ -1,0 +1,302 @@
+"""Benchmark: pipecut's runtime against torch.distributed.pipelining, one process, and itself.
+
+Run (CPU, about a minute; 2 gloo processes with one thread each)::
+
+    python benchmarks/runtime_vs_torch.py
+    python benchmarks/runtime_vs_torch.py --steps 40 --warmup 5 --width 1024 --layers 8 \
+        --batch 64 --microbatches 8 --out benchmarks/results/runtime_vs_torch.json
+
+One model (``layers`` x Linear(width, width) with GELU between, the zoo's ``MLPChain``), one
+split (stage 1 begins at ``layers.{layers // 2}``), one batch, ``m`` micro-batches, MSE loss,
+no optimizer (``forward_backward`` + ``zero_grad``: the optimizer step is the same work in every
+configuration and would only dilute the differences). Every configuration runs in the same two
+processes, interleaved round by round (the order rotates each round), so a noisy machine slows
+them alike:
+
+* ``pipecut <schedule> dist``: ``PipelineTrainer(transport='dist')``, one stage per process;
+* ``torch <schedule>``: ``torch.distributed.pipelining`` ``ScheduleGPipe`` / ``Schedule1F1B``
+  over ``PipelineStage``s built from the same two halves of the same model (parameter names
+  kept), static shapes, ``return_outputs=False``, and its default gradient scaling by ``1/m``
+  (pipecut scales each micro-batch's loss by ``1/m`` instead: the same gradients);
+* ``single ...``: the whole model in rank 0, one thread, micro-batch accumulation (the same
+  micro-batches) and full batch; rank 1 idles in a barrier;
+* ``pipecut <schedule> local`` / ``sequential``: both stages in rank 0, one thread per stage vs
+  one thread running the stages' actions one after another.
+
+A step is timed on rank 0 between two barriers, so it covers the whole pipeline. Reported: the
+median over ``--steps`` rounds after ``--warmup``, the quartiles, and the ratios (throughput
+ratio = other's median / pipecut's median; above 1 means pipecut is faster). Before timing, the
+loss and every gradient of each pipelined configuration are checked against the single-process
+model on the same batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from partitioner import partition
+from partitioner.zoo import MLPChain
+from runtime.launch import spawn
+from runtime.trainer import PipelineTrainer
+
+SCHEDULES = ("gpipe", "1f1b")
+TOL = {"rtol": 1e-4, "atol": 1e-6}
+
+
+class _Half(nn.Module):
+    """Layers ``lo..hi-1`` of an ``MLPChain``, names kept (``layers.4.weight``), GELU as the chain has it."""
+
+    def __init__(self, chain: MLPChain, lo: int, hi: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleDict({str(i): chain.layers[i] for i in range(lo, hi)})
+        self.lo, self.hi, self.n = lo, hi, len(chain.layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i in range(self.lo, self.hi):
+            x = self.layers[str(i)](x)
+            if i < self.n - 1:
+                x = nn.functional.gelu(x)
+        return x
+
+
+def _data(cfg: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(cfg["batch"], cfg["width"], generator=gen)
+    y = torch.randn(cfg["batch"], cfg["width"], generator=gen)
+    return x, y
+
+
+def _model(cfg: dict[str, Any]) -> MLPChain:
+    torch.manual_seed(1234)
+    return MLPChain((cfg["width"],) * (cfg["layers"] + 1))
+
+
+def _pipecut(model: nn.Module, cfg: dict[str, Any], schedule: str, transport: str) -> PipelineTrainer:
+    mb = cfg["batch"] // cfg["microbatches"]
+    plan = partition(
+        copy.deepcopy(model), (torch.randn(mb, cfg["width"]),), 2, microbatches=cfg["microbatches"],
+        schedule=schedule, split_points=[f"layers.{cfg['layers'] // 2}"],
+    )
+    return PipelineTrainer(plan, nn.functional.mse_loss, None, schedule=schedule, transport=transport)
+
+
+def _torch_schedule(model: MLPChain, cfg: dict[str, Any], schedule: str, rank: int) -> tuple[nn.Module, Any]:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    mb = cfg["batch"] // cfg["microbatches"]
+    cut = cfg["layers"] // 2
+    lo, hi = (0, cut) if rank == 0 else (cut, cfg["layers"])
+    half = _Half(copy.deepcopy(model), lo, hi)
+    example = torch.zeros(mb, cfg["width"])
+    stage = PipelineStage(half, rank, 2, torch.device("cpu"))
+    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+    return half, cls(stage, cfg["microbatches"], loss_fn=nn.functional.mse_loss)
+
+
+def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None:
+    torch.set_num_threads(1)
+    model = _model(cfg)
+    x, y = _data(cfg)
+    m = cfg["microbatches"]
+    xs, ys = x.chunk(m), y.chunk(m)
+
+    trainers = {s: _pipecut(model, cfg, s, "dist") for s in SCHEDULES}
+    torchs = {s: _torch_schedule(model, cfg, s, rank) for s in SCHEDULES}
+    local = {(s, t): _pipecut(model, cfg, s, t) for s in SCHEDULES for t in ("local", "sequential")} if rank == 0 else {}
+    single = copy.deepcopy(model)
+
+    def run_pipecut(tr: PipelineTrainer) -> torch.Tensor:
+        tr.zero_grad()
+        return tr.forward_backward(x, y)
+
+    def run_torch(half: nn.Module, sched: Any) -> torch.Tensor | None:
+        half.zero_grad(set_to_none=True)
+        if rank == 0:
+            sched.step(x, return_outputs=False)
+            return None
+        losses: list[torch.Tensor] = []
+        sched.step(target=y, losses=losses, return_outputs=False)
+        return torch.stack(losses).mean().detach()
+
+    def run_single_accum() -> torch.Tensor:
+        single.zero_grad(set_to_none=True)
+        total = torch.zeros(())
+        for xm, ym in zip(xs, ys):
+            loss = nn.functional.mse_loss(single(xm), ym) / m
+            loss.backward()
+            total += loss.detach()
+        return total
+
+    def run_single_full() -> torch.Tensor:
+        single.zero_grad(set_to_none=True)
+        loss = nn.functional.mse_loss(single(x), y)
+        loss.backward()
+        return loss.detach()
+
+    # (name, runs on both ranks?, callable)
+    configs: list[tuple[str, bool, Any]] = []
+    for s in SCHEDULES:
+        configs.append((f"pipecut {s} dist", True, lambda tr=trainers[s]: run_pipecut(tr)))
+        configs.append((f"torch {s}", True, lambda hs=torchs[s]: run_torch(*hs)))
+    configs.append(("single micro-batched", False, run_single_accum))
+    configs.append(("single full-batch", False, run_single_full))
+    for s in SCHEDULES:
+        for t in ("local", "sequential"):
+            configs.append((f"pipecut {s} {t}", False, lambda tr=local.get((s, t)): run_pipecut(tr) if tr else None))
+
+    checks = _check(rank, cfg, configs, trainers, torchs, local, single)
+    if cfg["only"]:
+        configs = [c for c in configs if any(word in c[0] for word in cfg["only"])]
+
+    times: dict[str, list[float]] = {name: [] for name, _, _ in configs}
+    n = len(configs)
+    for rnd in range(cfg["warmup"] + cfg["steps"]):
+        for k in range(n):
+            name, both, fn = configs[(rnd + k) % n]
+            dist.barrier()
+            t0 = time.perf_counter()
+            if both or rank == 0:
+                fn()
+            dist.barrier()
+            if rnd >= cfg["warmup"]:
+                times[name].append(time.perf_counter() - t0)
+    return {"times": times, "checks": checks} if rank == 0 else None
+
+
+def _check(
+    rank: int, cfg: dict[str, Any], configs: list[tuple[str, bool, Any]], trainers: dict[str, PipelineTrainer],
+    torchs: dict[str, tuple[nn.Module, Any]], local: dict[tuple[str, str], PipelineTrainer], single: nn.Module,
+) -> dict[str, Any]:
+    """Loss and every gradient of each configuration equal the single-process model's (same batch)."""
+    fns = {name: (both, fn) for name, both, fn in configs}
+    want_loss = fns["single full-batch"][1]()
+    want = {n: p.grad.clone() for n, p in single.named_parameters()}
+    out: dict[str, Any] = {}
+
+    def compare(name: str, loss: torch.Tensor | None, params: Any) -> None:
+        worst = 0.0
+        for pname, prm in params:
+            assert prm.grad is not None, f"{name}: {pname} has no gradient"
+            torch.testing.assert_close(prm.grad, want[pname], **TOL, msg=lambda s: f"{name} {pname}: {s}")
+            worst = max(worst, (prm.grad - want[pname]).abs().max().item())
+        if loss is not None:
+            torch.testing.assert_close(loss, want_loss, **TOL)
+        out[name] = {"max_abs_grad_diff": worst, "loss": None if loss is None else float(loss)}
+
+    for s in SCHEDULES:
+        compare(f"pipecut {s} dist", fns[f"pipecut {s} dist"][1](), trainers[s].named_parameters())
+        half, _ = torchs[s]
+        compare(f"torch {s}", fns[f"torch {s}"][1](), half.named_parameters())
+    loss = fns["single micro-batched"][1]()
+    compare("single micro-batched", loss, single.named_parameters())
+    for (s, t), tr in local.items():
+        compare(f"pipecut {s} {t}", fns[f"pipecut {s} {t}"][1](), tr.named_parameters())
+    dist.barrier()
+    return {"rank0": out} if rank == 0 else {}
+
+
+def _summary(times: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    out = {}
+    for name, ts in times.items():
+        q = statistics.quantiles(ts, n=4) if len(ts) >= 2 else [ts[0]] * 3
+        out[name] = {"median_ms": statistics.median(ts) * 1e3, "p25_ms": q[0] * 1e3, "p75_ms": q[2] * 1e3,
+                     "min_ms": min(ts) * 1e3, "n": len(ts)}
+    return out
+
+
+def _ratios(med: dict[str, float]) -> dict[str, float]:
+    r: dict[str, float] = {}
+    for s in SCHEDULES:
+        pairs = [
+            ("pipecut throughput / torch throughput", f"torch {s}", f"pipecut {s} dist"),
+            ("speedup of pipecut dist over single micro-batched", "single micro-batched", f"pipecut {s} dist"),
+            ("speedup of pipecut dist over single full-batch", "single full-batch", f"pipecut {s} dist"),
+            ("speedup of torch over single micro-batched", "single micro-batched", f"torch {s}"),
+            ("speedup of local (threads) over sequential", f"pipecut {s} sequential", f"pipecut {s} local"),
+            ("speedup of local (threads) over single micro-batched", "single micro-batched", f"pipecut {s} local"),
+        ]
+        for what, slow, fast in pairs:
+            if slow in med and fast in med:  # both measured (--only may leave some out)
+                r[f"{s}: {what}"] = med[slow] / med[fast]
+    return r
+
+
+def _print(cfg: dict[str, Any], summary: dict[str, dict[str, float]], ratios: dict[str, float]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    mb = cfg["batch"] // cfg["microbatches"]
+    title = (f"{cfg['layers']} x Linear({cfg['width']}, {cfg['width']}) + GELU, batch {cfg['batch']} = "
+             f"{cfg['microbatches']} micro-batches of {mb}, split at layers.{cfg['layers'] // 2}; "
+             f"median of {cfg['steps']} steps after {cfg['warmup']} warm-up")
+    table = Table(title=title, title_justify="left")
+    for col in ("configuration", "median ms", "p25 ms", "p75 ms", "min ms"):
+        table.add_column(col, justify="left" if col == "configuration" else "right")
+    for name, row in summary.items():
+        table.add_row(name, *(f"{row[k]:.2f}" for k in ("median_ms", "p25_ms", "p75_ms", "min_ms")))
+    rt = Table(title="ratios of medians (> 1: the first named is faster)", title_justify="left")
+    rt.add_column("ratio")
+    rt.add_column("value", justify="right")
+    for name, v in ratios.items():
+        rt.add_row(name, f"{v:.3f}")
+    console = Console()
+    console.print(table)
+    console.print(rt)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=30, help="timed steps per configuration (median over these)")
+    ap.add_argument("--warmup", type=int, default=5, help="untimed rounds first")
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds for the whole run")
+    ap.add_argument("--only", nargs="*", default=[],
+                    help="time only configurations whose name contains one of these words (e.g. dist torch)")
+    ap.add_argument("--out", default="benchmarks/results/runtime_vs_torch.json")
+    args = ap.parse_args(argv)
+    if args.steps < 1 or args.batch % args.microbatches or args.layers < 2:
+        ap.error("need --steps >= 1, --layers >= 2, and --batch divisible by --microbatches")
+    cfg = {k: getattr(args, k) for k in ("steps", "warmup", "width", "layers", "batch", "microbatches", "only")}
+
+    t0 = time.time()
+    rank0 = spawn(_worker, 2, cfg, timeout=args.timeout, threads=1)[0]
+    summary = _summary(rank0["times"])
+    ratios = _ratios({k: v["median_ms"] for k, v in summary.items()})
+    _print(cfg, summary, ratios)
+    result = {
+        "benchmark": "runtime_vs_torch",
+        "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+        "config": {**cfg, "micro_batch_size": cfg["batch"] // cfg["microbatches"], "split_at": f"layers.{cfg['layers'] // 2}",
+                   "processes": 2, "threads_per_process": 1, "loss": "mse", "optimizer": None},
+        "env": {"torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
+                "load_avg_after": os.getloadavg(), "machine": platform.machine(), "wall_s": time.time() - t0},
+        "results": summary,
+        "ratios": ratios,
+        "checks": rank0["checks"],
+        "times_ms": {k: [round(t * 1e3, 3) for t in v] for k, v in rank0["times"].items()},
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

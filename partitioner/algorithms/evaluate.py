@@ -174,10 +174,14 @@ def lower_bound(problem: Problem) -> float:
     if total <= 0:
         return max(largest, 0.0)
     used = w > 0
-    r = (rows[:, used] / w[used]).min(axis=1)  # per device, its speed factor against w
-    if np.any(r <= 0):
-        return largest  # a device that does some unit for free: the work term says nothing
-    return max(1.0 / float(np.sum(1.0 / (r * total))), largest)
+    # At extreme magnitudes a speed factor overflows to inf: that device then adds no speed,
+    # which is the right limit, so the overflow warning is noise.
+    with np.errstate(over="ignore"):
+        r = (rows[:, used] / w[used]).min(axis=1)  # per device, its speed factor against w
+        if np.any(r <= 0):
+            return largest  # a device that does some unit for free: the work term says nothing
+        speed = float(np.sum(1.0 / (r * total)))
+    return max(1.0 / speed, largest) if speed > 0 else largest
 
 
 def check_assignment(problem: Problem, assignment: Partition | Sequence[int]) -> None:

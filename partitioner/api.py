@@ -164,10 +164,15 @@ def _make_plan(
     p = len(cluster)
     ev = alg.evaluate(problem, tuple(assignment))
     held = estimate.inflight(schedule, p, microbatches)
-    depth = layer_depth([g.nodes[v]["module"] for v in g.nodes])
+    # layer_depth only looks at distinct paths; a 175B GPT-2 has ~4k nodes but ~1k paths.
+    depth = layer_depth(list(dict.fromkeys(g.nodes[v]["module"] for v in g.nodes)))
+    # Every stage's nodes in one pass over the units (not one pass per stage: p x n at scale).
+    by_stage: list[list[str]] = [[] for _ in range(p)]
+    for u in units:
+        by_stage[assignment[u.index]].extend(u.nodes)
     stages: list[StagePlan] = []
     for s in range(p):
-        nodes = [v for u in units if assignment[u.index] == s for v in u.nodes]
+        nodes = by_stage[s]
         nodes.sort(key=lambda v: g.nodes[v]["order"])
         dev = cluster.devices[s]
         costs = [g.nodes[v]["cost"] for v in nodes]

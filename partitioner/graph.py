@@ -15,7 +15,7 @@ import torch.fx as fx
 
 from .algorithms.problem import GRAPH_INPUT, Problem, Tensor
 from .cost import NodeCost, node_time
-from .devices import Cluster
+from .devices import Cluster, DeviceSpec
 from .fxutil import COMPUTE_OPS, flat_outputs
 
 __all__ = ["Unit", "build_graph", "layer_depth", "group_units", "to_problem", "module_range"]
@@ -173,12 +173,16 @@ def to_problem(
                     owned.add(name)
                     state[u.index] += param_numel.get(name, 0) * state_bytes_per_param
                     counts[u.index] += param_numel.get(name, 0)
+    # One row per distinct device spec: a uniform cluster of 64 prices each node once, not 64 times.
+    rows: dict[DeviceSpec, tuple[float, ...]] = {}
     compute = []
     for dev in cluster.devices:
-        row = [0.0] * n
-        for u in units:
-            row[u.index] = sum(sum(node_time(g.nodes[v]["cost"], dev)) for v in u.nodes)
-        compute.append(tuple(row))
+        if dev not in rows:
+            row = [0.0] * n
+            for u in units:
+                row[u.index] = sum(sum(node_time(g.nodes[v]["cost"], dev)) for v in u.nodes)
+            rows[dev] = tuple(row)
+        compute.append(rows[dev])
     outputs = set(g.graph["outputs"])
     tensors: list[Tensor] = []
     for v in sorted(g.nodes, key=lambda x: g.nodes[x]["order"]):

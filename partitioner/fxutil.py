@@ -1,12 +1,14 @@
-"""Small helpers over torch.fx graphs shared by graph.py, split.py and plan.py."""
+"""Small helpers over torch.fx graphs and their modules, shared across the partitioner."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.fx as fx
+from torch import nn
 
-__all__ = ["COMPUTE_OPS", "compute_nodes", "flat_outputs"]
+__all__ = ["COMPUTE_OPS", "compute_nodes", "flat_outputs", "named_tensors", "owner_of"]
 
 # Nodes that do work and get a stage; placeholders are fed, get_attr copied, output gathered.
 COMPUTE_OPS = ("call_function", "call_method", "call_module")
@@ -34,3 +36,31 @@ def flat_outputs(gm: fx.GraphModule) -> list[Any]:
 
     visit(output.args[0])
     return out
+
+
+def named_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of ``module`` under every name it has (tied tensors repeat).
+
+    Example:
+        >>> from torch import nn
+        >>> m = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+        >>> list(named_tensors(m))[:3], len(named_tensors(m))
+        (['0.weight', '0.bias', '1.weight'], 7)
+    """
+    tensors: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
+    tensors.update(module.named_buffers(remove_duplicate=False))
+    return tensors
+
+
+def owner_of(root: nn.Module, name: str) -> tuple[nn.Module, str]:
+    """The submodule holding attribute ``name`` (a qualified name) and the attribute's own name.
+
+    Example:
+        >>> from torch import nn
+        >>> m = nn.Sequential(nn.Linear(2, 2))
+        >>> owner, leaf = owner_of(m, "0.weight")
+        >>> type(owner).__name__, leaf
+        ('Linear', 'weight')
+    """
+    owner_name, _, leaf = name.rpartition(".")
+    return (root.get_submodule(owner_name) if owner_name else root), leaf

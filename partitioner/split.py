@@ -21,7 +21,7 @@ import torch.fx as fx
 from torch import nn
 
 from .errors import PartitionError
-from .fxutil import compute_nodes, flat_outputs
+from .fxutil import compute_nodes, flat_outputs, named_tensors, owner_of
 
 __all__ = ["ValueSpec", "StageIO", "StagedModel", "split_graph"]
 
@@ -334,14 +334,12 @@ def _fix_buffers(module: nn.Module, persistent: set[str] | None) -> None:
         return
     for name, _ in list(module.named_buffers()):
         if name not in persistent:
-            owner_name, _, leaf = name.rpartition(".")
-            owner = module.get_submodule(owner_name) if owner_name else module
+            owner, leaf = owner_of(module, name)
             owner._non_persistent_buffers_set.add(leaf)
 
 
 def _install_aliases(module: nn.Module, aliases: Mapping[str, Sequence[str]]) -> None:
-    have = dict(module.named_parameters(remove_duplicate=False))
-    have.update(module.named_buffers(remove_duplicate=False))
+    have = named_tensors(module)
     for name, names in aliases.items():
         if name not in have:
             continue

@@ -19,6 +19,11 @@ Per action, for stage ``s`` of this rank:
 Which values travel in which message is fixed by the plan (``StageIO``): the message from stage
 ``a`` to stage ``b`` carries, in order, ``a``'s outputs that ``b`` reads; gradients travel back
 for the floating-point ones only. Both ends derive the same lists, so nothing is negotiated.
+They are derived once, when the executor is built; a step only looks them up.
+
+``run`` also posts receives ahead of the actions reading them, on transports that ask for it
+(``Transport.posts_receives``): a few messages ahead, in the order the actions read them, so
+the order of receives per pair of ranks is unchanged.
 """
 
 from __future__ import annotations
@@ -121,6 +126,45 @@ class StepState:
     result: RunResult
     held: dict[int, int]
     stash: dict[tuple[int, int], _Stash] = field(default_factory=dict)
+    # Receives to post ahead (``run`` on transports that post receives), in reading order.
+    ahead: list[tuple[Key, list[TensorMeta], torch.device]] = field(default_factory=list)
+    posted: int = 0
+
+
+@dataclass(frozen=True)
+class _Wiring:
+    """One stage's messages, derived once from the plan (a step only looks them up)."""
+
+    producers: tuple[int, ...]  # stages sending this one activations, ascending
+    consumers: tuple[int, ...]  # stages reading this one's outputs, ascending
+    recv_vals: dict[int, tuple[ValueSpec, ...]]  # per producer: the message's values, wire order
+    recv_grad: dict[int, tuple[bool, ...]]  # per producer: which of them get a gradient back
+    send_idx: dict[int, tuple[int, ...]]  # per consumer: output positions, wire order
+    grad_vals: dict[int, tuple[ValueSpec, ...]]  # per consumer: the values whose gradient returns
+    grad_mask: dict[int, tuple[bool, ...]]  # per consumer: which of the message's values those are
+    grad_args: dict[int, tuple[int, ...]]  # per producer: input positions of the gradients sent back
+    args: tuple[tuple[str, bool], ...]  # per input: (name, is a graph input)
+
+
+def _wire(ios: Sequence[StageIO], s: int) -> _Wiring:
+    io = ios[s]
+    producers = tuple(sorted({v.producer for v in io.inputs if v.producer >= 0}))
+    consumers = tuple(sorted({c for v in io.outputs if v.producer == s for c in v.consumers}))
+    out_pos = {v.name: i for i, v in enumerate(io.outputs)}
+    in_pos = {v.name: i for i, v in enumerate(io.inputs)}
+    recv_vals = {q: tuple(message_values(ios, q, s)) for q in producers}
+    sent = {c: tuple(message_values(ios, s, c)) for c in consumers}
+    return _Wiring(
+        producers=producers,
+        consumers=consumers,
+        recv_vals=recv_vals,
+        recv_grad={q: tuple(_is_float(v) for v in vals) for q, vals in recv_vals.items()},
+        send_idx={c: tuple(out_pos[v.name] for v in vals) for c, vals in sent.items()},
+        grad_vals={c: tuple(v for v in vals if _is_float(v)) for c, vals in sent.items()},
+        grad_mask={c: tuple(_is_float(v) for v in vals) for c, vals in sent.items()},
+        grad_args={q: tuple(in_pos[v.name] for v in vals if _is_float(v)) for q, vals in recv_vals.items()},
+        args=tuple((v.name, v.producer < 0) for v in io.inputs),
+    )
 
 
 class Executor:
@@ -155,10 +199,16 @@ class Executor:
         self.loss_fn = loss_fn
         self.rank = rank
         self.record = record
+        self._wiring = {s: _wire(self.ios, s) for s in self.stages}
         self._metas = {
             (a, b): [TensorMeta(v.shape, _dtype(v.dtype)) for v in message_values(self.ios, a, b)]
             for s in self.stages
             for a, b in [(q, s) for q in range(self.p)] + [(s, c) for c in range(self.p)]
+        }
+        self._grad_metas = {
+            (s, c): [mt for mt, f in zip(self._metas[(s, c)], w.grad_mask[c]) if f]
+            for s, w in self._wiring.items()
+            for c in w.consumers
         }
 
     # -- a step ---------------------------------------------------------------------------
@@ -187,12 +237,45 @@ class Executor:
         """
         state = self.start(inputs, targets, scales, train=train, mb_shapes=mb_shapes)
         try:
-            for act in actions:
-                self.execute(state, act)
+            if self.transport.posts_receives:
+                self._run_ahead(state, actions)
+            else:
+                for act in actions:
+                    self.execute(state, act)
         except BaseException:
             state.stash.clear()
             raise
         return self.finish(state)
+
+    def _run_ahead(self, state: StepState, actions: Sequence[ActionLike]) -> None:
+        """``execute`` each action, keeping the next receives posted before their actions run.
+
+        A receive posted late costs a round trip on some transports (gloo sends only once the
+        receiver has asked), and the sender cannot finish its message until then. Posting the
+        next few receives early hides that. They are posted in the order the actions read them,
+        the order the peer sends them in, so messages still pair up one to one.
+        """
+        per_action = [self.needs(act) if act.stage in self._wiring else [] for act in actions]
+        peers = {key.src for keys in per_action for key in keys}
+        depth = 2 * max(1, len(peers))  # receives kept posted beyond the running action's
+        ahead = state.ahead
+        for act, keys in zip(actions, per_action):
+            for key in keys:
+                s = key.dst
+                metas = (self._shaped(key.src, s, key.mb, state.mb_shapes) if key.kind == "act"
+                         else self._grad_shaped(s, key.src, key.mb, state.mb_shapes))
+                ahead.append((key, metas, self.stages[s].device))
+        done = 0  # receives read by the actions executed so far
+        for act, keys in zip(actions, per_action):
+            done += len(keys)
+            self._post(state, min(len(ahead), done + depth))
+            self.execute(state, act)
+
+    def _post(self, state: StepState, upto: int) -> None:
+        while state.posted < upto:
+            key, metas, device = state.ahead[state.posted]
+            self.transport.prefetch(key, metas, device)
+            state.posted += 1
 
     def start(
         self,
@@ -217,11 +300,11 @@ class Executor:
 
     def execute(self, state: StepState, act: ActionLike) -> None:
         """Run one action of this rank."""
-        kind = str(getattr(act.kind, "value", act.kind))
+        kind = act.kind if type(act.kind) is str else str(getattr(act.kind, "value", act.kind))
         s, mb = act.stage, act.mb
         if s not in self.stages:
             raise ValueError(f"rank {self.rank} was given action {s}{kind}{mb} for stage {s}, which it does not hold")
-        t0 = time.perf_counter()
+        t0 = time.perf_counter() if self.record else 0.0
         if kind == "F":
             target = state.targets[mb] if state.targets is not None else None
             st = self._forward(s, mb, state.inputs[mb], target, state.scales[mb], state.train,
@@ -257,14 +340,13 @@ class Executor:
 
     def needs(self, act: ActionLike) -> list[Key]:
         """The messages ``act`` waits for (to interleave several ranks in one thread)."""
-        kind = str(getattr(act.kind, "value", act.kind))
+        kind = act.kind if type(act.kind) is str else str(getattr(act.kind, "value", act.kind))
         s, mb = act.stage, act.mb
-        io = self.stages[s].io
+        w = self._wiring[s]
         if kind == "F":
-            return [Key(q, s, "act", mb) for q in sorted({v.producer for v in io.inputs if v.producer >= 0})]
+            return [Key(q, s, "act", mb) for q in w.producers]
         if kind in ("B", "I") and s < self.p - 1:
-            consumers = sorted({c for v in io.outputs if v.producer == s for c in v.consumers})
-            return [Key(c, s, "grad", mb) for c in consumers]
+            return [Key(c, s, "grad", mb) for c in w.consumers]
         return []
 
     # -- actions --------------------------------------------------------------------------
@@ -274,29 +356,30 @@ class Executor:
         result: RunResult, mb_shapes: Mapping[int, Mapping[str, tuple[int, ...]]] | None,
     ) -> _Stash:
         stage = self.stages[s]
+        w = self._wiring[s]
         received: dict[str, Any] = {}
-        for q in sorted({v.producer for v in stage.io.inputs if v.producer >= 0}):
-            vals = message_values(self.ios, q, s)
+        for q in w.producers:
             tensors = self.transport.recv(Key(q, s, "act", mb), self._shaped(q, s, mb, mb_shapes), stage.device)
-            for v, t in zip(vals, tensors):
-                if train and _is_float(v):
+            for v, grad, t in zip(w.recv_vals[q], w.recv_grad[q], tensors):
+                if train and grad:
                     t.requires_grad_(True)
                 received[v.name] = t
         args: list[Any] = []
-        for v in stage.io.inputs:
-            if v.producer < 0:
-                if v.name not in inputs:
-                    raise KeyError(f"stage {s} reads graph input {v.name!r}, which was not given")
-                x = inputs[v.name]
+        for name, graph_input in w.args:
+            if graph_input:
+                if name not in inputs:
+                    raise KeyError(f"stage {s} reads graph input {name!r}, which was not given")
+                x = inputs[name]
                 args.append(x.to(stage.device) if isinstance(x, torch.Tensor) else x)
             else:
-                args.append(received[v.name])
-        with torch.set_grad_enabled(train):
+                args.append(received[name])
+        if torch.is_grad_enabled() == train:
             outputs = stage.module(*args)
-        for c in sorted({c for v in stage.io.outputs if v.producer == s for c in v.consumers}):
-            vals = message_values(self.ios, s, c)
-            idx = {v.name: i for i, v in enumerate(stage.io.outputs)}
-            self.transport.send(Key(s, c, "act", mb), [outputs[idx[v.name]] for v in vals])
+        else:
+            with torch.set_grad_enabled(train):
+                outputs = stage.module(*args)
+        for c in w.consumers:
+            self.transport.send(Key(s, c, "act", mb), [outputs[i] for i in w.send_idx[c]])
         st = _Stash(args, outputs)
         if s == self.p - 1:
             flat = tuple(decode_value(v, t) for v, t in zip(stage.io.outputs, outputs))
@@ -321,12 +404,11 @@ class Executor:
                 raise RuntimeError("the last stage has no loss to backpropagate: give the trainer a loss_fn")
             roots, grads = [st.loss], [None]
         else:
+            w = self._wiring[s]
             acc: dict[str, torch.Tensor] = {}
-            for c in sorted({c for v in stage.io.outputs if v.producer == s for c in v.consumers}):
-                vals = [v for v in message_values(self.ios, s, c) if _is_float(v)]
-                metas = [mt for v, mt in zip(message_values(self.ios, s, c), self._shaped(s, c, mb, mb_shapes)) if _is_float(v)]
-                got = self.transport.recv(Key(c, s, "grad", mb), metas, stage.device)
-                for v, g in zip(vals, got):
+            for c in w.consumers:
+                got = self.transport.recv(Key(c, s, "grad", mb), self._grad_shaped(s, c, mb, mb_shapes), stage.device)
+                for v, g in zip(w.grad_vals[c], got):
                     acc[v.name] = acc[v.name] + g if v.name in acc else g
             for v, out in zip(stage.io.outputs, st.outputs):
                 if v.name in acc and isinstance(out, torch.Tensor) and out.requires_grad:
@@ -363,14 +445,11 @@ class Executor:
         st.args, st.outputs, st.loss = [], (), None
 
     def _send_input_grads(self, s: int, mb: int, st: _Stash) -> None:
-        stage = self.stages[s]
-        by_name = {v.name: a for v, a in zip(stage.io.inputs, st.args)}
-        for q in sorted({v.producer for v in stage.io.inputs if v.producer >= 0}):
+        w = self._wiring[s]
+        for q in w.producers:
             out = []
-            for v in message_values(self.ios, q, s):
-                if not _is_float(v):
-                    continue
-                a = by_name[v.name]
+            for i in w.grad_args[q]:
+                a = st.args[i]
                 g = a.grad if isinstance(a, torch.Tensor) else None
                 out.append(g if g is not None else torch.zeros_like(a))
             self.transport.send(Key(s, q, "grad", mb), out)
@@ -384,6 +463,15 @@ class Executor:
         shapes = mb_shapes[mb]
         vals = message_values(self.ios, src, dst)
         return [TensorMeta(shapes.get(v.name, mt.shape), mt.dtype) for v, mt in zip(vals, metas)]
+
+    def _grad_shaped(
+        self, src: int, dst: int, mb: int, mb_shapes: Mapping[int, Mapping[str, tuple[int, ...]]] | None
+    ) -> list[TensorMeta]:
+        """Metas of the gradients ``dst`` returns for the message ``src`` -> ``dst``."""
+        if not mb_shapes or mb not in mb_shapes:
+            return self._grad_metas[(src, dst)]
+        mask = self._wiring[src].grad_mask[dst]
+        return [mt for mt, f in zip(self._shaped(src, dst, mb, mb_shapes), mask) if f]
 
 
 def _dtype(name: str) -> torch.dtype:

@@ -10,7 +10,9 @@ Both transports have the same contract, so the executor runs unchanged over eith
   ``TransportTimeout`` naming what it waited for;
 * the distributed transport needs no handshake: shapes and dtypes come from the plan, and
   messages between two ranks match in the order they were posted, so every pair of ranks must
-  post its sends and receives in the same order (the schedules guarantee this).
+  post its sends and receives in the same order (the schedules guarantee this);
+* a transport may ask for receives ahead of time (``posts_receives``): the executor then calls
+  ``prefetch`` for the next few messages, in the order it will ``recv`` them.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -63,6 +66,8 @@ class Transport(ABC):
     """Moves tensor messages between stages; see the module docstring for the contract."""
 
     timeout: float
+    #: Whether receives posted ahead of time (``prefetch``) make this transport faster.
+    posts_receives: bool = False
 
     @abstractmethod
     def send(self, key: Key, tensors: Sequence[torch.Tensor]) -> None:
@@ -71,6 +76,13 @@ class Transport(ABC):
     @abstractmethod
     def recv(self, key: Key, metas: Sequence[TensorMeta], device: torch.device) -> list[torch.Tensor]:
         """Wait for a message and return its tensors on ``device``."""
+
+    def prefetch(self, key: Key, metas: Sequence[TensorMeta], device: torch.device) -> None:
+        """Post the receive of ``key`` now; the later ``recv(key)`` waits for it.
+
+        Prefetches must come in the order the ``recv`` calls will, per peer. The default does
+        nothing (the message is received when asked for).
+        """
 
     def wait_sends(self) -> None:
         """Block until every posted send has completed (called at the end of a step)."""
@@ -141,9 +153,15 @@ class LocalTransport(Transport):
 class DistTransport(Transport):
     """Point-to-point over torch.distributed (gloo on CPU, NCCL on GPUs), one rank per stage group.
 
-    Sends and receives are posted with ``batch_isend_irecv``; receive buffers are allocated from
-    the plan's shapes, so no per-step metadata exchange is needed. Every wait is bounded by
-    ``timeout``.
+    Messages are posted as ``isend`` / ``irecv`` per tensor (NCCL: one ``batch_isend_irecv`` per
+    message); receive buffers are allocated from the plan's shapes, so no per-step metadata
+    exchange is needed. Every wait is bounded by ``timeout``.
+
+    On gloo, receives are posted ahead of time (``posts_receives``): gloo only sends a message
+    once the receiver has asked for it, and a message posted before its receive arrives about
+    2 ms later than one whose receive was already waiting (32 KiB and up, loopback). NCCL runs
+    the point-to-point operations between two ranks one after another on one stream, so an
+    early receive there would hold back every later send to that peer: it posts on demand.
 
     Args:
         stage_to_rank: rank of every stage.
@@ -163,28 +181,52 @@ class DistTransport(Transport):
         self.timeout = timeout
         self.group = group
         self.rank = dist.get_rank(group)
-        self._sends: list[tuple[Key, list[dist.Work], list[torch.Tensor]]] = []
+        self.posts_receives = dist.get_backend(group) == "gloo"
+        self._batched = not self.posts_receives  # NCCL: a message's tensors as one group
+        self._peers = tuple(
+            rank if group is None else dist.get_global_rank(group, rank) for rank in self.stage_to_rank
+        )
+        self._wait_for = timedelta(seconds=timeout)
+        self._sends: deque[tuple[Key, list[dist.Work], list[torch.Tensor]]] = deque()
+        self._posted: dict[Key, tuple[list[dist.Work], list[torch.Tensor], int]] = {}
 
     def _peer(self, stage: int) -> int:
-        rank = self.stage_to_rank[stage]
-        return rank if self.group is None else dist.get_global_rank(self.group, rank)
+        return self._peers[stage]
 
     def send(self, key: Key, tensors: Sequence[torch.Tensor]) -> None:
-        peer = self._peer(key.dst)
+        peer = self._peers[key.dst]
         bufs = [t.detach().contiguous() for t in tensors]
-        ops = [dist.P2POp(dist.isend, t, peer, self.group) for t in bufs]
-        works = dist.batch_isend_irecv(ops) if ops else []
+        if self._batched:
+            ops = [dist.P2POp(dist.isend, t, peer, self.group) for t in bufs]
+            works = dist.batch_isend_irecv(ops) if ops else []
+        else:
+            works = [w for t in bufs if (w := dist.isend(t, peer, group=self.group)) is not None]
         self._sends.append((key, works, bufs))
         self._reap()
 
+    def prefetch(self, key: Key, metas: Sequence[TensorMeta], device: torch.device) -> None:
+        if key in self._posted:
+            raise RuntimeError(f"the receive of {key} was posted twice; the schedule is inconsistent")
+        self._posted[key] = self._post_recv(key, metas, device)
+
     def recv(self, key: Key, metas: Sequence[TensorMeta], device: torch.device) -> list[torch.Tensor]:
-        peer = self._peer(key.src)
-        bufs = [torch.empty(m.shape, dtype=m.dtype, device=device) for m in metas]
-        ops = [dist.P2POp(dist.irecv, t, peer, self.group) for t in bufs]
-        works = dist.batch_isend_irecv(ops) if ops else []
+        posted = self._posted.pop(key, None)
+        works, bufs, peer = posted if posted is not None else self._post_recv(key, metas, device)
         for w in works:
             self._wait(w, f"{key} (from rank {peer})")
         return bufs
+
+    def _post_recv(
+        self, key: Key, metas: Sequence[TensorMeta], device: torch.device
+    ) -> tuple[list[dist.Work], list[torch.Tensor], int]:
+        peer = self._peers[key.src]
+        bufs = [torch.empty(m.shape, dtype=m.dtype, device=device) for m in metas]
+        if self._batched:
+            ops = [dist.P2POp(dist.irecv, t, peer, self.group) for t in bufs]
+            works = dist.batch_isend_irecv(ops) if ops else []
+        else:
+            works = [w for t in bufs if (w := dist.irecv(t, peer, group=self.group)) is not None]
+        return works, bufs, peer
 
     def wait_sends(self) -> None:
         for key, works, _ in self._sends:
@@ -193,12 +235,15 @@ class DistTransport(Transport):
         self._sends.clear()
 
     def _reap(self) -> None:
-        # Drop references to sends that finished, so their buffers can be freed early.
-        self._sends = [entry for entry in self._sends if not all(w.is_completed() for w in entry[1])]
+        # Drop references to sends that finished, so their buffers can be freed early. Sends
+        # complete roughly in posting order, so looking at the oldest ones is enough.
+        sends = self._sends
+        while sends and all(w.is_completed() for w in sends[0][1]):
+            sends.popleft()
 
     def _wait(self, work: dist.Work, what: str) -> None:
         try:
-            ok = work.wait(timedelta(seconds=self.timeout))
+            ok = work.wait(self._wait_for)
         except RuntimeError as e:
             raise TransportTimeout(
                 f"rank {self.rank} gave up on {what} after {self.timeout:.0f} s ({e}); the peer failed, "
@@ -209,3 +254,4 @@ class DistTransport(Transport):
 
     def close(self) -> None:
         self._sends.clear()
+        self._posted.clear()

@@ -1,0 +1,108 @@
+"""The partitioning benchmarks run end to end on tiny configurations and write what they promise."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+pytest.importorskip("transformers")  # both scripts plan a GPT-2
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load(name: str) -> ModuleType:
+    """Import ``benchmarks/<name>.py`` (a script folder, not a package)."""
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", ROOT / "benchmarks" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def quality() -> ModuleType:
+    return _load("partition_quality")
+
+
+@pytest.fixture(scope="module")
+def scale() -> ModuleType:
+    return _load("plan_scale")
+
+
+def test_partition_quality_quick(quality: ModuleType, tmp_path: Path) -> None:
+    out = tmp_path / "pq.json"
+    argv = ["--quick", "--stages", "2,4", "--repeat", "1", "--out", str(out)]
+    assert quality.main(argv) == 0
+    data = json.loads(out.read_text())
+    assert data["benchmark"] == "partition_quality"
+    assert data["command"] == "python benchmarks/partition_quality.py " + " ".join(argv)
+    assert {"config", "env", "models", "results", "checks"} <= data.keys()
+    assert data["config"]["stages"] == [2, 4]
+    assert [m["model"] for m in data["models"]] == ["mlp", "gpt2", "resnet", "unet"]
+    for info in data["models"]:
+        assert {"trace_s", "cost_s", "partition_call_s", "nodes", "units", "params"} <= info.keys()
+        assert info["partition_call_stages"] == 2
+    rows = data["results"]
+    assert len(rows) == 4 * 2 * len(quality.METHODS)
+    for r in rows:
+        assert {"bottleneck_s", "lower_bound_s", "ratio_to_lower_bound", "ratio_to_exact", "bytes_cut",
+                "planning_s", "fits_memory", "splits"} <= r.keys()
+        assert r["bottleneck_s"] >= r["lower_bound_s"] * (1 - 1e-9)
+        assert len(r["boundary_bytes"]) == r["stages"] - 1
+        assert math.isclose(r["bytes_cut"], sum(r["boundary_bytes"]))
+    by = {(r["model"], r["stages"], r["method"]): r for r in rows}
+    for model, p, method in by:
+        exact = by[(model, p, "exact")]["bottleneck_s"]
+        assert by[(model, p, "exact+refine")]["bottleneck_s"] <= exact * (1 + 1e-9)
+        if method in quality.BASELINES and by[(model, p, method)]["fits_memory"]:
+            assert exact <= by[(model, p, method)]["bottleneck_s"] * (1 + 1e-9), (model, p, method)
+    for info in data["models"]:  # partition() keeps the better of exact and exact+refine
+        p0 = info["partition_call_stages"]
+        best = min(by[(info["model"], p0, m)]["bottleneck_s"] for m in ("exact", "exact+refine"))
+        assert math.isclose(info["partition_call_bottleneck_s"], best, rel_tol=1e-9)
+
+
+def test_partition_quality_raises_when_exact_loses(quality: ModuleType) -> None:
+    def row(method: str, bottleneck: float) -> dict[str, object]:
+        return {"model": "m", "stages": 2, "method": method, "bottleneck_s": bottleneck, "fits_memory": True}
+
+    results = {m: row(m, 2.0) for m in quality.METHODS}
+    quality._check_and_relate(results)  # ties are fine
+    assert results["equal_size"]["ratio_to_exact"] == 1.0
+    results["equal_count"] = row("equal_count", 1.0)
+    with pytest.raises(AssertionError, match="worse than equal_count"):
+        quality._check_and_relate(results)
+    results["equal_count"]["fits_memory"] = False  # a plan that does not fit proves nothing
+    quality._check_and_relate(results)
+
+
+def test_plan_scale_small_gpt2(scale: ModuleType, tmp_path: Path) -> None:
+    out = tmp_path / "ps.json"
+    argv = ["--quick", "--n-layer", "4", "--out", str(out)]
+    assert scale.main(argv) == 0
+    data = json.loads(out.read_text())
+    assert data["benchmark"] == "plan_scale"
+    assert data["command"] == "python benchmarks/plan_scale.py " + " ".join(argv)
+    cfg = data["config"]
+    assert (cfg["n_layer"], cfg["n_embd"], cfg["devices"], cfg["microbatches"]) == (4, 256, 4, 4)
+    assert {"build_s", "trace_s", "cost_s", "partition_call_s", "script_s"} <= data["times_s"].keys()
+    assert data["rss_gib"]["peak_gib"] > 0
+    assert set(data["cuts"]) == {"node", "module"}
+    for cut in data["cuts"].values():
+        assert cut["fits"] and len(cut["memory_gib"]) == 4
+        parts = ("build_graph_s", "group_units_s", "to_problem_s", "exact_s", "refine_s")
+        assert math.isclose(cut["partition_step_s"], sum(cut[k] for k in parts))
+        assert cut["bottleneck_s"] >= cut["lower_bound_s"] * (1 - 1e-9)
+    # The module cut is a node cut too, so the node cut is never worse.
+    assert data["cuts"]["node"]["bottleneck_s"] <= data["cuts"]["module"]["bottleneck_s"] * (1 + 1e-9)
+    call = data["partition_call"]
+    assert call["error"] is None and len(call["stages"]) == 4
+    assert math.isclose(call["bottleneck_s"], data["cuts"]["node"]["bottleneck_s"], rel_tol=1e-9)
+    assert [r["microbatches"] for r in data["sweep"]] == [2, 4, 8]
+    assert {"partition_call_s", "peak_rss_gib", "partition_step_s[node]", "partition_step_s[module]"} == set(data["targets"])
+    assert data["memory_model"]["inflight_per_stage"] == [4, 3, 2, 1]

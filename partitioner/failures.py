@@ -47,7 +47,10 @@ def user_frame(e: BaseException, skip: Collection[str] = ()) -> str:
 
 
 def trace_failure_message(
-    model: nn.Module, failures: list[tuple[str, BaseException]], method: str, skip: Collection[str] = ()
+    model: nn.Module,
+    failures: list[tuple[str, BaseException]],
+    method: str,
+    skip: Collection[str] = (),
 ) -> str:
     """What each tracer said, where in the user's code, and what to change (``TraceError``'s text).
 

@@ -2,26 +2,20 @@
 
 from __future__ import annotations
 
+from .comm import Op, Recv, Send, comm_plan
+from .generators import forward_only, gpipe, interleaved, one_f_one_b
 from .schedules import (
     Action,
     Kind,
-    Op,
-    Recv,
     Schedule,
     ScheduleError,
     ScheduleFormatError,
-    Send,
     UnknownScheduleError,
-    comm_plan,
-    format_grid,
-    forward_only,
     get_schedule,
-    gpipe,
-    one_f_one_b,
-    peak_inflight,
     schedule_names,
-    validate,
 )
+from .validation import format_grid, peak_inflight, peak_inflight_per_rank, validate
+from .zero_bubble import zbh1, zbv
 from .executor import ActionRecord, Executor, RunResult, StageRuntime
 from .launch import LaunchError, spawn
 from .trainer import MicrobatchError, PipelineTrainer, split_microbatches
@@ -57,8 +51,12 @@ __all__ = [
     "forward_only",
     "get_schedule",
     "gpipe",
+    "interleaved",
     "one_f_one_b",
     "peak_inflight",
+    "peak_inflight_per_rank",
     "schedule_names",
     "validate",
+    "zbh1",
+    "zbv",
 ]

@@ -24,7 +24,8 @@ from partitioner.errors import PipecutError
 from partitioner.plan import Plan
 
 from .executor import ActionRecord, Executor, RunResult, StageRuntime
-from .schedules import Schedule, get_schedule, validate
+from .schedules import Schedule, get_schedule
+from .validation import validate
 from .shapes import wire_shapes
 from .transport import DistTransport, LocalTransport, Transport
 

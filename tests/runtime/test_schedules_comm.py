@@ -1,0 +1,116 @@
+"""comm.py: the sends and receives a schedule implies run under the buffered and batched models.
+
+Legend: ``p`` ranks, ``m`` micro-batches, ``S`` stages, ``s`` a stage, ``r`` a rank, ``mb`` a
+micro-batch.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from schedule_cases import (
+    GRID,
+    TRAINING,
+    chain,
+    quick,
+    run_buffered,
+    run_rendezvous,
+    sched,
+    valid_schedules,
+)
+
+from runtime.comm import Recv, comm_plan
+from runtime.generators import gpipe, one_f_one_b
+from runtime.schedules import Action, Kind, Schedule, ScheduleError, get_schedule
+from runtime.validation import format_grid, peak_inflight, validate
+
+# -- the comm plan ---------------------------------------------------------------------------
+
+
+def test_comm_plan_of_gpipe_and_1f1b_receives_lazily_and_runs() -> None:
+    for name in ("gpipe", "1f1b", "forward"):
+        for p, m in GRID:
+            schedule = get_schedule(name, p, m)
+            skips = [
+                (s, t) for s in range(p) for t in range(s + 1, p) if t == s + 1 or (s + t) % 3 == 0
+            ]
+            for edges in (None, skips):
+                plans = comm_plan(schedule, edges=edges)
+                run_buffered(schedule, plans, edges or chain(p))
+                for (
+                    ops
+                ) in plans:  # the action right after each Recv (and its run of Recvs) reads it
+                    for i, op in enumerate(ops):
+                        if isinstance(op, Recv):
+                            reader = next(o for o in ops[i:] if isinstance(o, Action))
+                            assert (reader.stage, reader.mb) == (op.to_stage, op.mb), (
+                                name,
+                                p,
+                                m,
+                                op,
+                            )
+                            assert (reader.kind is Kind.FORWARD) == (op.kind is Kind.FORWARD)
+
+
+def test_comm_plan_batched_is_deadlock_free_where_naive_rendezvous_is_not() -> None:
+    for name in TRAINING:
+        for p, m in GRID:
+            assert run_rendezvous(comm_plan(get_schedule(name, p, m)), batched=True), (name, p, m)
+    # Without batching, 1F1B's crossing send-act / send-grad would hang on NCCL (large tensors).
+    assert not run_rendezvous(comm_plan(one_f_one_b(2, 4)), batched=False)
+    assert run_rendezvous(comm_plan(gpipe(2, 4)), batched=False)
+
+
+def test_comm_plan_receives_early_to_keep_pair_order() -> None:
+    schedule = sched("0F0 0F1 0B0 0B1", "1F1 1F0 1B0 1B1")
+    validate(schedule)
+    ops = comm_plan(schedule)[1]
+    assert [str(op) for op in ops[:4]] == [
+        "recv 0F0 for stage 1 from rank 0",
+        "recv 0F1 for stage 1 from rank 0",
+        "1F1",
+        "1F0",
+    ]
+    run_buffered(schedule, comm_plan(schedule), chain(2))
+
+
+def test_comm_plan_skips_stages_on_the_same_rank() -> None:
+    v_shape = sched("0F0 3F0 3B0 0B0", "1F0 2F0 2B0 1B0", placement=(0, 1, 1, 0))
+    plans = comm_plan(v_shape)
+    assert [str(op) for op in plans[1]] == [
+        "recv 0F0 for stage 1 from rank 0",
+        "1F0",
+        "2F0",
+        "send 2F0 to stage 3 on rank 0",
+        "recv 3B0 for stage 2 from rank 0",
+        "2B0",
+        "1B0",
+        "send 1B0 to stage 0 on rank 0",
+    ]
+    with pytest.raises(ScheduleError, match=r"edge \(2, 1\) does not go forward"):
+        comm_plan(v_shape, edges=[(2, 1)])
+    with pytest.raises(ScheduleError, match="deadlocks"):
+        comm_plan(sched("0B0 0F0"))
+
+
+@quick
+@given(valid_schedules(), st.randoms(use_true_random=False))
+def test_random_valid_schedules_run_under_the_comm_model(
+    schedule: Schedule, rnd: random.Random
+) -> None:
+    validate(schedule)
+    assert "[" not in format_grid(schedule)
+    S = schedule.num_stages
+    edges = sorted(
+        {(s, s + 1) for s in range(S - 1)}
+        | {(a, b) for a in range(S) for b in range(a + 2, S) if rnd.random() < 0.3}
+    )
+    run_buffered(schedule, comm_plan(schedule, edges=edges), edges)
+    peak = peak_inflight(schedule)
+    if schedule.forward_only:
+        assert peak == (0,) * S
+    else:
+        assert all(1 <= peak[s] <= schedule.num_microbatches for s in range(S))

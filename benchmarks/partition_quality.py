@@ -44,6 +44,7 @@ import math
 import os
 import platform
 import shlex
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -55,9 +56,8 @@ from rich.console import Console
 from rich.table import Table
 from torch import nn
 
-from partitioner import Cluster, partition
+from partitioner import Cluster, estimate, partition
 from partitioner import algorithms as alg
-from partitioner import estimate
 from partitioner.cost import cost_graph
 from partitioner.devices import DeviceSpec
 from partitioner.errors import InfeasibleMemoryError, PartitionError
@@ -66,7 +66,7 @@ from partitioner.split import split_graph
 from partitioner.trace import trace
 from partitioner.zoo import MLPChain, ResidualCNN, UNet, gpt2
 
-__all__ = ["main", "MODELS", "METHODS", "BASELINES"]
+__all__ = ["BASELINES", "METHODS", "MODELS", "main"]
 
 Built = tuple[nn.Module, tuple[torch.Tensor, ...]]
 
@@ -171,7 +171,7 @@ def _bench_model(name: str, args: argparse.Namespace, dtype: torch.dtype) -> tup
         results: dict[str, dict[str, Any]] = {}
         for method, fn in METHODS.items():
             try:
-                part, secs = _best_of(lambda fn=fn: fn(problem), args.repeat)  # type: ignore[misc]
+                part, secs = _best_of(lambda fn=fn, pb=problem: fn(pb), args.repeat)  # type: ignore[misc]
             except InfeasibleMemoryError as e:  # only exact raises: no contiguous cut fits
                 results[method] = {"model": name, "stages": p, "method": method, "error": str(e)}
                 continue
@@ -289,6 +289,18 @@ def _print(console: Console, header: str, infos: list[dict[str, Any]], rows: lis
     console.print(mt)
 
 
+def _git() -> dict[str, Any]:
+    """The commit the library was at, and whether partitioner/ had uncommitted edits."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "partitioner"], cwd=root, capture_output=True,
+                               text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return {}
+    return {"commit": head.stdout.strip(), "partitioner_dirty": bool(dirty.stdout.strip())}
+
+
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
@@ -344,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
             "quick": args.quick, "methods": list(METHODS),
         },
         "env": {"torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
-                "threads": torch.get_num_threads(), "machine": platform.machine(),
+                "threads": torch.get_num_threads(), "machine": platform.machine(), "git": _git(),
                 "wall_s": time.perf_counter() - t_start},
         "models": infos,
         "results": rows,

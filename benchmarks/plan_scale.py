@@ -36,6 +36,7 @@ import os
 import platform
 import resource
 import shlex
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -45,9 +46,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from partitioner import Cluster, partition
+from partitioner import Cluster, estimate, partition
 from partitioner import algorithms as alg
-from partitioner import estimate
 from partitioner.cost import cost_graph
 from partitioner.devices import DeviceSpec
 from partitioner.errors import InfeasibleMemoryError, PartitionError
@@ -55,7 +55,7 @@ from partitioner.graph import build_graph, group_units, to_problem
 from partitioner.trace import trace
 from partitioner.zoo import gpt2
 
-__all__ = ["main", "TARGETS"]
+__all__ = ["TARGETS", "main"]
 
 _GIB = 2**30
 # name -> (limit, unit): what this benchmark promises on a 2-core machine.
@@ -69,6 +69,18 @@ def _rss_gib() -> float:
     """Peak resident set size of this process so far (Linux reports KiB, macOS bytes)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / _GIB if sys.platform == "darwin" else peak * 1024 / _GIB
+
+
+def _git() -> dict[str, Any]:
+    """The commit the library was at, and whether partitioner/ had uncommitted edits."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "partitioner"], cwd=root, capture_output=True,
+                               text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return {}
+    return {"commit": head.stdout.strip(), "partitioner_dirty": bool(dirty.stdout.strip())}
 
 
 def _ints(text: str) -> list[int]:
@@ -332,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
             "state_bytes_per_param": args.state_bytes_per_param, "granularity": grans, "quick": args.quick,
         },
         "env": {"torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
-                "threads": torch.get_num_threads(), "machine": platform.machine()},
+                "threads": torch.get_num_threads(), "machine": platform.machine(), "git": _git()},
         "graph": {"trace_method": traced.method, "compute_nodes": g.number_of_nodes(), "costed_nodes": len(costs)},
         "times_s": times,
         "rss_gib": rss,

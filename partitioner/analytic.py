@@ -90,6 +90,7 @@ class Coster:
         self.calls: dict[str, tuple[Any, Prepared]] = {}  # node name -> (cache key, call)
 
     def run(self) -> dict[str, NodeCost]:
+        """Node name -> ``NodeCost`` for every compute node, in graph order (no measured times)."""
         costs: dict[str, NodeCost] = {}
         for node in self.gm.graph.nodes:
             if node.op in ("placeholder", "get_attr"):

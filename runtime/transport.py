@@ -157,6 +157,9 @@ class DistTransport(Transport):
     message); receive buffers are allocated from the plan's shapes, so no per-step metadata
     exchange is needed. Every wait is bounded by ``timeout``.
 
+    A message between two stages of this rank (interleaved and V-shaped placements) does not
+    touch the network: it is handed over in process, as by ``LocalTransport``.
+
     On gloo, receives are posted ahead of time (``posts_receives``): gloo only sends a message
     once the receiver has asked for it, and a message posted before its receive arrives about
     2 ms later than one whose receive was already waiting (32 KiB and up, loopback). NCCL runs
@@ -181,6 +184,7 @@ class DistTransport(Transport):
         self.timeout = timeout
         self.group = group
         self.rank = dist.get_rank(group)
+        self._me = dist.get_rank()
         self.posts_receives = dist.get_backend(group) == "gloo"
         self._batched = not self.posts_receives  # NCCL: a message's tensors as one group
         self._peers = tuple(
@@ -189,12 +193,18 @@ class DistTransport(Transport):
         self._wait_for = timedelta(seconds=timeout)
         self._sends: deque[tuple[Key, list[dist.Work], list[torch.Tensor]]] = deque()
         self._posted: dict[Key, tuple[list[dist.Work], list[torch.Tensor], int]] = {}
+        self._own: dict[Key, list[torch.Tensor]] = {}  # messages between stages of this rank
 
     def _peer(self, stage: int) -> int:
         return self._peers[stage]
 
     def send(self, key: Key, tensors: Sequence[torch.Tensor]) -> None:
         peer = self._peers[key.dst]
+        if peer == self._me:
+            if key in self._own:
+                raise RuntimeError(f"{key} was sent twice without being received; the schedule is inconsistent")
+            self._own[key] = [t.detach() for t in tensors]
+            return
         bufs = [t.detach().contiguous() for t in tensors]
         if self._batched:
             ops = [dist.P2POp(dist.isend, t, peer, self.group) for t in bufs]
@@ -205,11 +215,20 @@ class DistTransport(Transport):
         self._reap()
 
     def prefetch(self, key: Key, metas: Sequence[TensorMeta], device: torch.device) -> None:
+        if self._peers[key.src] == self._me:
+            return
         if key in self._posted:
             raise RuntimeError(f"the receive of {key} was posted twice; the schedule is inconsistent")
         self._posted[key] = self._post_recv(key, metas, device)
 
     def recv(self, key: Key, metas: Sequence[TensorMeta], device: torch.device) -> list[torch.Tensor]:
+        if self._peers[key.src] == self._me:
+            if key not in self._own:
+                raise RuntimeError(
+                    f"rank {self.rank} reads {key} before running the action that makes it; "
+                    "the schedule's order on this rank is inconsistent"
+                )
+            return [t.to(device) for t in self._own.pop(key)]
         posted = self._posted.pop(key, None)
         works, bufs, peer = posted if posted is not None else self._post_recv(key, metas, device)
         for w in works:
@@ -255,3 +274,4 @@ class DistTransport(Transport):
     def close(self) -> None:
         self._sends.clear()
         self._posted.clear()
+        self._own.clear()

@@ -16,8 +16,10 @@ them alike:
 * ``pipecut <schedule> dist``: ``PipelineTrainer(transport='dist')``, one stage per process;
 * ``torch <schedule>``: ``torch.distributed.pipelining`` ``ScheduleGPipe`` / ``Schedule1F1B``
   over ``PipelineStage``s built from the same two halves of the same model (parameter names
-  kept), static shapes, ``return_outputs=False``, and its default gradient scaling by ``1/m``
-  (pipecut scales each micro-batch's loss by ``1/m`` instead: the same gradients);
+  kept), ``return_outputs=False``, and its default gradient scaling (every gradient divided by
+  ``m`` after the last backward);
+* ``torch <schedule> loss/m``: the same with ``scale_grads=False`` and each micro-batch's loss
+  times ``1/m``, which is exactly pipecut's arithmetic (no pass over the gradients);
 * ``single ...``: the whole model in rank 0, one thread, micro-batch accumulation (the same
   micro-batches) and full batch; rank 1 idles in a barrier;
 * ``pipecut <schedule> local`` / ``sequential``: both stages in rank 0, one thread per stage vs
@@ -34,12 +36,14 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import os
 import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -93,17 +97,23 @@ def _pipecut(model: nn.Module, cfg: dict[str, Any], schedule: str, transport: st
     return PipelineTrainer(plan, nn.functional.mse_loss, None, schedule=schedule, transport=transport)
 
 
-def _torch_schedule(model: MLPChain, cfg: dict[str, Any], schedule: str, rank: int) -> tuple[nn.Module, Any]:
+def _torch_schedule(model: MLPChain, cfg: dict[str, Any], schedule: str, rank: int, *, scale_loss: bool) -> tuple[nn.Module, Any]:
+    """torch's schedule for this rank's half; ``scale_loss``: loss / m instead of grads / m."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    mb = cfg["batch"] // cfg["microbatches"]
+    m = cfg["microbatches"]
     cut = cfg["layers"] // 2
     lo, hi = (0, cut) if rank == 0 else (cut, cfg["layers"])
     half = _Half(copy.deepcopy(model), lo, hi)
-    example = torch.zeros(mb, cfg["width"])
     stage = PipelineStage(half, rank, 2, torch.device("cpu"))
     cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
-    return half, cls(stage, cfg["microbatches"], loss_fn=nn.functional.mse_loss)
+    if scale_loss:  # the same arithmetic as pipecut's: each micro-batch's loss times 1/m
+        return half, cls(stage, m, loss_fn=functools.partial(_scaled_mse, 1.0 / m), scale_grads=False)
+    return half, cls(stage, m, loss_fn=nn.functional.mse_loss)  # torch's default: grads / m at the end
+
+
+def _scaled_mse(scale: float, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(out, target) * scale
 
 
 def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None:
@@ -112,24 +122,21 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
     x, y = _data(cfg)
     m = cfg["microbatches"]
     xs, ys = x.chunk(m), y.chunk(m)
-
-    trainers = {s: _pipecut(model, cfg, s, "dist") for s in SCHEDULES}
-    torchs = {s: _torch_schedule(model, cfg, s, rank) for s in SCHEDULES}
-    local = {(s, t): _pipecut(model, cfg, s, t) for s in SCHEDULES for t in ("local", "sequential")} if rank == 0 else {}
     single = copy.deepcopy(model)
 
     def run_pipecut(tr: PipelineTrainer) -> torch.Tensor:
         tr.zero_grad()
         return tr.forward_backward(x, y)
 
-    def run_torch(half: nn.Module, sched: Any) -> torch.Tensor | None:
+    def run_torch(half: nn.Module, sched: Any, scale_loss: bool) -> torch.Tensor | None:
         half.zero_grad(set_to_none=True)
         if rank == 0:
             sched.step(x, return_outputs=False)
             return None
         losses: list[torch.Tensor] = []
         sched.step(target=y, losses=losses, return_outputs=False)
-        return torch.stack(losses).mean().detach()
+        total = torch.stack(losses).detach()
+        return total.sum() if scale_loss else total.mean()
 
     def run_single_accum() -> torch.Tensor:
         single.zero_grad(set_to_none=True)
@@ -146,26 +153,33 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
         loss.backward()
         return loss.detach()
 
-    # (name, runs on both ranks?, callable)
-    configs: list[tuple[str, bool, Any]] = []
+    # name -> (runs on both ranks?, step function, the parameters it trains on this rank)
+    configs: dict[str, tuple[bool, Callable[[], torch.Tensor | None], Callable[[], Any]]] = {}
     for s in SCHEDULES:
-        configs.append((f"pipecut {s} dist", True, lambda tr=trainers[s]: run_pipecut(tr)))
-        configs.append((f"torch {s}", True, lambda hs=torchs[s]: run_torch(*hs)))
-    configs.append(("single micro-batched", False, run_single_accum))
-    configs.append(("single full-batch", False, run_single_full))
+        tr = _pipecut(model, cfg, s, "dist")
+        configs[f"pipecut {s} dist"] = (True, functools.partial(run_pipecut, tr), tr.named_parameters)
+        for scale_loss, label in ((False, ""), (True, " loss/m")):
+            half, sched = _torch_schedule(model, cfg, s, rank, scale_loss=scale_loss)
+            configs[f"torch {s}{label}"] = (True, functools.partial(run_torch, half, sched, scale_loss), half.named_parameters)
+    configs["single micro-batched"] = (False, run_single_accum, single.named_parameters)
+    configs["single full-batch"] = (False, run_single_full, single.named_parameters)
     for s in SCHEDULES:
         for t in ("local", "sequential"):
-            configs.append((f"pipecut {s} {t}", False, lambda tr=local.get((s, t)): run_pipecut(tr) if tr else None))
+            if rank == 0:  # rank 1 only waits in the barriers
+                tr = _pipecut(model, cfg, s, t)
+                configs[f"pipecut {s} {t}"] = (False, functools.partial(run_pipecut, tr), tr.named_parameters)
+            else:
+                configs[f"pipecut {s} {t}"] = (False, lambda: None, lambda: iter(()))
 
-    checks = _check(rank, cfg, configs, trainers, torchs, local, single)
-    if cfg["only"]:
-        configs = [c for c in configs if any(word in c[0] for word in cfg["only"])]
+    checks = _check(rank, configs, single, run_single_full)
+    names = [n for n in configs if not cfg["only"] or any(word in n for word in cfg["only"])]
 
-    times: dict[str, list[float]] = {name: [] for name, _, _ in configs}
-    n = len(configs)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    n = len(names)
     for rnd in range(cfg["warmup"] + cfg["steps"]):
         for k in range(n):
-            name, both, fn = configs[(rnd + k) % n]
+            name = names[(rnd + k) % n]  # rotate the order: no configuration always runs first
+            both, fn, _ = configs[name]
             dist.barrier()
             t0 = time.perf_counter()
             if both or rank == 0:
@@ -177,35 +191,27 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
 
 
 def _check(
-    rank: int, cfg: dict[str, Any], configs: list[tuple[str, bool, Any]], trainers: dict[str, PipelineTrainer],
-    torchs: dict[str, tuple[nn.Module, Any]], local: dict[tuple[str, str], PipelineTrainer], single: nn.Module,
+    rank: int, configs: dict[str, tuple[bool, Callable[[], torch.Tensor | None], Callable[[], Any]]],
+    single: nn.Module, run_single_full: Callable[[], torch.Tensor],
 ) -> dict[str, Any]:
     """Loss and every gradient of each configuration equal the single-process model's (same batch)."""
-    fns = {name: (both, fn) for name, both, fn in configs}
-    want_loss = fns["single full-batch"][1]()
-    want = {n: p.grad.clone() for n, p in single.named_parameters()}
+    want_loss = run_single_full()
+    want = {n: p.grad.clone() for n, p in single.named_parameters() if p.grad is not None}
     out: dict[str, Any] = {}
-
-    def compare(name: str, loss: torch.Tensor | None, params: Any) -> None:
+    for name, (both, fn, params) in configs.items():
+        if not both and rank != 0:
+            continue
+        loss = fn()
         worst = 0.0
-        for pname, prm in params:
+        for pname, prm in params():
             assert prm.grad is not None, f"{name}: {pname} has no gradient"
-            torch.testing.assert_close(prm.grad, want[pname], **TOL, msg=lambda s: f"{name} {pname}: {s}")
+            torch.testing.assert_close(prm.grad, want[pname], **TOL, msg=f"{name}: gradient of {pname} differs")
             worst = max(worst, (prm.grad - want[pname]).abs().max().item())
         if loss is not None:
-            torch.testing.assert_close(loss, want_loss, **TOL)
+            torch.testing.assert_close(loss, want_loss, **TOL, msg=f"{name}: loss differs")
         out[name] = {"max_abs_grad_diff": worst, "loss": None if loss is None else float(loss)}
-
-    for s in SCHEDULES:
-        compare(f"pipecut {s} dist", fns[f"pipecut {s} dist"][1](), trainers[s].named_parameters())
-        half, _ = torchs[s]
-        compare(f"torch {s}", fns[f"torch {s}"][1](), half.named_parameters())
-    loss = fns["single micro-batched"][1]()
-    compare("single micro-batched", loss, single.named_parameters())
-    for (s, t), tr in local.items():
-        compare(f"pipecut {s} {t}", fns[f"pipecut {s} {t}"][1](), tr.named_parameters())
     dist.barrier()
-    return {"rank0": out} if rank == 0 else {}
+    return out
 
 
 def _summary(times: dict[str, list[float]]) -> dict[str, dict[str, float]]:
@@ -222,6 +228,7 @@ def _ratios(med: dict[str, float]) -> dict[str, float]:
     for s in SCHEDULES:
         pairs = [
             ("pipecut throughput / torch throughput", f"torch {s}", f"pipecut {s} dist"),
+            ("pipecut throughput / torch (loss/m) throughput", f"torch {s} loss/m", f"pipecut {s} dist"),
             ("speedup of pipecut dist over single micro-batched", "single micro-batched", f"pipecut {s} dist"),
             ("speedup of pipecut dist over single full-batch", "single full-batch", f"pipecut {s} dist"),
             ("speedup of torch over single micro-batched", "single micro-batched", f"torch {s}"),
@@ -275,6 +282,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg = {k: getattr(args, k) for k in ("steps", "warmup", "width", "layers", "batch", "microbatches", "only")}
 
     t0 = time.time()
+    load_before = os.getloadavg()
+    if load_before[0] > (os.cpu_count() or 1):
+        print(f"note: load average {load_before[0]:.1f} on {os.cpu_count()} CPUs; other work competes with "
+              "the two pipeline processes, which slows the pipelined configurations most")
     rank0 = spawn(_worker, 2, cfg, timeout=args.timeout, threads=1)[0]
     summary = _summary(rank0["times"])
     ratios = _ratios({k: v["median_ms"] for k, v in summary.items()})
@@ -285,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": {**cfg, "micro_batch_size": cfg["batch"] // cfg["microbatches"], "split_at": f"layers.{cfg['layers'] // 2}",
                    "processes": 2, "threads_per_process": 1, "loss": "mse", "optimizer": None},
         "env": {"torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
-                "load_avg_after": os.getloadavg(), "machine": platform.machine(), "wall_s": time.time() - t0},
+                "load_avg_before": load_before, "load_avg_after": os.getloadavg(), "machine": platform.machine(), "wall_s": time.time() - t0},
         "results": summary,
         "ratios": ratios,
         "checks": rank0["checks"],

@@ -14,6 +14,17 @@ from .schedules import (
     get_schedule,
     schedule_names,
 )
+from .simulate import Link, Simulation, SimulationError, StageCosts, simulate
+from .timeline import (
+    Message,
+    Span,
+    Timeline,
+    TimelineError,
+    from_records,
+    save_chrome_trace,
+    save_gantt_png,
+    to_chrome_trace,
+)
 from .validation import format_grid, peak_inflight, peak_inflight_per_rank, validate
 from .zero_bubble import zbh1, zbv
 from .executor import ActionRecord, Executor, RunResult, StageRuntime
@@ -59,4 +70,17 @@ __all__ = [
     "validate",
     "zbh1",
     "zbv",
+    "Link",
+    "Simulation",
+    "SimulationError",
+    "StageCosts",
+    "simulate",
+    "Message",
+    "Span",
+    "Timeline",
+    "TimelineError",
+    "from_records",
+    "save_chrome_trace",
+    "save_gantt_png",
+    "to_chrome_trace",
 ]

@@ -31,7 +31,7 @@ from runtime.schedules import (
 from runtime.zero_bubble import zbh1, zbv
 
 # The pure modules: plain data in, plain data out; no torch, no third-party imports.
-PURE = ("schedules", "generators", "zero_bubble", "validation", "comm")
+PURE = ("schedules", "generators", "zero_bubble", "validation", "comm", "simulate", "timeline")
 STDLIB = {
     "__future__",
     "collections",

@@ -16,7 +16,7 @@ from . import estimate
 from .cost import cost_graph, node_time
 from .devices import Cluster
 from .errors import SplitPointError, TooManyStagesError
-from .graph import Unit, build_graph, group_units, layer_depth, module_range, to_problem
+from .graph import Unit, build_graph, canonical_names, group_units, layer_depth, module_range, to_problem
 from .plan import Plan, Prediction, StagePlan, _Binding, _persistent_names
 from .split import split_graph
 from .trace import trace
@@ -86,8 +86,10 @@ def partition(
         >>> from partitioner import partition, Cluster
         >>> m = nn.Sequential(*[nn.Linear(32, 32) for _ in range(6)])
         >>> plan = partition(m, (torch.randn(8, 32),), 3, cluster=Cluster.uniform(3, "cpu"))
-        >>> [len(st.nodes) for st in plan.stages]
-        [2, 2, 2]
+        >>> len(plan.stages), sum(len(st.nodes) for st in plan.stages)
+        (3, 6)
+        >>> plan.bottleneck >= plan.lower_bound
+        True
     """
     if split_points is not None:
         method = "manual"
@@ -127,7 +129,8 @@ def partition(
     numel = {name: prm.numel() for name, prm in traced.gm.named_parameters(remove_duplicate=False)}
     held = estimate.inflight(schedule, p, microbatches)
     problem = to_problem(
-        g, units, cluster, inflight=held, param_numel=numel, state_bytes_per_param=state_bytes_per_param
+        g, units, cluster, inflight=held, param_numel=numel, state_bytes_per_param=state_bytes_per_param,
+        param_aliases=traced.param_aliases,
     )
     if method == "manual":
         part = alg.manual(problem, _cuts_for(split_points or (), units, g))
@@ -167,6 +170,7 @@ def _make_plan(
     # layer_depth only looks at distinct paths; a 175B GPT-2 has ~4k nodes but ~1k paths.
     depth = layer_depth(list(dict.fromkeys(g.nodes[v]["module"] for v in g.nodes)))
     # Every stage's nodes in one pass over the units (not one pass per stage: p x n at scale).
+    canon = canonical_names(traced.param_aliases)
     by_stage: list[list[str]] = [[] for _ in range(p)]
     for u in units:
         by_stage[assignment[u.index]].extend(u.nodes)
@@ -176,7 +180,7 @@ def _make_plan(
         nodes.sort(key=lambda v: g.nodes[v]["order"])
         dev = cluster.devices[s]
         costs = [g.nodes[v]["cost"] for v in nodes]
-        names = {name for c in costs for name in c.param_names}
+        names = {canon.get(name, name) for c in costs for name in c.param_names}
         params = sum(numel.get(name, 0) for name in names)
         memory = (
             params * state_bytes_per_param

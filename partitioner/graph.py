@@ -16,9 +16,10 @@ import torch.fx as fx
 from .algorithms.problem import GRAPH_INPUT, Problem, Tensor
 from .cost import NodeCost, node_time
 from .devices import Cluster, DeviceSpec
+from .split import wire_form
 from .fxutil import COMPUTE_OPS, flat_outputs
 
-__all__ = ["Unit", "build_graph", "layer_depth", "group_units", "to_problem", "module_range"]
+__all__ = ["Unit", "build_graph", "layer_depth", "group_units", "to_problem", "module_range", "canonical_names"]
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,10 @@ def build_graph(
     order = 0
     for node in gm.graph.nodes:
         if node.op in COMPUTE_OPS:
-            g.add_node(node.name, cost=costs[node.name], module=module_path(node), order=order)
+            g.add_node(
+                node.name, cost=costs[node.name], module=module_path(node), order=order,
+                crossable=wire_form(node) is not None,
+            )
             order += 1
     inputs: dict[str, tuple[tuple[str, ...], int]] = {}
     for node in gm.graph.nodes:
@@ -145,6 +149,7 @@ def to_problem(
     inflight: Sequence[int],
     param_numel: Mapping[str, int],
     state_bytes_per_param: float = 16.0,
+    param_aliases: Mapping[str, Sequence[str]] | None = None,
 ) -> Problem:
     """Reduce the costed graph to the plain-data ``Problem`` the algorithms solve.
 
@@ -156,21 +161,29 @@ def to_problem(
         param_numel: element count of every parameter by name.
         state_bytes_per_param: training-state bytes per parameter element (weights + grads +
             optimizer; Adam in fp32 is 4 + 4 + 8 = 16).
+        param_aliases: every name of a tensor known under several (tied weights), so that its
+            names count as one parameter.
     """
+    canon = canonical_names(param_aliases or {})
     unit_of = {v: u.index for u in units for v in u.nodes}
     n = len(units)
-    owned: set[str] = set()
+    depth = layer_depth(sorted({u.module for u in units}))
+    owned: set[tuple[str, str]] = set()
     state = [0.0] * n
     counts = [0.0] * n
     act = [0.0] * n
     for u in units:
+        layer = _truncate(u.module, depth)
         for v in u.nodes:
             c: NodeCost = g.nodes[v]["cost"]
             act[u.index] += c.saved_bytes
             state[u.index] += c.buffer_bytes
             for name in c.param_names:
-                if name not in owned:  # a parameter is owned by its first user (tied ones too)
-                    owned.add(name)
+                name = canon.get(name, name)
+                # A parameter is charged to its first user in each layer that reads it: once for
+                # an ordinary weight, on both ends for a tied embedding (each holder keeps a copy).
+                if (name, layer) not in owned:
+                    owned.add((name, layer))
                     state[u.index] += param_numel.get(name, 0) * state_bytes_per_param
                     counts[u.index] += param_numel.get(name, 0)
     # One row per distinct device spec: a uniform cluster of 64 prices each node once, not 64 times.
@@ -204,9 +217,47 @@ def to_problem(
         inflight=tuple(inflight),
         link_bandwidth=tuple(cluster.link_bandwidth),
         link_latency=tuple(cluster.link_latency),
+        cuts=_allowed_cuts(g, units, unit_of),
         names=tuple(u.module + ":" + u.nodes[0] if u.module else u.nodes[0] for u in units),
         param_counts=tuple(counts),
     )
+
+
+def canonical_names(aliases: Mapping[str, Sequence[str]]) -> dict[str, str]:
+    """Every alias of a tied tensor -> one name for it (the smallest), so its names count once.
+
+    Example:
+        >>> canonical_names({"head.weight": ("head.weight", "emb.weight")})
+        {'head.weight': 'emb.weight', 'emb.weight': 'emb.weight'}
+    """
+    out: dict[str, str] = {}
+    for name, names in aliases.items():
+        first = min((name, *names))
+        for n in (name, *names):
+            out[n] = min(first, out.get(n, first))
+    return out
+
+
+def _allowed_cuts(g: nx.DiGraph, units: Sequence[Unit], unit_of: Mapping[str, int]) -> tuple[int, ...] | None:
+    """Cut positions no uncrossable value (a list of tensors, say) spans; None when all are allowed."""
+    n = len(units)
+    span = [0] * (n + 1)
+    for v in g.nodes:
+        if g.nodes[v]["crossable"]:
+            continue
+        i = unit_of[v]
+        last = max((unit_of[w] for w in g.successors(v)), default=i)
+        if last > i:  # cuts i+1 .. last would separate the value from a reader
+            span[i + 1] += 1
+            span[last + 1] -= 1
+    if not any(span):
+        return None
+    allowed, open_spans = [], 0
+    for k in range(1, n):
+        open_spans += span[k]
+        if open_spans == 0:
+            allowed.append(k)
+    return tuple(allowed)
 
 
 def module_range(modules: Sequence[str]) -> str:

@@ -23,7 +23,7 @@ from torch import nn
 from .errors import PartitionError
 from .fxutil import compute_nodes, flat_outputs, named_tensors, owner_of
 
-__all__ = ["ValueSpec", "StageIO", "StagedModel", "split_graph"]
+__all__ = ["ValueSpec", "StageIO", "StagedModel", "split_graph", "decode_value", "wire_form"]
 
 log = logging.getLogger(__name__)
 
@@ -304,29 +304,44 @@ def _output_spec(o: Any, specs: dict[fx.Node, ValueSpec], p: int) -> ValueSpec:
     )
 
 
-def _value_spec(n: fx.Node, producer: int, consumers: tuple[int, ...]) -> ValueSpec:
-    val = n.meta.get("val", n.meta.get("example_value"))
-    tm = n.meta.get("tensor_meta")
+def wire_form(node: fx.Node) -> tuple[str, tuple[int, ...], str] | None:
+    """How ``node``'s value travels between stages: ``(kind, shape, dtype)``, or ``None`` if it cannot.
+
+    Tensors travel as themselves; Python scalars and shapes as small tensors (kinds ``'int'``,
+    ``'float'``, ``'bool'``, ``'ints'``). Anything else (a list of tensors from ``split``, ``None``)
+    cannot cross a cut, so the partitioner never cuts between its producer and its readers.
+    """
+    val = node.meta.get("val", node.meta.get("example_value"))
+    tm = node.meta.get("tensor_meta")
     if isinstance(val, torch.Tensor):
-        return ValueSpec(n.name, producer, consumers, "tensor", tuple(int(d) for d in val.shape), str(val.dtype))
+        return "tensor", tuple(int(d) for d in val.shape), str(val.dtype)
     if tm is not None and hasattr(tm, "shape"):
-        return ValueSpec(n.name, producer, consumers, "tensor", tuple(int(d) for d in tm.shape), str(tm.dtype))
+        return "tensor", tuple(int(d) for d in tm.shape), str(tm.dtype)
     if isinstance(val, bool):
-        return ValueSpec(n.name, producer, consumers, "bool", (), "torch.int64")
+        return "bool", (), "torch.int64"
     if isinstance(val, (int, torch.SymInt)):
-        return ValueSpec(n.name, producer, consumers, "int", (), "torch.int64")
+        return "int", (), "torch.int64"
     if isinstance(val, (float, torch.SymFloat)):
-        return ValueSpec(n.name, producer, consumers, "float", (), "torch.float64")
+        return "float", (), "torch.float64"
     if isinstance(val, (tuple, list, torch.Size)) and all(isinstance(d, (int, torch.SymInt)) for d in val):
-        return ValueSpec(n.name, producer, consumers, "ints", (len(val),), "torch.int64")
-    if val is None and tm is None:
-        # No shape information: assume a tensor; shapes are then learned at run time.
-        return ValueSpec(n.name, producer, consumers, "tensor", (), "torch.float32")
-    raise PartitionError(
-        f"value {n.name!r} of type {type(val).__name__} would cross a stage boundary; only tensors, "
-        "scalars and shapes can. Keep the nodes producing and reading it in one stage "
-        "(granularity='module') or return tensors from that module."
-    )
+        return "ints", (len(val),), "torch.int64"
+    if val is None and tm is None and "val" not in node.meta:
+        # No shape information at all: assume a tensor; shapes are then learned at run time.
+        return "tensor", (), "torch.float32"
+    return None
+
+
+def _value_spec(n: fx.Node, producer: int, consumers: tuple[int, ...]) -> ValueSpec:
+    form = wire_form(n)
+    if form is None:
+        val = n.meta.get("val")
+        raise PartitionError(
+            f"value {n.name!r} of type {type(val).__name__} would cross a stage boundary; only "
+            "tensors, scalars and shapes can. Keep the nodes producing and reading it in one stage "
+            "(granularity='module') or return tensors from that module."
+        )
+    kind, shape, dtype = form
+    return ValueSpec(n.name, producer, consumers, kind, shape, dtype)
 
 
 def _fix_buffers(module: nn.Module, persistent: set[str] | None) -> None:

@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     for col in ("granularity", "units", "build_graph", "group_units", "to_problem", "exact", "refine", "total"):
         st.add_column(col, justify="left" if col == "granularity" else "right")
     rt = Table(title="the cuts: bottleneck per micro-batch; memory per stage as the Problem counts it (a tied "
-                     "parameter charged once, to its first user)", title_justify="left")
+                     "parameter charged on every layer that holds it)", title_justify="left")
     for col in ("granularity", "plan", "fits", "bottleneck", "lower bound", "ratio", "memory per stage",
                 "stage 0: state + act", "last: state + act"):
         rt.add_column(col, justify="left" if col in ("granularity", "plan") else "right")

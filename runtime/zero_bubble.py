@@ -6,9 +6,9 @@ micro-batch.
 Both split each backward into ``I`` (gradients of the stage's inputs, which the previous stage
 waits for) and ``W`` (gradients of its weights, which nobody waits for). ``I`` stays on the
 critical path; ``W`` moves into what would otherwise be bubbles. A micro-batch's activations are
-held from its ``F`` until its ``W``. The schedules are the paper's handcrafted ones, which are
-optimal when ``F``, ``I`` and ``W`` take equal time; ``runtime.simulate`` weighs them with real
-costs.
+held from its ``F`` until its ``W``. The schedules are the paper's handcrafted ones, which reach
+their stated bubbles when ``F``, ``I`` and ``W`` take equal time; ``runtime.simulate`` weighs
+them with real costs.
 """
 
 from __future__ import annotations

@@ -222,6 +222,7 @@ def simulate(
     out_bytes = costs.output_bytes or (0.0,) * max(S - 1, 0)
     place = schedule.stage_to_rank
     present = {a for row in schedule.actions for a in row}
+    deps = {a: dependencies(a, present, S) for a in present}
     ready: dict[tuple[Action, int], float] = {}  # (action, reading stage) -> when it is there
     link_free: dict[tuple[int, int], float] = {}  # (src rank, dst rank) -> when the link is idle
     spans: list[Span] = []
@@ -255,7 +256,7 @@ def simulate(
         for r, row in enumerate(schedule.actions):
             while pos[r] < len(row):
                 a = row[pos[r]]
-                times = [ready.get((d, a.stage)) for d in dependencies(a, present, S)]
+                times = [ready.get((d, a.stage)) for d in deps[a]]
                 if any(t is None for t in times):
                     break
                 start = max([free[r]] + [t for t in times if t is not None])

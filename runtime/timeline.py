@@ -15,6 +15,7 @@ import json
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -168,7 +169,29 @@ class Timeline:
 
     def of_rank(self, rank: int) -> tuple[Span, ...]:
         """Rank ``rank``'s spans, by start time."""
-        return tuple(x for x in self.spans if x.rank == rank)
+        return self._by_rank[rank] if 0 <= rank < self.num_ranks else ()
+
+    # Derived indexes, computed once: a frozen timeline never changes.
+    @cached_property
+    def _by_rank(self) -> tuple[tuple[Span, ...], ...]:
+        rows: list[list[Span]] = [[] for _ in range(self.num_ranks)]
+        for x in self.spans:
+            rows[x.rank].append(x)
+        return tuple(map(tuple, rows))
+
+    @cached_property
+    def _release(self) -> dict[tuple[int, int], Span]:
+        """Per (stage, mb), its last backward span: where its activations are freed."""
+        release: dict[tuple[int, int], Span] = {}
+        for x in self.spans:
+            key = (x.stage, x.mb)
+            if x.kind is not F and (key not in release or x.end >= release[key].end):
+                release[key] = x
+        return release
+
+    @cached_property
+    def _curves(self) -> tuple[tuple[tuple[float, int, float], ...], ...]:
+        return tuple(self._memory(r) for r in range(self.num_ranks))
 
     @property
     def busy(self) -> tuple[float, ...]:
@@ -199,11 +222,10 @@ class Timeline:
         rank's running order, so a ``W`` that ends as the next ``F`` starts frees its
         micro-batch first, and a zero-length ``F`` still counts while it runs.
         """
-        release: dict[tuple[int, int], Span] = {}  # (stage, mb) -> its last backward span
-        for x in self.spans:
-            key = (x.stage, x.mb)
-            if x.kind is not F and (key not in release or x.end >= release[key].end):
-                release[key] = x
+        return self._curves[rank] if 0 <= rank < self.num_ranks else ()
+
+    def _memory(self, rank: int) -> tuple[tuple[float, int, float], ...]:
+        release = self._release
         events: list[tuple[float, int, int, int]] = []  # (t, running order, +1 / -1, stage)
         for i, x in enumerate(self.of_rank(rank)):
             key = (x.stage, x.mb)

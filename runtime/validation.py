@@ -28,7 +28,7 @@ class _Run:
     stuck_step: int | None  # the first step at which no rank could run its next action
 
 
-def _simulate(schedule: Schedule) -> _Run:
+def _unit_run(schedule: Schedule) -> _Run:
     """Unit-time run: each step, every rank whose next action has its inputs runs it.
 
     Tolerates any lists: when no rank can progress, all ranks' next actions run anyway (and are
@@ -100,7 +100,7 @@ def format_grid(schedule: Schedule) -> str:
         rank 1      1F0 1F1     1B0 1F2 1B1     1B2
         rank 2          2F0 2B0 2F1 2B1 2F2 2B2
     """
-    run = _simulate(schedule)
+    run = _unit_run(schedule)
     return _grid(schedule, run, run.forced)
 
 
@@ -144,7 +144,7 @@ def validate(schedule: Schedule) -> None:
         <BLANKLINE>
         Cells in [brackets] wait for an input that is never ready; ...
     """
-    run = _simulate(schedule)
+    run = _unit_run(schedule)
     p, S, m = schedule.num_ranks, schedule.num_stages, schedule.num_microbatches
     counts = ", ".join(
         f"{k} {word if k == 1 else words}"

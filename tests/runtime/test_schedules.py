@@ -38,6 +38,7 @@ STDLIB = {
     "dataclasses",
     "difflib",
     "enum",
+    "functools",
     "json",
     "math",
     "os",

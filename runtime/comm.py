@@ -80,7 +80,8 @@ def comm_plan(
 
     Where a send may wait for its receive (NCCL: a send kernel blocks its stream until the peer
     receives), post each run of consecutive ``Send``/``Recv`` between two actions as one
-    ``batch_isend_irecv`` and wait for it; GPipe and 1F1B are tested deadlock-free that way.
+    ``batch_isend_irecv`` and wait for it; GPipe, 1F1B and ZB-H1 are tested deadlock-free that
+    way, interleaved 1F1B and ZB-V are not (they need sends that never wait).
 
     Args:
         schedule: a valid schedule.

@@ -114,3 +114,20 @@ def test_random_valid_schedules_run_under_the_comm_model(
         assert peak == (0,) * S
     else:
         assert all(1 <= peak[s] <= schedule.num_microbatches for s in range(S))
+
+
+def test_comm_plan_of_interleaved_and_zero_bubble_schedules_runs_with_buffered_sends() -> None:
+    for name, kw in [("interleaved", {"v": 2}), ("interleaved", {"v": 3}), ("zbh1", {}),
+                     ("zbv", {})]:  # fmt: skip
+        for p, m in GRID:
+            schedule = get_schedule(name, p, m, **kw)
+            run_buffered(schedule, comm_plan(schedule), chain(schedule.num_stages))
+
+
+def test_comm_plan_batched_rendezvous_holds_for_zbh1_but_not_interleaved_or_zbv() -> None:
+    # Sends that wait for their receive (NCCL, large tensors) are safe for ZB-H1 when each run
+    # of sends and receives is one batch; interleaved and ZB-V need sends that never wait.
+    for p, m in GRID:
+        assert run_rendezvous(comm_plan(get_schedule("zbh1", p, m)), batched=True), (p, m)
+    assert not run_rendezvous(comm_plan(get_schedule("interleaved", 2, 4)), batched=True)
+    assert not run_rendezvous(comm_plan(get_schedule("zbv", 2, 4)), batched=True)

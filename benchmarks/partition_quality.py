@@ -56,7 +56,8 @@ from rich.console import Console
 from rich.table import Table
 from torch import nn
 
-from partitioner import Cluster, estimate, partition
+from partitioner import Cluster, partition
+from partitioner.predict import stage_inflight
 from partitioner import algorithms as alg
 from partitioner.cost import cost_graph
 from partitioner.devices import DeviceSpec
@@ -164,7 +165,7 @@ def _bench_model(name: str, args: argparse.Namespace, dtype: torch.dtype) -> tup
     for p in args.stages:
         cluster = Cluster.uniform(p, args.device)
         problem = to_problem(
-            g, units, cluster, inflight=estimate.inflight(args.schedule, p, args.microbatches),
+            g, units, cluster, inflight=stage_inflight(args.schedule, p, args.microbatches),
             param_numel=numel, state_bytes_per_param=args.state_bytes_per_param,
         )
         bound = alg.lower_bound(problem)
@@ -311,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stages", type=_ints, default=[4, 8], help="comma-separated stage counts, e.g. 4,8")
     ap.add_argument("--device", default="A100-80GB", help="device preset; the cluster is p of them in a chain")
     ap.add_argument("--microbatches", type=int, default=8)
-    ap.add_argument("--schedule", default="1f1b", choices=estimate.SCHEDULES)
+    ap.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "zbh1"))
     ap.add_argument("--granularity", default="node", choices=("node", "module"))
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     ap.add_argument("--state-bytes-per-param", type=float, default=16.0)

@@ -46,7 +46,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from partitioner import Cluster, estimate, partition
+from partitioner import Cluster, partition
+from partitioner.predict import stage_inflight
 from partitioner import algorithms as alg
 from partitioner.cost import cost_graph
 from partitioner.devices import DeviceSpec
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
     ap.add_argument("--devices", type=int, default=64, help="one pipeline stage per device")
     ap.add_argument("--device", default="A100-80GB", help="device preset (e.g. A100-80GB, H100-80GB)")
-    ap.add_argument("--schedule", default="1f1b", choices=estimate.SCHEDULES)
+    ap.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "zbh1"))
     ap.add_argument("--microbatches", type=int, default=8, help="m, micro-batches per optimizer step")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     ap.add_argument("--state-bytes-per-param", type=float, default=16.0)
@@ -185,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     g = build_graph(traced.gm, costs, traced.module_path)
     times["build_graph_s"] = time.perf_counter() - t0
-    held = estimate.inflight(args.schedule, p, m)
+    held = stage_inflight(args.schedule, p, m)
     cuts: dict[str, dict[str, Any]] = {}
     for gran in grans:
         t0 = time.perf_counter()
@@ -215,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
 
     sweep: list[dict[str, Any]] = []
     for mm in args.sweep:
-        r = _cut(g, group_units(g, grans[0]), cluster, estimate.inflight(args.schedule, p, mm), numel,
+        r = _cut(g, group_units(g, grans[0]), cluster, stage_inflight(args.schedule, p, mm), numel,
                  args.state_bytes_per_param)
         sweep.append({"microbatches": mm, "ideal_bubble": (p - 1) / (mm + p - 1),
                       **{k: r[k] for k in ("fits", "bottleneck_s", "max_memory_fraction", "closest_max_fraction",

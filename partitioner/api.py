@@ -6,18 +6,20 @@ import difflib
 import logging
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 
 from . import algorithms as alg
-from . import estimate
-from .cost import cost_graph, node_time
+from .choose import choose, microbatch_candidates
+from .cost import cost_graph, node_time, weight_share
 from .devices import Cluster
 from .errors import SplitPointError, TooManyStagesError
 from .graph import Unit, build_graph, canonical_names, group_units, layer_depth, module_range, to_problem
-from .plan import Plan, Prediction, StagePlan, _Binding, _persistent_names
+from .plan import Plan, StagePlan, _Binding, _persistent_names
+from .predict import TRAINING_SCHEDULES, chunks_of, predict, schedule_for, stage_inflight
 from .split import split_graph
 from .trace import trace
 
@@ -34,7 +36,7 @@ def partition(
     num_stages: int | None = None,
     *,
     cluster: Cluster | None = None,
-    microbatches: int = 8,
+    microbatches: int | str = 8,
     schedule: str = "1f1b",
     method: str = "exact",
     refine: bool = True,
@@ -53,10 +55,15 @@ def partition(
     Args:
         model: the model; it may live on ``meta`` (nothing is allocated for tracing and costing).
         example_inputs: ONE micro-batch of inputs (positional), real, fake or meta tensors.
-        num_stages: ``p``; defaults to the cluster's size.
+        num_stages: stages to cut; defaults to the cluster's size (times 2 for the schedules that
+            put two stages on each device). With ``schedule='auto'`` it is the device count.
         cluster: the devices in pipeline order; defaults to ``Cluster.uniform(p, "cpu")``.
-        microbatches: ``m``, micro-batches per optimizer step (sets activation memory in flight).
-        schedule: ``'1f1b'`` or ``'gpipe'``; decides how many micro-batches each stage holds.
+        microbatches: ``m``, micro-batches per optimizer step (sets activation memory in flight),
+            or ``'auto'`` to try ``p, 2p, 4p, 8p``.
+        schedule: ``'1f1b'``, ``'gpipe'``, ``'zbh1'``, ``'interleaved'`` or ``'zbv'`` (the last
+            two place two stages per device); it decides how many micro-batches each stage
+            holds. ``'auto'`` prices every schedule with the simulator and keeps the fastest
+            that fits (``plan.candidates``, ``plan.choice``).
         method: ``'exact'`` (optimal contiguous cut), or a baseline: ``'equal_count'``,
             ``'balanced_params'``, ``'equal_size'``; ``'manual'`` with ``split_points``.
         refine: after a contiguous cut, move boundary nodes between neighbouring stages while
@@ -97,22 +104,16 @@ def partition(
         raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     if method == "manual" and split_points is None:
         raise SplitPointError("method='manual' needs split_points=[module names where stages begin]")
-    p = num_stages if num_stages is not None else (len(cluster) if cluster is not None else None)
-    if p is None:
+    auto = schedule == "auto" or microbatches == "auto"
+    if not auto:
+        _check_schedule(schedule)
+        if not isinstance(microbatches, int) or microbatches < 1:
+            raise ValueError(f"microbatches must be a positive int or 'auto', got {microbatches!r}")
+    devices = len(cluster) if cluster is not None else None
+    if num_stages is None and devices is None:
         raise ValueError("give num_stages or a cluster (one device per stage)")
-    if p < 1:
-        raise ValueError(f"num_stages must be at least 1, got {p}")
-    if cluster is None:
-        cluster = Cluster.uniform(p, "cpu")
-    elif len(cluster) < p:
-        raise ValueError(
-            f"the cluster has {len(cluster)} devices but {p} stages were asked for; "
-            "give one device per stage"
-        )
-    elif len(cluster) > p:
-        cluster = cluster.with_devices(p)
-    if microbatches < 1:
-        raise ValueError(f"microbatches must be at least 1, got {microbatches}")
+    if num_stages is not None and num_stages < 1:
+        raise ValueError(f"num_stages must be at least 1, got {num_stages}")
 
     t0 = time.perf_counter()
     traced = trace(
@@ -124,49 +125,149 @@ def partition(
     t2 = time.perf_counter()
     g = build_graph(traced.gm, costs, traced.module_path)
     units = group_units(g, granularity, module_depth)
-    if p > len(units):
-        raise TooManyStagesError(p, len(units), granularity)
-    numel = {name: prm.numel() for name, prm in traced.gm.named_parameters(remove_duplicate=False)}
-    held = estimate.inflight(schedule, p, microbatches)
-    problem = to_problem(
-        g, units, cluster, inflight=held, param_numel=numel, state_bytes_per_param=state_bytes_per_param,
-        param_aliases=traced.param_aliases,
+    ctx = _Context(
+        model=model, traced=traced, g=g, units=units, granularity=granularity, method=method,
+        refine=refine, split_points=split_points, state_bytes_per_param=state_bytes_per_param,
+        numel={name: prm.numel() for name, prm in traced.gm.named_parameters(remove_duplicate=False)},
     )
-    if method == "manual":
-        part = alg.manual(problem, _cuts_for(split_points or (), units, g))
-    else:
-        part = getattr(alg, method)(problem)
-        if refine and method == "exact" and p > 1:
-            better = alg.refine(problem, part)
-            if alg.evaluate(problem, better.assignment).bottleneck < alg.evaluate(problem, part.assignment).bottleneck:
-                part = better
-    t3 = time.perf_counter()
-    log.info(
-        "partition: trace %.2fs (%s), cost %.2fs, %d units, partition %.3fs (%s)",
-        t1 - t0, traced.method, t2 - t1, len(units), t3 - t2, part.method,
-    )
-    stage_of = {v: part.assignment[u.index] for u in units for v in u.nodes}
-    staged = split_graph(
-        traced.gm, stage_of, p,
-        param_aliases=traced.param_aliases, persistent_buffers=_persistent_names(model),
-    )
-    return _make_plan(
-        traced=traced, model=model, g=g, units=units, problem=problem, assignment=part.assignment,
-        method=part.method, cluster=cluster, schedule=schedule, microbatches=microbatches,
-        granularity=granularity, numel=numel, state_bytes_per_param=state_bytes_per_param,
-        staged_io=tuple(staged.io), shared=staged.shared_params,
-    )
+    log.info("partition: trace %.2fs (%s), cost %.2fs, %d units", t1 - t0, traced.method, t2 - t1, len(units))
+    if auto:
+        p = len(cluster) if cluster is not None else num_stages
+        assert p is not None
+        schedules = TRAINING_SCHEDULES if schedule == "auto" else (schedule,)
+        if schedule != "auto":
+            _check_schedule(schedule)
+        ms = microbatch_candidates(p) if microbatches == "auto" else (int(microbatches),)
+
+        def price(sched: str, stages: int, m: int, split: bool) -> Plan:
+            return ctx.plan(_stage_cluster(cluster, stages, sched), sched, m, split=split)
+
+        return choose(price, p, schedules, ms)
+    stages = num_stages if num_stages is not None else devices * chunks_of(schedule)  # type: ignore[operator]
+    return ctx.plan(_stage_cluster(cluster, stages, schedule), schedule, microbatches, split=True)
+
+
+@dataclass
+class _Context:
+    """A traced, costed model and the options that stay fixed while candidate plans are tried."""
+
+    model: nn.Module
+    traced: Any
+    g: Any
+    units: list[Unit]
+    granularity: str
+    method: str
+    refine: bool
+    split_points: Sequence[str] | None
+    state_bytes_per_param: float
+    numel: dict[str, int]
+
+    def plan(self, cluster: Cluster, schedule: str, m: int, *, split: bool) -> Plan:
+        """Cut into ``len(cluster)`` stages for ``schedule`` with ``m`` micro-batches.
+
+        ``split=False`` skips building the stage wiring (for candidates that are only priced).
+        """
+        p = len(cluster)
+        if p > len(self.units):
+            raise TooManyStagesError(p, len(self.units), self.granularity)
+        held = stage_inflight(schedule, p, m)
+        problem = to_problem(
+            self.g, self.units, _per_stage_capacity(cluster, schedule), inflight=held,
+            param_numel=self.numel, state_bytes_per_param=self.state_bytes_per_param,
+            param_aliases=self.traced.param_aliases,
+        )
+        t0 = time.perf_counter()
+        if self.method == "manual":
+            part = alg.manual(problem, _cuts_for(self.split_points or (), self.units, self.g))
+        else:
+            part = getattr(alg, self.method)(problem)
+            if self.refine and self.method == "exact" and p > 1:
+                better = alg.refine(problem, part)
+                if alg.evaluate(problem, better.assignment).bottleneck < alg.evaluate(problem, part.assignment).bottleneck:
+                    part = better
+        log.info("partition: %d stages, %s, m=%d: %.3fs (%s)", p, schedule, m, time.perf_counter() - t0, part.method)
+        io: tuple[Any, ...] = ()
+        shared: Mapping[str, tuple[int, ...]] = {}
+        if split:
+            stage_of = {v: part.assignment[u.index] for u in self.units for v in u.nodes}
+            staged = split_graph(
+                self.traced.gm, stage_of, p,
+                param_aliases=self.traced.param_aliases, persistent_buffers=_persistent_names(self.model),
+            )
+            io, shared = tuple(staged.io), staged.shared_params
+        return _make_plan(
+            traced=self.traced, model=self.model, g=self.g, units=self.units, problem=problem,
+            assignment=part.assignment, method=part.method, cluster=cluster, schedule=schedule,
+            microbatches=m, held=held, granularity=self.granularity, numel=self.numel,
+            state_bytes_per_param=self.state_bytes_per_param, staged_io=io, shared=shared,
+        )
+
+
+def _check_schedule(schedule: str) -> None:
+    if schedule not in TRAINING_SCHEDULES:
+        raise ValueError(
+            f"unknown schedule {schedule!r}; choose one of {', '.join(TRAINING_SCHEDULES)} or 'auto'"
+        )
+
+
+def _stage_cluster(cluster: Cluster | None, stages: int, schedule: str) -> Cluster:
+    """One entry per stage: a stage's device and the link to the next stage's device.
+
+    With several stages per device (interleaved, ZB-V), stage ``s`` runs on the device of its
+    rank; consecutive stages on one device get a free link; others the slower of the links.
+    """
+    v = chunks_of(schedule)
+    if stages % v:
+        raise ValueError(
+            f"schedule {schedule!r} places {v} stages on every device: ask for a multiple of {v} "
+            f"stages (got {stages})"
+        )
+    ranks = stages // v
+    if cluster is None:
+        cluster = Cluster.uniform(ranks, "cpu")
+    if len(cluster) < ranks:
+        raise ValueError(
+            f"the cluster has {len(cluster)} devices but {stages} stages need {ranks} "
+            f"({v} per device for {schedule!r}); give one device per rank"
+        )
+    cluster = cluster.with_devices(ranks)
+    if v == 1:
+        return cluster
+    to_rank = schedule_for(schedule, stages, max(ranks, 1)).stage_to_rank
+    slow_bw = min(cluster.link_bandwidth, default=float("inf"))
+    slow_lat = max(cluster.link_latency, default=0.0)
+    bws, lats = [], []
+    for s in range(stages - 1):
+        a, b = to_rank[s], to_rank[s + 1]
+        if a == b:
+            bws.append(float("inf"))
+            lats.append(0.0)
+        elif abs(a - b) == 1:
+            bws.append(cluster.link_bandwidth[min(a, b)])
+            lats.append(cluster.link_latency[min(a, b)])
+        else:  # the wrap-around of a round-robin placement: no direct link in a chain
+            bws.append(slow_bw)
+            lats.append(slow_lat)
+    return Cluster(tuple(cluster.devices[r] for r in to_rank), tuple(bws), tuple(lats))
+
+
+def _per_stage_capacity(cluster: Cluster, schedule: str) -> Cluster:
+    """The cluster the Problem sees: with ``v`` stages per device each gets 1/v of its memory."""
+    v = chunks_of(schedule)
+    if v == 1:
+        return cluster
+    devices = tuple(replace(d, memory=d.memory / v) for d in cluster.devices)
+    return replace(cluster, devices=devices)
 
 
 def _make_plan(
     *, traced: Any, model: nn.Module, g: Any, units: Sequence[Unit], problem: alg.Problem,
     assignment: Sequence[int], method: str, cluster: Cluster, schedule: str, microbatches: int,
-    granularity: str, numel: Mapping[str, int], state_bytes_per_param: float,
+    held: Sequence[int], granularity: str, numel: Mapping[str, int], state_bytes_per_param: float,
     staged_io: tuple[Any, ...], shared: Mapping[str, tuple[int, ...]],
 ) -> Plan:
     p = len(cluster)
     ev = alg.evaluate(problem, tuple(assignment))
-    held = estimate.inflight(schedule, p, microbatches)
     # layer_depth only looks at distinct paths; a 175B GPT-2 has ~4k nodes but ~1k paths.
     depth = layer_depth(list(dict.fromkeys(g.nodes[v]["module"] for v in g.nodes)))
     # Every stage's nodes in one pass over the units (not one pass per stage: p x n at scale).
@@ -182,11 +283,8 @@ def _make_plan(
         costs = [g.nodes[v]["cost"] for v in nodes]
         names = {canon.get(name, name) for c in costs for name in c.param_names}
         params = sum(numel.get(name, 0) for name in names)
-        memory = (
-            params * state_bytes_per_param
-            + sum(c.buffer_bytes for c in costs)
-            + held[s] * sum(c.saved_bytes for c in costs)
-        )
+        state = params * state_bytes_per_param + sum(c.buffer_bytes for c in costs)
+        act = sum(c.saved_bytes for c in costs)
         times = [node_time(c, dev) for c in costs]
         stages.append(
             StagePlan(
@@ -197,7 +295,7 @@ def _make_plan(
                 params=int(params),
                 fwd_flops=float(sum(c.fwd_flops for c in costs)),
                 bwd_flops=float(sum(c.bwd_flops for c in costs)),
-                memory=float(memory),
+                memory=float(state + held[s] * act),
                 capacity=float(dev.memory),
                 inflight=held[s],
                 fwd_time=float(sum(f for f, _ in times)),
@@ -205,15 +303,15 @@ def _make_plan(
                 comm_in_time=float(ev.transfer_in[s]),
                 comm_out_time=float(ev.transfer_out[s]),
                 send_bytes=float(ev.boundary_bytes[s]) if s < p - 1 else 0.0,
+                wgrad_time=float(sum(b * weight_share(c) for c, (_, b) in zip(costs, times))),
+                act_bytes=float(act),
+                state_bytes=float(state),
             )
         )
-    f = [st.fwd_time + (st.comm_in_time + st.comm_out_time) / 2 for st in stages]
-    b = [st.bwd_time + (st.comm_in_time + st.comm_out_time) / 2 for st in stages]
-    preds = tuple(
-        Prediction(k, microbatches, estimate.step_time(k, f, b, microbatches),
-                   estimate.bubble_fraction(k, f, b, microbatches))
-        for k in estimate.SCHEDULES
-    )
+    # The plan's schedule first, then every other schedule with the same placement (one stage
+    # per device); a two-chunk placement's links are its own, so it is predicted alone.
+    same = [k for k in TRAINING_SCHEDULES if k != schedule and chunks_of(k) == 1 == chunks_of(schedule)]
+    preds = tuple(predict(stages, cluster, k, microbatches) for k in (schedule, *same))
     return Plan(
         stages=tuple(stages),
         method=method,

@@ -32,11 +32,11 @@ import torch
 import torch.fx as fx
 
 from .analytic import Coster
-from .nodecost import NodeCost, node_time
+from .nodecost import NodeCost, node_time, weight_share
 from .profiler import default_device, profile_costs
 from .trace import TracedModel
 
-__all__ = ["NodeCost", "cost_graph", "node_time"]
+__all__ = ["NodeCost", "cost_graph", "node_time", "weight_share"]
 
 
 def cost_graph(

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from .devices import DeviceSpec
 
-__all__ = ["NodeCost", "node_time"]
+__all__ = ["NodeCost", "node_time", "weight_share"]
 
 
 @dataclass(frozen=True)
@@ -81,3 +81,25 @@ def node_time(cost: NodeCost, device: DeviceSpec) -> tuple[float, float]:
         return fwd, cost.measured_bwd_s
     bwd = max(cost.bwd_flops / peak, 2 * cost.io_bytes / device.mem_bandwidth) + device.op_overhead
     return fwd, bwd
+
+
+def weight_share(cost: NodeCost) -> float:
+    """Fraction of the node's backward that computes weight gradients (zero-bubble's ``W``).
+
+    A weight gradient (``dW = x^T dy`` for a matmul, the analogue for a convolution) costs as
+    many FLOPs as the forward; the rest of the backward computes input gradients (``I``). So a
+    middle linear layer splits half and half, a first layer whose input needs no gradient is
+    all ``W``, and a node without parameters is all ``I``. Memory-bound nodes with parameters
+    (norms) are taken to split evenly.
+
+    Example:
+        >>> weight_share(NodeCost(fwd_flops=2.0, bwd_flops=4.0, param_names=("w",)))
+        0.5
+        >>> weight_share(NodeCost(fwd_flops=2.0, bwd_flops=4.0))
+        0.0
+    """
+    if not cost.param_names or not cost.requires_grad:
+        return 0.0
+    if cost.bwd_flops <= 0:
+        return 0.5
+    return min(1.0, cost.fwd_flops / cost.bwd_flops)

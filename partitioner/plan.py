@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
     from .trace import TracedModel
 
-__all__ = ["FORMAT_VERSION", "StagePlan", "Prediction", "Plan"]
+__all__ = ["FORMAT_VERSION", "StagePlan", "Prediction", "Candidate", "Plan"]
 
 FORMAT = "pipecut-plan"
 FORMAT_VERSION = 1
@@ -49,6 +49,10 @@ class StagePlan:
         comm_in_time: seconds receiving from the previous stage.
         comm_out_time: seconds sending to the next stage.
         send_bytes: bytes crossing the boundary to the next stage (0 for the last stage).
+        wgrad_time: the part of ``bwd_time`` that computes weight gradients (what zero-bubble
+            schedules run as ``W``).
+        act_bytes: activation bytes saved for backward per micro-batch.
+        state_bytes: bytes of training state of its parameters and buffers.
     """
 
     index: int
@@ -66,6 +70,9 @@ class StagePlan:
     comm_in_time: float
     comm_out_time: float
     send_bytes: float
+    wgrad_time: float = 0.0
+    act_bytes: float = 0.0
+    state_bytes: float = 0.0
 
     @property
     def time(self) -> float:
@@ -75,12 +82,52 @@ class StagePlan:
 
 @dataclass(frozen=True)
 class Prediction:
-    """Predicted step time and idle fraction of one schedule at the plan's micro-batch count."""
+    """One schedule's predicted step, from the event simulator (``runtime.simulate``).
+
+    Attributes:
+        schedule: the schedule's name.
+        microbatches: ``m``.
+        step_time: seconds for one step of ``m`` micro-batches (without the optimizer update).
+        bubble: fraction of device-time idle during the step.
+        memory: the fullest device's peak bytes: training state plus the activations it holds.
+        chunks: stages per device (2 for interleaved and ZB-V, else 1).
+    """
 
     schedule: str
     microbatches: int
     step_time: float
     bubble: float
+    memory: float = 0.0
+    chunks: int = 1
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One (schedule, micro-batch count) tried by ``schedule='auto'`` / ``microbatches='auto'``.
+
+    Attributes:
+        schedule: the schedule's name.
+        microbatches: ``m``.
+        stages: stages cut (devices x chunks per device).
+        step_time: simulated seconds per step.
+        time_per_microbatch: ``step_time / m``, the objective.
+        bubble: idle fraction of the step.
+        memory: the fullest device's simulated peak bytes.
+        capacity: the smallest device's memory.
+        fits: whether the candidate fits every device.
+        note: why it does not fit, if it does not.
+    """
+
+    schedule: str
+    microbatches: int
+    stages: int
+    step_time: float
+    time_per_microbatch: float
+    bubble: float
+    memory: float
+    capacity: float
+    fits: bool
+    note: str = ""
 
 
 @dataclass(frozen=True)
@@ -121,6 +168,8 @@ class Plan:
     io: tuple[StageIO, ...]
     shared_params: tuple[tuple[str, tuple[int, ...]], ...] = ()
     param_aliases: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    candidates: tuple[Candidate, ...] = ()
+    choice: str = ""
     _binding: _Binding | None = field(default=None, compare=False, repr=False)
 
     @property
@@ -242,6 +291,8 @@ class Plan:
             ],
             "shared_params": {k: list(v) for k, v in self.shared_params},
             "param_aliases": {k: list(v) for k, v in self.param_aliases},
+            "candidates": [_finite(asdict(c)) for c in self.candidates],
+            "choice": self.choice,
         }
         body["checksum"] = _checksum(body)
         return body
@@ -368,6 +419,10 @@ def _parse(data: Any, where: str = "plan") -> Plan:
             io=io,
             shared_params=tuple((k, tuple(v)) for k, v in data["shared_params"].items()),
             param_aliases=tuple((k, tuple(v)) for k, v in data["param_aliases"].items()),
+            candidates=tuple(
+                Candidate(**{k: (math.inf if v is None else v) for k, v in c.items()}) for c in data["candidates"]
+            ),
+            choice=str(data["choice"]),
         )
     except PlanFormatError:
         raise

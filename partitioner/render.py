@@ -10,6 +10,8 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from .predict import chunks_of
+
 if TYPE_CHECKING:
     from .plan import Plan
 
@@ -57,7 +59,11 @@ def render_text(plan: Plan, width: int = 160) -> str:
     worst = plan.bottleneck_stage
     names = {st.device for st in plan.stages}
     uniform = len(names) == 1
-    where = f"{plan.num_stages} x {next(iter(names))}" if uniform else f"{plan.num_stages} stages"
+    v = chunks_of(plan.schedule)
+    ndev = plan.num_stages // v
+    where = f"{ndev} x {next(iter(names))}" if uniform else f"{ndev} devices"
+    if v > 1:
+        where += f" ({v} stages per device)"
     table = Table(
         title=(
             f"pipecut plan: {plan.num_stages} stages on {where}, method {plan.method}, "
@@ -104,8 +110,7 @@ def render_text(plan: Plan, width: int = 160) -> str:
         f"bottleneck / lower bound: {plan.bottleneck / plan.lower_bound:.3f}"
         if plan.lower_bound > 0
         else f"bottleneck: {fmt_time(plan.bottleneck)} (stage {worst})",
-        "predicted step (per micro-batch costs x "
-        f"{plan.microbatches} micro-batches): "
+        f"predicted step of {plan.microbatches} micro-batches (event simulator): "
         + "   ".join(
             f"{pr.schedule} {fmt_time(pr.step_time)} (bubble {pr.bubble:.1%})" for pr in plan.predictions
         ),
@@ -118,7 +123,29 @@ def render_text(plan: Plan, width: int = 160) -> str:
     console.print(table)
     for line in lines:
         console.print(line, soft_wrap=True)
+    if plan.candidates:
+        console.print(_candidates_table(plan))
+        console.print(f"chose {plan.choice}", soft_wrap=True)
     return buf.getvalue().rstrip() + "\n"
+
+
+def _candidates_table(plan: Plan) -> Table:
+    table = Table(title="schedule choice (every candidate cut and simulated)", box=box.SIMPLE_HEAD,
+                  title_justify="left")
+    for col in ("schedule", "m", "stages", "step", "per micro-batch", "bubble", "peak memory", "fits"):
+        table.add_column(col, justify="left" if col in ("schedule", "fits") else "right", no_wrap=True)
+    rows = sorted(plan.candidates, key=lambda c: (not c.fits, c.time_per_microbatch, c.microbatches))
+    for c in rows:
+        won = c.schedule == plan.schedule and c.microbatches == plan.microbatches
+        table.add_row(
+            f"{c.schedule}{' <- chosen' if won else ''}", str(c.microbatches), str(c.stages),
+            fmt_time(c.step_time) if c.fits or c.step_time else "-",
+            fmt_time(c.time_per_microbatch) if c.time_per_microbatch else "-",
+            f"{c.bubble:.1%}" if c.step_time else "-",
+            f"{fmt_bytes(c.memory)} / {fmt_bytes(c.capacity)}" if c.memory else "-",
+            "yes" if c.fits else f"no: {c.note}",
+        )
+    return table
 
 
 def render_dot(plan: Plan) -> str:

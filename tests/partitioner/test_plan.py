@@ -48,7 +48,8 @@ def test_uniform_pipeline_prediction_matches_theory() -> None:
     _, _, plan = _mlp_plan()
     p, m = plan.num_stages, plan.microbatches
     for pr in plan.predictions:
-        assert pr.step_time >= m * max(st.time for st in plan.stages) * (1 - 1e-9)
+        # Transfers overlap compute in the simulator; each stage's own work cannot.
+        assert pr.step_time >= m * max(st.fwd_time + st.bwd_time for st in plan.stages) * (1 - 1e-9)
         assert 0 <= pr.bubble < 1
     # With equal stages the bubble would be (p - 1) / (m + p - 1); unequal stages only add idle time.
     assert plan.prediction("1f1b").bubble >= (p - 1) / (m + p - 1) - 1e-9

@@ -1,0 +1,114 @@
+"""A plan's predicted step under any schedule: its stage costs run through the event simulator.
+
+Legend: ``S`` stages (model chunks), ``p`` devices (ranks), ``v = S / p`` chunks per device,
+``m`` micro-batches, ``s`` a stage index, ``r`` a rank.
+
+The simulator (``runtime.simulate``) is pure Python; it is imported when first needed so that
+``partitioner`` keeps no import-time dependency on ``runtime``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from .devices import Cluster
+
+if TYPE_CHECKING:
+    from .plan import Prediction, StagePlan
+
+__all__ = ["TRAINING_SCHEDULES", "chunks_of", "schedule_for", "stage_inflight", "predict"]
+
+# Schedules that train (a forward-only schedule does not), in the order ties are broken.
+TRAINING_SCHEDULES = ("1f1b", "zbh1", "interleaved", "zbv", "gpipe")
+# Model chunks per device of the multi-chunk placements (round-robin, and V-shaped).
+_CHUNKS = {"interleaved": 2, "zbv": 2}
+
+
+def chunks_of(schedule: str) -> int:
+    """Stages per device the schedule places: 2 for ``'interleaved'`` and ``'zbv'``, else 1.
+
+    Example:
+        >>> chunks_of("zbv"), chunks_of("1f1b")
+        (2, 1)
+    """
+    return _CHUNKS.get(schedule.lower(), 1)
+
+
+def schedule_for(schedule: str, num_stages: int, m: int) -> Any:
+    """The ``runtime`` schedule that runs ``num_stages`` stages with ``m`` micro-batches.
+
+    Raises:
+        ValueError: ``num_stages`` is not a multiple of the schedule's chunks per device.
+
+    Example:
+        >>> s = schedule_for("zbv", 4, 4)
+        >>> s.num_ranks, s.stage_to_rank
+        (2, (0, 1, 1, 0))
+    """
+    from runtime.schedules import get_schedule
+
+    v = chunks_of(schedule)
+    if num_stages % v:
+        raise ValueError(
+            f"schedule {schedule!r} places {v} stages per device, but the plan has {num_stages} "
+            f"stages; plan a multiple of {v} stages"
+        )
+    kw = {"v": v} if schedule.lower() in ("interleaved", "interleaved-1f1b") else {}
+    return get_schedule(schedule, num_stages // v, m, **kw)
+
+
+def stage_inflight(schedule: str, num_stages: int, m: int) -> tuple[int, ...]:
+    """Micro-batches whose activations each stage holds at its peak under ``schedule``.
+
+    Example:
+        >>> stage_inflight("1f1b", 4, 8)
+        (4, 3, 2, 1)
+    """
+    from runtime.validation import peak_inflight
+
+    return tuple(peak_inflight(schedule_for(schedule, num_stages, m)))
+
+
+def predict(stages: Sequence[StagePlan], cluster: Cluster, schedule: str, m: int) -> Prediction:
+    """Simulate one step of ``stages`` under ``schedule`` with ``m`` micro-batches.
+
+    Args:
+        stages: the plan's stages; stage ``s`` runs on ``cluster.devices[s]`` and sends over
+            ``cluster`` link ``s``.
+        cluster: one device per stage, one link per boundary.
+        schedule: a training schedule (see ``TRAINING_SCHEDULES``).
+        m: micro-batches per step.
+
+    Returns:
+        The step time, the bubble, and the fullest device's memory (state of its stages plus
+        the activations it holds at its peak).
+
+    Example:
+        >>> from partitioner.plan import StagePlan
+        >>> st = [StagePlan(s, "cpu", ("n",), "", 0, 0.0, 0.0, 0.0, 1e9, 1, 1.0, 2.0, 0.0, 0.0, 0.0,
+        ...                 wgrad_time=1.0) for s in range(4)]
+        >>> pr = predict(st, Cluster.uniform(4, "cpu", link_latency=0.0), "1f1b", 8)
+        >>> pr.step_time, round(pr.bubble, 4)    # (m + p - 1)(F + B), (p - 1) / (m + p - 1)
+        (33.0, 0.2727)
+    """
+    from runtime.simulate import Link, StageCosts, simulate
+
+    from .plan import Prediction
+
+    sched = schedule_for(schedule, len(stages), m)
+    costs = StageCosts(
+        forward=tuple(st.fwd_time for st in stages),
+        backward_input=tuple(max(0.0, st.bwd_time - st.wgrad_time) for st in stages),
+        backward_weight=tuple(st.wgrad_time for st in stages),
+        activation_bytes=tuple(st.act_bytes for st in stages),
+        output_bytes=tuple(st.send_bytes for st in stages[:-1]),
+    )
+    links = [Link(latency=lat, bandwidth=bw) for lat, bw in zip(cluster.link_latency, cluster.link_bandwidth)]
+    sim = simulate(sched, costs, links=links)
+    state = [0.0] * sched.num_ranks
+    for s, r in enumerate(sched.stage_to_rank):
+        state[r] += stages[s].state_bytes
+    peaks = sim.peak_bytes or (0.0,) * sched.num_ranks
+    memory = max(st + act for st, act in zip(state, peaks))
+    return Prediction(sched.name or schedule, m, sim.step_time, sim.bubble_total, memory, chunks_of(schedule))

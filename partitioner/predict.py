@@ -17,7 +17,7 @@ from .devices import Cluster
 if TYPE_CHECKING:
     from .plan import Prediction, StagePlan
 
-__all__ = ["TRAINING_SCHEDULES", "chunks_of", "schedule_for", "stage_inflight", "predict"]
+__all__ = ["TRAINING_SCHEDULES", "chunks_of", "schedule_for", "stage_inflight", "predict", "simulate_stages"]
 
 # Schedules that train (a forward-only schedule does not), in the order ties are broken.
 TRAINING_SCHEDULES = ("1f1b", "zbh1", "interleaved", "zbv", "gpipe")
@@ -92,9 +92,24 @@ def predict(stages: Sequence[StagePlan], cluster: Cluster, schedule: str, m: int
         >>> pr.step_time, round(pr.bubble, 4)    # (m + p - 1)(F + B), (p - 1) / (m + p - 1)
         (33.0, 0.2727)
     """
-    from runtime.simulate import Link, StageCosts, simulate
-
     from .plan import Prediction
+
+    sched, sim = simulate_stages(stages, cluster, schedule, m)
+    state = [0.0] * sched.num_ranks
+    for s, r in enumerate(sched.stage_to_rank):
+        state[r] += stages[s].state_bytes
+    peaks = sim.peak_bytes or (0.0,) * sched.num_ranks
+    memory = max(st + act for st, act in zip(state, peaks))
+    return Prediction(sched.name or schedule, m, sim.step_time, sim.bubble_total, memory, chunks_of(schedule))
+
+
+def simulate_stages(stages: Sequence[StagePlan], cluster: Cluster, schedule: str, m: int) -> tuple[Any, Any]:
+    """The schedule and the full ``runtime.simulate.Simulation`` (timeline included) of a step.
+
+    Each stage's backward is split into input-gradient and weight-gradient time
+    (``StagePlan.wgrad_time``); activations cross boundary ``s`` over cluster link ``s``.
+    """
+    from runtime.simulate import Link, StageCosts, simulate
 
     sched = schedule_for(schedule, len(stages), m)
     costs = StageCosts(
@@ -105,10 +120,4 @@ def predict(stages: Sequence[StagePlan], cluster: Cluster, schedule: str, m: int
         output_bytes=tuple(st.send_bytes for st in stages[:-1]),
     )
     links = [Link(latency=lat, bandwidth=bw) for lat, bw in zip(cluster.link_latency, cluster.link_bandwidth)]
-    sim = simulate(sched, costs, links=links)
-    state = [0.0] * sched.num_ranks
-    for s, r in enumerate(sched.stage_to_rank):
-        state[r] += stages[s].state_bytes
-    peaks = sim.peak_bytes or (0.0,) * sched.num_ranks
-    memory = max(st + act for st, act in zip(state, peaks))
-    return Prediction(sched.name or schedule, m, sim.step_time, sim.bubble_total, memory, chunks_of(schedule))
+    return sched, simulate(sched, costs, links=links)

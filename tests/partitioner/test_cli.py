@@ -44,3 +44,28 @@ def test_errors_are_one_line_with_a_fix(capsys: pytest.CaptureFixture[str]) -> N
     assert "unknown model 'no-such-model'" in err and "path/to/file.py:factory" in err
     assert main(["plan", "mlp", "--stages", "99"]) == 2
     assert "ask for at most" in capsys.readouterr().err
+
+
+def test_simulate_command_prints_per_rank_and_writes_a_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    js, trace = tmp_path / "plan.json", tmp_path / "trace.json"
+    assert main(["plan", "mlp", "--stages", "4", "--device", "cpu", "--json", str(js)]) == 0
+    capsys.readouterr()
+    assert main(["simulate", str(js), "--schedule", "zbv", "--microbatches", "16", "--trace", str(trace)]) == 0
+    out = capsys.readouterr().out
+    assert "4 stages on 2 ranks, schedule zbv, 16 micro-batches" in out
+    assert "0,3" in out and "1,2" in out  # the V placement
+    events = json.loads(trace.read_text())["traceEvents"]
+    spans = [e for e in events if e.get("ph") == "X"]
+    assert len(spans) == 4 * 16 * 3  # F, I and W of every stage and micro-batch
+    assert main(["simulate", str(js)]) == 0  # the plan's own schedule by default
+
+
+def test_plan_command_with_auto_schedule(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "mlp", "--stages", "2", "--schedule", "auto", "--microbatches", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "schedule choice" in out and "<- chosen" in out and "chose " in out
+    with pytest.raises(SystemExit):  # argparse rejects it with a usage message
+        main(["plan", "mlp", "--stages", "2", "--microbatches", "0"])
+    assert "expected a positive integer or 'auto'" in capsys.readouterr().err

@@ -12,9 +12,9 @@ Per action, for stage ``s`` of this rank:
   value read by several stages), backpropagate, send input gradients to producer stages, and free
   the stash of ``mb`` at once.
 * ``I`` / ``W`` (split backward, zero-bubble schedules): ``I`` computes and sends input
-  gradients only, keeping the graph; ``W`` then accumulates the weight gradients and frees it.
-  ``W`` re-walks the stage's autograd graph from its outputs, so split backward is exact but
-  costs more compute than a fused ``B``.
+  gradients only, capturing the gradient at each node where a weight's branch leaves the
+  input path; ``W`` then restarts autograd there for the weights only and frees the stash
+  (``runtime.split_backward``). Exact, and ``I + W`` costs about one fused ``B``.
 
 Which values travel in which message is fixed by the plan (``StageIO``): the message from stage
 ``a`` to stage ``b`` carries, in order, ``a``'s outputs that ``b`` reads; gradients travel back
@@ -39,6 +39,7 @@ from torch import nn
 
 from partitioner.split import StageIO, ValueSpec, decode_value
 
+from .split_backward import PendingWeights, backward_input, backward_weight
 from .transport import Key, TensorMeta, Transport
 
 __all__ = ["ActionLike", "StageRuntime", "Executor", "StepState", "RunResult", "ActionRecord", "message_values"]
@@ -110,8 +111,8 @@ class _Stash:
     args: list[Any]
     outputs: tuple[Any, ...]
     loss: torch.Tensor | None = None
-    # Split backward: what ``W`` needs after ``I`` ran (roots, their gradients, the parameters).
-    pending_w: tuple[list[torch.Tensor], list[torch.Tensor | None], list[nn.Parameter]] | None = None
+    # Split backward: what ``W`` needs after ``I`` ran (see ``runtime.split_backward``).
+    pending_w: PendingWeights | None = None
 
 
 @dataclass
@@ -418,29 +419,18 @@ class Executor:
         if roots:
             if split:
                 params = [p for p in stage.module.parameters() if p.requires_grad]
-                in_grads = torch.autograd.grad(roots, inputs, grads, retain_graph=True, allow_unused=True) if inputs else ()
+                in_grads, st.pending_w = backward_input(roots, grads, inputs, params)
                 for a, g in zip(inputs, in_grads):
                     a.grad = g
-                st.pending_w = (roots, grads, params)
             else:
                 torch.autograd.backward(roots, grads)
         self._send_input_grads(s, mb, st)
-        if not split:
-            st.args, st.outputs, st.loss = [], (), None
+        # W needs none of these: what it reads is in the pending weight work (and the graph).
+        st.args, st.outputs, st.loss = [], (), None
 
     def _weights(self, st: _Stash) -> None:
-        if st.pending_w is None:
-            return
-        roots, grads, params = st.pending_w
-        if params:
-            wgrads = torch.autograd.grad(roots, params, grads, allow_unused=True)
-            for prm, g in zip(params, wgrads):
-                if g is None:
-                    continue
-                if prm.grad is None:
-                    prm.grad = g.detach().clone()
-                else:
-                    prm.grad.add_(g)
+        if st.pending_w is not None:
+            backward_weight(st.pending_w)
         st.pending_w = None
         st.args, st.outputs, st.loss = [], (), None
 

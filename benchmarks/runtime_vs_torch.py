@@ -25,9 +25,11 @@ them alike:
 * ``pipecut <schedule> local`` / ``sequential``: both stages in rank 0, one thread per stage vs
   one thread running the stages' actions one after another.
 
-A step is timed on rank 0 between two barriers, so it covers the whole pipeline. Reported: the
-median over ``--steps`` rounds after ``--warmup``, the quartiles, and the ratios (throughput
-ratio = other's median / pipecut's median; above 1 means pipecut is faster). Before timing, the
+Each step starts after a barrier and lasts from the first rank's start to the last rank's end
+(``perf_counter``, one clock for the whole machine), so it covers the whole pipeline and no
+trailing barrier. Reported: the median over ``--steps`` rounds after ``--warmup``, the
+quartiles, the ratios of medians (throughput ratio = other's median / pipecut's median; above 1
+means pipecut is faster), and for pipecut vs torch also the median of the per-round ratios. Before timing, the
 loss and every gradient of each pipelined configuration are checked against the single-process
 model on the same batch.
 """
@@ -174,7 +176,10 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
     checks = _check(rank, configs, single, run_single_full)
     names = [n for n in configs if not cfg["only"] or any(word in n for word in cfg["only"])]
 
-    times: dict[str, list[float]] = {name: [] for name in names}
+    # Per configuration, per timed round: (start, end) on this rank, perf_counter seconds (one
+    # clock for every process of the machine). A round starts at a barrier; a step lasts from the
+    # first rank's start to the last rank's end, so no trailing barrier is timed.
+    spans: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
     n = len(names)
     for rnd in range(cfg["warmup"] + cfg["steps"]):
         for k in range(n):
@@ -184,10 +189,19 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
             t0 = time.perf_counter()
             if both or rank == 0:
                 fn()
-            dist.barrier()
+            t1 = time.perf_counter()
             if rnd >= cfg["warmup"]:
-                times[name].append(time.perf_counter() - t0)
-    return {"times": times, "checks": checks} if rank == 0 else None
+                spans[name].append((t0, t1) if both or rank == 0 else (float("inf"), float("-inf")))
+    return {"spans": spans, "checks": checks if rank == 0 else None}
+
+
+def _step_times(per_rank: list[dict[str, list[tuple[float, float]]]]) -> dict[str, list[float]]:
+    """Per configuration and round: the last rank's end minus the first rank's start."""
+    out: dict[str, list[float]] = {}
+    for name in per_rank[0]:
+        rounds = zip(*(spans[name] for spans in per_rank))
+        out[name] = [max(e for _, e in r) - min(s for s, _ in r) for r in rounds]
+    return out
 
 
 def _check(
@@ -241,6 +255,17 @@ def _ratios(med: dict[str, float]) -> dict[str, float]:
     return r
 
 
+def _paired(times: dict[str, list[float]]) -> dict[str, float]:
+    """Median over rounds of torch's step time / pipecut's in the same round (drift cancels)."""
+    out = {}
+    for s in SCHEDULES:
+        for other in (f"torch {s}", f"torch {s} loss/m"):
+            if other in times and f"pipecut {s} dist" in times:
+                r = [a / b for a, b in zip(times[other], times[f"pipecut {s} dist"])]
+                out[f"{s}: {other} / pipecut, same round"] = statistics.median(r)
+    return out
+
+
 def _print(cfg: dict[str, Any], summary: dict[str, dict[str, float]], ratios: dict[str, float]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -286,10 +311,12 @@ def main(argv: list[str] | None = None) -> int:
     if load_before[0] > (os.cpu_count() or 1):
         print(f"note: load average {load_before[0]:.1f} on {os.cpu_count()} CPUs; other work competes with "
               "the two pipeline processes, which slows the pipelined configurations most")
-    rank0 = spawn(_worker, 2, cfg, timeout=args.timeout, threads=1)[0]
-    summary = _summary(rank0["times"])
+    ranks = spawn(_worker, 2, cfg, timeout=args.timeout, threads=1)
+    times = _step_times([r["spans"] for r in ranks])
+    summary = _summary(times)
     ratios = _ratios({k: v["median_ms"] for k, v in summary.items()})
-    _print(cfg, summary, ratios)
+    paired = _paired(times)
+    _print(cfg, summary, {**ratios, **paired})
     result = {
         "benchmark": "runtime_vs_torch",
         "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
@@ -299,8 +326,9 @@ def main(argv: list[str] | None = None) -> int:
                 "load_avg_before": load_before, "load_avg_after": os.getloadavg(), "machine": platform.machine(), "wall_s": time.time() - t0},
         "results": summary,
         "ratios": ratios,
-        "checks": rank0["checks"],
-        "times_ms": {k: [round(t * 1e3, 3) for t in v] for k, v in rank0["times"].items()},
+        "paired_ratios": paired,
+        "checks": ranks[0]["checks"],
+        "times_ms": {k: [round(t * 1e3, 3) for t in v] for k, v in times.items()},
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from .schedules import Action, Kind, Schedule, ScheduleError
 from .validation import validate
 
-__all__ = ["Op", "Recv", "Send", "comm_plan"]
+__all__ = ["Op", "Recv", "Send", "comm_plan", "needs_early_receives"]
 
 F, B, I, W = Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT
 
@@ -158,3 +158,36 @@ def comm_plan(
             ops += [Send(place[d], x.stage, x.kind, x.mb, d) for d in outputs(x) if place[d] != r]
         plans.append(tuple(ops))
     return tuple(plans)
+
+
+def needs_early_receives(
+    schedule: Schedule, *, edges: Iterable[tuple[int, int]] | None = None
+) -> bool:
+    """Whether some rank reads a peer's messages in another order than the peer sends them.
+
+    Then :func:`comm_plan` receives a message early, before an action that does not read it.
+    Transports that match messages by tag (``DistTransport`` on gloo) do not care; those that
+    match them in posting order (NCCL) need the program's order. GPipe, 1F1B and ZB-H1 never
+    need early receives; ZB-V does once ``m > p >= 2``, and interleaved 1F1B for some ``(p, m)``
+    (e.g. ``p = 2`` with odd ``m >= 5``).
+
+    Args:
+        schedule: a valid schedule.
+        edges: the stage pairs activations flow along, as for :func:`comm_plan`.
+
+    Example:
+        >>> from runtime.schedules import get_schedule
+        >>> needs_early_receives(get_schedule("zbh1", 4, 8)), needs_early_receives(get_schedule("zbv", 2, 4))
+        (False, True)
+    """
+    for ops in comm_plan(schedule, edges=edges):
+        reader: Action | None = None  # the next action after each op, found walking backwards
+        for op in reversed(ops):
+            if isinstance(op, Action):
+                reader = op
+            elif isinstance(op, Recv):
+                reads = reader is not None and (reader.stage, reader.mb, reader.kind is F) == (
+                    op.to_stage, op.mb, op.kind is F)
+                if not reads:
+                    return True
+    return False

@@ -10,6 +10,8 @@ registry in ``runtime.schedules`` names them. Split-backward schedules are in ``
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from .schedules import Action, Kind, Schedule, ScheduleError
 
 __all__ = ["forward_only", "gpipe", "interleaved", "one_f_one_b"]
@@ -83,12 +85,16 @@ def one_f_one_b(p: int, m: int) -> Schedule:
     return Schedule(tuple(rows), tuple(range(p)), m, name="1f1b")
 
 
-def forward_only(p: int, m: int) -> Schedule:
+def forward_only(p: int, m: int, *, stage_to_rank: Sequence[int] | None = None) -> Schedule:
     """Inference: stage ``s`` runs the ``m`` forwards in order; nothing is kept for a backward.
 
     Args:
-        p: ranks, one stage each (stage ``s`` on rank ``s``).
+        p: ranks, one stage each (stage ``s`` on rank ``s``) unless ``stage_to_rank`` says otherwise.
         m: micro-batches per step; any ``m >= 1``, fewer than ``p`` included.
+        stage_to_rank: another placement (a training schedule's, e.g. interleaved or V-shaped,
+            to run inference on the same ranks): each rank runs all ``m`` forwards of its first
+            stage, then of its next, in ascending stage order (never stuck: a stage only waits
+            for lower stages).
 
     Raises:
         ScheduleError: ``p`` or ``m`` is not an int >= 1.
@@ -98,10 +104,18 @@ def forward_only(p: int, m: int) -> Schedule:
         step    0   1   2
         rank 0  0F0 0F1
         rank 1      1F0 1F1
+        >>> print(forward_only(2, 2, stage_to_rank=(0, 1, 1, 0)))
+        step    0   1   2   3   4   5
+        rank 0  0F0 0F1         3F0 3F1
+        rank 1      1F0 1F1 2F0 2F1
     """
     _check_pm("forward", p, m)
-    rows = tuple(tuple(Action(s, F, mb) for mb in range(m)) for s in range(p))
-    return Schedule(rows, tuple(range(p)), m, forward_only=True, name="forward")
+    placement = tuple(range(p)) if stage_to_rank is None else tuple(stage_to_rank)
+    rows = tuple(
+        tuple(Action(s, F, mb) for s, owner in enumerate(placement) if owner == r for mb in range(m))
+        for r in range(p)
+    )
+    return Schedule(rows, placement, m, forward_only=True, name="forward")
 
 
 def _groups(p: int, m: int) -> list[range]:

@@ -1,18 +1,23 @@
-"""PipelineTrainer: train a Plan as a micro-batched pipeline, in one process or one rank per stage.
+"""PipelineTrainer: train a Plan as a micro-batched pipeline, in one process or one process per rank.
 
-Legend: ``p`` ranks, ``m`` micro-batches, ``s`` a stage index, ``mb`` a micro-batch index.
+Legend: ``S`` stages (the plan's model chunks), ``p`` ranks, ``v`` stages per rank (``S = p * v``;
+2 for interleaved and ZB-V, 1 otherwise), ``m`` micro-batches, ``s`` a stage index, ``mb`` a
+micro-batch index.
 
 The same script runs both ways::
 
-    python train.py                                   # all stages here, one thread each
-    torchrun --standalone --nproc-per-node 4 train.py # one stage per rank (gloo on CPU, NCCL on GPU)
+    python train.py                                   # all ranks here, one thread each
+    torchrun --standalone --nproc-per-node 4 train.py # one process per rank (gloo on CPU, NCCL on GPU)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
+import time
+from pathlib import Path
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -23,13 +28,16 @@ from torch import nn
 from partitioner.errors import PipecutError
 from partitioner.plan import Plan
 
+from .comm import needs_early_receives
 from .executor import ActionRecord, Executor, RunResult, StageRuntime
+from .generators import forward_only
 from .schedules import Schedule, get_schedule
-from .validation import validate
 from .shapes import wire_shapes
+from .timeline import Timeline, from_records, save_chrome_trace
 from .transport import DistTransport, LocalTransport, Transport
+from .validation import validate
 
-__all__ = ["PipelineTrainer", "MicrobatchError", "split_microbatches"]
+__all__ = ["PipelineTrainer", "MicrobatchError", "PlacementError", "split_microbatches"]
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +46,13 @@ OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 class MicrobatchError(PipecutError, ValueError):
     """A batch cannot be cut into the asked number of equal micro-batches."""
+
+
+class PlacementError(PipecutError, ValueError):
+    """The plan's stages do not fit the schedule's placement, the job's ranks, or the devices."""
+
+# Stages per rank of the multi-stage placements: round-robin (interleaved) and V-shaped (ZB-V).
+_DEFAULT_CHUNKS = {"interleaved": 2, "zbv": 2}
 
 
 def split_microbatches(batch: Any, m: int, what: str = "inputs") -> list[Any]:
@@ -74,16 +89,27 @@ class PipelineTrainer:
         loss_fn: ``loss_fn(output, target) -> scalar`` with mean reduction over the batch;
             ``output`` is the model's output (a tuple when it returns several tensors).
         optimizer: called with this process's parameters; ``None`` to only compute gradients.
-        schedule: ``'gpipe'`` or ``'1f1b'`` (default: the plan's).
+        schedule: ``'gpipe'``, ``'1f1b'``, ``'zbh1'`` (one stage per rank), ``'interleaved'``
+            (``v`` stages per rank, stage ``s`` on rank ``s % p``) or ``'zbv'`` (2 stages per
+            rank in a V: rank ``r`` holds ``r`` and ``2p - 1 - r``); default: the plan's. The
+            plan's ``S`` stages run on ``p = S / v`` ranks.
         microbatches: ``m`` (default: the plan's). Batches must divide evenly by ``m``.
+        chunks_per_rank: ``v`` for ``'interleaved'`` (default 2); must be 2 (or omitted) for
+            ``'zbv'`` and 1 (or omitted) for the others.
         transport: ``'auto'`` (distributed when launched by torchrun, else ``'local'``),
-            ``'local'`` (all stages in this process, one thread per stage), ``'sequential'``
-            (all stages in this process, one thread: for debugging and as a baseline) or
-            ``'dist'`` (one rank per stage over torch.distributed).
+            ``'local'`` (all ranks in this process, one thread per rank running all its
+            stages), ``'sequential'`` (all ranks in this process, one thread: for debugging and
+            as a baseline) or ``'dist'`` (one process per rank over torch.distributed).
         devices: with the in-process transports, a device per stage (default: all ``cpu``);
-            with ``'dist'``, this rank's device (default ``cuda:LOCAL_RANK`` with NCCL, else cpu).
+            the stages of one rank run in one thread and must share a device. With ``'dist'``,
+            this rank's device (default ``cuda:LOCAL_RANK`` with NCCL, else cpu).
         timeout: seconds any wait for a peer may take before failing loudly.
-        record: keep when each action ran (``last_records``), for timelines.
+        record: keep when each action ran (``last_records``), for :meth:`timeline` and
+            :meth:`save_trace`.
+
+    Raises:
+        PlacementError: ``S`` is not a multiple of the schedule's stages per rank, the job's
+            world size is not ``p``, or stages of one rank are given different devices.
 
     Example:
         >>> import torch
@@ -106,6 +132,7 @@ class PipelineTrainer:
         *,
         schedule: str | None = None,
         microbatches: int | None = None,
+        chunks_per_rank: int | None = None,
         transport: str = "auto",
         devices: Sequence[str | torch.device] | str | torch.device | None = None,
         timeout: float = 300.0,
@@ -113,16 +140,17 @@ class PipelineTrainer:
     ) -> None:
         self.plan = plan
         self.loss_fn = loss_fn
-        self.p = plan.num_stages
+        self.p = plan.num_stages  # S, the stages; the ranks are self.schedule.num_ranks
         self.m = microbatches or plan.microbatches
         self.schedule_name = schedule or plan.schedule
-        self.schedule: Schedule = get_schedule(self.schedule_name, self.p, self.m)
+        self.schedule: Schedule = _placed_schedule(self.schedule_name, self.p, self.m, chunks_per_rank)
         validate(self.schedule)
         self.timeout = timeout
         self.record = record
         self.mode = _resolve_mode(transport)
         self.last_peak_inflight: dict[int, int] = {}
         self.last_records: list[ActionRecord] = []
+        self._example_sized = False
         staged = plan.build_stages()
         ios = list(staged.io)
 
@@ -131,10 +159,14 @@ class PipelineTrainer:
             self.rank = dist.get_rank()
             world = dist.get_world_size()
             if world != self.schedule.num_ranks:
-                raise ValueError(
-                    f"the plan has {self.p} stages on {self.schedule.num_ranks} ranks but the job has "
-                    f"{world} processes; launch with --nproc-per-node {self.schedule.num_ranks}"
+                ranks = self.schedule.num_ranks
+                v = self.p // ranks
+                raise PlacementError(
+                    f"schedule {self.schedule.name!r} runs the plan's {self.p} stages on {ranks} "
+                    f"ranks ({v} per rank), but the job has {world} processes; launch with "
+                    f"--nproc-per-node {ranks}, or partition into {world * v} stages for {world} ranks"
                 )
+            _check_backend(self.schedule, ios)
             device = torch.device(devices) if isinstance(devices, (str, torch.device)) else _default_device()
             self._ranks = [self.rank]
             own = self.schedule.stages_of(self.rank)
@@ -143,7 +175,7 @@ class PipelineTrainer:
             self.rank = 0
             self._ranks = list(range(self.schedule.num_ranks))
             own = tuple(range(self.p))
-            self.devices = _local_devices(devices, self.p)
+            self.devices = _local_devices(devices, self.p, self.schedule)
         self.stages: dict[int, StageRuntime] = {}
         for s in own:
             module = staged.stages[s]
@@ -201,7 +233,7 @@ class PipelineTrainer:
         ``None``.
         """
         ins = self._micro_inputs(inputs)
-        fwd = get_schedule("forward", self.schedule.num_ranks, self.m)
+        fwd = forward_only(self.schedule.num_ranks, self.m, stage_to_rank=self.schedule.stage_to_rank)
         with torch.no_grad():
             results = self._run(fwd, ins, None, train=False)
         outs: dict[int, tuple[Any, ...]] = {}
@@ -239,7 +271,84 @@ class PipelineTrainer:
             out.update(self.stages[s].module.state_dict())
         return out
 
+    def timeline(self) -> Timeline:
+        """The last run as measured in this process: a :class:`~runtime.timeline.Timeline`.
+
+        Built by :func:`~runtime.timeline.from_records` from ``last_records`` (``perf_counter``
+        times, shifted to start at 0; messages between ranks inferred from the hand-overs), so
+        ``bubble``, ``peak_inflight``, ``memory`` and traces read it as they read a simulated
+        one. Activation bytes per stage are the plan's when the micro-batches had the plan's
+        example size (else the memory metrics count micro-batches). Under ``'dist'`` it holds
+        this rank's actions only; :meth:`save_trace` gathers every rank's.
+
+        Raises:
+            RuntimeError: the trainer was built without ``record=True``, or nothing ran yet.
+
+        Example:
+            >>> import torch
+            >>> from torch import nn
+            >>> from partitioner import partition
+            >>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU())
+            >>> plan = partition(model, (torch.randn(2, 8),), 4, microbatches=4)
+            >>> trainer = PipelineTrainer(plan, nn.functional.mse_loss, schedule="zbv", record=True)
+            >>> _ = trainer.forward_backward(torch.randn(8, 8), torch.randn(8, 8))
+            >>> t = trainer.timeline()
+            >>> t.num_ranks, len(t.spans), t.peak_inflight   # 4 stages x 4 mb x (F, I, W) on 2 ranks
+            (2, 48, (4, 4))
+        """
+        return self._timeline(self.last_records)
+
+    def save_trace(self, path: str | Path) -> Path | None:
+        """Write the last run as Chrome trace JSON (open in https://ui.perfetto.dev).
+
+        The same format as simulated timelines (``runtime.timeline.save_chrome_trace``): a
+        track per rank, an event per action named like ``1F3``, flow arrows for the messages
+        between ranks, activation counters. Needs ``record=True``.
+
+        Under ``'dist'`` it is collective: every rank calls it; rank 0 gathers the ranks' records
+        (``dist.gather_object``, a few bytes per action), writes ``path`` and returns it, the
+        others return ``None``. Each rank's ``perf_counter`` times are mapped to wall-clock time
+        first, so ranks line up exactly on one host and to the clocks' synchronisation across
+        hosts.
+
+        Raises:
+            RuntimeError: the trainer was built without ``record=True``, or nothing ran yet.
+        """
+        name = f"pipecut {self.schedule.name} (measured)"
+        if self.mode != "dist":
+            return save_chrome_trace(self.timeline(), path, name=name)
+        self._check_recorded(self.last_records)
+        offset = time.time() - time.perf_counter()
+        mine = [dataclasses.replace(x, start=x.start + offset, end=x.end + offset) for x in self.last_records]
+        gathered: list[Any] | None = [None] * dist.get_world_size() if self.rank == 0 else None
+        dist.gather_object(mine, gathered, dst=0)
+        if gathered is None:
+            return None
+        return save_chrome_trace(self._timeline([x for part in gathered for x in part]), path, name=name)
+
     # -- internals ------------------------------------------------------------------------
+
+    def _check_recorded(self, records: Sequence[ActionRecord]) -> None:
+        if not self.record:
+            raise RuntimeError(
+                "this trainer does not record its actions: build it with "
+                "PipelineTrainer(..., record=True) to get timelines and traces"
+            )
+        if not records:
+            raise RuntimeError("nothing was recorded yet: run step(), forward_backward() or predict() first")
+
+    def _timeline(self, records: Sequence[ActionRecord]) -> Timeline:
+        self._check_recorded(records)
+        act_bytes = None
+        if self._example_sized:
+            act_bytes = [float(getattr(st, "act_bytes", 0.0)) for st in self.plan.stages]
+            act_bytes = act_bytes if len(act_bytes) == self.p and any(act_bytes) else None
+        timeline = from_records(records, act_bytes)
+        return dataclasses.replace(timeline, num_ranks=self.schedule.num_ranks)
+
+    def _is_example_size(self, mb_inputs: Mapping[str, Any]) -> bool:
+        key = tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else () for x in mb_inputs.values())
+        return key == tuple(tuple(meta.shape) for meta in self.plan.traced.example_inputs)
 
     def _micro_inputs(self, inputs: Any) -> list[dict[str, Any]]:
         flat = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
@@ -286,6 +395,7 @@ class PipelineTrainer:
                 transport.close()
         self.last_peak_inflight = {s: n for res in results for s, n in res.peak_inflight.items()}
         self.last_records = sorted((r for res in results for r in res.records), key=lambda r: r.start)
+        self._example_sized = self._is_example_size(ins[0]) if ins else False
         return results
 
     def _setup_tied(self, shared: Mapping[str, tuple[int, ...]]) -> list[tuple[list[nn.Parameter], Any]]:
@@ -402,6 +512,20 @@ def _resolve_mode(transport: str) -> str:
     return "dist" if dist.is_initialized() or launched else "local"
 
 
+def _check_backend(schedule: Schedule, ios: Sequence[Any]) -> None:
+    """NCCL pairs messages between two ranks in posting order: the schedule must not need otherwise."""
+    if dist.get_backend() != "nccl":
+        return  # gloo pairs them by tag (DistTransport tags every message)
+    edges = {(v.producer, c) for io in ios for v in io.outputs if v.producer == io.stage for c in v.consumers}
+    if needs_early_receives(schedule, edges=edges):
+        raise PlacementError(
+            f"schedule {schedule.name!r} with {schedule.num_ranks} ranks and "
+            f"{schedule.num_microbatches} micro-batches reads some messages from a peer in another "
+            "order than the peer sends them, which NCCL (pairing messages in posting order) cannot "
+            "match yet; use 'gpipe', '1f1b' or 'zbh1' on NCCL, or gloo"
+        )
+
+
 def _ensure_process_group() -> None:
     if dist.is_initialized():
         return
@@ -422,14 +546,57 @@ def _comm_device() -> torch.device:
     return _default_device() if dist.is_initialized() else torch.device("cpu")
 
 
-def _local_devices(devices: Sequence[str | torch.device] | str | torch.device | None, p: int) -> dict[int, torch.device]:
+def _placed_schedule(name: str, num_stages: int, m: int, chunks_per_rank: int | None) -> Schedule:
+    """The schedule running ``num_stages`` stages: ``S / v`` ranks, ``v`` stages each."""
+    key = name.lower()
+    key = "interleaved" if key == "interleaved-1f1b" else key
+    v = chunks_per_rank if chunks_per_rank is not None else _DEFAULT_CHUNKS.get(key, 1)
+    if type(v) is not int or v < 1:
+        raise PlacementError(f"chunks_per_rank must be an int >= 1, got {v!r}")
+    if key == "zbv" and v != 2:
+        raise PlacementError(
+            f"schedule 'zbv' places exactly 2 stages per rank (a V), got chunks_per_rank={v}; "
+            "omit chunks_per_rank, or use schedule='interleaved' for other counts"
+        )
+    if key not in _DEFAULT_CHUNKS and v != 1:
+        raise PlacementError(
+            f"schedule {name!r} places one stage per rank, got chunks_per_rank={v}; "
+            "use schedule='interleaved' (or 'zbv') for several stages per rank"
+        )
+    if num_stages % v:
+        lower, upper = num_stages - num_stages % v, num_stages - num_stages % v + v
+        fix = f"{lower} or {upper}" if lower else f"{upper}"
+        raise PlacementError(
+            f"schedule {name!r} places {v} stages per rank, but the plan has {num_stages} "
+            f"stages, not a multiple of {v}; partition into {fix} stages "
+            f"(partition(..., num_stages=...)), or pick chunks_per_rank dividing {num_stages}"
+        )
+    kw = {"v": v} if key == "interleaved" else {}
+    return get_schedule(name, num_stages // v, m, **kw)
+
+
+def _local_devices(
+    devices: Sequence[str | torch.device] | str | torch.device | None, p: int, schedule: Schedule
+) -> dict[int, torch.device]:
     if devices is None:
         return {s: torch.device("cpu") for s in range(p)}
     if isinstance(devices, (str, torch.device)):
         return {s: torch.device(devices) for s in range(p)}
     if len(devices) != p:
-        raise ValueError(f"give one device per stage: {p} stages, {len(devices)} devices")
-    return {s: torch.device(d) for s, d in enumerate(devices)}
+        raise PlacementError(f"give one device per stage: {p} stages, {len(devices)} devices")
+    out = {s: torch.device(d) for s, d in enumerate(devices)}
+    for r in range(schedule.num_ranks):
+        own = schedule.stages_of(r)
+        if len({out[s] for s in own}) > 1:
+            # One thread runs a rank's stages one after another: spreading them over devices
+            # would serialise those devices instead of pipelining them.
+            want = [str(out[schedule.stages_of(q)[0]]) for q in schedule.stage_to_rank]
+            raise PlacementError(
+                f"schedule {schedule.name!r} runs stages {list(own)} on rank {r}, one thread, but "
+                f"they were given devices {[str(out[s]) for s in own]}; give the stages of a "
+                f"rank one device (stage_to_rank={schedule.stage_to_rank}), e.g. devices={want}"
+            )
+    return out
 
 
 def _param(module: nn.Module, name: str) -> nn.Parameter:

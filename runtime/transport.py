@@ -8,9 +8,11 @@ Both transports have the same contract, so the executor runs unchanged over eith
 * ``send`` never blocks: the tensors are handed off (in-process) or posted (``isend``);
 * ``recv`` blocks until the message is there, at most ``timeout`` seconds, then raises
   ``TransportTimeout`` naming what it waited for;
-* the distributed transport needs no handshake: shapes and dtypes come from the plan, and
-  messages between two ranks match in the order they were posted, so every pair of ranks must
-  post its sends and receives in the same order (the schedules guarantee this);
+* the distributed transport needs no handshake: shapes and dtypes come from the plan. On gloo
+  each message has its own tag, so a rank may read the messages from a peer in another order
+  than the peer sent them (interleaved and V-shaped placements do); NCCL ignores tags and
+  matches messages between two ranks in posting order, so there both must post in the same
+  order (GPipe, 1F1B and ZB-H1 do; ``runtime.comm.needs_early_receives`` tells);
 * a transport may ask for receives ahead of time (``posts_receives``): the executor then calls
   ``prefetch`` for the next few messages, in the order it will ``recv`` them.
 """
@@ -207,10 +209,11 @@ class DistTransport(Transport):
             return
         bufs = [t.detach().contiguous() for t in tensors]
         if self._batched:
-            ops = [dist.P2POp(dist.isend, t, peer, self.group) for t in bufs]
+            ops = [dist.P2POp(dist.isend, t, peer, self.group, self._tag(key)) for t in bufs]
             works = dist.batch_isend_irecv(ops) if ops else []
         else:
-            works = [w for t in bufs if (w := dist.isend(t, peer, group=self.group)) is not None]
+            tag = self._tag(key)
+            works = [w for t in bufs if (w := dist.isend(t, peer, group=self.group, tag=tag)) is not None]
         self._sends.append((key, works, bufs))
         self._reap()
 
@@ -241,11 +244,18 @@ class DistTransport(Transport):
         peer = self._peers[key.src]
         bufs = [torch.empty(m.shape, dtype=m.dtype, device=device) for m in metas]
         if self._batched:
-            ops = [dist.P2POp(dist.irecv, t, peer, self.group) for t in bufs]
+            ops = [dist.P2POp(dist.irecv, t, peer, self.group, self._tag(key)) for t in bufs]
             works = dist.batch_isend_irecv(ops) if ops else []
         else:
-            works = [w for t in bufs if (w := dist.irecv(t, peer, group=self.group)) is not None]
+            tag = self._tag(key)
+            works = [w for t in bufs if (w := dist.irecv(t, peer, group=self.group, tag=tag)) is not None]
         return works, bufs, peer
+
+    def _tag(self, key: Key) -> int:
+        # One tag per message: gloo pairs a receive with the send of the same tag, whatever the
+        # order (a message's tensors share it and keep their order). NCCL ignores tags.
+        S = len(self.stage_to_rank)
+        return ((key.mb * S + key.src) * S + key.dst) * 2 + (key.kind == "grad")
 
     def wait_sends(self) -> None:
         for key, works, _ in self._sends:

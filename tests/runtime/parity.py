@@ -15,9 +15,17 @@ from torch import nn
 
 from partitioner import partition
 from partitioner.zoo import MLPChain, gpt2
-from runtime.trainer import PipelineTrainer
+from runtime.trainer import PipelineTrainer, PlacementError
+from runtime.validation import peak_inflight
 
 TOL = {"rtol": 2e-5, "atol": 2e-6}
+# Stages per rank of the multi-stage placements: the plan has ranks x this many stages.
+CHUNKS = {"interleaved": 2, "zbv": 2}
+
+
+def stages_for(schedule: str, ranks: int) -> int:
+    """``S``: the stages a plan needs to run ``schedule`` on ``ranks`` ranks."""
+    return ranks * CHUNKS.get(schedule, 1)
 
 
 class SkipChain(nn.Module):
@@ -42,7 +50,7 @@ def _lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def case(name: str, p: int) -> dict[str, Any]:
-    """Model, batch, loss and partition options for a named parity case on ``p`` stages."""
+    """Model, batch, loss and partition options for a named parity case on ``p`` stages (2 to 8)."""
     torch.manual_seed(1234)
     if name == "mlp":
         model: nn.Module = MLPChain((16, 48, 24, 64, 32, 40, 8))
@@ -61,7 +69,8 @@ def case(name: str, p: int) -> dict[str, Any]:
         model = SkipChain()
         x, y = torch.randn(8, 12), torch.randn(8, 5)
         # Stages begin at blocks spread over the chain, so the stem's output skips >= 2 stages.
-        starts = {2: ["blocks.3"], 3: ["blocks.2", "blocks.4"], 4: ["blocks.1", "blocks.3", "blocks.5"]}[p]
+        starts = {2: ["blocks.3"], 3: ["blocks.2", "blocks.4"], 4: ["blocks.1", "blocks.3", "blocks.5"],
+                  8: ["blocks.0", "blocks.1", "blocks.2", "blocks.3", "blocks.4", "blocks.5", "head"]}[p]
         return dict(model=model, example=(x[:2],), x=x, y=y, loss=nn.functional.mse_loss,
                     opts={"split_points": starts})
     raise ValueError(name)
@@ -118,7 +127,8 @@ def check_case(name: str, p: int, schedule: str, transport: str = "local") -> di
         torch.testing.assert_close(prm.detach(), ref_params[pname].detach(), **TOL, msg=lambda m: f"{pname}: {m}")
     every = {id(prm): n for n, prm in ref.named_parameters()}  # one name per tensor (tied: one)
     return {"checked": checked, "peak": dict(trainer.last_peak_inflight), "loss": float(loss),
-            "tensors": len(every), "aliases": _aliases(ref)}
+            "tensors": len(every), "aliases": _aliases(ref), "tied_groups": len(trainer._tied),
+            "want_peak": list(peak_inflight(trainer.schedule)), "stage_to_rank": list(trainer.schedule.stage_to_rank)}
 
 
 def _aliases(model: nn.Module) -> dict[str, str]:
@@ -144,9 +154,27 @@ def _fresh_y(c: dict[str, Any], gen: torch.Generator) -> torch.Tensor:
     return torch.randint(0, 64, y.shape, generator=gen)
 
 
-def dist_worker(rank: int, world: int, cases: list[tuple[str, str]]) -> dict[str, Any]:
-    """Run every (model, schedule) case on this rank of a ``world``-stage pipeline."""
-    out = {}
+def dist_worker(rank: int, world: int, cases: list[tuple[str, str]], trace: str | None = None) -> dict[str, Any]:
+    """Run every (model, schedule) case on this rank of a ``world``-rank pipeline.
+
+    The plan has ``stages_for(schedule, world)`` stages: one per rank, two for interleaved and ZB-V.
+    With ``trace`` (a path), also: a plan of the wrong size is refused, and a ZB-V step's Chrome
+    trace is gathered to rank 0 and written there (under ``'_extra'``).
+    """
+    out: dict[str, Any] = {}
     for name, schedule in cases:
-        out[f"{name}/{schedule}"] = check_case(name, world, schedule, transport="dist")
+        out[f"{name}/{schedule}"] = check_case(name, stages_for(schedule, world), schedule, transport="dist")
+    if trace is not None:
+        c = case("mlp", world)
+        try:  # world stages under ZB-V need world / 2 ranks, not world
+            make_trainer(c, world, "zbv", transport="dist")
+            refused = ""
+        except PlacementError as err:
+            refused = str(err)
+        c = case("mlp", 2 * world)
+        trainer = make_trainer(c, 2 * world, "zbv", transport="dist", record=True)
+        trainer.forward_backward(c["x"], c["y"])
+        written = trainer.save_trace(trace)
+        out["_extra"] = {"refused": refused, "written": None if written is None else str(written),
+                         "records": len(trainer.last_records)}
     return out

@@ -131,3 +131,40 @@ def test_comm_plan_batched_rendezvous_holds_for_zbh1_but_not_interleaved_or_zbv(
         assert run_rendezvous(comm_plan(get_schedule("zbh1", p, m)), batched=True), (p, m)
     assert not run_rendezvous(comm_plan(get_schedule("interleaved", 2, 4)), batched=True)
     assert not run_rendezvous(comm_plan(get_schedule("zbv", 2, 4)), batched=True)
+
+
+def _read_out_of_order(schedule: Schedule) -> bool:
+    """Independent of comm_plan: does any rank, reading lazily in action order, meet a peer's
+    messages in another order than the peer sent them? (chain edges)"""
+    place, S = schedule.stage_to_rank, schedule.num_stages
+    present = {a for row in schedule.actions for a in row}
+    sent: dict[tuple[int, int], list[tuple[int, int, bool, int]]] = {}  # (src, dst rank) -> messages
+    read: dict[tuple[int, int], list[tuple[int, int, bool, int]]] = {}
+    for r, row in enumerate(schedule.actions):
+        for a in row:
+            if a.kind is Kind.FORWARD:
+                if a.stage + 1 < S and place[a.stage + 1] != r:
+                    sent.setdefault((r, place[a.stage + 1]), []).append((a.stage, a.stage + 1, True, a.mb))
+                if a.stage > 0 and place[a.stage - 1] != r:
+                    read.setdefault((place[a.stage - 1], r), []).append((a.stage - 1, a.stage, True, a.mb))
+            elif a.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT):
+                if a.stage > 0 and place[a.stage - 1] != r:
+                    sent.setdefault((r, place[a.stage - 1]), []).append((a.stage, a.stage - 1, False, a.mb))
+                if a.stage + 1 < S and place[a.stage + 1] != r:
+                    read.setdefault((place[a.stage + 1], r), []).append((a.stage + 1, a.stage, False, a.mb))
+    assert present and {k: sorted(v) for k, v in sent.items()} == {k: sorted(v) for k, v in read.items()}
+    return sent != read
+
+
+def test_needs_early_receives_agrees_with_the_order_messages_are_read_in() -> None:
+    from runtime.comm import needs_early_receives
+
+    seen = set()
+    for name in ("gpipe", "1f1b", "zbh1", "interleaved", "zbv"):
+        for p, m in GRID[::3]:
+            schedule = get_schedule(name, p, m)
+            got = needs_early_receives(schedule)
+            assert got == _read_out_of_order(schedule), (name, p, m)
+            seen.add((name, got))
+    assert seen >= {("zbv", True), ("interleaved", True), ("interleaved", False), ("zbh1", False)}
+    assert not any(got for name, got in seen if name in ("gpipe", "1f1b", "zbh1"))

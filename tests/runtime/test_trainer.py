@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
 
-from parity import case, check_case, dist_worker, make_trainer
+from parity import case, check_case, dist_worker, make_trainer, stages_for
 from runtime.launch import spawn
-from runtime.trainer import MicrobatchError, split_microbatches
+from runtime.schedules import get_schedule
+from runtime.trainer import MicrobatchError, PipelineTrainer, split_microbatches
+from runtime.validation import peak_inflight
 
 MODELS = ["mlp", "gpt2", "skip"]
 SCHEDULES = ["gpipe", "1f1b"]
+# Split backward and several stages per rank: interleaved (v = 2) and ZB-V put 2 stages per rank.
+NEW_SCHEDULES = ["interleaved", "zbh1", "zbv"]
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -24,16 +31,44 @@ def test_in_process_threads_match_reference(name: str, schedule: str) -> None:
     assert [res["peak"][s] for s in range(p)] == want
 
 
+@pytest.mark.parametrize("schedule", NEW_SCHEDULES)
+@pytest.mark.parametrize("name", MODELS)
+def test_new_schedules_in_process_match_reference(name: str, schedule: str) -> None:
+    # Two ranks (3 for ZB-H1, so a stage defers a W): 4 stages for interleaved and ZB-V.
+    ranks = 3 if schedule == "zbh1" else 2
+    S = stages_for(schedule, ranks)
+    res = check_case(name, S, schedule, transport="local")
+    assert len({res["aliases"][n] for n in res["checked"]}) == res["tensors"]
+    kw = {"v": 2} if schedule == "interleaved" else {}
+    sched = get_schedule(schedule, ranks, 4, **kw)
+    assert res["stage_to_rank"] == list(sched.stage_to_rank)
+    # The executor's measured per-stage peak equals the schedule's unit-time count.
+    assert [res["peak"][s] for s in range(S)] == list(peak_inflight(sched))
+    if name == "gpt2":  # tied embedding on stages 0 and S-1: one object in one process
+        assert res["tied_groups"] == 0
+
+
 @pytest.mark.parametrize("name", [*MODELS, "mlp-mb4"])
 def test_sequential_transport_matches_reference(name: str) -> None:
     check_case(name, 2, "1f1b", transport="sequential")
 
 
+@pytest.mark.parametrize(("name", "schedule"), [("gpt2", "zbv"), ("skip", "interleaved"), ("mlp-mb4", "zbh1")])
+def test_sequential_transport_runs_new_schedules(name: str, schedule: str) -> None:
+    res = check_case(name, stages_for(schedule, 2), schedule, transport="sequential")
+    assert [res["peak"][s] for s in range(len(res["want_peak"]))] == res["want_peak"]
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("world", [2, 4])
-def test_gloo_processes_match_reference(world: int) -> None:
-    cases = [(n, s) for n in MODELS for s in SCHEDULES] + [("mlp-mb4", "1f1b")]
-    results = spawn(dist_worker, world, cases, timeout=600)
+def test_gloo_processes_match_reference(world: int, tmp_path: Path) -> None:
+    # One spawn per world size runs every case (processes and imports are the slow part).
+    cases = [(n, s) for n in MODELS for s in SCHEDULES + NEW_SCHEDULES] + [("mlp-mb4", "1f1b")]
+    if world == 2:
+        cases.append(("mlp-mb4", "zbv"))
+    trace = tmp_path / "zbv.json" if world == 2 else None
+    results = spawn(dist_worker, world, cases, trace and str(trace), timeout=600)
+    extra = [res.pop("_extra", None) for res in results]
     for key in results[0]:  # together the ranks checked every tensor of the model
         aliases = results[0][key]["aliases"]
         covered = {aliases[n] for res in results for n in res[key]["checked"]}
@@ -41,11 +76,28 @@ def test_gloo_processes_match_reference(world: int) -> None:
     for rank, res in enumerate(results):
         for key, r in res.items():
             sched = key.split("/")[1]
-            want = 4 if sched == "gpipe" else min(4, world - rank)
-            assert r["peak"] == {rank: want}, (rank, key, r["peak"])
+            if sched in SCHEDULES:
+                want = 4 if sched == "gpipe" else min(4, world - rank)
+                assert r["peak"] == {rank: want}, (rank, key, r["peak"])
+            # Each rank measured its own stages' peaks: the schedule's unit-time count.
+            mine = {s: n for s, (n, q) in enumerate(zip(r["want_peak"], r["stage_to_rank"])) if q == rank}
+            assert r["peak"] == mine, (rank, key, r["peak"], mine)
+            assert len(mine) == (2 if sched in ("interleaved", "zbv") else 1)
     # Every rank reports the same (broadcast) loss.
     for key in results[0]:
         assert len({round(res[key]["loss"], 6) for res in results}) == 1
+    # GPT-2's tied embedding: ZB-V keeps its two holders (stages 0 and S-1) on rank 0, one object;
+    # interleaved puts them on ranks 0 and world-1, kept equal by summing gradients.
+    assert [res["gpt2/zbv"]["tied_groups"] for res in results] == [0] * world
+    assert [res["gpt2/interleaved"]["tied_groups"] for res in results] == [1] + [0] * (world - 2) + [1]
+    if world == 2:
+        assert "--nproc-per-node 1" in extra[0]["refused"] and "2 processes" in extra[0]["refused"]
+        assert extra[0]["written"] == str(trace) and [e["written"] for e in extra[1:]] == [None]
+        events = json.loads(trace.read_text())["traceEvents"]
+        spans = [e for e in events if e["ph"] == "X"]
+        assert len(spans) == sum(e["records"] for e in extra) == 4 * 4 * 3  # S x m x (F, I, W)
+        assert {e["tid"] for e in spans} == {0, 1}
+        assert {e["name"] for e in spans if e["tid"] == 1} >= {"1F0", "2I3", "1W3"}
 
 
 def test_export_graph_on_another_micro_batch_size_is_a_clear_error() -> None:
@@ -125,3 +177,89 @@ def test_state_dict_uses_original_names() -> None:
     assert set(trainer.state_dict()) == set(c["model"].state_dict())
     names = {n for n, _ in trainer.named_parameters()}
     assert names == {n for n, _ in nn.Module.named_parameters(c["model"])}
+
+
+# -- several stages per rank, timelines ---------------------------------------------------------
+
+
+def test_stage_count_that_does_not_fit_the_placement_is_a_clear_error() -> None:
+    from runtime.trainer import PlacementError
+
+    c = case("skip", 3)
+    plan = make_trainer(c, 3, "1f1b").plan
+    with pytest.raises(PlacementError, match=r"'zbv' places 2 stages per rank, but the plan has 3 stages.*2 or 4"):
+        PipelineTrainer(plan, c["loss"], schedule="zbv")
+    with pytest.raises(PlacementError, match=r"3 stages, not a multiple of 2"):
+        PipelineTrainer(plan, c["loss"], schedule="interleaved")
+    PipelineTrainer(plan, c["loss"], schedule="interleaved", chunks_per_rank=3)  # 1 rank, 3 chunks
+    with pytest.raises(PlacementError, match="exactly 2 stages per rank"):
+        PipelineTrainer(plan, c["loss"], schedule="zbv", chunks_per_rank=3)
+    with pytest.raises(PlacementError, match="one stage per rank.*schedule='interleaved'"):
+        PipelineTrainer(plan, c["loss"], schedule="1f1b", chunks_per_rank=3)
+
+
+def test_stages_of_one_rank_must_share_a_device() -> None:
+    from runtime.trainer import PlacementError
+
+    c = case("mlp", 4)
+    plan = make_trainer(c, 4, "zbv").plan
+    # ZB-V: rank 0 holds stages 0 and 3, rank 1 stages 1 and 2.
+    with pytest.raises(PlacementError, match=r"stages \[0, 3\] on rank 0.*devices=\['cpu', 'cpu:0', 'cpu:0', 'cpu'\]"):
+        PipelineTrainer(plan, c["loss"], schedule="zbv", devices=["cpu", "cpu:0", "cpu", "cpu:0"])
+    trainer = PipelineTrainer(plan, c["loss"], schedule="zbv", devices=["cpu", "cpu:0", "cpu:0", "cpu"])
+    trainer.forward_backward(c["x"], c["y"])
+    assert all(prm.grad is not None for prm in trainer.parameters())
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
+def test_predict_runs_on_the_schedules_placement(schedule: str) -> None:
+    c = case("skip", 4)
+    trainer = make_trainer(c, 4, schedule, record=True)
+    x = torch.randn(8, 12)
+    with torch.no_grad():
+        torch.testing.assert_close(trainer.predict(x), c["model"](x))
+    assert {(r.rank, r.stage) for r in trainer.last_records} == set(
+        (q, s) for s, q in enumerate(trainer.schedule.stage_to_rank))
+
+
+def test_measured_timeline_and_trace_match_the_schedule(tmp_path: Path) -> None:
+    from runtime.timeline import Timeline, to_chrome_trace
+    from runtime.validation import peak_inflight_per_rank
+
+    c = case("mlp", 4)
+    trainer = make_trainer(c, 4, "zbv", record=True)
+    with pytest.raises(RuntimeError, match="run step"):
+        trainer.timeline()
+    trainer.forward_backward(c["x"], c["y"])
+    t = trainer.timeline()
+    assert isinstance(t, Timeline) and t.num_ranks == 2
+    assert {x.label for x in t.spans} == {str(a) for row in trainer.schedule.actions for a in row}
+    for r, row in enumerate(trainer.schedule.actions):  # each rank ran its list in order
+        assert [x.label for x in t.of_rank(r)] == [str(a) for a in row]
+    # Counted from the measured spans, the activations held peak as the schedule says.
+    assert t.peak_inflight == peak_inflight_per_rank(trainer.schedule)
+    # The plan's per-stage activation bytes weigh the memory curves (micro-batches of the example size).
+    assert t.activation_bytes == tuple(st.act_bytes for st in trainer.plan.stages)
+    assert t.peak_bytes is not None and all(b > 0 for b in t.peak_bytes)
+    assert {m.what for m in t.messages} == {"act", "grad"}
+
+    path = trainer.save_trace(tmp_path / "zbv.json")
+    events = json.loads(path.read_text())["traceEvents"]
+    assert events == to_chrome_trace(t, name="pipecut zbv (measured)")["traceEvents"]
+    assert {e["ph"] for e in events} >= {"M", "X", "s", "f", "C"}
+
+
+def test_timeline_needs_recording() -> None:
+    trainer = make_trainer(case("mlp", 2), 2, "zbh1")
+    trainer.forward_backward(torch.randn(8, 16), torch.randn(8, 8))
+    with pytest.raises(RuntimeError, match="record=True"):
+        trainer.timeline()
+
+
+def test_actions_are_labelled_for_the_profiler() -> None:
+    c = case("mlp", 4)
+    trainer = make_trainer(c, 4, "zbv", transport="sequential")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        trainer.forward_backward(c["x"], c["y"])
+    names = {e.name for e in prof.events() if e.name.startswith("pipecut ")}
+    assert names == {f"pipecut {a}" for row in trainer.schedule.actions for a in row}

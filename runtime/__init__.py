@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .comm import Op, Recv, Send, comm_plan
+from .comm import Op, Recv, Send, comm_plan, needs_early_receives
 from .generators import forward_only, gpipe, interleaved, one_f_one_b
 from .schedules import (
     Action,
@@ -29,12 +29,13 @@ from .validation import format_grid, peak_inflight, peak_inflight_per_rank, vali
 from .zero_bubble import zbh1, zbv
 from .executor import ActionRecord, Executor, RunResult, StageRuntime
 from .launch import LaunchError, spawn
-from .trainer import MicrobatchError, PipelineTrainer, split_microbatches
+from .trainer import MicrobatchError, PipelineTrainer, PlacementError, split_microbatches
 from .transport import DistTransport, Key, LocalTransport, TensorMeta, Transport, TransportTimeout
 
 __all__ = [
     "PipelineTrainer",
     "MicrobatchError",
+    "PlacementError",
     "split_microbatches",
     "Executor",
     "StageRuntime",
@@ -58,6 +59,7 @@ __all__ = [
     "Send",
     "UnknownScheduleError",
     "comm_plan",
+    "needs_early_receives",
     "format_grid",
     "forward_only",
     "get_schedule",

@@ -29,7 +29,8 @@ from .validation import format_grid, peak_inflight, peak_inflight_per_rank, vali
 from .zero_bubble import zbh1, zbv
 from .executor import ActionRecord, Executor, RunResult, StageRuntime
 from .launch import LaunchError, spawn
-from .trainer import MicrobatchError, PipelineTrainer, PlacementError, split_microbatches
+from .placement import PlacementError
+from .trainer import MicrobatchError, PipelineTrainer, split_microbatches
 from .transport import DistTransport, Key, LocalTransport, TensorMeta, Transport, TransportTimeout
 
 __all__ = [

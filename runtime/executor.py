@@ -432,7 +432,8 @@ class Executor:
                 params = [p for p in stage.module.parameters() if p.requires_grad]
                 in_grads, st.pending_w = backward_input(roots, grads, inputs, params)
                 for a, g in zip(inputs, in_grads):
-                    a.grad = g
+                    if g is not None:
+                        a.grad = g
             else:
                 torch.autograd.backward(roots, grads)
         self._send_input_grads(s, mb, st)

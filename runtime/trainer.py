@@ -17,8 +17,8 @@ import logging
 import os
 import threading
 import time
-from pathlib import Path
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,16 +28,16 @@ from torch import nn
 from partitioner.errors import PipecutError
 from partitioner.plan import Plan
 
-from .comm import needs_early_receives
 from .executor import ActionRecord, Executor, RunResult, StageRuntime
 from .generators import forward_only
-from .schedules import Schedule, get_schedule
+from .placement import PlacementError, check_backend, placed_schedule, stage_devices
+from .schedules import Schedule
 from .shapes import wire_shapes
 from .timeline import Timeline, from_records, save_chrome_trace
 from .transport import DistTransport, LocalTransport, Transport
 from .validation import validate
 
-__all__ = ["PipelineTrainer", "MicrobatchError", "PlacementError", "split_microbatches"]
+__all__ = ["PipelineTrainer", "MicrobatchError", "split_microbatches"]
 
 log = logging.getLogger(__name__)
 
@@ -46,13 +46,6 @@ OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 class MicrobatchError(PipecutError, ValueError):
     """A batch cannot be cut into the asked number of equal micro-batches."""
-
-
-class PlacementError(PipecutError, ValueError):
-    """The plan's stages do not fit the schedule's placement, the job's ranks, or the devices."""
-
-# Stages per rank of the multi-stage placements: round-robin (interleaved) and V-shaped (ZB-V).
-_DEFAULT_CHUNKS = {"interleaved": 2, "zbv": 2}
 
 
 def split_microbatches(batch: Any, m: int, what: str = "inputs") -> list[Any]:
@@ -143,7 +136,7 @@ class PipelineTrainer:
         self.p = plan.num_stages  # S, the stages; the ranks are self.schedule.num_ranks
         self.m = microbatches or plan.microbatches
         self.schedule_name = schedule or plan.schedule
-        self.schedule: Schedule = _placed_schedule(self.schedule_name, self.p, self.m, chunks_per_rank)
+        self.schedule: Schedule = placed_schedule(self.schedule_name, self.p, self.m, chunks_per_rank)
         validate(self.schedule)
         self.timeout = timeout
         self.record = record
@@ -166,7 +159,7 @@ class PipelineTrainer:
                     f"ranks ({v} per rank), but the job has {world} processes; launch with "
                     f"--nproc-per-node {ranks}, or partition into {world * v} stages for {world} ranks"
                 )
-            _check_backend(self.schedule, ios)
+            check_backend(self.schedule, ios)
             device = torch.device(devices) if isinstance(devices, (str, torch.device)) else _default_device()
             self._ranks = [self.rank]
             own = self.schedule.stages_of(self.rank)
@@ -175,7 +168,7 @@ class PipelineTrainer:
             self.rank = 0
             self._ranks = list(range(self.schedule.num_ranks))
             own = tuple(range(self.p))
-            self.devices = _local_devices(devices, self.p, self.schedule)
+            self.devices = stage_devices(devices, self.p, self.schedule)
         self.stages: dict[int, StageRuntime] = {}
         for s in own:
             module = staged.stages[s]
@@ -512,20 +505,6 @@ def _resolve_mode(transport: str) -> str:
     return "dist" if dist.is_initialized() or launched else "local"
 
 
-def _check_backend(schedule: Schedule, ios: Sequence[Any]) -> None:
-    """NCCL pairs messages between two ranks in posting order: the schedule must not need otherwise."""
-    if dist.get_backend() != "nccl":
-        return  # gloo pairs them by tag (DistTransport tags every message)
-    edges = {(v.producer, c) for io in ios for v in io.outputs if v.producer == io.stage for c in v.consumers}
-    if needs_early_receives(schedule, edges=edges):
-        raise PlacementError(
-            f"schedule {schedule.name!r} with {schedule.num_ranks} ranks and "
-            f"{schedule.num_microbatches} micro-batches reads some messages from a peer in another "
-            "order than the peer sends them, which NCCL (pairing messages in posting order) cannot "
-            "match yet; use 'gpipe', '1f1b' or 'zbh1' on NCCL, or gloo"
-        )
-
-
 def _ensure_process_group() -> None:
     if dist.is_initialized():
         return
@@ -544,59 +523,6 @@ def _default_device() -> torch.device:
 
 def _comm_device() -> torch.device:
     return _default_device() if dist.is_initialized() else torch.device("cpu")
-
-
-def _placed_schedule(name: str, num_stages: int, m: int, chunks_per_rank: int | None) -> Schedule:
-    """The schedule running ``num_stages`` stages: ``S / v`` ranks, ``v`` stages each."""
-    key = name.lower()
-    key = "interleaved" if key == "interleaved-1f1b" else key
-    v = chunks_per_rank if chunks_per_rank is not None else _DEFAULT_CHUNKS.get(key, 1)
-    if type(v) is not int or v < 1:
-        raise PlacementError(f"chunks_per_rank must be an int >= 1, got {v!r}")
-    if key == "zbv" and v != 2:
-        raise PlacementError(
-            f"schedule 'zbv' places exactly 2 stages per rank (a V), got chunks_per_rank={v}; "
-            "omit chunks_per_rank, or use schedule='interleaved' for other counts"
-        )
-    if key not in _DEFAULT_CHUNKS and v != 1:
-        raise PlacementError(
-            f"schedule {name!r} places one stage per rank, got chunks_per_rank={v}; "
-            "use schedule='interleaved' (or 'zbv') for several stages per rank"
-        )
-    if num_stages % v:
-        lower, upper = num_stages - num_stages % v, num_stages - num_stages % v + v
-        fix = f"{lower} or {upper}" if lower else f"{upper}"
-        raise PlacementError(
-            f"schedule {name!r} places {v} stages per rank, but the plan has {num_stages} "
-            f"stages, not a multiple of {v}; partition into {fix} stages "
-            f"(partition(..., num_stages=...)), or pick chunks_per_rank dividing {num_stages}"
-        )
-    kw = {"v": v} if key == "interleaved" else {}
-    return get_schedule(name, num_stages // v, m, **kw)
-
-
-def _local_devices(
-    devices: Sequence[str | torch.device] | str | torch.device | None, p: int, schedule: Schedule
-) -> dict[int, torch.device]:
-    if devices is None:
-        return {s: torch.device("cpu") for s in range(p)}
-    if isinstance(devices, (str, torch.device)):
-        return {s: torch.device(devices) for s in range(p)}
-    if len(devices) != p:
-        raise PlacementError(f"give one device per stage: {p} stages, {len(devices)} devices")
-    out = {s: torch.device(d) for s, d in enumerate(devices)}
-    for r in range(schedule.num_ranks):
-        own = schedule.stages_of(r)
-        if len({out[s] for s in own}) > 1:
-            # One thread runs a rank's stages one after another: spreading them over devices
-            # would serialise those devices instead of pipelining them.
-            want = [str(out[schedule.stages_of(q)[0]]) for q in schedule.stage_to_rank]
-            raise PlacementError(
-                f"schedule {schedule.name!r} runs stages {list(own)} on rank {r}, one thread, but "
-                f"they were given devices {[str(out[s]) for s in own]}; give the stages of a "
-                f"rank one device (stage_to_rank={schedule.stage_to_rank}), e.g. devices={want}"
-            )
-    return out
 
 
 def _param(module: nn.Module, name: str) -> nn.Parameter:

@@ -15,7 +15,8 @@ from torch import nn
 
 from partitioner import partition
 from partitioner.zoo import MLPChain, gpt2
-from runtime.trainer import PipelineTrainer, PlacementError
+from runtime.placement import PlacementError
+from runtime.trainer import PipelineTrainer
 from runtime.validation import peak_inflight
 
 TOL = {"rtol": 2e-5, "atol": 2e-6}

@@ -105,7 +105,7 @@ def test_split_backward_equals_fused_backward(name: str, grad_input: bool) -> No
         if want.grad is None:
             assert got.grad is None, pname
         else:
-            torch.testing.assert_close(got.grad, want.grad, msg=lambda m: f"{pname}: {m}")
+            torch.testing.assert_close(got.grad, want.grad, msg=lambda m, n=pname: f"{n}: {m}")
 
 
 def test_w_runs_only_the_weight_branches() -> None:

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from parity import case, check_case, dist_worker, make_trainer, stages_for
 from torch import nn
 
-from parity import case, check_case, dist_worker, make_trainer, stages_for
 from runtime.launch import spawn
 from runtime.schedules import get_schedule
 from runtime.trainer import MicrobatchError, PipelineTrainer, split_microbatches
@@ -183,7 +183,7 @@ def test_state_dict_uses_original_names() -> None:
 
 
 def test_stage_count_that_does_not_fit_the_placement_is_a_clear_error() -> None:
-    from runtime.trainer import PlacementError
+    from runtime.placement import PlacementError
 
     c = case("skip", 3)
     plan = make_trainer(c, 3, "1f1b").plan
@@ -199,7 +199,7 @@ def test_stage_count_that_does_not_fit_the_placement_is_a_clear_error() -> None:
 
 
 def test_stages_of_one_rank_must_share_a_device() -> None:
-    from runtime.trainer import PlacementError
+    from runtime.placement import PlacementError
 
     c = case("mlp", 4)
     plan = make_trainer(c, 4, "zbv").plan
@@ -218,8 +218,8 @@ def test_predict_runs_on_the_schedules_placement(schedule: str) -> None:
     x = torch.randn(8, 12)
     with torch.no_grad():
         torch.testing.assert_close(trainer.predict(x), c["model"](x))
-    assert {(r.rank, r.stage) for r in trainer.last_records} == set(
-        (q, s) for s, q in enumerate(trainer.schedule.stage_to_rank))
+    assert {(r.rank, r.stage) for r in trainer.last_records} == {
+        (q, s) for s, q in enumerate(trainer.schedule.stage_to_rank)}
 
 
 def test_measured_timeline_and_trace_match_the_schedule(tmp_path: Path) -> None:

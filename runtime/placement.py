@@ -1,0 +1,129 @@
+"""Placement: which of a plan's stages each rank runs, on which device, and whether messages fit the backend.
+
+Legend: ``S`` stages (the plan's model chunks), ``p`` ranks, ``v`` stages per rank (``S = p * v``),
+``s`` a stage, ``r`` a rank, ``m`` micro-batches.
+
+GPipe, 1F1B and ZB-H1 put one stage on each rank; interleaved 1F1B puts ``v`` (stage ``s`` on
+rank ``s % p``) and ZB-V two, in a V. The trainer asks here for the schedule that runs a plan's
+``S`` stages, checks the devices it was given against it, and, on NCCL, that no rank must read a
+peer's messages out of order. Every refusal is a :class:`PlacementError` naming the numbers and
+the fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from partitioner.errors import PipecutError
+
+from .comm import needs_early_receives
+from .schedules import Schedule, get_schedule
+
+__all__ = ["PlacementError", "check_backend", "placed_schedule", "stage_devices"]
+
+
+class PlacementError(PipecutError, ValueError):
+    """The plan's stages do not fit the schedule's placement, the job's ranks, or the devices."""
+
+
+# Stages per rank of the multi-stage placements: round-robin (interleaved) and V-shaped (ZB-V).
+_DEFAULT_CHUNKS = {"interleaved": 2, "zbv": 2}
+
+
+def placed_schedule(name: str, num_stages: int, m: int, chunks_per_rank: int | None = None) -> Schedule:
+    """The schedule running ``num_stages`` stages: ``S / v`` ranks, ``v`` stages each.
+
+    Args:
+        name: a registered schedule name.
+        num_stages: ``S``, the plan's stages.
+        m: micro-batches per step.
+        chunks_per_rank: ``v``; default 2 for ``'interleaved'`` and ``'zbv'``, else 1.
+
+    Raises:
+        PlacementError: ``v`` does not suit the schedule, or does not divide ``S``.
+
+    Example:
+        >>> placed_schedule("zbv", 4, 4).stage_to_rank
+        (0, 1, 1, 0)
+        >>> placed_schedule("interleaved", 6, 4, chunks_per_rank=3).stage_to_rank
+        (0, 1, 0, 1, 0, 1)
+    """
+    key = name.lower()
+    key = "interleaved" if key == "interleaved-1f1b" else key
+    v = chunks_per_rank if chunks_per_rank is not None else _DEFAULT_CHUNKS.get(key, 1)
+    if type(v) is not int or v < 1:
+        raise PlacementError(f"chunks_per_rank must be an int >= 1, got {v!r}")
+    if key == "zbv" and v != 2:
+        raise PlacementError(
+            f"schedule 'zbv' places exactly 2 stages per rank (a V), got chunks_per_rank={v}; "
+            "omit chunks_per_rank, or use schedule='interleaved' for other counts"
+        )
+    if key not in _DEFAULT_CHUNKS and v != 1:
+        raise PlacementError(
+            f"schedule {name!r} places one stage per rank, got chunks_per_rank={v}; "
+            "use schedule='interleaved' (or 'zbv') for several stages per rank"
+        )
+    if num_stages % v:
+        lower, upper = num_stages - num_stages % v, num_stages - num_stages % v + v
+        fix = f"{lower} or {upper}" if lower else f"{upper}"
+        raise PlacementError(
+            f"schedule {name!r} places {v} stages per rank, but the plan has {num_stages} "
+            f"stages, not a multiple of {v}; partition into {fix} stages "
+            f"(partition(..., num_stages=...)), or pick chunks_per_rank dividing {num_stages}"
+        )
+    kw = {"v": v} if key == "interleaved" else {}
+    return get_schedule(name, num_stages // v, m, **kw)
+
+
+def stage_devices(
+    devices: Sequence[str | torch.device] | str | torch.device | None, p: int, schedule: Schedule
+) -> dict[int, torch.device]:
+    """One device per stage for an in-process run (default all cpu); a rank's stages share one.
+
+    Raises:
+        PlacementError: not one device per stage, or one rank's stages on different devices.
+    """
+    if devices is None:
+        return {s: torch.device("cpu") for s in range(p)}
+    if isinstance(devices, (str, torch.device)):
+        return {s: torch.device(devices) for s in range(p)}
+    if len(devices) != p:
+        raise PlacementError(f"give one device per stage: {p} stages, {len(devices)} devices")
+    out = {s: torch.device(d) for s, d in enumerate(devices)}
+    for r in range(schedule.num_ranks):
+        own = schedule.stages_of(r)
+        if len({out[s] for s in own}) > 1:
+            # One thread runs a rank's stages one after another: spreading them over devices
+            # would serialise those devices instead of pipelining them.
+            want = [str(out[schedule.stages_of(q)[0]]) for q in schedule.stage_to_rank]
+            raise PlacementError(
+                f"schedule {schedule.name!r} runs stages {list(own)} on rank {r}, one thread, but "
+                f"they were given devices {[str(out[s]) for s in own]}; give the stages of a "
+                f"rank one device (stage_to_rank={schedule.stage_to_rank}), e.g. devices={want}"
+            )
+    return out
+
+
+def check_backend(schedule: Schedule, ios: Sequence[Any]) -> None:
+    """Refuse, on NCCL, a schedule under which a rank reads a peer's messages out of order.
+
+    NCCL pairs the messages between two ranks in posting order; ``DistTransport`` tags every
+    message, which gloo honours and NCCL ignores. ``ios`` is the plan's per-stage ``StageIO``.
+
+    Raises:
+        PlacementError: the backend is NCCL and ``needs_early_receives(schedule)``.
+    """
+    if dist.get_backend() != "nccl":
+        return  # gloo pairs them by tag (DistTransport tags every message)
+    edges = {(v.producer, c) for io in ios for v in io.outputs if v.producer == io.stage for c in v.consumers}
+    if needs_early_receives(schedule, edges=edges):
+        raise PlacementError(
+            f"schedule {schedule.name!r} with {schedule.num_ranks} ranks and "
+            f"{schedule.num_microbatches} micro-batches reads some messages from a peer in another "
+            "order than the peer sends them, which NCCL (pairing messages in posting order) cannot "
+            "match yet; use 'gpipe', '1f1b' or 'zbh1' on NCCL, or gloo"
+        )

@@ -13,8 +13,12 @@ Two nodes (run on each, with the first node's address)::
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
         examples/train_pipelined.py --layers 16
 
+Zero-bubble V schedule, two stages per process, and the last step's trace for Perfetto::
+
+    torchrun --standalone --nproc-per-node 2 examples/train_pipelined.py --schedule zbv --trace zbv.json
+
 Every rank builds the same model from the same seed and makes the same plan (planning is
-deterministic), then keeps only its own stage. The loss printed is the whole batch's mean loss.
+deterministic), then keeps only its own stages. The loss printed is the whole batch's mean loss.
 """
 
 from __future__ import annotations
@@ -46,16 +50,21 @@ def batch(size: int, seq: int, vocab: int, gen: torch.Generator) -> tuple[torch.
 def main(argv: list[str] | None = None) -> float:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    parser.add_argument("--stages", type=int, default=int(os.environ.get("WORLD_SIZE", "4")))
+    parser.add_argument("--stages", type=int, default=None,
+                        help="pipeline stages (default: ranks x stages per rank; ranks = WORLD_SIZE or 4)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"))
+    parser.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe", "zbh1", "interleaved", "zbv"))
     parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--trace", default="", help="write the last step as a Chrome/Perfetto trace here")
     args = parser.parse_args(argv)
+    per_rank = 2 if args.schedule in ("interleaved", "zbv") else 1  # stages per rank
+    if args.stages is None:
+        args.stages = int(os.environ.get("WORLD_SIZE", "4")) * per_rank
 
     torch.set_num_threads(1)
     torch.manual_seed(0)  # same weights on every rank
@@ -65,10 +74,11 @@ def main(argv: list[str] | None = None) -> float:
     gen = torch.Generator().manual_seed(1)  # same data on every rank
     example, _ = batch(args.micro_batch_size, args.seq, vocab, gen)
     device = "H100-80GB" if torch.cuda.is_available() else "cpu"
-    plan = partition(model, (example,), args.stages, cluster=Cluster.uniform(args.stages, device),
+    ranks = max(1, args.stages // per_rank)
+    plan = partition(model, (example,), args.stages, cluster=Cluster.uniform(ranks, device),
                      microbatches=args.microbatches, schedule=args.schedule)
     trainer = PipelineTrainer(plan, lm_loss, lambda ps: torch.optim.AdamW(ps, lr=args.lr),
-                              schedule=args.schedule)
+                              schedule=args.schedule, record=bool(args.trace))
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
         print(plan)
@@ -80,6 +90,10 @@ def main(argv: list[str] | None = None) -> float:
         loss = trainer.step(x, y)
         if rank == 0 and (step == 1 or step % 5 == 0):
             print(f"step {step:3d}  loss {loss.item():.4f}  {1e3 * (time.perf_counter() - t):7.1f} ms")
+    if args.trace:
+        written = trainer.save_trace(args.trace)  # under torchrun: gathered, written by rank 0
+        if written is not None:
+            print(f"trace of the last step written to {written} (open in https://ui.perfetto.dev)")
     if dist.is_initialized():
         dist.destroy_process_group()
     return float(loss)

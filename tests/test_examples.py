@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import runpy
@@ -42,6 +43,18 @@ def test_train_pipelined_in_one_process() -> None:
         sys.path.pop(0)
     first = main(["--stages", "2", "--steps", "1"])
     assert first == first  # not NaN
+
+
+def test_train_pipelined_zbv_writes_its_trace(tmp_path: Path) -> None:
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        from train_pipelined import main
+    finally:
+        sys.path.pop(0)
+    trace = tmp_path / "zbv.json"
+    main(["--schedule", "zbv", "--stages", "4", "--steps", "1", "--trace", str(trace)])
+    spans = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert len(spans) == 4 * 8 * 3 and {e["tid"] for e in spans} == {0, 1}  # S x m x (F, I, W), 2 ranks
 
 
 @pytest.mark.multiprocess

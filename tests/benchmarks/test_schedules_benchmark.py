@@ -1,0 +1,72 @@
+"""The schedules benchmark runs every schedule on tiny fixed-cost stages and writes what it promises."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from runtime.executor import ActionRecord
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("_bench_schedules", ROOT / "benchmarks" / "schedules.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_busy_timeline_removes_receive_waits(bench: ModuleType) -> None:
+    # Rank 1's F of mb 0 was recorded from 0.0 (waiting in its receive) to 2.0; its input was
+    # produced at 1.0, so it worked from 1.0. Rank 0's I of mb 0 waited for rank 1's I (ends 3.0).
+    records = [
+        ActionRecord(0, 0, "F", 0, 0.0, 1.0),
+        ActionRecord(1, 1, "F", 0, 0.0, 2.0),
+        ActionRecord(1, 1, "I", 0, 2.0, 3.0),
+        ActionRecord(0, 0, "I", 0, 1.0, 4.0),
+        ActionRecord(1, 1, "W", 0, 3.0, 4.0),
+        ActionRecord(0, 0, "W", 0, 4.0, 5.0),
+    ]
+    t = bench.busy_timeline(records, 2)
+    starts = {(x.rank, x.label): x.start for x in t.spans}
+    assert starts[(1, "1F0")] == 1.0 and starts[(0, "0I0")] == 3.0
+    assert t.step_time == 5.0
+    assert t.busy == (3.0, 3.0)
+
+
+def test_schedules_benchmark_quick(bench: ModuleType, tmp_path: Path) -> None:
+    out = tmp_path / "schedules.json"
+    traces = tmp_path / "traces"
+    argv = ["--quick", "--skip-real", "--transports", "local", "--out", str(out), "--traces", str(traces)]
+    assert bench.main(argv) == 0
+    data = json.loads(out.read_text())
+    assert data["benchmark"] == "schedules"
+    assert data["command"] == "python benchmarks/schedules.py " + " ".join(argv)
+    assert {"config", "env", "fixed", "zero_bubble_vs_1f1b", "real_model", "traces", "sys_argv"} <= data.keys()
+    assert data["real_model"] is None
+    assert data["config"]["p"] == 2 and data["config"]["ms"] == [4]
+    rows = data["fixed"]
+    assert [r["schedule"] for r in rows] == list(bench.SCHEDULES)
+    for r in rows:
+        me = r["measured"]
+        assert me is not None, (r["schedule"], r["error"])
+        # Sleeps fix the costs; the executor adds well under a millisecond per action.
+        assert 0.95 <= me["ratio_to_simulated"] <= 2.0, r
+        assert me["peak_matches_schedule"], r
+        assert me["peak_per_rank"] == r["schedule_peak_per_rank"]
+        assert 0.0 <= me["bubble"] < 0.5
+        assert me["idle_per_rank_s"] >= 0.0
+    assert {z["schedule"] for z in data["zero_bubble_vs_1f1b"]} == {"zbh1", "zbv"}
+    for z in data["zero_bubble_vs_1f1b"]:
+        assert z["idle_ratio_theory"] == pytest.approx(1 / 3 if z["schedule"] == "zbh1" else 1 / 6)
+        assert z["measured"]["idle_ratio"] < 1.0  # a zero-bubble schedule idles less than 1F1B
+    assert len(data["traces"]) == 2 * len(bench.SCHEDULES)
+    trace = json.loads((traces / "zbh1_m4_measured.json").read_text())
+    assert any(e["ph"] == "X" and e["name"] == "0W3" for e in trace["traceEvents"])

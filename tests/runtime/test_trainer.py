@@ -263,3 +263,27 @@ def test_actions_are_labelled_for_the_profiler() -> None:
         trainer.forward_backward(c["x"], c["y"])
     names = {e.name for e in prof.events() if e.name.startswith("pipecut ")}
     assert names == {f"pipecut {a}" for row in trainer.schedule.actions for a in row}
+
+
+@pytest.mark.parametrize("schedule", ["zbh1", "zbv"])
+def test_split_backward_frees_every_saved_activation_by_the_end_of_the_step(schedule: str) -> None:
+    # I keeps the graph for W (retain_graph); nothing may keep it past W. The pack hook holds
+    # detached copies, so only the graph's own saved-tensor slots keep a box alive.
+    import weakref
+
+    class Box:
+        def __init__(self, t: torch.Tensor) -> None:
+            self.t = t
+
+    boxes: list[weakref.ref[Box]] = []
+
+    def pack(t: torch.Tensor) -> Box:
+        box = Box(t.detach())
+        boxes.append(weakref.ref(box))
+        return box
+
+    c = case("gpt2", 4)
+    trainer = make_trainer(c, 4, schedule, transport="sequential")  # one thread: the hooks apply
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda box: box.t):
+        trainer.forward_backward(c["x"], c["y"])
+    assert boxes and not [b for b in boxes if b() is not None]

@@ -130,27 +130,18 @@ def backward_weight(pending: PendingWeights) -> None:
             handles = [n.register_prehook(_replace(c)) for n, c in zip(group.nodes, group.grads)]
         try:
             if edges:
-                targets = [get_gradient_edge(p) for p in group.params]
-                _accumulate(group.params, torch.autograd.grad(edges, targets, outs, retain_graph=True, allow_unused=True))
+                # backward(inputs=...) accumulates through the parameters' AccumulateGrad nodes,
+                # which lock: stages on two threads may share a tied parameter.
+                torch.autograd.backward(edges, outs, retain_graph=True, inputs=group.params)
         finally:
             for h in handles:
                 h.remove()
     if pending.fallback is not None:
         roots, grads, params = pending.fallback
         if roots and params:
-            _accumulate(params, torch.autograd.grad(roots, params, grads, retain_graph=True, allow_unused=True))
+            torch.autograd.backward(roots, grads, retain_graph=True, inputs=params)
     pending.groups = []
     pending.fallback = None
-
-
-def _accumulate(params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor | None]) -> None:
-    for prm, g in zip(params, grads):
-        if g is None:
-            continue
-        if prm.grad is None:
-            prm.grad = g.detach().clone()  # the engine may hand back a tensor it also passed on
-        else:
-            prm.grad.add_(g)
 
 
 def _node(t: torch.Tensor) -> Node:

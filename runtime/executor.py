@@ -52,11 +52,16 @@ log = logging.getLogger(__name__)
 
 
 class ActionLike(Protocol):
-    """What the executor reads from a schedule action."""
+    """What the executor reads from a schedule action (read-only, as ``Action``'s fields are)."""
 
-    stage: int
-    kind: Any
-    mb: int
+    @property
+    def stage(self) -> int: ...
+
+    @property
+    def kind(self) -> Any: ...
+
+    @property
+    def mb(self) -> int: ...
 
 
 @dataclass
@@ -431,9 +436,9 @@ class Executor:
             if split:
                 params = [p for p in stage.module.parameters() if p.requires_grad]
                 in_grads, st.pending_w = backward_input(roots, grads, inputs, params)
-                for a, g in zip(inputs, in_grads):
-                    if g is not None:
-                        a.grad = g
+                for a, ig in zip(inputs, in_grads):
+                    if ig is not None:
+                        a.grad = ig
             else:
                 torch.autograd.backward(roots, grads)
         self._send_input_grads(s, mb, st)

@@ -369,52 +369,83 @@ def _real_plans(cfg: dict[str, Any]) -> dict[str, Plan]:
     }
 
 
-def _real_worker(rank: int, world: int, plan_path: str, cfg: dict[str, Any], schedule: str) -> list[dict[str, Any]]:
+def _real_worker(rank: int, world: int, plan_path: str, cfg: dict[str, Any],
+                 schedules: Sequence[str]) -> dict[str, list[dict[str, Any]]]:
+    """Every schedule's trainer in these 2 processes, timed round by round in rotating order."""
     model, ids = _gpt2(cfg)
     plan = Plan.load(plan_path).bind(model, (ids,))
-    tr = PipelineTrainer(plan, _lm_loss, None, schedule=schedule, microbatches=cfg["m"], transport="dist",
-                         record=True)
+    trainers = {s: PipelineTrainer(plan, _lm_loss, None, schedule=s, microbatches=cfg["m"], transport="dist",
+                                   record=True) for s in schedules}
     gen = torch.Generator().manual_seed(1)
     x = torch.randint(0, 1024, (cfg["batch"], cfg["seq"]), generator=gen)
     y = torch.randint(0, 1024, (cfg["batch"], cfg["seq"]), generator=gen)
-    return _timed_dist_steps(tr, x, y, cfg["steps"], cfg["warmup"])
+    out: dict[str, list[dict[str, Any]]] = {s: [] for s in schedules}
+    n = len(schedules)
+    for rnd in range(cfg["warmup"] + cfg["steps"]):
+        for k in range(n):  # rotate: no schedule always runs first, drift slows them alike
+            s = schedules[(rnd + k) % n]
+            step = _timed_dist_steps(trainers[s], x, y, 1, 0)[0]
+            if rnd >= cfg["warmup"]:
+                out[s].append(step)
+    return out
 
 
 def _real_model(cfg: dict[str, Any], schedules: Sequence[str], timeout: float) -> dict[str, Any]:
     torch.set_num_threads(1)  # profile as the workers run: one thread each
     plans = _real_plans(cfg)
-    rows = []
+    load_before = os.getloadavg()
+    measured: dict[str, list[dict[str, Any]]] = {}
+    errors: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="pipecut-bench-") as tmp:
         path = str(Path(tmp) / "plan.json")
         plans["profile"].save(path)
-        for s in schedules:
-            row: dict[str, Any] = {
-                "schedule": s, "predicted_profile_s": plans["profile"].prediction(s).step_time,
-                "predicted_roofline_s": plans["roofline"].prediction(s).step_time,
-                "measured_s": None, "error": None,
-            }
-            try:
-                steps = _merge_ranks(spawn(_real_worker, 2, path, cfg, s, timeout=timeout, threads=1))
-            except LaunchError as e:
-                row["error"] = _first_error_line(str(e))
-                rows.append(row)
-                continue
-            walls = [x["wall"] for x in steps]
-            busy = [busy_timeline(x["records"], 2) for x in steps]
-            calibrated = simulate(get_schedule(s, 2, cfg["m"]), _action_costs(busy, 2))
+        try:
+            per_rank = spawn(_real_worker, 2, path, cfg, list(schedules), timeout=timeout, threads=1)
+            measured = {s: _merge_ranks([r[s] for r in per_rank]) for s in schedules}
+        except LaunchError:  # one schedule failed: run each alone to tell which
+            for s in schedules:
+                try:
+                    measured[s] = _merge_ranks([r[s] for r in spawn(_real_worker, 2, path, cfg, [s],
+                                                                    timeout=timeout, threads=1)])
+                except LaunchError as e:
+                    errors[s] = _first_error_line(str(e))
+    rows = []
+    for s in schedules:
+        row: dict[str, Any] = {
+            "schedule": s, "predicted_profile_s": plans["profile"].prediction(s).step_time,
+            "predicted_roofline_s": plans["roofline"].prediction(s).step_time,
+            "predicted_bubble_profile": plans["profile"].prediction(s).bubble,
+            "measured_s": None, "error": errors.get(s),
+        }
+        if s in measured:
+            walls = [x["wall"] for x in measured[s]]
+            busy = [busy_timeline(x["records"], 2) for x in measured[s]]
+            step = statistics.median(walls)
             row.update({
-                "measured_s": statistics.median(walls), "measured_s_all": walls,
-                "ratio_to_profile": statistics.median(walls) / row["predicted_profile_s"],
-                "ratio_to_roofline": statistics.median(walls) / row["predicted_roofline_s"],
-                "sim_measured_actions_s": calibrated.step_time,
+                "measured_s": step, "measured_s_all": walls,
+                "ratio_to_profile": step / row["predicted_profile_s"],
+                "ratio_to_roofline": step / row["predicted_roofline_s"],
+                "sim_measured_actions_s": simulate(get_schedule(s, 2, cfg["m"]), _action_costs(busy, 2)).step_time,
                 "bubble": statistics.median(t.bubble_total for t in busy),
-                "predicted_bubble_profile": plans["profile"].prediction(s).bubble,
+                "measured_mean_action_s": _mean_actions(busy),
             })
-            rows.append(row)
+        rows.append(row)
     stages = {how: [{"fwd_s": st.fwd_time, "bwd_s": st.bwd_time, "wgrad_s": st.wgrad_time}
                     for st in plan.stages] for how, plan in plans.items()}
     return {"config": cfg, "cut": f"model.transformer.h.{cfg['n_layer'] // 2}", "stage_costs": stages,
-            "results": rows}
+            "load_avg_before": load_before, "load_avg_after": os.getloadavg(), "results": rows}
+
+
+def _mean_actions(timelines: Sequence[Timeline]) -> dict[str, dict[str, float]]:
+    """Per stage, the mean measured duration of each action kind (receive waits removed)."""
+    durations: dict[tuple[int, str], list[float]] = {}
+    for t in timelines:
+        for x in t.spans:
+            durations.setdefault((x.stage, x.kind.value), []).append(x.duration)
+    out: dict[str, dict[str, float]] = {}
+    for (stage, kind), ds in sorted(durations.items()):
+        out.setdefault(str(stage), {})[kind] = statistics.mean(ds)
+    return out
 
 
 def _first_error_line(text: str) -> str:
@@ -436,13 +467,16 @@ def _print(console: Any, cfg: dict[str, Any], rows: list[dict[str, Any]], zb: li
 
     c = cfg["cost_ms"]
     for transport in cfg["transports"]:
+        mine = [r for r in rows if r["transport"] == transport]
+        if not mine:
+            continue
         how = "in-process, one thread per rank" if transport == "local" else f"{cfg['p']} gloo processes"
         t = Table(title=f"fixed costs, p = {cfg['p']}, F = B_in = W = {c:g} ms per rank ({c / 2:g} ms per chunk "
                         f"when v = 2), {how}; median of {cfg['steps']} steps", title_justify="left")
         for col in ("schedule", "m", "sim ms", "meas ms", "meas/sim", "sim(meas acts) ms", "bubble sim",
                     "bubble meas", "idle/rank sim ms", "idle/rank meas ms", "peak held meas", "peak held sched"):
             t.add_column(col, justify="left" if col == "schedule" else "right")
-        for r in (r for r in rows if r["transport"] == transport):
+        for r in mine:
             me = r["measured"]
             t.add_row(
                 r["schedule"] + (f" (v={r['v']})" if r["v"] > 1 else ""), str(r["m"]), _ms(r["simulated_step_s"]),
@@ -473,7 +507,8 @@ def _print(console: Any, cfg: dict[str, Any], rows: list[dict[str, Any]], zb: li
         g = real["config"]
         t = Table(title=f"GPT-2 (n_layer={g['n_layer']}, n_embd={g['n_embd']}, seq {g['seq']}), batch {g['batch']} "
                         f"= {g['m']} micro-batches, 2 stages cut at {real['cut']}, 2 gloo processes x 1 thread; "
-                        f"median of {g['steps']} steps", title_justify="left")
+                        f"median of {g['steps']} rounds, schedules interleaved; load average {real['load_avg_before'][0]:.1f} "
+                        f"before, {real['load_avg_after'][0]:.1f} after", title_justify="left")
         for col in ("schedule", "predicted (profile) ms", "predicted (roofline) ms", "measured ms",
                     "meas/profile", "meas/roofline", "sim(meas acts) ms", "note"):
             t.add_column(col, justify="left" if col in ("schedule", "note") else "right")
@@ -483,6 +518,21 @@ def _print(console: Any, cfg: dict[str, Any], rows: list[dict[str, Any]], zb: li
                       _ms(r["measured_s"]), f"{r['ratio_to_profile']:.2f}" if ok else "n/a",
                       f"{r['ratio_to_roofline']:.2f}" if ok else "n/a", _ms(r.get("sim_measured_actions_s")),
                       "" if ok else f"failed: {r['error']}")
+        console.print(t)
+        t = Table(title="GPT-2 per-stage costs per micro-batch, ms: the plans' estimates and the measured actions "
+                        "(mean, receive waits removed)", title_justify="left")
+        for col in ("stage", "profile F / B (W part)", "roofline F / B (W part)",
+                    *(f"measured {r['schedule']}" for r in real["results"])):
+            t.add_column(col, justify="right")
+        for s in range(2):
+            cells = []
+            for how in ("profile", "roofline"):
+                c = real["stage_costs"][how][s]
+                cells.append(f"{_ms(c['fwd_s'], 2)} / {_ms(c['bwd_s'], 2)} ({_ms(c['wgrad_s'], 2)})")
+            for r in real["results"]:
+                acts = (r.get("measured_mean_action_s") or {}).get(str(s), {})
+                cells.append(" ".join(f"{k} {_ms(v, 2)}" for k, v in acts.items()) or "n/a")
+            t.add_row(str(s), *cells)
         console.print(t)
 
 
@@ -522,6 +572,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--transports", nargs="+", default=None, choices=("local", "dist"),
                     help="fixed-cost runs: threads in this process and/or p gloo processes (default both)")
     ap.add_argument("--skip-real", action="store_true", help="skip the GPT-2 over 2 gloo processes")
+    ap.add_argument("--skip-fixed", action="store_true", help="skip the fixed-cost stages (only the GPT-2)")
     ap.add_argument("--real-schedules", nargs="+", default=["gpipe", "1f1b", "zbh1"],
                     choices=("gpipe", "1f1b", "zbh1"))
     ap.add_argument("--real-steps", type=int, default=10)
@@ -546,7 +597,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows: list[dict[str, Any]] = []
     timelines: dict[tuple[str, int, str], dict[str, Timeline]] = {}
-    for transport in transports:
+    for transport in [] if args.skip_fixed else transports:
         for schedule in args.schedules:
             measured: dict[int, list[dict[str, Any]]] = {}
             errors: dict[int, str] = {}

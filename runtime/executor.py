@@ -192,6 +192,9 @@ class Executor:
     Example: see ``runtime.trainer.PipelineTrainer``, which builds one executor per rank.
     """
 
+    # Receives ``run`` keeps posted ahead per peer stage (each holds one message's buffers).
+    _AHEAD_PER_PEER = 2
+
     def __init__(
         self,
         stages: Mapping[int, StageRuntime],
@@ -267,7 +270,7 @@ class Executor:
         """
         per_action = [self.needs(act) if act.stage in self._wiring else [] for act in actions]
         peers = {key.src for keys in per_action for key in keys}
-        depth = 2 * max(1, len(peers))  # receives kept posted beyond the running action's
+        depth = self._AHEAD_PER_PEER * max(1, len(peers))  # posted beyond the running action's
         ahead = state.ahead
         for act, keys in zip(actions, per_action):
             for key in keys:

@@ -20,8 +20,9 @@ branch node: ``I`` runs ``sleep_F``'s backward (``B_in``), ``W`` runs ``sleep_W`
 fused ``B`` both. The batch requires grad, so stage 0 also computes an input gradient in ``I``
 as every other stage does (otherwise the executor would leave all of stage 0's backward to
 ``W``). ``F = B_in = W = --cost-ms`` per rank (40 ms by default: a two-chunk schedule's chunks
-sleep 20 ms each, large against the executor's ~0.3 ms of Python per action). Each block is a
-leaf module for tracing and ``split_points`` put exactly one block in each stage.
+sleep 20 ms each, large against the ~0.5 ms each action adds on this machine: sleep overshoot
+and the executor's Python). Each block is a leaf module for tracing, and ``split_points`` put
+exactly one block in each stage.
 
 The trainer runs in-process (``transport='local'``, one thread per rank) and, with ``dist`` in
 ``--transports``, over ``p`` gloo processes (``runtime.launch.spawn``). Per ``(schedule, m)``:
@@ -77,6 +78,7 @@ import torch.distributed as dist
 from torch import nn
 
 from partitioner import Cluster, Plan, partition
+from partitioner.errors import PipecutError
 from partitioner.zoo import gpt2
 from runtime.launch import LaunchError, spawn
 from runtime.schedules import get_schedule
@@ -605,7 +607,7 @@ def main(argv: list[str] | None = None) -> int:
                 for m in ms:
                     try:
                         measured[m] = _run_local(schedule, p, m, cost_s, steps, args.warmup)
-                    except Exception as e:  # a schedule the trainer cannot run yet: n/a, with why
+                    except (PipecutError, RuntimeError, ValueError) as e:  # the trainer cannot run it: n/a, why
                         errors[m] = f"{type(e).__name__}: {_first_error_line(str(e))}"
             else:
                 try:

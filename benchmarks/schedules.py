@@ -138,29 +138,13 @@ class SleepBlock(nn.Module):
         return _SleepInput.apply(x, f, b) + _SleepWeight.apply(self.bias, w)
 
 
-class SleepChain(nn.Module):
-    """``S`` sleep blocks in a row; ``blocks.{s}`` begins stage ``s``."""
-
-    def __init__(self, num_stages: int, forward_s: float, input_grad_s: float, weight_grad_s: float) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(
-            SleepBlock(forward_s, input_grad_s, weight_grad_s) for _ in range(num_stages)
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
 def _fixed_trainer(schedule: str, p: int, m: int, cost_s: float, transport: str) -> PipelineTrainer:
     v = CHUNKS.get(schedule, 1)
     S = p * v
     c = cost_s / v  # a chunk holds 1/v of a rank's layers: a rank's work is the same
-    plan = partition(
-        SleepChain(S, c, c, c), (torch.zeros(ROWS, WIDTH),), S, schedule=schedule, microbatches=m,
-        split_points=[f"blocks.{s}" for s in range(1, S)], leaf_modules=[SleepBlock],
-    )
+    chain = nn.Sequential(*(SleepBlock(c, c, c) for _ in range(S)))  # block s is stage s
+    plan = partition(chain, (torch.zeros(ROWS, WIDTH),), S, schedule=schedule, microbatches=m,
+                     split_points=[str(s) for s in range(1, S)], leaf_modules=[SleepBlock])
     return PipelineTrainer(plan, nn.functional.mse_loss, None, schedule=schedule, microbatches=m,
                            transport=transport, record=True)
 
@@ -254,21 +238,27 @@ def _idle(t: Timeline) -> tuple[float, ...]:
     return tuple(t.step_time - b for b in t.busy)
 
 
-def _action_costs(timelines: Sequence[Timeline], S: int) -> StageCosts:
-    """Per stage, the median measured duration of each action kind, as simulator costs."""
+def _durations(timelines: Sequence[Timeline]) -> dict[tuple[int, str], list[float]]:
+    """Per (stage, action kind), every measured duration."""
     durations: dict[tuple[int, str], list[float]] = {}
     for t in timelines:
         for x in t.spans:
             durations.setdefault((x.stage, x.kind.value), []).append(x.duration)
+    return durations
+
+
+def _action_costs(timelines: Sequence[Timeline], S: int) -> StageCosts:
+    """Per stage, the median measured duration of each action kind, as simulator costs."""
+    durations = _durations(timelines)
 
     def med(s: int, k: str) -> float:
         return statistics.median(durations[(s, k)]) if (s, k) in durations else 0.0
 
     fused = any(k == "B" for _, k in durations)
     return StageCosts(
-        forward=[med(s, "F") for s in range(S)],
-        backward_input=[med(s, "B") if fused else med(s, "I") for s in range(S)],
-        backward_weight=[0.0 if fused else med(s, "W") for s in range(S)],
+        forward=tuple(med(s, "F") for s in range(S)),
+        backward_input=tuple(med(s, "B") if fused else med(s, "I") for s in range(S)),
+        backward_weight=tuple(0.0 if fused else med(s, "W") for s in range(S)),
     )
 
 
@@ -440,12 +430,8 @@ def _real_model(cfg: dict[str, Any], schedules: Sequence[str], timeout: float) -
 
 def _mean_actions(timelines: Sequence[Timeline]) -> dict[str, dict[str, float]]:
     """Per stage, the mean measured duration of each action kind (receive waits removed)."""
-    durations: dict[tuple[int, str], list[float]] = {}
-    for t in timelines:
-        for x in t.spans:
-            durations.setdefault((x.stage, x.kind.value), []).append(x.duration)
     out: dict[str, dict[str, float]] = {}
-    for (stage, kind), ds in sorted(durations.items()):
+    for (stage, kind), ds in sorted(_durations(timelines).items()):
         out.setdefault(str(stage), {})[kind] = statistics.mean(ds)
     return out
 

@@ -112,10 +112,13 @@ def simulate_stages(stages: Sequence[StagePlan], cluster: Cluster, schedule: str
     from runtime.simulate import Link, StageCosts, simulate
 
     sched = schedule_for(schedule, len(stages), m)
+    # Stage 0 reads only graph inputs, which need no gradient: its split backward has nothing to
+    # send back, so all of it runs as W (the executor's I on stage 0 is empty).
+    wgrad = [st.bwd_time if s == 0 else min(st.wgrad_time, st.bwd_time) for s, st in enumerate(stages)]
     costs = StageCosts(
         forward=tuple(st.fwd_time for st in stages),
-        backward_input=tuple(max(0.0, st.bwd_time - st.wgrad_time) for st in stages),
-        backward_weight=tuple(st.wgrad_time for st in stages),
+        backward_input=tuple(st.bwd_time - w for st, w in zip(stages, wgrad)),
+        backward_weight=tuple(wgrad),
         activation_bytes=tuple(st.act_bytes for st in stages),
         output_bytes=tuple(st.send_bytes for st in stages[:-1]),
     )

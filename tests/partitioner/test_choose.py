@@ -80,3 +80,17 @@ def test_unknown_schedule_lists_the_known_ones() -> None:
     model, x = _model()
     with pytest.raises(ValueError, match="choose one of 1f1b, zbh1, interleaved, zbv, gpipe or 'auto'"):
         partition(model, (x,), 2, schedule="zb-h2")
+
+
+def test_stage_zero_backward_is_all_weight_work_in_split_schedules() -> None:
+    from partitioner.plan import StagePlan
+    from partitioner.predict import simulate_stages
+
+    stages = [
+        StagePlan(s, "cpu", ("n",), "", 0, 0.0, 0.0, 0.0, 1e9, 1, 1.0, 2.0, 0.0, 0.0, 0.0, wgrad_time=1.0)
+        for s in range(3)
+    ]
+    sched, sim = simulate_stages(stages, Cluster.uniform(3, "cpu", link_latency=0.0), "zbh1", 4)
+    spans = {(sp.stage, str(sp.kind)): sp.end - sp.start for sp in sim.timeline.spans}
+    assert spans[(0, "I")] == 0.0 and spans[(0, "W")] == 2.0  # nothing to send back from stage 0
+    assert spans[(1, "I")] == 1.0 and spans[(1, "W")] == 1.0

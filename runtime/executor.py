@@ -76,7 +76,11 @@ class StageRuntime:
 
 @dataclass(frozen=True)
 class ActionRecord:
-    """When one action ran on this rank (``time.perf_counter`` seconds)."""
+    """When one action ran on this rank (``time.perf_counter`` seconds).
+
+    ``start`` is when its inputs had arrived and its compute began; ``waited`` is how long the
+    rank sat in receives before that (idle time, part of the bubble, not of the action).
+    """
 
     rank: int
     stage: int
@@ -84,6 +88,7 @@ class ActionRecord:
     mb: int
     start: float
     end: float
+    waited: float = 0.0
 
 
 @dataclass
@@ -212,6 +217,7 @@ class Executor:
         self.loss_fn = loss_fn
         self.rank = rank
         self.record = record
+        self._waited = 0.0  # seconds the current action spent in receives (when recording)
         self._wiring = {s: _wire(self.ios, s) for s in self.stages}
         self._metas = {
             (a, b): [TensorMeta(v.shape, _dtype(v.dtype)) for v in message_values(self.ios, a, b)]
@@ -318,13 +324,26 @@ class Executor:
         if s not in self.stages:
             raise ValueError(f"rank {self.rank} was given action {s}{kind}{mb} for stage {s}, which it does not hold")
         t0 = time.perf_counter() if self.record else 0.0
+        self._waited = 0.0
         if _profiling():
             with torch.profiler.record_function(f"pipecut {s}{kind}{mb}"):
                 self._dispatch(state, s, kind, mb)
         else:
             self._dispatch(state, s, kind, mb)
         if self.record:
-            state.result.records.append(ActionRecord(self.rank, s, kind, mb, t0, time.perf_counter()))
+            end = time.perf_counter()
+            state.result.records.append(
+                ActionRecord(self.rank, s, kind, mb, min(t0 + self._waited, end), end, self._waited)
+            )
+
+    def _recv(self, key: Key, metas: Sequence[TensorMeta], device: torch.device) -> list[torch.Tensor]:
+        if not self.record:
+            return self.transport.recv(key, metas, device)
+        t = time.perf_counter()
+        try:
+            return self.transport.recv(key, metas, device)
+        finally:
+            self._waited += time.perf_counter() - t
 
     def _dispatch(self, state: StepState, s: int, kind: str, mb: int) -> None:
         if kind == "F":
@@ -379,7 +398,7 @@ class Executor:
         w = self._wiring[s]
         received: dict[str, Any] = {}
         for q in w.producers:
-            tensors = self.transport.recv(Key(q, s, "act", mb), self._shaped(q, s, mb, mb_shapes), stage.device)
+            tensors = self._recv(Key(q, s, "act", mb), self._shaped(q, s, mb, mb_shapes), stage.device)
             for v, grad, t in zip(w.recv_vals[q], w.recv_grad[q], tensors):
                 if train and grad:
                     t.requires_grad_(True)
@@ -427,7 +446,7 @@ class Executor:
             w = self._wiring[s]
             acc: dict[str, torch.Tensor] = {}
             for c in w.consumers:
-                got = self.transport.recv(Key(c, s, "grad", mb), self._grad_shaped(s, c, mb, mb_shapes), stage.device)
+                got = self._recv(Key(c, s, "grad", mb), self._grad_shaped(s, c, mb, mb_shapes), stage.device)
                 for v, g in zip(w.grad_vals[c], got):
                     acc[v.name] = acc[v.name] + g if v.name in acc else g
             for v, out in zip(stage.io.outputs, st.outputs):

@@ -287,3 +287,17 @@ def test_split_backward_frees_every_saved_activation_by_the_end_of_the_step(sche
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda box: box.t):
         trainer.forward_backward(c["x"], c["y"])
     assert boxes and not [b for b in boxes if b() is not None]
+
+
+def test_recorded_actions_start_when_their_inputs_arrived() -> None:
+    c = case("mlp", 2)
+    trainer = make_trainer(c, 2, "1f1b", record=True)
+    trainer.forward_backward(torch.randn(8, 16), torch.randn(8, 8))
+    recs = {(r.stage, r.kind, r.mb): r for r in trainer.last_records}
+    for mb in range(4):
+        consumer, producer = recs[(1, "F", mb)], recs[(0, "F", mb)]
+        # Stage 1's forward cannot compute before stage 0's forward of the same micro-batch ended;
+        # the time it sat waiting is reported apart, as idle time.
+        assert consumer.start >= producer.end - 1e-4
+        assert consumer.waited >= 0.0 and consumer.start <= consumer.end
+    assert any(r.waited > 0 for r in trainer.last_records)

@@ -44,7 +44,6 @@ import math
 import os
 import platform
 import shlex
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -55,6 +54,10 @@ import torch
 from rich.console import Console
 from rich.table import Table
 from torch import nn
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling _common module
+from _common import git_state, int_list  # noqa: E402
 
 from partitioner import Cluster, partition
 from partitioner.predict import stage_inflight
@@ -290,26 +293,10 @@ def _print(console: Console, header: str, infos: list[dict[str, Any]], rows: lis
     console.print(mt)
 
 
-def _git() -> dict[str, Any]:
-    """The commit the library was at, and whether partitioner/ had uncommitted edits."""
-    root = Path(__file__).resolve().parents[1]
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "partitioner"], cwd=root, capture_output=True,
-                               text=True, check=True)
-    except (OSError, subprocess.CalledProcessError):
-        return {}
-    return {"commit": head.stdout.strip(), "partitioner_dirty": bool(dirty.stdout.strip())}
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from {', '.join(MODELS)}")
-    ap.add_argument("--stages", type=_ints, default=[4, 8], help="comma-separated stage counts, e.g. 4,8")
+    ap.add_argument("--stages", type=int_list, default=[4, 8], help="comma-separated stage counts, e.g. 4,8")
     ap.add_argument("--device", default="A100-80GB", help="device preset; the cluster is p of them in a chain")
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "zbh1"))
@@ -357,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
             "quick": args.quick, "methods": list(METHODS),
         },
         "env": {"torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
-                "threads": torch.get_num_threads(), "machine": platform.machine(), "git": _git(),
+                "threads": torch.get_num_threads(), "machine": platform.machine(), "git": git_state(),
                 "wall_s": time.perf_counter() - t_start},
         "models": infos,
         "results": rows,

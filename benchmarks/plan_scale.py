@@ -36,7 +36,6 @@ import os
 import platform
 import resource
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -45,6 +44,10 @@ from typing import Any
 import torch
 from rich.console import Console
 from rich.table import Table
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling _common module
+from _common import git_state, int_list  # noqa: E402
 
 from partitioner import Cluster, partition
 from partitioner.predict import stage_inflight
@@ -70,22 +73,6 @@ def _rss_gib() -> float:
     """Peak resident set size of this process so far (Linux reports KiB, macOS bytes)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / _GIB if sys.platform == "darwin" else peak * 1024 / _GIB
-
-
-def _git() -> dict[str, Any]:
-    """The commit the library was at, and whether partitioner/ had uncommitted edits."""
-    root = Path(__file__).resolve().parents[1]
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "partitioner"], cwd=root, capture_output=True,
-                               text=True, check=True)
-    except (OSError, subprocess.CalledProcessError):
-        return {}
-    return {"commit": head.stdout.strip(), "partitioner_dirty": bool(dirty.stdout.strip())}
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
 
 
 def _cut(g: Any, units: list[Any], cluster: Cluster, held: tuple[int, ...], numel: dict[str, int],
@@ -144,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--state-bytes-per-param", type=float, default=16.0)
     ap.add_argument("--granularity", default="node,module",
                     help="comma-separated; the first is also used for the end-to-end partition() call")
-    ap.add_argument("--sweep", type=_ints, default=[8, 16, 24, 32, 64],
+    ap.add_argument("--sweep", type=int_list, default=[8, 16, 24, 32, 64],
                     help="micro-batch counts to re-cut for (first granularity); empty to skip")
     ap.add_argument("--quick", action="store_true", help="shorthand for a 2-layer toy: " + " ".join(_QUICK))
     ap.add_argument("--out", default="benchmarks/results/plan_scale.json")
@@ -345,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
             "state_bytes_per_param": args.state_bytes_per_param, "granularity": grans, "quick": args.quick,
         },
         "env": {"torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
-                "threads": torch.get_num_threads(), "machine": platform.machine(), "git": _git()},
+                "threads": torch.get_num_threads(), "machine": platform.machine(), "git": git_state()},
         "graph": {"trace_method": traced.method, "compute_nodes": g.number_of_nodes(), "costed_nodes": len(costs)},
         "times_s": times,
         "rss_gib": rss,

@@ -65,7 +65,6 @@ import os
 import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -76,6 +75,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling _common module
+from _common import git_state  # noqa: E402
 
 from partitioner import Cluster, Plan, partition
 from partitioner.errors import PipecutError
@@ -524,17 +527,6 @@ def _print(console: Any, cfg: dict[str, Any], rows: list[dict[str, Any]], zb: li
         console.print(t)
 
 
-def _git() -> dict[str, Any]:
-    root = Path(__file__).resolve().parents[1]
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "runtime", "partitioner"], cwd=root,
-                               capture_output=True, text=True, check=True)
-    except (OSError, subprocess.CalledProcessError):
-        return {}
-    return {"commit": head.stdout.strip(), "dirty": [ln[3:] for ln in dirty.stdout.splitlines()]}
-
-
 def _save_traces(folder: Path, m: int, timelines: dict[tuple[str, int, str], dict[str, Timeline]]) -> list[str]:
     folder.mkdir(parents=True, exist_ok=True)
     written = []
@@ -629,7 +621,7 @@ def main(argv: list[str] | None = None) -> int:
         "sys_argv": list(sys.argv),
         "config": cfg,
         "env": {"torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
-                "machine": platform.machine(), "git": _git(), "load_avg_before": load_before,
+                "machine": platform.machine(), "git": git_state(), "load_avg_before": load_before,
                 "load_avg_after": os.getloadavg(), "wall_s": time.perf_counter() - t_start},
         "fixed": rows,
         "zero_bubble_vs_1f1b": zb,

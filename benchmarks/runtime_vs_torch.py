@@ -192,7 +192,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
             t1 = time.perf_counter()
             if rnd >= cfg["warmup"]:
                 spans[name].append((t0, t1) if both or rank == 0 else (float("inf"), float("-inf")))
-    return {"spans": spans, "checks": checks if rank == 0 else None}
+    return {"spans": spans, "checks": checks}
 
 
 def _step_times(per_rank: list[dict[str, list[tuple[float, float]]]]) -> dict[str, list[float]]:
@@ -327,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         "results": summary,
         "ratios": ratios,
         "paired_ratios": paired,
-        "checks": ranks[0]["checks"],
+        "checks": {f"rank {r}": res["checks"] for r, res in enumerate(ranks)},
         "times_ms": {k: [round(t * 1e3, 3) for t in v] for k, v in times.items()},
     }
     out = Path(args.out)

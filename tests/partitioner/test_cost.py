@@ -11,6 +11,7 @@ from torch import nn
 
 from partitioner.cost import NodeCost, cost_graph, node_time
 from partitioner.devices import DeviceSpec
+from gpt2_case import gpt2_config
 from partitioner.trace import CausalLMLogits, TracedModel, trace
 
 F32 = 4
@@ -134,7 +135,7 @@ def test_gpt2_on_meta_costs_like_the_real_one(gpt2: tuple[nn.Module, TracedModel
     transformers = pytest.importorskip("transformers")
     _, real = gpt2
     with torch.device("meta"):
-        model = CausalLMLogits(transformers.GPT2LMHeadModel(_gpt2_config()))
+        model = CausalLMLogits(transformers.GPT2LMHeadModel(gpt2_config()))
     meta = cost_graph(trace(model, (torch.randint(0, 128, (2, 16)),)))
     want = cost_graph(real)
     assert sum(c.fwd_flops for c in meta.values()) == sum(c.fwd_flops for c in want.values())
@@ -173,7 +174,7 @@ def test_profile_measures_positive_times_on_cpu() -> None:
 def test_profile_runs_a_meta_trace_on_real_tensors() -> None:
     transformers = pytest.importorskip("transformers")
     with torch.device("meta"):
-        model = CausalLMLogits(transformers.GPT2LMHeadModel(_gpt2_config()))
+        model = CausalLMLogits(transformers.GPT2LMHeadModel(gpt2_config()))
     t = trace(model, (torch.randint(0, 128, (2, 16)),))  # device=meta constants in the graph
     costs = cost_graph(t, profile=True, device="cpu", warmup=0, repeat=1)
     measured = [c for c in costs.values() if c.measured_fwd_s is not None]
@@ -185,22 +186,3 @@ def test_bad_profile_arguments() -> None:
     t = trace(_mlp([4, 4]), (torch.randn(2, 4),))
     with pytest.raises(ValueError, match="repeat"):
         cost_graph(t, profile=True, repeat=0)
-
-
-# --- fixtures ------------------------------------------------------------------------------------
-
-
-def _gpt2_config():  # type: ignore[no-untyped-def]
-    transformers = pytest.importorskip("transformers")
-    return transformers.GPT2Config(
-        n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-    )
-
-
-@pytest.fixture(scope="module")
-def gpt2() -> tuple[nn.Module, TracedModel]:
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    model = CausalLMLogits(transformers.GPT2LMHeadModel(_gpt2_config())).eval()
-    return model, trace(model, (torch.randint(0, 128, (2, 16)),))

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from partitioner.errors import TraceError
+from gpt2_case import gpt2_config
 from partitioner.trace import CausalLMLogits, TracedModel, retarget_device, trace
 
 # --- small models --------------------------------------------------------------------------------
@@ -59,20 +60,6 @@ class Positions(nn.Module):
         return x + torch.arange(x.shape[1], device=x.device)
 
 
-def _gpt2_config():  # type: ignore[no-untyped-def]
-    transformers = pytest.importorskip("transformers")
-    return transformers.GPT2Config(
-        n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-    )
-
-
-@pytest.fixture(scope="module")
-def gpt2() -> tuple[nn.Module, TracedModel]:
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    model = CausalLMLogits(transformers.GPT2LMHeadModel(_gpt2_config())).eval()
-    return model, trace(model, (torch.randint(0, 128, (2, 16)),))
 
 
 def _vals_everywhere(t: TracedModel) -> None:
@@ -208,7 +195,7 @@ def test_export_module_paths(gpt2: tuple[nn.Module, TracedModel]) -> None:
 def test_gpt2_built_on_meta_traces_to_the_real_models_graph(gpt2: tuple[nn.Module, TracedModel]) -> None:
     transformers = pytest.importorskip("transformers")
     with torch.device("meta"):
-        model = CausalLMLogits(transformers.GPT2LMHeadModel(_gpt2_config())).eval()
+        model = CausalLMLogits(transformers.GPT2LMHeadModel(gpt2_config())).eval()
     t = trace(model, (torch.randint(0, 128, (2, 16)),))
     assert t.method == "export"
     assert t.gm.graph.output_node().meta["val"][0].shape == (2, 16, 128)

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from .comm import Op, Recv, Send, comm_plan, needs_early_receives
+from .executor import ActionRecord, Executor, RunResult, StageRuntime
 from .generators import forward_only, gpipe, interleaved, one_f_one_b
+from .launch import LaunchError, spawn
+from .placement import PlacementError
 from .schedules import (
     Action,
     Kind,
@@ -25,13 +28,17 @@ from .timeline import (
     save_gantt_png,
     to_chrome_trace,
 )
+from .trainer import MicrobatchError, PipelineTrainer, split_microbatches
+from .transport import (
+    DistTransport,
+    Key,
+    LocalTransport,
+    TensorMeta,
+    Transport,
+    TransportTimeout,
+)
 from .validation import format_grid, peak_inflight, peak_inflight_per_rank, validate
 from .zero_bubble import zbh1, zbv
-from .executor import ActionRecord, Executor, RunResult, StageRuntime
-from .launch import LaunchError, spawn
-from .placement import PlacementError
-from .trainer import MicrobatchError, PipelineTrainer, split_microbatches
-from .transport import DistTransport, Key, LocalTransport, TensorMeta, Transport, TransportTimeout
 
 __all__ = [
     "PipelineTrainer",

@@ -200,7 +200,9 @@ class Schedule:
         return tuple(s for s, r in enumerate(self.stage_to_rank) if r == rank)
 
     def __str__(self) -> str:
-        from .validation import format_grid  # the grid runs the schedule; that lives there
+        from .validation import (
+            format_grid,  # the grid runs the schedule; that lives there
+        )
 
         return format_grid(self)
 

@@ -13,13 +13,9 @@ The same script runs both ways::
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import os
-import queue
-import threading
 import time
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,12 +29,14 @@ from partitioner.plan import Plan
 
 from .executor import ActionRecord, Executor, RunResult, StageRuntime
 from .generators import forward_only
+from .local_run import RankThreads, run_interleaved, run_threads
 from .placement import PlacementError, check_backend, placed_schedule, stage_devices
-from .schedules import Schedule
+from .schedules import Kind, Schedule
 from .shapes import wire_shapes
 from .timeline import Timeline, from_records, save_chrome_trace
 from .transport import DistTransport, LocalTransport, Transport
 from .validation import validate
+from .wgrad_fusion import fuse_weight_grad_accumulation, shared_parameters
 
 __all__ = ["PipelineTrainer", "MicrobatchError", "split_microbatches"]
 
@@ -102,6 +100,9 @@ class PipelineTrainer:
         timeout: seconds any wait for a peer may take before failing loudly.
         record: keep when each action ran (``last_records``), for :meth:`timeline` and
             :meth:`save_trace`.
+        fuse_wgrad: let large linear layers add weight gradients into ``.grad`` in place
+            (``runtime.wgrad_fusion``; not with split-backward schedules). Hooks on those
+            parameters then do not fire: pass ``False`` if you rely on them.
 
     Raises:
         PlacementError: ``S`` is not a multiple of the schedule's stages per rank, the job's
@@ -133,6 +134,7 @@ class PipelineTrainer:
         devices: Sequence[str | torch.device] | str | torch.device | None = None,
         timeout: float = 300.0,
         record: bool = False,
+        fuse_wgrad: bool = True,
     ) -> None:
         self.plan = plan
         self.loss_fn = loss_fn
@@ -173,9 +175,13 @@ class PipelineTrainer:
             own = tuple(range(self.p))
             self.devices = stage_devices(devices, self.p, self.schedule)
         self.stages: dict[int, StageRuntime] = {}
+        splits = any(a.kind in (Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT) for acts in self.schedule.actions for a in acts)
+        tied = shared_parameters(staged.stages, staged.shared_params) if fuse_wgrad and not splits else []
         for s in own:
             module = staged.stages[s]
             _check_materialised(module, s)
+            if fuse_wgrad and not splits:
+                module, _ = fuse_weight_grad_accumulation(module, skip=tied)
             self.stages[s] = StageRuntime(s, module, ios[s], self.devices[s])
         self._ios = ios
         self._tied = self._setup_tied(staged.shared_params)
@@ -189,7 +195,7 @@ class PipelineTrainer:
         self._dist_transport = (
             DistTransport(self.schedule.stage_to_rank, timeout) if self.mode == "dist" else None
         )
-        self._threads: _RankThreads | None = None  # transport='local': started at the first step
+        self._threads: RankThreads | None = None  # transport='local': started at the first step
 
     # -- public API -----------------------------------------------------------------------
 
@@ -385,11 +391,11 @@ class PipelineTrainer:
             exs = self._executors(transport)
             try:
                 if self.mode == "sequential":
-                    results = _run_interleaved(exs, schedule, transport, ins, tgts, train)
+                    results = run_interleaved(exs, schedule, transport, ins, tgts, train)
                 else:
                     if self._threads is None or self._threads.ranks != tuple(exs):
-                        self._threads = _RankThreads(list(exs))
-                    results = _run_threads(self._threads, exs, schedule, transport, ins, tgts, train)
+                        self._threads = RankThreads(list(exs))
+                    results = run_threads(self._threads, exs, schedule, transport, ins, tgts, train)
             finally:
                 transport.close()
         self.last_peak_inflight = {s: n for res in results for s, n in res.peak_inflight.items()}
@@ -453,91 +459,6 @@ class PipelineTrainer:
                 total = sum(g.to(copies[0].device) for g in grads)
                 for c in copies:
                     c.grad = total.to(c.device).clone()
-
-
-class _RankThreads:
-    """One long-lived thread per rank for the in-process transport, reused step after step.
-
-    A fresh thread per rank and step (started, then joined) made the step after it slow: on a
-    small model the first backward after another rank's thread had exited stalled for ~0.1 s,
-    ten times the whole step. Threads that live as long as the trainer avoid that.
-    """
-
-    def __init__(self, ranks: Sequence[int]) -> None:
-        self.ranks = tuple(ranks)
-        self._inboxes: dict[int, queue.SimpleQueue[tuple[Callable[[], None], threading.Event] | None]] = {
-            r: queue.SimpleQueue() for r in self.ranks
-        }
-        for r, inbox in self._inboxes.items():
-            threading.Thread(target=_serve, args=(inbox,), name=f"pipecut-rank{r}", daemon=True).start()
-        # The threads hold only their inboxes, so dropping the trainer ends them.
-        weakref.finalize(self, _stop, list(self._inboxes.values()))
-
-    def run(self, jobs: Mapping[int, Callable[[], None]]) -> None:
-        """Run ``jobs[r]`` on rank ``r``'s thread, all at once; return when every job has."""
-        done = [threading.Event() for _ in jobs]
-        for (r, job), ev in zip(jobs.items(), done):
-            self._inboxes[r].put((job, ev))
-        for ev in done:
-            ev.wait()
-
-
-def _serve(inbox: queue.SimpleQueue[tuple[Callable[[], None], threading.Event] | None]) -> None:
-    while (item := inbox.get()) is not None:
-        job, ev = item
-        try:
-            job()
-        finally:
-            ev.set()
-        del item, job, ev  # keep nothing of this step alive until the next
-
-
-def _stop(inboxes: list[queue.SimpleQueue[Any]]) -> None:
-    for inbox in inboxes:
-        inbox.put(None)
-
-
-def _run_threads(
-    threads: _RankThreads, exs: Mapping[int, Executor], schedule: Schedule, transport: LocalTransport,
-    ins: list[dict[str, Any]], tgts: list[Any] | None, train: bool,
-) -> list[RunResult]:
-    results: dict[int, RunResult] = {}
-    errors: list[BaseException] = []  # in the order they happened: the first is the cause
-    lock = threading.Lock()
-
-    def work(r: int) -> None:
-        try:
-            results[r] = exs[r].run(schedule.actions[r], ins, tgts, train=train)
-        except BaseException as e:  # stop the other stages at once instead of letting them time out
-            with lock:
-                errors.append(e)
-            transport.close()
-
-    threads.run({r: functools.partial(work, r) for r in exs})
-    if errors:
-        raise errors[0]
-    return [results[r] for r in sorted(results)]
-
-
-def _run_interleaved(
-    exs: Mapping[int, Executor], schedule: Schedule, transport: LocalTransport,
-    ins: list[dict[str, Any]], tgts: list[Any] | None, train: bool,
-) -> list[RunResult]:
-    """All ranks in one thread: repeatedly run the next action of any rank whose inputs are here."""
-    states = {r: ex.start(ins, tgts, train=train) for r, ex in exs.items()}
-    pos = {r: 0 for r in exs}
-    lists = {r: schedule.actions[r] for r in exs}
-    while any(pos[r] < len(lists[r]) for r in exs):
-        progressed = False
-        for r, ex in exs.items():
-            while pos[r] < len(lists[r]) and all(transport.has(k) for k in ex.needs(lists[r][pos[r]])):
-                ex.execute(states[r], lists[r][pos[r]])
-                pos[r] += 1
-                progressed = True
-        if not progressed:
-            stuck = {r: str(lists[r][pos[r]]) for r in exs if pos[r] < len(lists[r])}
-            raise RuntimeError(f"the schedule cannot progress; next actions per rank: {stuck}")
-    return [exs[r].finish(states[r]) for r in sorted(exs)]
 
 
 def _resolve_mode(transport: str) -> str:

@@ -1,0 +1,223 @@
+"""Weight-gradient accumulation fusion: a stage's linear layers add ``dL/dW`` into ``W.grad`` in place.
+
+With ``m`` micro-batches, plain autograd computes every weight gradient into a fresh tensor and
+then adds it to ``W.grad`` (``AccumulateGrad``): per layer and micro-batch one allocation and
+one pass that reads two weight-sized tensors and writes one. When a micro-batch is small those
+passes, not the matmuls' arithmetic, are much of the backward's cost (a skinny matmul is
+bound by memory traffic too). Megatron-LM's ``gradient_accumulation_fusion`` removes them by
+having the weight-gradient GEMM accumulate into the gradient buffer (``beta = 1``); this module
+does the same on any device with ``torch.addmm_``, by rewriting a stage's FX graph:
+
+* ``call_module`` of an ``nn.Linear`` (exactly that class, so subclasses that change
+  ``forward`` are left alone), ``F.linear`` / ``aten.linear`` and ``aten.addmm`` (Hugging Face's
+  ``Conv1D`` form, ``bias + x @ W``) whose weight is a parameter read by ``get_attr``
+  become calls of :func:`linear_accumulate` / :func:`addmm_accumulate`;
+* a weight used by more than one node, or listed in ``skip`` (tied weights that other stages
+  share: their ``.grad`` may be written by another thread), is left to autograd, and so is any
+  weight smaller than ``min_numel`` elements, where the Python ``autograd.Function`` costs more
+  than the pass it saves.
+
+The fused weight's gradient bypasses ``AccumulateGrad``, so hooks registered on that parameter
+(``register_hook``, ``register_post_accumulate_grad_hook``) do not fire for it; the trainer
+option ``fuse_wgrad=False`` turns the rewrite off. Split backward (``I`` / ``W`` actions) is
+never fused: there ``W`` must do the weight work, not ``I``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+__all__ = ["addmm_accumulate", "fuse_weight_grad_accumulation", "linear_accumulate", "shared_parameters"]
+
+log = logging.getLogger(__name__)
+
+# Below this many weight elements (256 KiB in fp32) the saved pass is cheaper than the ~20 us
+# a Python autograd.Function adds to a forward and a backward.
+DEFAULT_MIN_NUMEL = 1 << 16
+
+
+def _accumulate(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``weight.grad += a @ b``, in place when the buffer allows it."""
+    grad = weight.grad
+    if grad is None:
+        weight.grad = torch.mm(a, b).to(weight.dtype)
+    elif grad.dtype == a.dtype == b.dtype and grad.is_contiguous():
+        grad.addmm_(a, b)
+    else:  # mixed precision (autocast) or an odd layout: the plain way
+        grad.add_(torch.mm(a, b).to(grad.dtype))
+
+
+class _LinearAccumulate(torch.autograd.Function):
+    """``F.linear(x, weight, bias)`` whose backward adds ``dL/dweight`` into ``weight.grad``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, None, torch.Tensor | None]:  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        g2 = g.reshape(-1, g.shape[-1])  # (tokens, out)
+        gx = g.matmul(weight.to(g.dtype)).to(x.dtype) if ctx.needs_input_grad[0] else None
+        if ctx.needs_input_grad[1]:
+            x2 = x.reshape(-1, x.shape[-1]).to(g.dtype)  # (tokens, in)
+            _accumulate(weight, g2.t(), x2)  # (out, in)
+        gb = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return gx, None, gb
+
+
+class _AddmmAccumulate(torch.autograd.Function):
+    """``torch.addmm(bias, x, weight)`` (``weight``: (in, out)) adding ``dL/dweight`` into ``weight.grad``."""
+
+    @staticmethod
+    def forward(ctx, bias: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, weight)
+        ctx.bias_shape = bias.shape
+        return torch.addmm(bias, x, weight)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        gx = g.mm(weight.to(g.dtype).t()).to(x.dtype) if ctx.needs_input_grad[1] else None
+        if ctx.needs_input_grad[2]:
+            _accumulate(weight, x.to(g.dtype).t(), g)  # (in, out)
+        gb = None
+        if ctx.needs_input_grad[0]:
+            gb = g if len(ctx.bias_shape) == 2 else g.sum(0)
+            gb = gb.reshape(ctx.bias_shape) if gb.shape != ctx.bias_shape else gb
+        return gb, gx, None
+
+
+def linear_accumulate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` with weight-gradient accumulation fusion (see the module docstring).
+
+    Example:
+        >>> w = nn.Parameter(torch.randn(3, 4))
+        >>> linear_accumulate(torch.randn(2, 4), w).sum().backward()
+        >>> linear_accumulate(torch.randn(2, 4), w).sum().backward()  # added in place
+        >>> w.grad.shape
+        torch.Size([3, 4])
+    """
+    return _LinearAccumulate.apply(x, weight, bias)
+
+
+def addmm_accumulate(bias: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``torch.addmm(bias, x, weight)`` with weight-gradient accumulation fusion."""
+    return _AddmmAccumulate.apply(bias, x, weight)
+
+
+# fx records these functions as call_function targets, so a rewritten graph stays printable.
+fx.wrap("linear_accumulate")
+fx.wrap("addmm_accumulate")
+
+_LINEAR_TARGETS = {F.linear, torch._C._nn.linear, torch.ops.aten.linear.default}
+_ADDMM_TARGETS = {torch.addmm, torch.ops.aten.addmm.default}
+
+
+def _param(gm: fx.GraphModule, node: object) -> nn.Parameter | None:
+    if isinstance(node, fx.Node) and node.op == "get_attr":
+        try:
+            obj = gm.get_parameter(str(node.target))
+        except AttributeError:
+            return None
+        return obj
+    return None
+
+
+def _uses(gm: fx.GraphModule) -> dict[int, int]:
+    """How many graph nodes read each parameter (through ``get_attr`` or a module call)."""
+    count: dict[int, int] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            prm = _param(gm, node)
+            if prm is not None:
+                count[id(prm)] = count.get(id(prm), 0) + len(node.users)
+        elif node.op == "call_module":
+            for prm in gm.get_submodule(str(node.target)).parameters():
+                count[id(prm)] = count.get(id(prm), 0) + 1
+    return count
+
+
+def shared_parameters(stages: Sequence[nn.Module], tied_names: Collection[str]) -> list[nn.Parameter]:
+    """Parameters that several stages hold (one object in two stages), or tied by name."""
+    seen: dict[int, int] = {}
+    out: list[nn.Parameter] = []
+    for stage in stages:
+        for name, prm in stage.named_parameters(remove_duplicate=False):
+            seen[id(prm)] = seen.get(id(prm), 0) + 1
+            if name in tied_names:
+                out.append(prm)
+    for stage in stages:
+        out.extend(p for p in stage.parameters() if seen[id(p)] > 1)
+    return out
+
+
+def fuse_weight_grad_accumulation(
+    gm: fx.GraphModule, *, skip: Collection[nn.Parameter] = (), min_numel: int | None = None
+) -> tuple[fx.GraphModule, int]:
+    """A copy of ``gm`` whose eligible linear layers accumulate weight gradients in place.
+
+    The copy shares ``gm``'s submodules and parameters; ``gm`` itself is not changed.
+
+    Args:
+        gm: a stage module (``torch.fx.GraphModule``).
+        skip: parameters never to fuse (weights tied across stages).
+        min_numel: smallest weight, in elements, worth fusing (default ``DEFAULT_MIN_NUMEL``).
+
+    Returns:
+        ``(module, n)``: the rewritten module and how many layers were fused (``gm`` itself
+        when ``n == 0``).
+
+    Example:
+        >>> gm = fx.symbolic_trace(nn.Sequential(nn.Linear(512, 512), nn.ReLU()))
+        >>> fused, n = fuse_weight_grad_accumulation(gm)
+        >>> n
+        1
+    """
+    least = DEFAULT_MIN_NUMEL if min_numel is None else min_numel
+    skip_ids = {id(p) for p in skip}
+    uses = _uses(gm)
+
+    def eligible(prm: nn.Parameter | None) -> bool:
+        return (
+            prm is not None and prm.requires_grad and id(prm) not in skip_ids
+            and uses.get(id(prm), 0) == 1 and prm.numel() >= least and prm.dim() == 2
+        )
+
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    n = 0
+    for node in gm.graph.nodes:
+        new = None
+        if node.op == "call_module" and type(gm.get_submodule(str(node.target))) is nn.Linear and not node.kwargs:
+            mod = gm.get_submodule(str(node.target))
+            if eligible(mod.weight) and len(node.args) == 1:
+                x = env[node.args[0]] if isinstance(node.args[0], fx.Node) else node.args[0]
+                w = graph.get_attr(f"{node.target}.weight")
+                b = graph.get_attr(f"{node.target}.bias") if mod.bias is not None else None
+                new = graph.call_function(linear_accumulate, (x, w, b))
+        elif node.op == "call_function" and node.target in _LINEAR_TARGETS and not node.kwargs:
+            if len(node.args) >= 2 and eligible(_param(gm, node.args[1])):
+                new = graph.call_function(linear_accumulate, tuple(fx.map_arg(node.args, env.__getitem__)))
+        elif node.op == "call_function" and node.target in _ADDMM_TARGETS and not node.kwargs:
+            if len(node.args) == 3 and eligible(_param(gm, node.args[2])):
+                new = graph.call_function(addmm_accumulate, tuple(fx.map_arg(node.args, env.__getitem__)))
+        if new is None:
+            new = graph.node_copy(node, env.__getitem__)
+        else:
+            new.meta = dict(node.meta)
+            n += 1
+        env[node] = new
+    if n == 0:
+        return gm, 0
+    graph.lint()
+    out = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    log.debug("fused weight-gradient accumulation into %d linear layers", n)
+    return out, n

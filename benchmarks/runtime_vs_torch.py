@@ -13,7 +13,10 @@ configuration and would only dilute the differences). Every configuration runs i
 processes, interleaved round by round (the order rotates each round), so a noisy machine slows
 them alike:
 
-* ``pipecut <schedule> dist``: ``PipelineTrainer(transport='dist')``, one stage per process;
+* ``pipecut <schedule> dist``: ``PipelineTrainer(transport='dist')``, one stage per process,
+  with its defaults (weight-gradient accumulation fusion on: ``runtime.wgrad_fusion``);
+* ``pipecut <schedule> dist unfused``: the same with ``fuse_wgrad=False`` (plain autograd, as
+  torch and the single-process baselines use);
 * ``torch <schedule>``: ``torch.distributed.pipelining`` ``ScheduleGPipe`` / ``Schedule1F1B``
   over ``PipelineStage``s built from the same two halves of the same model (parameter names
   kept), ``return_outputs=False``, and its default gradient scaling (every gradient divided by
@@ -90,13 +93,13 @@ def _model(cfg: dict[str, Any]) -> MLPChain:
     return MLPChain((cfg["width"],) * (cfg["layers"] + 1))
 
 
-def _pipecut(model: nn.Module, cfg: dict[str, Any], schedule: str, transport: str) -> PipelineTrainer:
+def _pipecut(model: nn.Module, cfg: dict[str, Any], schedule: str, transport: str, *, fuse: bool = True) -> PipelineTrainer:
     mb = cfg["batch"] // cfg["microbatches"]
     plan = partition(
         copy.deepcopy(model), (torch.randn(mb, cfg["width"]),), 2, microbatches=cfg["microbatches"],
         schedule=schedule, split_points=[f"layers.{cfg['layers'] // 2}"],
     )
-    return PipelineTrainer(plan, nn.functional.mse_loss, None, schedule=schedule, transport=transport)
+    return PipelineTrainer(plan, nn.functional.mse_loss, None, schedule=schedule, transport=transport, fuse_wgrad=fuse)
 
 
 def _torch_schedule(model: MLPChain, cfg: dict[str, Any], schedule: str, rank: int, *, scale_loss: bool) -> tuple[nn.Module, Any]:
@@ -160,6 +163,8 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
     for s in SCHEDULES:
         tr = _pipecut(model, cfg, s, "dist")
         configs[f"pipecut {s} dist"] = (True, functools.partial(run_pipecut, tr), tr.named_parameters)
+        tr = _pipecut(model, cfg, s, "dist", fuse=False)
+        configs[f"pipecut {s} dist unfused"] = (True, functools.partial(run_pipecut, tr), tr.named_parameters)
         for scale_loss, label in ((False, ""), (True, " loss/m")):
             half, sched = _torch_schedule(model, cfg, s, rank, scale_loss=scale_loss)
             configs[f"torch {s}{label}"] = (True, functools.partial(run_torch, half, sched, scale_loss), half.named_parameters)
@@ -243,7 +248,10 @@ def _ratios(med: dict[str, float]) -> dict[str, float]:
         pairs = [
             ("pipecut throughput / torch throughput", f"torch {s}", f"pipecut {s} dist"),
             ("pipecut throughput / torch (loss/m) throughput", f"torch {s} loss/m", f"pipecut {s} dist"),
+            ("pipecut unfused throughput / torch throughput", f"torch {s}", f"pipecut {s} dist unfused"),
+            ("speedup of weight-gradient fusion", f"pipecut {s} dist unfused", f"pipecut {s} dist"),
             ("speedup of pipecut dist over single micro-batched", "single micro-batched", f"pipecut {s} dist"),
+            ("speedup of pipecut dist unfused over single micro-batched", "single micro-batched", f"pipecut {s} dist unfused"),
             ("speedup of pipecut dist over single full-batch", "single full-batch", f"pipecut {s} dist"),
             ("speedup of torch over single micro-batched", "single micro-batched", f"torch {s}"),
             ("speedup of local (threads) over sequential", f"pipecut {s} sequential", f"pipecut {s} local"),

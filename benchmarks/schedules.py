@@ -10,19 +10,21 @@ them over 4 gloo processes, ~1 for the GPT-2 over 2 gloo processes)::
 
 Legend: ``p`` ranks, ``m`` micro-batches, ``v`` stages (chunks) per rank, ``S = p v`` stages.
 
-**Fixed costs.** Each stage is one ``SleepBlock``: ``y = sleep_F(x) + sleep_W(bias)``, where
-``sleep_F`` is an autograd Function whose forward sleeps ``F`` and whose backward sleeps
-``B_in`` and passes the gradient through, and ``sleep_W`` is one whose backward sleeps ``W``
-(the bias's gradient). ``time.sleep`` releases the GIL and takes the same time whatever else the
-2 cores are doing, so a stage costs ``F``, ``B_in`` and ``W`` per micro-batch, not what the
-shared machine allows. The split backward (``runtime.split_backward``) finds the ``+`` as the
-branch node: ``I`` runs ``sleep_F``'s backward (``B_in``), ``W`` runs ``sleep_W``'s (``W``), and a
-fused ``B`` both. The batch requires grad, so stage 0 also computes an input gradient in ``I``
-as every other stage does (otherwise the executor would leave all of stage 0's backward to
-``W``). ``F = B_in = W = --cost-ms`` per rank (40 ms by default: a two-chunk schedule's chunks
-sleep 20 ms each, large against the ~0.5 ms each action adds on this machine: sleep overshoot
-and the executor's Python). Each block is a leaf module for tracing, and ``split_points`` put
-exactly one block in each stage.
+**Fixed costs.** Each stage is one ``SleepBlock`` (``_fixed_cost.py``): ``y = sleep_F(x) +
+sleep_W(bias)``, where ``sleep_F`` is an autograd Function whose forward sleeps ``F`` and whose
+backward sleeps ``B_in`` and passes the gradient through, and ``sleep_W`` is one whose backward
+sleeps ``W`` (the bias's gradient). ``time.sleep`` releases the GIL and takes the same time
+whatever else the 2 cores are doing, so a stage costs ``F``, ``B_in`` and ``W`` per micro-batch,
+not what the shared machine allows. A sleep in a Function returns 0.2-0.5 ms late on this
+machine (its overshoot, and code running on a CPU gone cold); each process first measures that
+on a block run alone and shortens every sleep by it (``--no-calibrate`` to keep the nominal
+sleeps; the JSON records the excess before and after). The split backward
+(``runtime.split_backward``) finds the ``+`` as the branch node: ``I`` runs ``sleep_F``'s
+backward (``B_in``), ``W`` runs ``sleep_W``'s (``W``), and a fused ``B`` both. The batch requires
+grad, so stage 0 also computes an input gradient in ``I`` as every other stage does (otherwise
+the executor would leave all of stage 0's backward to ``W``). ``F = B_in = W = --cost-ms`` per
+rank (40 ms by default: a two-chunk schedule's chunks sleep 20 ms each). Each block is a leaf
+module for tracing, and ``split_points`` put exactly one block in each stage.
 
 The trainer runs in-process (``transport='local'``, one thread per rank) and, with ``dist`` in
 ``--transports``, over ``p`` gloo processes (``runtime.launch.spawn``). Per ``(schedule, m)``:
@@ -77,8 +79,9 @@ import torch.distributed as dist
 from torch import nn
 
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling _common module
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling _common and _fixed_cost modules
 from _common import git_state  # noqa: E402
+from _fixed_cost import ROWS, WIDTH, SleepBlock, calibrate  # noqa: E402
 
 from partitioner import Cluster, Plan, partition
 from partitioner.errors import PipecutError
@@ -93,52 +96,9 @@ from runtime.validation import peak_inflight_per_rank
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1", "zbv")
 CHUNKS = {"interleaved": 2, "zbv": 2}  # stages per rank; 1 for the others
 ZERO_BUBBLE = ("zbh1", "zbv")
-ROWS, WIDTH = 2, 16  # a micro-batch's activations: (ROWS, WIDTH); their size does not matter
 
 
-# -- stages of fixed cost ------------------------------------------------------------------------
-
-
-class _SleepInput(torch.autograd.Function):
-    """Identity whose forward sleeps ``f`` s and whose backward sleeps ``b`` s (the input gradient)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, f: float, b: float) -> torch.Tensor:
-        time.sleep(f)
-        ctx.b = b
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        time.sleep(ctx.b)
-        return grad, None, None
-
-
-class _SleepWeight(torch.autograd.Function):
-    """Identity on a parameter whose backward sleeps ``w`` s (the weight gradient)."""
-
-    @staticmethod
-    def forward(ctx: Any, prm: torch.Tensor, w: float) -> torch.Tensor:
-        ctx.w = w
-        return prm.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        time.sleep(ctx.w)
-        return grad, None
-
-
-class SleepBlock(nn.Module):
-    """A stage of fixed cost: ``F`` s forward, ``B_in`` s input gradient, ``W`` s weight gradient."""
-
-    def __init__(self, forward_s: float, input_grad_s: float, weight_grad_s: float) -> None:
-        super().__init__()
-        self.bias = nn.Parameter(torch.zeros(WIDTH))
-        self.costs = (forward_s, input_grad_s, weight_grad_s)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (ROWS, WIDTH) -> (ROWS, WIDTH)
-        f, b, w = self.costs
-        return _SleepInput.apply(x, f, b) + _SleepWeight.apply(self.bias, w)
+# -- stages of fixed cost (the blocks: _fixed_cost.py) -------------------------------------------
 
 
 def _fixed_trainer(schedule: str, p: int, m: int, cost_s: float, transport: str) -> PipelineTrainer:
@@ -172,14 +132,16 @@ def _run_local(schedule: str, p: int, m: int, cost_s: float, steps: int, warmup:
 
 
 def _dist_fixed_worker(rank: int, world: int, schedule: str, ms: Sequence[int], cost_s: float,
-                       steps: int, warmup: int) -> dict[int, list[dict[str, Any]]]:
+                       steps: int, warmup: int, calibrate_s: float | None) -> dict[str, Any]:
+    """Per m, this rank's timed steps (``"runs"``), and its sleep calibration."""
+    cal = calibrate(calibrate_s) if calibrate_s else None
     out: dict[int, list[dict[str, Any]]] = {}
     for m in ms:
         tr = _fixed_trainer(schedule, world, m, cost_s, "dist")
         torch.manual_seed(m)
         x, y = _fixed_batch(m)
         out[m] = _timed_dist_steps(tr, x, y, steps, warmup)
-    return out
+    return {"runs": out, "calibration": cal}
 
 
 def _timed_dist_steps(tr: PipelineTrainer, x: Any, y: Any, steps: int, warmup: int) -> list[dict[str, Any]]:
@@ -549,6 +511,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cost-ms", type=float, default=None, help="F = B_in = W per rank, ms (default 40)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps (default 5)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    ap.add_argument("--no-calibrate", action="store_true",
+                    help="sleep exactly the nominal costs (no correction for the sleeps' own excess)")
     ap.add_argument("--transports", nargs="+", default=None, choices=("local", "dist"),
                     help="fixed-cost runs: threads in this process and/or p gloo processes (default both)")
     ap.add_argument("--skip-real", action="store_true", help="skip the GPT-2 over 2 gloo processes")
@@ -570,13 +534,19 @@ def main(argv: list[str] | None = None) -> int:
     if p < 2 or min(ms) < 1 or steps < 1 or cost_ms <= 0:
         ap.error("need -p >= 2, every m >= 1, --steps >= 1 and --cost-ms > 0")
     cfg = {"p": p, "ms": ms, "schedules": args.schedules, "cost_ms": cost_ms, "steps": steps,
-           "warmup": args.warmup, "transports": transports, "quick": q, "micro_batch": [ROWS, WIDTH]}
+           "warmup": args.warmup, "transports": transports, "quick": q, "micro_batch": [ROWS, WIDTH],
+           "calibrate": not args.no_calibrate}
     cost_s = cost_ms * 1e-3
     t_start = time.perf_counter()
     load_before = os.getloadavg()
 
     rows: list[dict[str, Any]] = []
     timelines: dict[tuple[str, int, str], dict[str, Timeline]] = {}
+    # Calibrated on the smallest sleep the runs use (a two-chunk schedule's chunk).
+    cal_s = None if args.no_calibrate else cost_s / max(CHUNKS.get(s, 1) for s in args.schedules)
+    calibration: dict[str, Any] = {}
+    if cal_s and "local" in transports and not args.skip_fixed:
+        calibration["local"] = calibrate(cal_s)
     for transport in [] if args.skip_fixed else transports:
         for schedule in args.schedules:
             measured: dict[int, list[dict[str, Any]]] = {}
@@ -590,8 +560,9 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 try:
                     per_rank = spawn(_dist_fixed_worker, p, schedule, ms, cost_s, steps, args.warmup,
-                                     timeout=args.timeout, threads=1)
-                    measured = {m: _merge_ranks([r[m] for r in per_rank]) for m in ms}
+                                     cal_s, timeout=args.timeout, threads=1)
+                    measured = {m: _merge_ranks([r["runs"][m] for r in per_rank]) for m in ms}
+                    calibration.setdefault("dist", {})[schedule] = [r["calibration"] for r in per_rank]
                 except LaunchError as e:
                     errors = {m: _first_error_line(str(e)) for m in ms}
             for m in ms:
@@ -623,6 +594,7 @@ def main(argv: list[str] | None = None) -> int:
         "env": {"torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
                 "machine": platform.machine(), "git": git_state(), "load_avg_before": load_before,
                 "load_avg_after": os.getloadavg(), "wall_s": time.perf_counter() - t_start},
+        "sleep_calibration": calibration,
         "fixed": rows,
         "zero_bubble_vs_1f1b": zb,
         "real_model": real,

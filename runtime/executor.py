@@ -426,7 +426,7 @@ class Executor:
                 result.outputs[mb] = flat
             elif self.loss_fn is not None:
                 out = flat[0] if len(flat) == 1 else flat
-                loss = self.loss_fn(out, target) * scale
+                loss = self.loss_fn(out, _to_device(target, stage.device)) * scale
                 st.loss = loss
                 result.losses[mb] = loss.detach()
         return st
@@ -510,6 +510,17 @@ _profiler_enabled: Callable[[], bool] = getattr(torch._C._autograd, "_profiler_e
 def _profiling() -> bool:
     """Whether a torch profiler is recording (labelling an action costs ~5 us, checking ~0.1 us)."""
     return bool(_profiler_enabled())
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    """Targets to the last stage's device (tensors in tuples, lists and dicts too)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to_device(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    return value
 
 
 def _dtype(name: str) -> torch.dtype:

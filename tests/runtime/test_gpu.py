@@ -1,0 +1,106 @@
+"""The CUDA paths: stages on GPUs in one process, NCCL between processes, fused weight gradients.
+
+Marked ``gpu``; every test skips without CUDA (the NCCL test without two GPUs). Each compares the
+loss and every gradient with the unpartitioned model computed on the CPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from parity import TOL, case, reference_grads
+from partitioner import partition
+from runtime import PipelineTrainer
+from runtime.launch import spawn
+from runtime.wgrad_fusion import linear_accumulate
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+# GPU kernels (TF32 off, but other reduction orders) are compared with the CPU's in fp32.
+GPU_TOL = {"rtol": 1e-4, "atol": 1e-5}
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32() -> Any:
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def _check(trainer: PipelineTrainer, loss: torch.Tensor, want_loss: torch.Tensor, want: dict[str, torch.Tensor]) -> int:
+    torch.testing.assert_close(loss.cpu(), want_loss, **GPU_TOL)
+    n = 0
+    for name, prm in trainer.named_parameters():
+        assert prm.grad is not None, f"{name} got no gradient"
+        assert prm.grad.is_cuda, f"{name}'s gradient is on {prm.grad.device}"
+        torch.testing.assert_close(prm.grad.cpu(), want[name], **GPU_TOL, msg=lambda m, name=name: f"{name}: {m}")
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zbh1"])
+@pytest.mark.parametrize("name", ["mlp", "gpt2", "skip"])
+def test_in_process_stages_on_gpus_match_reference(name: str, schedule: str) -> None:
+    """Two stages, each on a GPU (both on cuda:0 with one GPU); CPU inputs and targets."""
+    c = case(name, 2)
+    ref = copy.deepcopy(c["model"])
+    gpus = [f"cuda:{i % torch.cuda.device_count()}" for i in range(2)]
+    plan = partition(c["model"], c["example"], 2, microbatches=4, schedule=schedule, **c["opts"])
+    trainer = PipelineTrainer(plan, c["loss"], schedule=schedule, transport="local", devices=gpus)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(c["x"].shape, generator=gen) if c["x"].is_floating_point() else torch.randint(0, 64, c["x"].shape, generator=gen)
+    y = torch.randn(c["y"].shape, generator=gen) if c["y"].is_floating_point() else torch.randint(0, 64, c["y"].shape, generator=gen)
+    loss = trainer.forward_backward(x, y)
+    want_loss, want = reference_grads(c, ref, x, y)
+    assert _check(trainer, loss, want_loss, want) > 0
+
+
+def _nccl_worker(rank: int, world: int, name: str, schedule: str) -> dict[str, Any]:
+    os.environ["LOCAL_RANK"] = str(rank)  # the trainer's default device under NCCL
+    torch.cuda.set_device(rank)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    c = case(name, world)
+    ref = copy.deepcopy(c["model"])
+    plan = partition(c["model"], c["example"], world, microbatches=4, schedule=schedule, **c["opts"])
+    trainer = PipelineTrainer(plan, c["loss"], schedule=schedule, transport="dist")
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(c["x"].shape, generator=gen) if c["x"].is_floating_point() else torch.randint(0, 64, c["x"].shape, generator=gen)
+    y = torch.randn(c["y"].shape, generator=gen) if c["y"].is_floating_point() else torch.randint(0, 64, c["y"].shape, generator=gen)
+    loss = trainer.forward_backward(x, y)
+    want_loss, want = reference_grads(c, ref, x, y)
+    return {"checked": _check(trainer, loss, want_loss, want), "device": str(next(iter(trainer.devices.values())))}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("name", ["mlp", "gpt2"])
+def test_nccl_two_processes_match_reference(name: str, schedule: str) -> None:
+    out = spawn(_nccl_worker, 2, name, schedule, backend="nccl", timeout=300)
+    assert [o["device"] for o in out] == ["cuda:0", "cuda:1"]
+    assert all(o["checked"] > 0 for o in out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_weight_gradient_on_cuda(dtype: torch.dtype) -> None:
+    """``addmm_`` accumulation on the GPU equals autograd's, in fp32 and under bf16 autocast."""
+    w = nn.Parameter(torch.randn(256, 512, device="cuda"))
+    ref = nn.Parameter(w.detach().clone())
+    for _ in range(3):
+        x = torch.randn(4, 16, 512, device="cuda")
+        with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+            linear_accumulate(x, w).float().square().mean().backward()
+            nn.functional.linear(x, ref).float().square().mean().backward()
+    tol = GPU_TOL if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    assert w.grad is not None and w.grad.dtype == torch.float32
+    torch.testing.assert_close(w.grad, ref.grad, **tol)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from .schedules import Action, Kind, Schedule, ScheduleError
 from .validation import validate
 
-__all__ = ["Op", "Recv", "Send", "comm_plan", "needs_early_receives"]
+__all__ = ["Op", "Recv", "Send", "comm_plan", "grouped_program_finishes", "needs_early_receives"]
 
 F, B, I, W = Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT
 
@@ -191,3 +191,69 @@ def needs_early_receives(
                 if not reads:
                     return True
     return False
+
+
+def grouped_program_finishes(
+    schedule: Schedule, *, edges: Iterable[tuple[int, int]] | None = None
+) -> bool:
+    """Whether :func:`comm_plan`'s program finishes when sends wait for their receives.
+
+    The model of NCCL as ``DistTransport`` drives it (``groups_messages``): each run of sends and
+    receives between two actions of a rank is posted as one group and waited on as a whole, and
+    a send completes only once its receive is posted. A group therefore completes when every
+    peer it exchanges with has reached the group holding the matching op. GPipe, 1F1B and ZB-H1
+    finish on a chain; skip connections over several stages (``edges``) can make 1F1B and
+    ZB-H1 wait in a circle (``p >= 3``), and interleaved and ZB-V fail even on a chain.
+
+    Args:
+        schedule: a valid schedule.
+        edges: the stage pairs activations flow along, as for :func:`comm_plan`.
+
+    Example:
+        >>> from runtime.schedules import get_schedule
+        >>> chain = [(0, 1), (1, 2), (2, 3)]
+        >>> grouped_program_finishes(get_schedule("1f1b", 4, 8), edges=chain)
+        True
+        >>> grouped_program_finishes(get_schedule("1f1b", 4, 8), edges=[*chain, (0, 3)])
+        False
+    """
+    plans = comm_plan(schedule, edges=edges)
+    # Per rank, its groups; per op, where its partner op sits: (rank, group index).
+    group_of: dict[tuple[int, int, int, int], tuple[int, int]] = {}  # (src, dst, k, is_send) -> (rank, group)
+    sent: dict[tuple[int, int], int] = {}
+    got: dict[tuple[int, int], int] = {}
+    members: list[list[list[tuple[int, int, int, int]]]] = []
+    for r, ops in enumerate(plans):
+        groups: list[list[tuple[int, int, int, int]]] = []
+        open_group = False
+        for op in ops:
+            if isinstance(op, Action):
+                open_group = False
+                continue
+            if not open_group:
+                groups.append([])
+                open_group = True
+            src, dst = (r, op.peer) if isinstance(op, Send) else (op.peer, r)
+            count = sent if isinstance(op, Send) else got
+            k = count.get((src, dst), 0)
+            count[(src, dst)] = k + 1
+            me = (src, dst, k, int(isinstance(op, Send)))
+            groups[-1].append(me)
+            group_of[me] = (r, len(groups) - 1)
+        members.append(groups)
+    done = [0] * len(plans)  # per rank, how many of its groups completed
+    progress = True
+    while progress:
+        progress = False
+        for r, groups in enumerate(members):
+            while done[r] < len(groups):
+                ready = all(
+                    done[q] >= g
+                    for src, dst, k, is_send in groups[done[r]]
+                    for q, g in [group_of[(src, dst, k, 1 - is_send)]]
+                )
+                if not ready:
+                    break
+                done[r] += 1
+                progress = True
+    return all(done[r] == len(groups) for r, groups in enumerate(members))

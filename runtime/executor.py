@@ -258,6 +258,8 @@ class Executor:
         try:
             if self.transport.posts_receives:
                 self._run_ahead(state, actions)
+            elif self.transport.groups_messages:
+                self._run_grouped(state, actions)
             else:
                 for act in actions:
                     self.execute(state, act)
@@ -279,16 +281,26 @@ class Executor:
         depth = self._AHEAD_PER_PEER * max(1, len(peers))  # posted beyond the running action's
         ahead = state.ahead
         for act, keys in zip(actions, per_action):
-            for key in keys:
-                s = key.dst
-                metas = (self._shaped(key.src, s, key.mb, state.mb_shapes) if key.kind == "act"
-                         else self._grad_shaped(s, key.src, key.mb, state.mb_shapes))
-                ahead.append((key, metas, self.stages[s].device))
+            ahead += [self._receipt(state, key) for key in keys]
         done = 0  # receives read by the actions executed so far
         for act, keys in zip(actions, per_action):
             done += len(keys)
             self._post(state, min(len(ahead), done + depth))
             self.execute(state, act)
+
+    def _run_grouped(self, state: StepState, actions: Sequence[ActionLike]) -> None:
+        """``execute`` each action after posting the previous one's sends with its receives, as one group."""
+        for act in actions:
+            keys = self.needs(act) if act.stage in self._wiring else []
+            self.transport.post_group([self._receipt(state, key) for key in keys])
+            self.execute(state, act)
+
+    def _receipt(self, state: StepState, key: Key) -> tuple[Key, list[TensorMeta], torch.device]:
+        """What receiving ``key`` takes: the message's tensor metas and the device they land on."""
+        s = key.dst
+        metas = (self._shaped(key.src, s, key.mb, state.mb_shapes) if key.kind == "act"
+                 else self._grad_shaped(s, key.src, key.mb, state.mb_shapes))
+        return key, metas, self.stages[s].device
 
     def _post(self, state: StepState, upto: int) -> None:
         while state.posted < upto:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from partitioner.errors import PipecutError
 
-from .comm import needs_early_receives
+from .comm import grouped_program_finishes, needs_early_receives
 from .schedules import Schedule, get_schedule
 
 __all__ = ["PlacementError", "check_backend", "placed_schedule", "stage_devices"]
@@ -114,8 +114,13 @@ def check_backend(schedule: Schedule, ios: Sequence[Any]) -> None:
     NCCL pairs the messages between two ranks in posting order; ``DistTransport`` tags every
     message, which gloo honours and NCCL ignores. ``ios`` is the plan's per-stage ``StageIO``.
 
+    Also refuse a program that can wait in a circle when sends wait for their receives, as NCCL
+    sends may (``runtime.comm.grouped_program_finishes``): 1F1B or ZB-H1 with a skip connection
+    over several stages, on 3 or more ranks.
+
     Raises:
-        PlacementError: the backend is NCCL and ``needs_early_receives(schedule)``.
+        PlacementError: the backend is NCCL and ``needs_early_receives(schedule)``, or the
+            grouped program does not finish.
     """
     if dist.get_backend() != "nccl":
         return  # gloo pairs them by tag (DistTransport tags every message)
@@ -126,4 +131,12 @@ def check_backend(schedule: Schedule, ios: Sequence[Any]) -> None:
             f"{schedule.num_microbatches} micro-batches reads some messages from a peer in another "
             "order than the peer sends them, which NCCL (pairing messages in posting order) cannot "
             "match yet; use 'gpipe', '1f1b' or 'zbh1' on NCCL, or gloo"
+        )
+    if not grouped_program_finishes(schedule, edges=edges):
+        skips = sorted((a, b) for a, b in edges if b > a + 1)
+        raise PlacementError(
+            f"schedule {schedule.name!r} on {schedule.num_ranks} ranks with values sent past "
+            f"intermediate stages {skips} (stage -> stage) can deadlock on NCCL, whose sends wait "
+            "for their receives; use 'gpipe', cut the plan so skip connections end on the next "
+            "stage (split_points), or run on gloo"
         )

@@ -86,6 +86,15 @@ class Transport(ABC):
         nothing (the message is received when asked for).
         """
 
+    #: Whether sends are held back and posted with the next receives as one group (``post_group``).
+    groups_messages: bool = False
+
+    def post_group(self, recvs: Sequence[tuple[Key, Sequence[TensorMeta], torch.device]]) -> None:
+        """Post the held-back sends and the receives of ``recvs`` together (before an action).
+
+        Only for transports with ``groups_messages``; the default does nothing.
+        """
+
     def wait_sends(self) -> None:
         """Block until every posted send has completed (called at the end of a step)."""
 
@@ -168,14 +177,24 @@ class DistTransport(Transport):
     the point-to-point operations between two ranks one after another on one stream, so an
     early receive there would hold back every later send to that peer: it posts on demand.
 
+    On NCCL a send may also wait until its peer receives, so two ranks that each send and then
+    receive (1F1B's steady state) would wait for each other. There sends are grouped
+    (``groups_messages``): an action's sends are held back and posted together with the next
+    action's receives as one ``batch_isend_irecv`` (``post_group``, called by the executor
+    before each action; a bare ``recv`` or ``wait_sends`` posts what is held too). That is the
+    program ``runtime.comm.comm_plan`` proves deadlock-free for GPipe, 1F1B and ZB-H1.
+
     Args:
         stage_to_rank: rank of every stage.
         timeout: seconds a receive (or the final wait for sends) may take.
         group: the process group (default: the world).
+        grouped: group sends with the next receives (default: on NCCL only; ``True`` on gloo
+            runs the same program, for tests).
     """
 
     def __init__(
-        self, stage_to_rank: Sequence[int], timeout: float = 300.0, group: dist.ProcessGroup | None = None
+        self, stage_to_rank: Sequence[int], timeout: float = 300.0, group: dist.ProcessGroup | None = None,
+        *, grouped: bool | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError(
@@ -187,8 +206,14 @@ class DistTransport(Transport):
         self.group = group
         self.rank = dist.get_rank(group)
         self._me = dist.get_rank()
-        self.posts_receives = dist.get_backend(group) == "gloo"
-        self._batched = not self.posts_receives  # NCCL: a message's tensors as one group
+        gloo = dist.get_backend(group) == "gloo"
+        self.groups_messages = (not gloo) if grouped is None else grouped
+        self.posts_receives = gloo and not self.groups_messages
+        self._held: list[tuple[Key, list[torch.Tensor], int]] = []  # sends waiting for post_group
+        # Works already waited for. A group's works are waited by its first receive and again at
+        # wait_sends; gloo counts waits on a send (a second wait expects a second send), so each
+        # work is waited once.
+        self._waited: dict[int, dist.Work] = {}  # id -> the work, kept alive so ids stay unique
         self._peers = tuple(
             rank if group is None else dist.get_global_rank(group, rank) for rank in self.stage_to_rank
         )
@@ -208,13 +233,38 @@ class DistTransport(Transport):
             self._own[key] = [t.detach() for t in tensors]
             return
         bufs = [t.detach().contiguous() for t in tensors]
-        if self._batched:
-            ops = [dist.P2POp(dist.isend, t, peer, self.group, self._tag(key)) for t in bufs]
-            works = dist.batch_isend_irecv(ops) if ops else []
-        else:
-            tag = self._tag(key)
-            works = [w for t in bufs if (w := dist.isend(t, peer, group=self.group, tag=tag)) is not None]
+        if self.groups_messages:
+            self._held.append((key, bufs, peer))
+            return
+        tag = self._tag(key)
+        works = [w for t in bufs if (w := dist.isend(t, peer, group=self.group, tag=tag)) is not None]
         self._sends.append((key, works, bufs))
+        self._reap()
+
+    def post_group(self, recvs: Sequence[tuple[Key, Sequence[TensorMeta], torch.device]]) -> None:
+        ops: list[dist.P2POp] = []
+        sends = []
+        for key, bufs, peer in self._held:
+            ops += [dist.P2POp(dist.isend, t, peer, self.group, self._tag(key)) for t in bufs]
+            sends.append((key, bufs))
+        self._held.clear()
+        posted = []
+        for key, metas, device in recvs:
+            peer = self._peers[key.src]
+            if peer == self._me or key in self._posted:
+                continue
+            bufs = [torch.empty(m.shape, dtype=m.dtype, device=device) for m in metas]
+            ops += [dist.P2POp(dist.irecv, t, peer, self.group, self._tag(key)) for t in bufs]
+            posted.append((key, bufs, peer))
+        if not ops:
+            return
+        # One group: waiting for any of its messages waits for the whole group (NCCL may return
+        # a single work for it), which is the program comm_plan checks.
+        works = [w for w in dist.batch_isend_irecv(ops) if w is not None]
+        for key, bufs in sends:
+            self._sends.append((key, works, bufs))
+        for key, bufs, peer in posted:
+            self._posted[key] = (works, bufs, peer)
         self._reap()
 
     def prefetch(self, key: Key, metas: Sequence[TensorMeta], device: torch.device) -> None:
@@ -232,6 +282,8 @@ class DistTransport(Transport):
                     "the schedule's order on this rank is inconsistent"
                 )
             return [t.to(device) for t in self._own.pop(key)]
+        if self.groups_messages and key not in self._posted:
+            self.post_group([(key, metas, device)])
         posted = self._posted.pop(key, None)
         works, bufs, peer = posted if posted is not None else self._post_recv(key, metas, device)
         for w in works:
@@ -243,12 +295,8 @@ class DistTransport(Transport):
     ) -> tuple[list[dist.Work], list[torch.Tensor], int]:
         peer = self._peers[key.src]
         bufs = [torch.empty(m.shape, dtype=m.dtype, device=device) for m in metas]
-        if self._batched:
-            ops = [dist.P2POp(dist.irecv, t, peer, self.group, self._tag(key)) for t in bufs]
-            works = dist.batch_isend_irecv(ops) if ops else []
-        else:
-            tag = self._tag(key)
-            works = [w for t in bufs if (w := dist.irecv(t, peer, group=self.group, tag=tag)) is not None]
+        tag = self._tag(key)
+        works = [w for t in bufs if (w := dist.irecv(t, peer, group=self.group, tag=tag)) is not None]
         return works, bufs, peer
 
     def _tag(self, key: Key) -> int:
@@ -258,10 +306,13 @@ class DistTransport(Transport):
         return ((key.mb * S + key.src) * S + key.dst) * 2 + (key.kind == "grad")
 
     def wait_sends(self) -> None:
+        if self._held:
+            self.post_group([])
         for key, works, _ in self._sends:
             for w in works:
                 self._wait(w, f"the send of {key}")
         self._sends.clear()
+        self._waited.clear()
 
     def _reap(self) -> None:
         # Drop references to sends that finished, so their buffers can be freed early. Sends
@@ -271,6 +322,8 @@ class DistTransport(Transport):
             sends.popleft()
 
     def _wait(self, work: dist.Work, what: str) -> None:
+        if id(work) in self._waited:
+            return
         try:
             ok = work.wait(self._wait_for)
         except RuntimeError as e:
@@ -280,8 +333,12 @@ class DistTransport(Transport):
             ) from e
         if ok is False:
             raise TransportTimeout(f"rank {self.rank} gave up on {what} after {self.timeout:.0f} s")
+        if self.groups_messages:
+            self._waited[id(work)] = work
 
     def close(self) -> None:
         self._sends.clear()
+        self._held.clear()
+        self._waited.clear()
         self._posted.clear()
         self._own.clear()

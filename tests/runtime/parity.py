@@ -18,6 +18,7 @@ from partitioner.zoo import MLPChain, gpt2
 from runtime import wgrad_fusion
 from runtime.placement import PlacementError
 from runtime.trainer import PipelineTrainer
+from runtime.transport import DistTransport
 from runtime.validation import peak_inflight
 
 TOL = {"rtol": 2e-5, "atol": 2e-6}
@@ -106,12 +107,17 @@ def check_grads(trainer: PipelineTrainer, want: dict[str, torch.Tensor]) -> list
     return names
 
 
-def check_case(name: str, p: int, schedule: str, transport: str = "local") -> dict[str, Any]:
-    """Loss and gradients of one step, then weights after 3 optimizer steps, equal the reference."""
+def check_case(name: str, p: int, schedule: str, transport: str = "local", *, grouped: bool = False) -> dict[str, Any]:
+    """Loss and gradients of one step, then weights after 3 optimizer steps, equal the reference.
+
+    ``grouped``: over gloo, run the program NCCL runs (sends posted with the next receives).
+    """
     c = case(name, p)
     ref = copy.deepcopy(c["model"])
     opt = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)  # noqa: E731
     trainer = make_trainer(c, p, schedule, transport=transport, optimizer=opt)
+    if grouped:
+        trainer._dist_transport = DistTransport(trainer.schedule.stage_to_rank, trainer.timeout, grouped=True)
     gen = torch.Generator().manual_seed(99)
     x, y = _fresh(c, gen), _fresh_y(c, gen)
     loss = trainer.forward_backward(x, y)
@@ -159,7 +165,9 @@ def _fresh_y(c: dict[str, Any], gen: torch.Generator) -> torch.Tensor:
     return torch.randint(0, 64, y.shape, generator=gen)
 
 
-def dist_worker(rank: int, world: int, cases: list[tuple[str, str]], trace: str | None = None) -> dict[str, Any]:
+def dist_worker(
+    rank: int, world: int, cases: list[tuple[str, str]], trace: str | None = None, grouped: bool = False
+) -> dict[str, Any]:
     """Run every (model, schedule) case on this rank of a ``world``-rank pipeline.
 
     The plan has ``stages_for(schedule, world)`` stages: one per rank, two for interleaved and ZB-V.
@@ -168,7 +176,7 @@ def dist_worker(rank: int, world: int, cases: list[tuple[str, str]], trace: str 
     """
     out: dict[str, Any] = {}
     for name, schedule in cases:
-        out[f"{name}/{schedule}"] = check_case(name, stages_for(schedule, world), schedule, transport="dist")
+        out[f"{name}/{schedule}"] = check_case(name, stages_for(schedule, world), schedule, transport="dist", grouped=grouped)
     if trace is not None:
         c = case("mlp", world)
         try:  # world stages under ZB-V need world / 2 ranks, not world

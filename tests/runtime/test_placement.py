@@ -45,3 +45,18 @@ def test_nccl_refuses_schedules_that_read_a_peer_out_of_order(monkeypatch: pytes
         check_backend(placed_schedule("zbv", 4, 4, None), _chain_ios(4))
     monkeypatch.setattr(placement.dist, "get_backend", lambda: "gloo")
     check_backend(placed_schedule("zbv", 4, 4, None), _chain_ios(4))  # gloo matches by tag
+
+
+def test_nccl_refuses_skip_connections_that_can_deadlock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stage 0 feeding stage 3 directly: 1F1B's grouped sends could wait in a circle on NCCL."""
+    ios = _chain_ios(4)
+    skip = ValueSpec("stem", 0, (3,), "tensor", (2, 4), "torch.float32")
+    ios[0] = StageIO(0, (), (ios[0].outputs[0], skip))
+    ios[3] = StageIO(3, (ios[3].inputs[0], skip), ())
+    monkeypatch.setattr(placement.dist, "get_backend", lambda: "nccl")
+    with pytest.raises(PlacementError, match=r"'1f1b' on 4 ranks .*\[\(0, 3\)\].*deadlock on NCCL"):
+        check_backend(placed_schedule("1f1b", 4, 4, None), ios)
+    check_backend(placed_schedule("gpipe", 4, 4, None), ios)  # GPipe's program finishes
+    check_backend(placed_schedule("1f1b", 4, 4, None), _chain_ios(4))
+    monkeypatch.setattr(placement.dist, "get_backend", lambda: "gloo")
+    check_backend(placed_schedule("1f1b", 4, 4, None), ios)  # gloo sends do not wait

@@ -22,7 +22,7 @@ from schedule_cases import (
     valid_schedules,
 )
 
-from runtime.comm import Recv, comm_plan
+from runtime.comm import Recv, comm_plan, grouped_program_finishes
 from runtime.generators import gpipe, one_f_one_b
 from runtime.schedules import Action, Kind, Schedule, ScheduleError, get_schedule
 from runtime.validation import format_grid, peak_inflight, validate
@@ -122,6 +122,28 @@ def test_comm_plan_of_interleaved_and_zero_bubble_schedules_runs_with_buffered_s
         for p, m in GRID:
             schedule = get_schedule(name, p, m, **kw)
             run_buffered(schedule, comm_plan(schedule), chain(schedule.num_stages))
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zbh1", "interleaved", "zbv"])
+def test_grouped_program_finishes_agrees_with_the_independent_model(name: str) -> None:
+    """The runtime's check equals the test model's on every (p, m) with random skip edges."""
+    rnd = random.Random(7)
+    for p, m in [(p, m) for p in range(2, 6) for m in range(1, 9)]:
+        schedule = get_schedule(name, p, m)
+        S = schedule.num_stages
+        skips = [(a, b) for a in range(S) for b in range(a + 2, S)]
+        for edges in [set(chain(S)), set(chain(S)) | set(rnd.sample(skips, min(len(skips), rnd.randint(1, 2))))]:
+            want = run_rendezvous(comm_plan(schedule, edges=edges), batched=True)
+            assert grouped_program_finishes(schedule, edges=edges) == want, (name, p, m, sorted(edges))
+
+
+def test_grouped_program_with_skips_can_wait_in_a_circle() -> None:
+    # Stage 0 feeding stage 3 directly: under 1F1B rank 0's group holding that send waits for a
+    # receive rank 3 posts only after work that waits on rank 0.
+    skip = {*chain(4), (0, 3)}
+    assert not grouped_program_finishes(get_schedule("1f1b", 4, 4), edges=skip)
+    assert grouped_program_finishes(get_schedule("gpipe", 4, 4), edges=skip)
+    assert grouped_program_finishes(get_schedule("1f1b", 4, 4), edges=chain(4))
 
 
 def test_comm_plan_batched_rendezvous_holds_for_zbh1_but_not_interleaved_or_zbv() -> None:

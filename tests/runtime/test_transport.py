@@ -76,3 +76,33 @@ def _never_sent(rank: int, world: int) -> None:
 def test_dist_transport_wait_is_bounded() -> None:
     with pytest.raises(LaunchError, match="TransportTimeout"):
         spawn(_never_sent, 2, timeout=60)
+
+
+def _send_then_receive_both(rank: int, world: int) -> list[float]:
+    """1F1B's steady state on both ranks at once: send, then receive from the same peer.
+
+    Grouped (NCCL's program), each rank's send goes out with its next receive as one group, and
+    every work is waited once even though a group is waited by its receive and at the end.
+    """
+    tr = DistTransport([0, 1], timeout=20, grouped=True)
+    assert tr.groups_messages and not tr.posts_receives
+    meta = [TensorMeta((2, 2), torch.float32)]
+    me, peer = rank, 1 - rank
+    out: list[float] = []
+    for mb in range(4):
+        tr.send(Key(me, peer, "act", mb), [torch.full((2, 2), 10.0 * me + mb)])
+        key = Key(peer, me, "act", mb)
+        tr.post_group([(key, meta, CPU)])
+        (got,) = tr.recv(key, meta, CPU)
+        out.append(float(got[0, 0]))
+    tr.send(Key(me, peer, "act", 99), [torch.zeros(2, 2)])  # held back...
+    (last,) = tr.recv(Key(peer, me, "act", 99), meta, CPU)  # a bare recv posts what is held too
+    tr.wait_sends()
+    return [*out, float(last.sum())]
+
+
+@pytest.mark.multiprocess
+def test_grouped_dist_transport_pairs_sends_with_receives() -> None:
+    results = spawn(_send_then_receive_both, 2, timeout=120)
+    assert results[0] == [10.0, 11.0, 12.0, 13.0, 0.0]
+    assert results[1] == [0.0, 1.0, 2.0, 3.0, 0.0]

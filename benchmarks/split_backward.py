@@ -15,7 +15,11 @@ order so a noisy machine slows them alike:
   the gradient at each weight's branch node) then ``backward_weight`` (``W``: autograd from the
   branch nodes to the weights only);
 * ``rewalk``: the naive split: ``I`` as ``autograd.grad(outputs, inputs, retain_graph=True)``,
-  ``W`` as ``autograd.grad(outputs, params)``, which walks the activation gradients again.
+  ``W`` as ``autograd.grad(outputs, params)``, which walks the activation gradients again;
+* ``fused+wgrad`` / ``split+wgrad``: ``fused`` and ``split`` on the same stage rewritten by
+  ``runtime.wgrad_fusion`` (what the trainer runs by default): each Linear adds its weight
+  gradient into ``.grad`` with ``addmm_``, and under split backward ``I`` only records that GEMM
+  for ``W`` to run.
 
 Reported: medians over ``--repeat`` rounds after ``--warmup`` of each part, and ``(I + W) / B``.
 Before timing, the split gradients are checked against the fused ones.
@@ -24,6 +28,7 @@ Before timing, the split gradients are checked against the fused ones.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
@@ -34,9 +39,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
+from torch import fx, nn
 
 from runtime.split_backward import backward_input, backward_weight
+from runtime.wgrad_fusion import fuse_weight_grad_accumulation, fused_params
 
 
 def _stage(layers: int, width: int) -> nn.Module:
@@ -76,30 +82,60 @@ def run(layers: int, width: int, rows: int, repeat: int, warmup: int) -> dict[st
         torch.autograd.grad([y], params, [g])
         return t1 - t0, time.perf_counter() - t1
 
+    fmodel, _ = fuse_weight_grad_accumulation(fx.symbolic_trace(copy.deepcopy(model)), min_numel=1)
+    fparams, fw = list(fmodel.parameters()), list(fused_params(fmodel))
+
+    def forward_w() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x = torch.randn(rows, width, requires_grad=True)
+        y = fmodel(x)
+        return x, y, torch.randn_like(y)
+
+    def fused_wgrad() -> tuple[float, float]:
+        _, y, g = forward_w()
+        t0 = time.perf_counter()
+        torch.autograd.backward([y], [g])
+        return time.perf_counter() - t0, 0.0
+
+    def split_wgrad() -> tuple[float, float]:
+        x, y, g = forward_w()
+        t0 = time.perf_counter()
+        _, pending = backward_input([y], [g], [x], fparams, fw)
+        t1 = time.perf_counter()
+        backward_weight(pending)
+        return t1 - t0, time.perf_counter() - t1
+
     _check(model, forward, params)
-    ways: dict[str, Callable[[], tuple[float, float]]] = {"fused": fused, "split": split, "rewalk": rewalk}
+    _check(fmodel, forward_w, fparams, fw)
+    ways: dict[str, Callable[[], tuple[float, float]]] = {
+        "fused": fused, "split": split, "rewalk": rewalk, "fused+wgrad": fused_wgrad, "split+wgrad": split_wgrad,
+    }
     times: dict[str, list[tuple[float, float]]] = {k: [] for k in ways}
     names = list(ways)
     for i in range(warmup + repeat):
-        for k in names[i % 3 :] + names[: i % 3]:
+        for k in names[i % len(names) :] + names[: i % len(names)]:
             t = ways[k]()
             if i >= warmup:
                 times[k].append(t)
     model.zero_grad()
+    fmodel.zero_grad()
     out: dict[str, Any] = {}
     for k, ts in times.items():
         first = statistics.median(t[0] for t in ts)
         second = statistics.median(t[1] for t in ts)
         total = statistics.median(t[0] + t[1] for t in ts)
-        out[k] = {"I_s": first, "W_s": second, "total_s": total} if k != "fused" else {"B_s": total}
-    b = out["fused"]["B_s"]
-    for k in ("split", "rewalk"):
+        out[k] = {"B_s": total} if k.startswith("fused") else {"I_s": first, "W_s": second, "total_s": total}
+    for k, base in (("split", "fused"), ("rewalk", "fused"), ("split+wgrad", "fused+wgrad")):
+        b = out[base]["B_s"]
         out[k]["ratio_to_B"] = out[k]["total_s"] / b
         out[k]["W_to_half_B"] = out[k]["W_s"] / (b / 2)
+    out["fused+wgrad"]["ratio_to_plain_B"] = out["fused+wgrad"]["B_s"] / out["fused"]["B_s"]
     return out
 
 
-def _check(model: nn.Module, forward: Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]], params: list[nn.Parameter]) -> None:
+def _check(
+    model: nn.Module, forward: Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    params: list[nn.Parameter], fused: list[nn.Parameter] | None = None,
+) -> None:
     x, y, g = forward()
     model.zero_grad()
     torch.autograd.backward([y], [g])
@@ -107,7 +143,7 @@ def _check(model: nn.Module, forward: Callable[[], tuple[torch.Tensor, torch.Ten
     model.zero_grad()
     x2 = x.detach().requires_grad_(True)
     y2 = model(x2)
-    (gx,), pending = backward_input([y2], [g], [x2], params)
+    (gx,), pending = backward_input([y2], [g], [x2], params, fused or ())
     backward_weight(pending)
     torch.testing.assert_close(gx, want_x)
     for p, w in zip(params, want):
@@ -129,13 +165,15 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     load_before = os.getloadavg()
     res = run(args.layers, args.width, args.rows, args.repeat, args.warmup)
-    b = res["fused"]["B_s"]
     print(f"{args.layers} x Linear({args.width}, {args.width}) + GELU, {args.rows} rows, {args.threads} thread(s)")
-    print(f"  fused B          {b * 1e3:8.2f} ms")
-    for k in ("split", "rewalk"):
+    for k in ("fused", "split", "rewalk", "fused+wgrad", "split+wgrad"):
         r = res[k]
-        print(f"  {k:7s} I {r['I_s'] * 1e3:7.2f} ms + W {r['W_s'] * 1e3:7.2f} ms = {r['total_s'] * 1e3:7.2f} ms"
-              f"  ({r['ratio_to_B']:.2f} x B)")
+        if k.startswith("fused"):
+            print(f"  {k:11s} B {r['B_s'] * 1e3:8.2f} ms")
+            continue
+        base = "fused+wgrad" if k.endswith("wgrad") else "fused"
+        print(f"  {k:11s} I {r['I_s'] * 1e3:7.2f} ms + W {r['W_s'] * 1e3:7.2f} ms = {r['total_s'] * 1e3:7.2f} ms"
+              f"  ({r['ratio_to_B']:.2f} x {base} B)")
     if args.out:
         meta = {"args": vars(args), "torch": torch.__version__, "machine": platform.machine(),
                 "cpus": os.cpu_count(), "load_avg_before": load_before, "load_avg_after": os.getloadavg(),

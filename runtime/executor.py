@@ -44,6 +44,7 @@ from torch import nn
 from partitioner.split import StageIO, ValueSpec, decode_value
 
 from .split_backward import PendingWeights, backward_input, backward_weight
+from .wgrad_fusion import fused_params
 from .transport import Key, TensorMeta, Transport
 
 __all__ = ["ActionLike", "StageRuntime", "Executor", "StepState", "RunResult", "ActionRecord", "message_values"]
@@ -469,7 +470,8 @@ class Executor:
         if roots:
             if split:
                 params = [p for p in stage.module.parameters() if p.requires_grad]
-                in_grads, st.pending_w = backward_input(roots, grads, inputs, params)
+                fused = [w for w in fused_params(stage.module) if w.requires_grad]
+                in_grads, st.pending_w = backward_input(roots, grads, inputs, params, fused)
                 for a, ig in zip(inputs, in_grads):
                     if ig is not None:
                         a.grad = ig

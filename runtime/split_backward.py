@@ -26,12 +26,14 @@ same: capture gradients at the boundary in ``I``, restart from it in ``W``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+from .wgrad_fusion import accumulate_deferred, deferring, owing
 
 __all__ = ["PendingWeights", "backward_input", "backward_weight"]
 
@@ -52,6 +54,10 @@ class PendingWeights:
     groups: list[_Group]
     # Parameters without a branch node: (roots, root gradients, parameters), or None.
     fallback: tuple[list[torch.Tensor], list[torch.Tensor | None], list[nn.Parameter]] | None
+    # Fused layers (runtime.wgrad_fusion): the gradient work their I recorded, per parameter, and
+    # the fused parameters whose layers did not run in I (W's autograd passes add those, once).
+    deferred: list[tuple[torch.Tensor, Callable[[], None]]] = field(default_factory=list)
+    owed: list[nn.Parameter] = field(default_factory=list)
 
 
 def backward_input(
@@ -59,6 +65,7 @@ def backward_input(
     grads: Sequence[torch.Tensor | None],
     inputs: Sequence[torch.Tensor],
     params: Sequence[nn.Parameter],
+    fused: Sequence[nn.Parameter] = (),
 ) -> tuple[tuple[torch.Tensor | None, ...], PendingWeights]:
     """``I``: the gradients of ``inputs`` only; returns them and what ``W`` needs.
 
@@ -67,6 +74,8 @@ def backward_input(
         grads: their gradients (``None`` for a scalar loss).
         inputs: stage inputs that require grad.
         params: the stage's parameters that require grad.
+        fused: those of ``params`` whose layers add their own gradients
+            (``runtime.wgrad_fusion``): their ``I`` records that work, ``W`` runs it.
 
     Returns:
         One gradient per input (``None`` where the input does not reach a root) and the pending
@@ -83,9 +92,12 @@ def backward_input(
         >>> torch.allclose(lin.bias.grad, torch.full((2,), 4.0))
         True
     """
-    roots, grads, params = list(roots), list(grads), list(params)
+    roots, grads = list(roots), list(grads)
+    fused_ids = {id(w) for w in fused}
+    params = [p for p in params if id(p) not in fused_ids]
     if not inputs:  # nothing to send back: every parameter is W's, from the roots
-        return (), PendingWeights([], (roots, grads, params) if params else None)
+        every = params + list(fused)
+        return (), PendingWeights([], (roots, grads, every) if every else None, owed=list(fused))
     parents = _parents([_node(r) for r in roots])
     boundary = _ancestors([_node(a) for a in inputs], parents)
     groups, rest = _branch_groups(params, parents, boundary)
@@ -96,7 +108,8 @@ def backward_input(
         for i, node in enumerate(group.nodes):
             handles.append(node.register_prehook(_capture(group.grads, i)))
     try:
-        in_grads = torch.autograd.grad(roots, list(inputs), grads, retain_graph=True, allow_unused=True)
+        with deferring() as deferred:
+            in_grads = torch.autograd.grad(roots, list(inputs), grads, retain_graph=True, allow_unused=True)
     finally:
         for h in handles:
             h.remove()
@@ -104,15 +117,29 @@ def backward_input(
         if any(g is None for g in group.grads):  # a branch node did not run: use the roots
             rest += group.params
     groups = [g for g in groups if all(x is not None for x in g.grads)]
-    return in_grads, PendingWeights(groups, (roots, grads, rest) if rest else None)
+    ran = {id(prm) for prm, _ in deferred}
+    owed = [w for w in fused if id(w) not in ran]  # their layers are off the input paths
+    rest += owed
+    return in_grads, PendingWeights(groups, (roots, grads, rest) if rest else None, deferred, owed)
 
 
 def backward_weight(pending: PendingWeights) -> None:
     """``W``: accumulate the parameter gradients into ``.grad`` from what ``I`` captured.
 
     Autograd starts at the branch nodes and is asked only for parameters, so it runs only the
-    weight side of each. Consumes ``pending`` (call once).
+    weight side of each; fused layers' recorded GEMMs run directly. Consumes ``pending`` (call
+    once).
     """
+    accumulate_deferred(pending.deferred)
+    with owing(pending.owed):  # a fused layer met again below adds its gradient only if owed
+        _weight_passes(pending)
+    pending.groups = []
+    pending.fallback = None
+    pending.deferred = []
+    pending.owed = []
+
+
+def _weight_passes(pending: PendingWeights) -> None:
     for group in pending.groups:
         edges: list[GradientEdge] = []
         outs: list[torch.Tensor] = []
@@ -140,8 +167,6 @@ def backward_weight(pending: PendingWeights) -> None:
         roots, grads, params = pending.fallback
         if roots and params:
             torch.autograd.backward(roots, grads, retain_graph=True, inputs=params)
-    pending.groups = []
-    pending.fallback = None
 
 
 def _node(t: torch.Tensor) -> Node:

@@ -31,7 +31,7 @@ from .executor import ActionRecord, Executor, RunResult, StageRuntime
 from .generators import forward_only
 from .local_run import RankThreads, run_interleaved, run_threads
 from .placement import PlacementError, check_backend, placed_schedule, stage_devices
-from .schedules import Kind, Schedule
+from .schedules import Schedule
 from .shapes import wire_shapes
 from .timeline import Timeline, from_records, save_chrome_trace
 from .transport import DistTransport, LocalTransport, Transport
@@ -101,8 +101,9 @@ class PipelineTrainer:
         record: keep when each action ran (``last_records``), for :meth:`timeline` and
             :meth:`save_trace`.
         fuse_wgrad: let large linear layers add weight gradients into ``.grad`` in place
-            (``runtime.wgrad_fusion``; not with split-backward schedules). Hooks on those
-            parameters then do not fire: pass ``False`` if you rely on them.
+            (``runtime.wgrad_fusion``; under split backward ``I`` records that GEMM and ``W``
+            runs it). Hooks on those parameters then do not fire: pass ``False`` if you rely
+            on them.
 
     Raises:
         PlacementError: ``S`` is not a multiple of the schedule's stages per rank, the job's
@@ -175,12 +176,11 @@ class PipelineTrainer:
             own = tuple(range(self.p))
             self.devices = stage_devices(devices, self.p, self.schedule)
         self.stages: dict[int, StageRuntime] = {}
-        splits = any(a.kind in (Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT) for acts in self.schedule.actions for a in acts)
-        tied = shared_parameters(staged.stages, staged.shared_params) if fuse_wgrad and not splits else []
+        tied = shared_parameters(staged.stages, staged.shared_params) if fuse_wgrad else []
         for s in own:
             module = staged.stages[s]
             _check_materialised(module, s)
-            if fuse_wgrad and not splits:
+            if fuse_wgrad:
                 module, _ = fuse_weight_grad_accumulation(module, skip=tied)
             self.stages[s] = StageRuntime(s, module, ios[s], self.devices[s])
         self._ios = ios

@@ -19,26 +19,93 @@ does the same on any device with ``torch.addmm_``, by rewriting a stage's FX gra
 
 The fused weight's gradient bypasses ``AccumulateGrad``, so hooks registered on that parameter
 (``register_hook``, ``register_post_accumulate_grad_hook``) do not fire for it; the trainer
-option ``fuse_wgrad=False`` turns the rewrite off. Split backward (``I`` / ``W`` actions) is
-never fused: there ``W`` must do the weight work, not ``I``.
+option ``fuse_wgrad=False`` turns the rewrite off.
+
+Split backward (zero-bubble schedules) gets the split for free: ``I`` runs inside
+:func:`deferring`, where a fused layer computes its input gradient and only records its
+weight-gradient GEMM; ``W`` runs the recorded GEMMs (:func:`accumulate_deferred`) without
+touching the autograd graph, and under :func:`owing` adds, once, the gradients of fused layers
+that ``I`` did not reach (``runtime.split_backward``).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Collection, Sequence
+import threading
+from collections.abc import Callable, Collection, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-__all__ = ["addmm_accumulate", "fuse_weight_grad_accumulation", "linear_accumulate", "shared_parameters"]
+__all__ = [
+    "accumulate_deferred", "addmm_accumulate", "deferring", "fuse_weight_grad_accumulation", "fused_params",
+    "linear_accumulate", "owing", "shared_parameters",
+]
 
 log = logging.getLogger(__name__)
 
 # Below this many weight elements (256 KiB in fp32) the saved pass is cheaper than the ~20 us
 # a Python autograd.Function adds to a forward and a backward.
 DEFAULT_MIN_NUMEL = 1 << 16
+
+
+Work = Callable[[], None]
+
+
+class _Mode(threading.local):
+    """What a fused layer's backward does with its parameters' gradients, per thread.
+
+    ``sink`` set (split backward's ``I``): record ``(parameter, work)`` for ``W`` to run later.
+    ``owed`` set (split backward's ``W``): run the work only for parameters still owed (their
+    layer did not run in ``I``), once each. Neither (a fused ``B``): run it.
+    """
+
+    sink: list[tuple[torch.Tensor, Work]] | None = None
+    owed: dict[int, torch.Tensor] | None = None
+
+
+_mode = _Mode()
+
+
+@contextmanager
+def deferring() -> Iterator[list[tuple[torch.Tensor, Work]]]:
+    """Within: fused layers record their parameter-gradient work instead of running it.
+
+    Split backward's ``I`` runs inside it; ``W`` then calls :func:`accumulate_deferred`.
+    """
+    sink: list[tuple[torch.Tensor, Work]] = []
+    before, _mode.sink = _mode.sink, sink
+    try:
+        yield sink
+    finally:
+        _mode.sink = before
+
+
+@contextmanager
+def owing(params: Sequence[torch.Tensor]) -> Iterator[None]:
+    """Within: fused layers add gradients only for ``params``, each once."""
+    before, _mode.owed = _mode.owed, {id(p): p for p in params}
+    try:
+        yield
+    finally:
+        _mode.owed = before
+
+
+def accumulate_deferred(work: Sequence[tuple[torch.Tensor, Work]]) -> None:
+    """Run the gradient work :func:`deferring` recorded."""
+    for _, run in work:
+        run()
+
+
+def _param_grad(prm: torch.Tensor, work: Work) -> None:
+    """A fused layer's gradient for ``prm``: run now, recorded for later, or skipped (``_Mode``)."""
+    if _mode.sink is not None:
+        _mode.sink.append((prm, work))
+    elif _mode.owed is None or _mode.owed.pop(id(prm), None) is not None:
+        work()
 
 
 def _accumulate(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -52,51 +119,76 @@ def _accumulate(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         grad.add_(torch.mm(a, b).to(grad.dtype))
 
 
+def _accumulate_bias(bias: torch.Tensor, g: torch.Tensor) -> None:
+    """``bias.grad +=`` ``g`` summed down to the bias's shape (``g``: (tokens, out))."""
+    part = g if g.dim() == bias.dim() else g.sum(0)
+    if bias.grad is None:
+        bias.grad = part.to(bias.dtype, copy=True)
+    else:
+        bias.grad.add_(part.to(bias.grad.dtype))
+
+
 class _LinearAccumulate(torch.autograd.Function):
-    """``F.linear(x, weight, bias)`` whose backward adds ``dL/dweight`` into ``weight.grad``."""
+    """``F.linear(x, weight, bias)`` whose backward adds ``dL/dweight`` (and a parameter bias's
+    gradient, with ``own_bias``) into ``.grad`` itself."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, own_bias: bool) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
+        ctx.bias = bias if own_bias else None  # a leaf parameter: no reference cycle
         return F.linear(x, weight, bias)
 
     @staticmethod
-    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, None, torch.Tensor | None]:  # type: ignore[override]
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, None, torch.Tensor | None, None]:  # type: ignore[override]
         x, weight = ctx.saved_tensors
         g2 = g.reshape(-1, g.shape[-1])  # (tokens, out)
         gx = g.matmul(weight.to(g.dtype)).to(x.dtype) if ctx.needs_input_grad[0] else None
         if ctx.needs_input_grad[1]:
             x2 = x.reshape(-1, x.shape[-1]).to(g.dtype)  # (tokens, in)
-            _accumulate(weight, g2.t(), x2)  # (out, in)
-        gb = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return gx, None, gb
+            _param_grad(weight, functools.partial(_accumulate, weight, g2.t(), x2))  # (out, in)
+        gb = None
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            if ctx.bias is not None:
+                _param_grad(ctx.bias, functools.partial(_accumulate_bias, ctx.bias, g2))
+            else:
+                gb = g2.sum(0)
+        return gx, None, gb, None
 
 
 class _AddmmAccumulate(torch.autograd.Function):
     """``torch.addmm(bias, x, weight)`` (``weight``: (in, out)) adding ``dL/dweight`` into ``weight.grad``."""
 
     @staticmethod
-    def forward(ctx, bias: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, bias: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, own_bias: bool) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(x, weight)
         ctx.bias_shape = bias.shape
+        ctx.bias = bias if own_bias else None
         return torch.addmm(bias, x, weight)
 
     @staticmethod
-    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:  # type: ignore[override]
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:  # type: ignore[override]
         x, weight = ctx.saved_tensors
         gx = g.mm(weight.to(g.dtype).t()).to(x.dtype) if ctx.needs_input_grad[1] else None
         if ctx.needs_input_grad[2]:
-            _accumulate(weight, x.to(g.dtype).t(), g)  # (in, out)
+            _param_grad(weight, functools.partial(_accumulate, weight, x.to(g.dtype).t(), g))  # (in, out)
         gb = None
         if ctx.needs_input_grad[0]:
-            gb = g if len(ctx.bias_shape) == 2 else g.sum(0)
-            gb = gb.reshape(ctx.bias_shape) if gb.shape != ctx.bias_shape else gb
-        return gb, gx, None
+            if ctx.bias is not None:
+                _param_grad(ctx.bias, functools.partial(_accumulate_bias, ctx.bias, g))
+            else:
+                gb = g if len(ctx.bias_shape) == 2 else g.sum(0)
+                gb = gb.reshape(ctx.bias_shape) if gb.shape != ctx.bias_shape else gb
+        return gb, gx, None, None
 
 
-def linear_accumulate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear_accumulate(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, own_bias: bool = False
+) -> torch.Tensor:
     """``F.linear`` with weight-gradient accumulation fusion (see the module docstring).
+
+    ``own_bias``: add the bias's gradient into ``bias.grad`` too (a parameter used only here);
+    else it is returned to autograd.
 
     Example:
         >>> w = nn.Parameter(torch.randn(3, 4))
@@ -105,12 +197,12 @@ def linear_accumulate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         >>> w.grad.shape
         torch.Size([3, 4])
     """
-    return _LinearAccumulate.apply(x, weight, bias)
+    return _LinearAccumulate.apply(x, weight, bias, own_bias)
 
 
-def addmm_accumulate(bias: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def addmm_accumulate(bias: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, own_bias: bool = False) -> torch.Tensor:
     """``torch.addmm(bias, x, weight)`` with weight-gradient accumulation fusion."""
-    return _AddmmAccumulate.apply(bias, x, weight)
+    return _AddmmAccumulate.apply(bias, x, weight, own_bias)
 
 
 # fx records these functions as call_function targets, so a rewritten graph stays printable.
@@ -129,6 +221,11 @@ def _param(gm: fx.GraphModule, node: object) -> nn.Parameter | None:
             return None
         return obj
     return None
+
+
+def fused_params(module: nn.Module) -> tuple[nn.Parameter, ...]:
+    """The parameters whose gradients a rewritten module's layers add themselves (none if not rewritten)."""
+    return tuple(getattr(module, "pipecut_fused_params", ()))
 
 
 def _uses(gm: fx.GraphModule) -> dict[int, int]:
@@ -191,33 +288,46 @@ def fuse_weight_grad_accumulation(
             and uses.get(id(prm), 0) == 1 and prm.numel() >= least and prm.dim() == 2
         )
 
+    def own(prm: nn.Parameter | None) -> bool:  # a bias the layer may add the gradient of itself
+        return prm is not None and prm.requires_grad and id(prm) not in skip_ids and uses.get(id(prm), 0) == 1
+
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    n = 0
+    fused: list[nn.Parameter] = []
     for node in gm.graph.nodes:
         new = None
+        params: list[nn.Parameter | None] = []
         if node.op == "call_module" and type(gm.get_submodule(str(node.target))) is nn.Linear and not node.kwargs:
             mod = gm.get_submodule(str(node.target))
             if eligible(mod.weight) and len(node.args) == 1:
                 x = env[node.args[0]] if isinstance(node.args[0], fx.Node) else node.args[0]
                 w = graph.get_attr(f"{node.target}.weight")
                 b = graph.get_attr(f"{node.target}.bias") if mod.bias is not None else None
-                new = graph.call_function(linear_accumulate, (x, w, b))
+                params = [mod.weight, mod.bias if own(mod.bias) else None]
+                new = graph.call_function(linear_accumulate, (x, w, b, params[1] is not None))
         elif node.op == "call_function" and node.target in _LINEAR_TARGETS and not node.kwargs:
-            if len(node.args) >= 2 and eligible(_param(gm, node.args[1])):
-                new = graph.call_function(linear_accumulate, tuple(fx.map_arg(node.args, env.__getitem__)))
+            if len(node.args) >= 2 and eligible(weight := _param(gm, node.args[1])):
+                args = tuple(fx.map_arg(node.args, env.__getitem__)) + (None,) * (3 - len(node.args))
+                bias = _param(gm, node.args[2]) if len(node.args) > 2 else None
+                params = [weight, bias if own(bias) else None]
+                new = graph.call_function(linear_accumulate, (*args, params[1] is not None))
         elif node.op == "call_function" and node.target in _ADDMM_TARGETS and not node.kwargs:
-            if len(node.args) == 3 and eligible(_param(gm, node.args[2])):
-                new = graph.call_function(addmm_accumulate, tuple(fx.map_arg(node.args, env.__getitem__)))
+            if len(node.args) == 3 and eligible(weight := _param(gm, node.args[2])):
+                bias = _param(gm, node.args[0])
+                params = [weight, bias if own(bias) else None]
+                args = tuple(fx.map_arg(node.args, env.__getitem__))
+                new = graph.call_function(addmm_accumulate, (*args, params[1] is not None))
         if new is None:
             new = graph.node_copy(node, env.__getitem__)
         else:
             new.meta = dict(node.meta)
-            n += 1
+            fused += [p for p in params if p is not None]
         env[node] = new
+    n = sum(1 for node in graph.nodes if node.target in (linear_accumulate, addmm_accumulate))
     if n == 0:
         return gm, 0
     graph.lint()
     out = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    out.pipecut_fused_params = tuple(fused)  # type: ignore[assignment]
     log.debug("fused weight-gradient accumulation into %d linear layers", n)
     return out, n

@@ -132,3 +132,51 @@ def test_without_input_gradients_w_does_the_whole_backward() -> None:
     assert in_grads == () and _Count.calls == 0 and not pending.groups
     backward_weight(pending)
     assert _Count.calls == 1
+
+
+# -- fused layers (runtime.wgrad_fusion) ---------------------------------------------------------
+
+
+class _FusedNet(nn.Module):
+    """Two fused linears (biases too) on the input path, one fused linear off it (fed by a
+    constant; its bias left to autograd), a plain parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 8), nn.Linear(8, 4)
+        self.side = nn.Linear(3, 4)
+        self.shift = nn.Parameter(torch.randn(4))
+        self.register_buffer("const", torch.randn(5, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from runtime.wgrad_fusion import linear_accumulate
+
+        h = nn.functional.gelu(linear_accumulate(x, self.a.weight, self.a.bias, True))
+        h = linear_accumulate(h, self.b.weight, self.b.bias, True)
+        return h * linear_accumulate(self.const, self.side.weight, self.side.bias) + self.shift
+
+
+@pytest.mark.parametrize("input_grad", [True, False])
+def test_fused_layers_defer_their_weight_gemm_to_w(input_grad: bool) -> None:
+    """I records the fused GEMMs (no weight gradient yet); W runs them; each weight gets its
+    gradient once, including the fused layer that I never reached; equal to a plain backward."""
+    net = _FusedNet()
+    ref = copy.deepcopy(net)
+    x = torch.randn(5, 6, requires_grad=input_grad)
+    g = torch.randn(5, 4)
+    ref_x = x.detach().clone().requires_grad_(input_grad)
+    ref(ref_x).backward(g)
+
+    out = net(x)
+    params = [p for p in net.parameters()]
+    fused = [net.a.weight, net.a.bias, net.b.weight, net.b.bias, net.side.weight]
+    in_grads, pending = backward_input([out], [g], [x] if input_grad else [], params, fused)
+    assert all(w.grad is None for w in fused)  # I did none of their parameter work
+    if input_grad:
+        assert [id(w) for w, _ in pending.deferred] == [id(p) for p in (net.b.weight, net.b.bias, net.a.weight, net.a.bias)]
+        assert [id(w) for w in pending.owed] == [id(net.side.weight)]  # off the input path
+        torch.testing.assert_close(in_grads[0], ref_x.grad)
+    backward_weight(pending)
+    want = dict(ref.named_parameters())
+    for name, prm in net.named_parameters():
+        torch.testing.assert_close(prm.grad, want[name].grad, msg=lambda m, name=name: f"{name}: {m}")

@@ -13,6 +13,7 @@ from torch import fx, nn
 from runtime.wgrad_fusion import (
     addmm_accumulate,
     fuse_weight_grad_accumulation,
+    fused_params,
     linear_accumulate,
     shared_parameters,
 )
@@ -123,6 +124,9 @@ def test_rewrite_fuses_only_safe_layers_and_keeps_gradients() -> None:
     fused, n = fuse_weight_grad_accumulation(gm, min_numel=1)
     assert n == 2  # a and b; tied is used twice, frozen needs no gradient
     assert _fused_count(fused) == 2 and _fused_count(gm) == 0  # the original is untouched
+    # the layers add their own parameters' gradients (a's bias too; b has none)
+    assert [id(p) for p in fused_params(fused)] == [id(net.a.weight), id(net.a.bias), id(net.b.weight)]
+    assert fused_params(gm) == ()
     assert dict(fused.named_parameters()).keys() <= dict(net.named_parameters()).keys()
     for _ in range(2):  # accumulate over two micro-batches
         x = torch.randn(5, 6)
@@ -161,13 +165,12 @@ def test_shared_parameters_finds_tied_weights() -> None:
     assert [id(p) for p in shared_parameters([other], ["weight"])] == [id(other.weight)]
 
 
-def test_trainer_option_turns_fusion_off_and_split_backward_never_fuses(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_trainer_option_turns_fusion_off_and_split_backward_fuses_too(monkeypatch: pytest.MonkeyPatch) -> None:
     from partitioner import partition
     from partitioner.zoo import MLPChain
     from runtime import PipelineTrainer, wgrad_fusion
 
     monkeypatch.setattr(wgrad_fusion, "DEFAULT_MIN_NUMEL", 1 << 16)  # parity.py lowers it
-
     model = MLPChain((256, 256, 256, 256, 8))  # 65,536-element weights: fused by default
     plan = partition(model, (torch.randn(2, 256),), 2, microbatches=2)
     fused = PipelineTrainer(plan, nn.functional.mse_loss, schedule="1f1b", transport="sequential")
@@ -175,7 +178,7 @@ def test_trainer_option_turns_fusion_off_and_split_backward_never_fuses(monkeypa
     split = PipelineTrainer(plan, nn.functional.mse_loss, schedule="zbh1", transport="sequential")
     assert sum(_fused_count(s.module) for s in fused.stages.values()) == 3
     assert sum(_fused_count(s.module) for s in plain.stages.values()) == 0
-    assert sum(_fused_count(s.module) for s in split.stages.values()) == 0
+    assert sum(_fused_count(s.module) for s in split.stages.values()) == 3
     x, y = torch.randn(4, 256), torch.randn(4, 8)
     grads = []
     for trainer in (fused, plain, split):
@@ -185,4 +188,3 @@ def test_trainer_option_turns_fusion_off_and_split_backward_never_fuses(monkeypa
     for other in grads[1:]:
         for name, g in grads[0].items():
             torch.testing.assert_close(g, other[name], **TOL, msg=lambda m, name=name: f"{name}: {m}")
-

@@ -44,8 +44,8 @@ from torch import nn
 from partitioner.split import StageIO, ValueSpec, decode_value
 
 from .split_backward import PendingWeights, backward_input, backward_weight
-from .wgrad_fusion import fused_params
 from .transport import Key, TensorMeta, Transport
+from .wgrad_fusion import fused_params
 
 __all__ = ["ActionLike", "StageRuntime", "Executor", "StepState", "RunResult", "ActionRecord", "message_values"]
 

@@ -182,7 +182,8 @@ class DistTransport(Transport):
     (``groups_messages``): an action's sends are held back and posted together with the next
     action's receives as one ``batch_isend_irecv`` (``post_group``, called by the executor
     before each action; a bare ``recv`` or ``wait_sends`` posts what is held too). That is the
-    program ``runtime.comm.comm_plan`` proves deadlock-free for GPipe, 1F1B and ZB-H1.
+    program ``runtime.comm.grouped_program_finishes`` checks; the trainer refuses on NCCL the
+    plans where it could wait in a circle (``runtime.placement.check_backend``).
 
     Args:
         stage_to_rank: rank of every stage.

@@ -49,10 +49,12 @@ def _stage(layers: int, width: int) -> nn.Module:
     return nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(width, width), nn.GELU())])
 
 
-def run(layers: int, width: int, rows: int, repeat: int, warmup: int) -> dict[str, Any]:
-    """Time the three ways; returns medians in seconds and the ratios to ``fused``."""
-    torch.manual_seed(0)
-    model = _stage(layers, width)
+Way = Callable[[], tuple[float, float]]
+Forward = Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def _ways(model: nn.Module, rows: int, width: int, fused: list[nn.Parameter]) -> tuple[Forward, Way, Way]:
+    """A fresh forward of ``model``, and its fused backward and its split backward, each timed."""
     params = list(model.parameters())
 
     def forward() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -60,7 +62,7 @@ def run(layers: int, width: int, rows: int, repeat: int, warmup: int) -> dict[st
         y = model(x)
         return x, y, torch.randn_like(y)
 
-    def fused() -> tuple[float, float]:
+    def whole() -> tuple[float, float]:
         _, y, g = forward()
         t0 = time.perf_counter()
         torch.autograd.backward([y], [g])
@@ -69,10 +71,20 @@ def run(layers: int, width: int, rows: int, repeat: int, warmup: int) -> dict[st
     def split() -> tuple[float, float]:
         x, y, g = forward()
         t0 = time.perf_counter()
-        _, pending = backward_input([y], [g], [x], params)
+        _, pending = backward_input([y], [g], [x], params, fused)
         t1 = time.perf_counter()
         backward_weight(pending)
         return t1 - t0, time.perf_counter() - t1
+
+    return forward, whole, split
+
+
+def run(layers: int, width: int, rows: int, repeat: int, warmup: int) -> dict[str, Any]:
+    """Time the five ways; returns medians in seconds and the ratios to their fused ``B``."""
+    torch.manual_seed(0)
+    model = _stage(layers, width)
+    params = list(model.parameters())
+    forward, fused, split = _ways(model, rows, width, [])
 
     def rewalk() -> tuple[float, float]:
         x, y, g = forward()
@@ -83,30 +95,12 @@ def run(layers: int, width: int, rows: int, repeat: int, warmup: int) -> dict[st
         return t1 - t0, time.perf_counter() - t1
 
     fmodel, _ = fuse_weight_grad_accumulation(fx.symbolic_trace(copy.deepcopy(model)), min_numel=1)
-    fparams, fw = list(fmodel.parameters()), list(fused_params(fmodel))
-
-    def forward_w() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        x = torch.randn(rows, width, requires_grad=True)
-        y = fmodel(x)
-        return x, y, torch.randn_like(y)
-
-    def fused_wgrad() -> tuple[float, float]:
-        _, y, g = forward_w()
-        t0 = time.perf_counter()
-        torch.autograd.backward([y], [g])
-        return time.perf_counter() - t0, 0.0
-
-    def split_wgrad() -> tuple[float, float]:
-        x, y, g = forward_w()
-        t0 = time.perf_counter()
-        _, pending = backward_input([y], [g], [x], fparams, fw)
-        t1 = time.perf_counter()
-        backward_weight(pending)
-        return t1 - t0, time.perf_counter() - t1
+    fw = list(fused_params(fmodel))
+    forward_w, fused_wgrad, split_wgrad = _ways(fmodel, rows, width, fw)
 
     _check(model, forward, params)
-    _check(fmodel, forward_w, fparams, fw)
-    ways: dict[str, Callable[[], tuple[float, float]]] = {
+    _check(fmodel, forward_w, list(fmodel.parameters()), fw)
+    ways: dict[str, Way] = {
         "fused": fused, "split": split, "rewalk": rewalk, "fused+wgrad": fused_wgrad, "split+wgrad": split_wgrad,
     }
     times: dict[str, list[tuple[float, float]]] = {k: [] for k in ways}

@@ -18,8 +18,9 @@ does the same on any device with ``torch.addmm_``, by rewriting a stage's FX gra
   than the pass it saves.
 
 The fused weight's gradient bypasses ``AccumulateGrad``, so hooks registered on that parameter
-(``register_hook``, ``register_post_accumulate_grad_hook``) do not fire for it; the trainer
-option ``fuse_wgrad=False`` turns the rewrite off.
+(``register_hook``, ``register_post_accumulate_grad_hook``) do not fire for it, and the fused
+layers are not twice differentiable (``create_graph=True``); the trainer option
+``fuse_wgrad=False`` turns the rewrite off.
 
 Split backward (zero-bubble schedules) gets the split for free: ``I`` runs inside
 :func:`deferring`, where a fused layer computes its input gradient and only records its

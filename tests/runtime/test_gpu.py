@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 import torch
+from parity import case, reference_grads
 from torch import nn
 
-from parity import TOL, case, reference_grads
 from partitioner import partition
 from runtime import PipelineTrainer
 from runtime.launch import spawn

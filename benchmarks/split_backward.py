@@ -94,7 +94,8 @@ def run(layers: int, width: int, rows: int, repeat: int, warmup: int) -> dict[st
         torch.autograd.grad([y], params, [g])
         return t1 - t0, time.perf_counter() - t1
 
-    fmodel, _ = fuse_weight_grad_accumulation(fx.symbolic_trace(copy.deepcopy(model)), min_numel=1)
+    fmodel = fx.symbolic_trace(copy.deepcopy(model))
+    fuse_weight_grad_accumulation(fmodel, min_numel=1)
     fw = list(fused_params(fmodel))
     forward_w, fused_wgrad, split_wgrad = _ways(fmodel, rows, width, fw)
 

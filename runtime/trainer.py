@@ -181,7 +181,7 @@ class PipelineTrainer:
             module = staged.stages[s]
             _check_materialised(module, s)
             if fuse_wgrad:
-                module, _ = fuse_weight_grad_accumulation(module, skip=tied)
+                fuse_weight_grad_accumulation(module, skip=tied)  # in place: a fresh stage module
             self.stages[s] = StageRuntime(s, module, ios[s], self.devices[s])
         self._ios = ios
         self._tied = self._setup_tied(staged.shared_params)

@@ -259,10 +259,11 @@ def shared_parameters(stages: Sequence[nn.Module], tied_names: Collection[str]) 
 
 def fuse_weight_grad_accumulation(
     gm: fx.GraphModule, *, skip: Collection[nn.Parameter] = (), min_numel: int | None = None
-) -> tuple[fx.GraphModule, int]:
-    """A copy of ``gm`` whose eligible linear layers accumulate weight gradients in place.
+) -> int:
+    """Rewrite ``gm`` in place so that its eligible linear layers accumulate weight gradients.
 
-    The copy shares ``gm``'s submodules and parameters; ``gm`` itself is not changed.
+    Only the graph changes: submodules, parameters (under every alias), buffers and their
+    persistence stay as they are, so ``gm.state_dict()`` is unchanged.
 
     Args:
         gm: a stage module (``torch.fx.GraphModule``).
@@ -270,14 +271,14 @@ def fuse_weight_grad_accumulation(
         min_numel: smallest weight, in elements, worth fusing (default ``DEFAULT_MIN_NUMEL``).
 
     Returns:
-        ``(module, n)``: the rewritten module and how many layers were fused (``gm`` itself
-        when ``n == 0``).
+        How many layers this call fused.
 
     Example:
         >>> gm = fx.symbolic_trace(nn.Sequential(nn.Linear(512, 512), nn.ReLU()))
-        >>> fused, n = fuse_weight_grad_accumulation(gm)
-        >>> n
+        >>> fuse_weight_grad_accumulation(gm)
         1
+        >>> [p.shape for p in fused_params(gm)]
+        [torch.Size([512, 512]), torch.Size([512])]
     """
     least = DEFAULT_MIN_NUMEL if min_numel is None else min_numel
     skip_ids = {id(p) for p in skip}
@@ -295,6 +296,7 @@ def fuse_weight_grad_accumulation(
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     fused: list[nn.Parameter] = []
+    n = 0
     for node in gm.graph.nodes:
         new = None
         params: list[nn.Parameter | None] = []
@@ -323,12 +325,12 @@ def fuse_weight_grad_accumulation(
         else:
             new.meta = dict(node.meta)
             fused += [p for p in params if p is not None]
+            n += 1
         env[node] = new
-    n = sum(1 for node in graph.nodes if node.target in (linear_accumulate, addmm_accumulate))
     if n == 0:
-        return gm, 0
+        return 0
     graph.lint()
-    out = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
-    out.pipecut_fused_params = tuple(fused)  # type: ignore[assignment]
+    gm.graph = graph  # recompiles gm's forward
+    gm.pipecut_fused_params = fused_params(gm) + tuple(fused)  # type: ignore[assignment]
     log.debug("fused weight-gradient accumulation into %d linear layers", n)
-    return out, n
+    return n

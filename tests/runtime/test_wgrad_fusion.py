@@ -120,13 +120,14 @@ class _Net(nn.Module):
 def test_rewrite_fuses_only_safe_layers_and_keeps_gradients() -> None:
     net = _Net()
     ref = copy.deepcopy(net)
-    gm = fx.symbolic_trace(net)
-    fused, n = fuse_weight_grad_accumulation(gm, min_numel=1)
-    assert n == 2  # a and b; tied is used twice, frozen needs no gradient
-    assert _fused_count(fused) == 2 and _fused_count(gm) == 0  # the original is untouched
+    fused = fx.symbolic_trace(net)
+    keys = list(fused.state_dict())
+    assert fuse_weight_grad_accumulation(fused, min_numel=1) == 2  # a and b; tied is used twice, frozen needs no gradient
+    assert _fused_count(fused) == 2 and list(fused.state_dict()) == keys
     # the layers add their own parameters' gradients (a's bias too; b has none)
     assert [id(p) for p in fused_params(fused)] == [id(net.a.weight), id(net.a.bias), id(net.b.weight)]
-    assert fused_params(gm) == ()
+    assert fuse_weight_grad_accumulation(fused, min_numel=1) == 0  # nothing left to fuse
+    assert len(fused_params(fused)) == 3
     assert dict(fused.named_parameters()).keys() <= dict(net.named_parameters()).keys()
     for _ in range(2):  # accumulate over two micro-batches
         x = torch.randn(5, 6)
@@ -148,11 +149,14 @@ def test_rewrite_respects_skip_threshold_and_subclasses() -> None:
             return isinstance(m, MyLinear) or super().is_leaf_module(m, qualname)
 
     net = nn.Sequential(nn.Linear(4, 4), MyLinear(4, 4), nn.Linear(4, 300))
-    gm = fx.GraphModule(net, Leaves().trace(net))
-    assert fuse_weight_grad_accumulation(gm, min_numel=1)[1] == 2  # not the subclass's own forward
-    assert fuse_weight_grad_accumulation(gm, min_numel=1, skip=[net[0].weight])[1] == 1
-    _, n = fuse_weight_grad_accumulation(gm, min_numel=1000)  # only the 4 x 300 weight
-    assert n == 1 and fuse_weight_grad_accumulation(gm, min_numel=10**6) == (gm, 0)
+
+    def fused(min_numel: int = 1, skip: tuple[nn.Parameter, ...] = ()) -> int:  # on a fresh trace each time
+        return fuse_weight_grad_accumulation(fx.GraphModule(net, Leaves().trace(net)), min_numel=min_numel, skip=skip)
+
+    assert fused() == 2  # not the subclass's own forward
+    assert fused(skip=(net[0].weight,)) == 1
+    assert fused(min_numel=1000) == 1  # only the 4 x 300 weight
+    assert fused(min_numel=10**6) == 0
 
 
 def test_shared_parameters_finds_tied_weights() -> None:
@@ -188,3 +192,31 @@ def test_trainer_option_turns_fusion_off_and_split_backward_fuses_too(monkeypatc
     for other in grads[1:]:
         for name, g in grads[0].items():
             torch.testing.assert_close(g, other[name], **TOL, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_trainer_state_dict_is_the_same_with_fusion(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rewrite changes only graphs: tied aliases (GPT-2's wte/lm_head) and non-persistent
+    buffers stay as the plain stages have them."""
+    from partitioner import partition
+    from partitioner.zoo import gpt2
+    from runtime import PipelineTrainer, wgrad_fusion
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+            self.register_buffer("scale", torch.ones(16), persistent=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x) * self.scale)
+
+    monkeypatch.setattr(wgrad_fusion, "DEFAULT_MIN_NUMEL", 1)
+    model, example = gpt2(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, batch=2, seq=8)
+    for m, ex in [(model, example), (Scaled(), (torch.randn(2, 16),))]:
+        plan = partition(m, ex, 2, microbatches=2)
+        keys = {}
+        for fuse in (True, False):
+            t = PipelineTrainer(plan, None, transport="sequential", fuse_wgrad=fuse)
+            assert (sum(_fused_count(s.module) for s in t.stages.values()) > 0) == fuse
+            keys[fuse] = sorted(t.state_dict())
+        assert keys[True] == keys[False] == sorted(m.state_dict())

@@ -18,7 +18,7 @@ from .cost import cost_graph, node_time, weight_share
 from .devices import Cluster
 from .errors import SplitPointError, TooManyStagesError
 from .graph import Unit, build_graph, canonical_names, group_units, layer_depth, module_range, to_problem
-from .plan import Plan, StagePlan, _Binding, _persistent_names
+from .plan import Plan, StagePlan, binding
 from .predict import TRAINING_SCHEDULES, chunks_of, predict, schedule_for, stage_inflight
 from .split import split_graph
 from .trace import trace
@@ -190,9 +190,10 @@ class _Context:
         shared: Mapping[str, tuple[int, ...]] = {}
         if split:
             stage_of = {v: part.assignment[u.index] for u in self.units for v in u.nodes}
+            bound = binding(self.traced, self.model)
             staged = split_graph(
-                self.traced.gm, stage_of, p,
-                param_aliases=self.traced.param_aliases, persistent_buffers=_persistent_names(self.model),
+                self.traced.gm, stage_of, p, param_aliases=self.traced.param_aliases,
+                persistent_buffers=bound.persistent, model_state=bound.state,
             )
             io, shared = tuple(staged.io), staged.shared_params
         return _make_plan(
@@ -329,7 +330,7 @@ def _make_plan(
         io=staged_io,
         shared_params=tuple(sorted((k, tuple(v)) for k, v in shared.items())),
         param_aliases=tuple(sorted((k, tuple(v)) for k, v in traced.param_aliases.items())),
-        _binding=_Binding(traced, _persistent_names(model)),
+        _binding=binding(traced, model),
     )
 
 

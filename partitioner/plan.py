@@ -239,7 +239,7 @@ class Plan:
                 f"model fingerprint {got[:12]}): the model, its example input shapes or dtypes, or "
                 "the trace options changed. Re-plan with partitioner.partition(model, ...)."
             )
-        return replace(self, _binding=_Binding(traced, _persistent_names(model)))
+        return replace(self, _binding=binding(traced, model))
 
     def build_stages(self) -> StagedModel:
         """One ``fx.GraphModule`` per stage, named with the original model's parameter names.
@@ -258,6 +258,7 @@ class Plan:
             self.num_stages,
             param_aliases=dict(self.param_aliases),
             persistent_buffers=self._binding.persistent,
+            model_state=self._binding.state,
         )
 
     # -- files ----------------------------------------------------------------------------
@@ -352,10 +353,13 @@ class Plan:
 class _Binding:
     traced: TracedModel
     persistent: set[str]
+    state: dict[str, torch.Tensor]  # the model's state_dict(keep_vars=True): tensors, not copies
 
 
-def _persistent_names(model: torch.nn.Module) -> set[str]:
-    return set(model.state_dict().keys())
+def binding(traced: TracedModel, model: torch.nn.Module) -> _Binding:
+    """What a plan needs of the model it runs: the traced graph and the model's state."""
+    state = model.state_dict(keep_vars=True)
+    return _Binding(traced, set(state), state)
 
 
 def _finite(d: dict[str, Any]) -> dict[str, Any]:

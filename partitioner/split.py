@@ -129,6 +129,7 @@ def split_graph(
     *,
     param_aliases: Mapping[str, Sequence[str]] | None = None,
     persistent_buffers: set[str] | None = None,
+    model_state: Mapping[str, torch.Tensor] | None = None,
 ) -> StagedModel:
     """Split ``gm`` into ``num_stages`` GraphModules.
 
@@ -143,6 +144,10 @@ def split_graph(
             the stages' state_dicts together cover the model's.
         persistent_buffers: names of buffers that belong in a state_dict; other buffers are
             registered as non-persistent. ``None`` keeps every buffer persistent.
+        model_state: the original model's ``state_dict(keep_vars=True)``. Entries no stage
+            reads (a buffer or parameter the forward never uses) are given to the stage that
+            holds their module's nearest relative (stage 0 if none), so that the stages'
+            state_dicts together still cover the model's.
 
     Returns:
         a ``StagedModel``.
@@ -212,6 +217,8 @@ def split_graph(
         stages.append(module)
         ios.append(StageIO(s, tuple(ins), tuple(outs)))
 
+    if model_state:
+        _install_unread(stages, model_state)
     shared = _shared_params(stages)
     if shared:
         log.info("parameters shared across stages: %s", shared)
@@ -361,19 +368,42 @@ def _install_aliases(module: nn.Module, aliases: Mapping[str, Sequence[str]]) ->
         for alias in names:
             if alias == name or alias in have:
                 continue
-            *prefix, leaf = alias.split(".")
-            owner = module
-            for item in prefix:
-                nxt = getattr(owner, item, None)
-                if nxt is None:
-                    nxt = nn.Module()
-                    setattr(owner, item, nxt)
-                owner = nxt
-            tensor = have[name]
-            if isinstance(tensor, nn.Parameter):
-                setattr(owner, leaf, tensor)
-            else:
-                owner.register_buffer(leaf, tensor)
+            _install(module, alias, have[name])
+
+
+def _install(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Register ``tensor`` on ``module`` under the dotted ``name``, making empty parents as needed."""
+    *prefix, leaf = name.split(".")
+    owner = module
+    for item in prefix:
+        nxt = getattr(owner, item, None)
+        if nxt is None:
+            nxt = nn.Module()
+            setattr(owner, item, nxt)
+        owner = nxt
+    if isinstance(tensor, nn.Parameter):
+        setattr(owner, leaf, tensor)
+    else:
+        owner.register_buffer(leaf, tensor)
+
+
+def _install_unread(stages: Sequence[nn.Module], state: Mapping[str, torch.Tensor]) -> None:
+    """Give each model tensor no stage holds to the stage holding its nearest relative by name."""
+    held = [set(named_tensors(m)) for m in stages]
+    everywhere = set().union(*held)
+    for name, tensor in state.items():
+        if name in everywhere:
+            continue
+        parts = name.split(".")[:-1]
+        home = 0
+        for k in range(len(parts), 0, -1):  # the longest module path some stage holds tensors under
+            prefix = ".".join(parts[:k]) + "."
+            hits = [s for s, names in enumerate(held) if any(n.startswith(prefix) for n in names)]
+            if hits:
+                home = hits[0]
+                break
+        _install(stages[home], name, tensor)
+        log.info("%s is read by no stage; stage %d holds it for the state_dict", name, home)
 
 
 def _shared_params(stages: list[fx.GraphModule]) -> dict[str, tuple[int, ...]]:

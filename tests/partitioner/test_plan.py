@@ -200,6 +200,32 @@ def test_stage_state_dicts_cover_the_model_with_tied_weights() -> None:
     torch.testing.assert_close(staged(x)[0], model(x))
 
 
+class _Unread(nn.Module):
+    """State the forward never reads: a buffer and a parameter in ``head``, a top-level buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8))
+        self.head = nn.Linear(8, 2)
+        self.head.register_buffer("calibration", torch.ones(2))
+        self.head.spare = nn.Parameter(torch.zeros(2))
+        self.register_buffer("version", torch.tensor(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def test_state_the_forward_never_reads_still_lands_in_a_stage() -> None:
+    model = _Unread()
+    plan = partition(model, (torch.randn(2, 4),), 2, split_points=["head"])
+    for staged in (plan.build_stages(), Plan.from_dict(plan.to_dict()).bind(model, (torch.randn(2, 4),)).build_stages()):
+        keys = [set(m.state_dict()) for m in staged.stages]
+        assert set().union(*keys) == set(model.state_dict())
+        assert {"head.calibration", "head.spare"} <= keys[1]  # beside head.weight
+        assert "version" in keys[0]  # no relative: the first stage
+        assert staged.stages[1].get_buffer("head.calibration") is model.head.calibration  # not a copy
+
+
 def test_skip_connections_across_stages_equal_the_model() -> None:
     model = UNet(width=4, levels=3)
     x = torch.randn(1, 3, 16, 16)

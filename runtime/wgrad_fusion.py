@@ -293,44 +293,46 @@ def fuse_weight_grad_accumulation(
     def own(prm: nn.Parameter | None) -> bool:  # a bias the layer may add the gradient of itself
         return prm is not None and prm.requires_grad and id(prm) not in skip_ids and uses.get(id(prm), 0) == 1
 
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
+    graph = gm.graph
     fused: list[nn.Parameter] = []
     n = 0
-    for node in gm.graph.nodes:
-        new = None
-        params: list[nn.Parameter | None] = []
-        if node.op == "call_module" and type(gm.get_submodule(str(node.target))) is nn.Linear and not node.kwargs:
+    for node in list(graph.nodes):
+        if node.kwargs:
+            continue
+        if node.op == "call_module" and len(node.args) == 1:
             mod = gm.get_submodule(str(node.target))
-            if eligible(mod.weight) and len(node.args) == 1:
-                x = env[node.args[0]] if isinstance(node.args[0], fx.Node) else node.args[0]
+            if type(mod) is not nn.Linear or not eligible(mod.weight):
+                continue
+            weight, bias = mod.weight, mod.bias if own(mod.bias) else None
+            with graph.inserting_before(node):
                 w = graph.get_attr(f"{node.target}.weight")
                 b = graph.get_attr(f"{node.target}.bias") if mod.bias is not None else None
-                params = [mod.weight, mod.bias if own(mod.bias) else None]
-                new = graph.call_function(linear_accumulate, (x, w, b, params[1] is not None))
-        elif node.op == "call_function" and node.target in _LINEAR_TARGETS and not node.kwargs:
-            if len(node.args) >= 2 and eligible(weight := _param(gm, node.args[1])):
-                args = tuple(fx.map_arg(node.args, env.__getitem__)) + (None,) * (3 - len(node.args))
-                bias = _param(gm, node.args[2]) if len(node.args) > 2 else None
-                params = [weight, bias if own(bias) else None]
-                new = graph.call_function(linear_accumulate, (*args, params[1] is not None))
-        elif node.op == "call_function" and node.target in _ADDMM_TARGETS and not node.kwargs:
-            if len(node.args) == 3 and eligible(weight := _param(gm, node.args[2])):
-                bias = _param(gm, node.args[0])
-                params = [weight, bias if own(bias) else None]
-                args = tuple(fx.map_arg(node.args, env.__getitem__))
-                new = graph.call_function(addmm_accumulate, (*args, params[1] is not None))
-        if new is None:
-            new = graph.node_copy(node, env.__getitem__)
-        else:
+                new = graph.call_function(linear_accumulate, (node.args[0], w, b, bias is not None))
             new.meta = dict(node.meta)
-            fused += [p for p in params if p is not None]
-            n += 1
-        env[node] = new
+            node.replace_all_uses_with(new)
+            graph.erase_node(node)
+        elif node.op == "call_function" and node.target in _LINEAR_TARGETS and len(node.args) >= 2:
+            if not eligible(weight := _param(gm, node.args[1])):
+                continue
+            bias = _param(gm, node.args[2]) if len(node.args) > 2 else None
+            bias = bias if own(bias) else None
+            node.target = linear_accumulate
+            node.args = (*node.args, *(None,) * (3 - len(node.args)), bias is not None)
+        elif node.op == "call_function" and node.target in _ADDMM_TARGETS and len(node.args) == 3:
+            if not eligible(weight := _param(gm, node.args[2])):
+                continue
+            bias = _param(gm, node.args[0])
+            bias = bias if own(bias) else None
+            node.target = addmm_accumulate
+            node.args = (*node.args, bias is not None)
+        else:
+            continue
+        fused += [p for p in (weight, bias) if p is not None]
+        n += 1
     if n == 0:
         return 0
     graph.lint()
-    gm.graph = graph  # recompiles gm's forward
+    gm.recompile()
     gm.pipecut_fused_params = fused_params(gm) + tuple(fused)  # type: ignore[assignment]
     log.debug("fused weight-gradient accumulation into %d linear layers", n)
     return n

@@ -36,7 +36,7 @@ from .shapes import wire_shapes
 from .timeline import Timeline, from_records, save_chrome_trace
 from .transport import DistTransport, LocalTransport, Transport
 from .validation import validate
-from .wgrad_fusion import fuse_weight_grad_accumulation, shared_parameters
+from .wgrad_fusion import fuse_weight_grad_accumulation
 
 __all__ = ["PipelineTrainer", "MicrobatchError", "split_microbatches"]
 
@@ -176,7 +176,9 @@ class PipelineTrainer:
             own = tuple(range(self.p))
             self.devices = stage_devices(devices, self.p, self.schedule)
         self.stages: dict[int, StageRuntime] = {}
-        tied = shared_parameters(staged.stages, staged.shared_params) if fuse_wgrad else []
+        # Parameters several stages hold (tied weights): another thread may write their .grad.
+        tied = [prm for st in staged.stages for name, prm in st.named_parameters(remove_duplicate=False)
+                if name in staged.shared_params]
         for s in own:
             module = staged.stages[s]
             _check_materialised(module, s)

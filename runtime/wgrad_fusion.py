@@ -43,7 +43,7 @@ from torch import fx, nn
 
 __all__ = [
     "accumulate_deferred", "addmm_accumulate", "deferring", "fuse_weight_grad_accumulation", "fused_params",
-    "linear_accumulate", "owing", "shared_parameters",
+    "linear_accumulate", "owing",
 ]
 
 log = logging.getLogger(__name__)
@@ -241,20 +241,6 @@ def _uses(gm: fx.GraphModule) -> dict[int, int]:
             for prm in gm.get_submodule(str(node.target)).parameters():
                 count[id(prm)] = count.get(id(prm), 0) + 1
     return count
-
-
-def shared_parameters(stages: Sequence[nn.Module], tied_names: Collection[str]) -> list[nn.Parameter]:
-    """Parameters that several stages hold (one object in two stages), or tied by name."""
-    seen: dict[int, int] = {}
-    out: list[nn.Parameter] = []
-    for stage in stages:
-        for name, prm in stage.named_parameters(remove_duplicate=False):
-            seen[id(prm)] = seen.get(id(prm), 0) + 1
-            if name in tied_names:
-                out.append(prm)
-    for stage in stages:
-        out.extend(p for p in stage.parameters() if seen[id(p)] > 1)
-    return out
 
 
 def fuse_weight_grad_accumulation(

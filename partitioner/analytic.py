@@ -24,6 +24,7 @@ from torch.utils import flop_counter
 from torch.utils.flop_counter import FlopCounterMode
 
 from .failures import first_line
+from .globalstate import preserved
 from .fxutil import COMPUTE_OPS
 from .nodecall import Call, Prepared, label, random_like
 from .nodecost import NodeCost
@@ -117,7 +118,7 @@ class Coster:
             self.requires_grad[id(val)] = bool(val.requires_grad)
 
     def _cost(self, node: fx.Node) -> NodeCost:
-        args, kwargs = fx.node.map_arg((node.args, node.kwargs), _val)
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), self._value)
         leaves, spec = pytree.tree_flatten((args, kwargs))
         out_leaves = pytree.tree_leaves(node.meta.get("val"))
         module = self.gm.get_submodule(str(node.target)) if node.op == "call_module" else None
@@ -152,6 +153,14 @@ class Coster:
             requires_grad=any(out_rg),
         )
 
+    def _value(self, n: fx.Node) -> Any:
+        """The recorded value of ``n``; for a region body read by ``get_attr``, the body itself."""
+        if n.op == "get_attr":
+            attr = _fetch(self.gm, str(n.target))
+            if isinstance(attr, nn.Module):
+                return attr
+        return n.meta.get("val")
+
     def _key(self, node: fx.Node, leaves: list[Any], spec: Any, module: nn.Module | None) -> Any:
         if module is not None:
             state = tuple(
@@ -170,6 +179,8 @@ class Coster:
                     tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.device.type,
                     self.requires_grad.get(id(t), False), st in self.param_storages, first.setdefault(st, i),
                 ))
+            elif isinstance(t, nn.Module):  # a region's body: the same body, the same call
+                desc.append(("module", id(t)))
             else:
                 desc.append(("v", type(t).__name__, repr(t)))
         return (target, str(spec), tuple(desc))
@@ -184,7 +195,9 @@ class Coster:
             if not fake and _real_bytes(leaves, module) > _REAL_FALLBACK_BYTES:
                 break
             try:
-                run = self._execute_once(node, leaves, spec, module, fake=fake, leaf_inputs=leaf_inputs)
+                # A failed attempt must not change the modes later nodes are costed under.
+                with preserved(what=f"costing {node.name}"):
+                    run = self._execute_once(node, leaves, spec, module, fake=fake, leaf_inputs=leaf_inputs)
             except Exception as e:
                 error = e
                 continue
@@ -271,10 +284,6 @@ class Coster:
 
 
 # --- helpers -------------------------------------------------------------------------------------
-
-
-def _val(n: fx.Node) -> Any:
-    return n.meta.get("val")
 
 
 def _storage(t: torch.Tensor) -> StorageWeakRef:

@@ -17,6 +17,7 @@ from .choose import choose, microbatch_candidates
 from .cost import cost_graph, node_time, weight_share
 from .devices import Cluster
 from .errors import SplitPointError, TooManyStagesError
+from .globalstate import preserved
 from .graph import Unit, build_graph, canonical_names, group_units, layer_depth, module_range, to_problem
 from .plan import Plan, StagePlan, binding
 from .predict import TRAINING_SCHEDULES, chunks_of, predict, schedule_for, stage_inflight
@@ -98,6 +99,36 @@ def partition(
         >>> plan.bottleneck >= plan.lower_bound
         True
     """
+    with preserved(model, what="partition()"):
+        return _partition(
+            model, example_inputs, num_stages, cluster=cluster, microbatches=microbatches,
+            schedule=schedule, method=method, refine=refine, split_points=split_points,
+            granularity=granularity, module_depth=module_depth, leaf_modules=leaf_modules,
+            state_bytes_per_param=state_bytes_per_param, profile=profile,
+            profile_device=profile_device, trace_method=trace_method, example_kwargs=example_kwargs,
+        )
+
+
+def _partition(
+    model: nn.Module,
+    example_inputs: Sequence[Any],
+    num_stages: int | None,
+    *,
+    cluster: Cluster | None,
+    microbatches: int | str,
+    schedule: str,
+    method: str,
+    refine: bool,
+    split_points: Sequence[str] | None,
+    granularity: str,
+    module_depth: int | None,
+    leaf_modules: Sequence[type | str],
+    state_bytes_per_param: float,
+    profile: bool,
+    profile_device: str | torch.device | None,
+    trace_method: str,
+    example_kwargs: Mapping[str, Any] | None,
+) -> Plan:
     if split_points is not None:
         method = "manual"
     if method not in METHODS:

@@ -32,6 +32,7 @@ import torch
 import torch.fx as fx
 
 from .analytic import Coster
+from .globalstate import preserved
 from .nodecost import NodeCost, node_time, weight_share
 from .profiler import default_device, profile_costs
 from .trace import TracedModel
@@ -74,9 +75,12 @@ def cost_graph(
     gm = traced.gm if isinstance(traced, TracedModel) else traced
     if repeat < 1 or warmup < 0:
         raise ValueError(f"need repeat >= 1 and warmup >= 0, got repeat={repeat}, warmup={warmup}")
-    coster = Coster(gm)
-    costs = coster.run()
-    if profile:
-        dev = torch.device(device) if device is not None else default_device()
-        costs = profile_costs(costs, coster.calls, coster.needs_grad, dev, warmup, repeat)
+    # Every node runs again here (random data for the profiler, regions that switch grad mode):
+    # none of it may outlive the call.
+    with preserved(what="cost_graph()"):
+        coster = Coster(gm)
+        costs = coster.run()
+        if profile:
+            dev = torch.device(device) if device is not None else default_device()
+            costs = profile_costs(costs, coster.calls, coster.needs_grad, dev, warmup, repeat)
     return costs

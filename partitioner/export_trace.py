@@ -26,6 +26,7 @@ from .capture import (
     on_meta,
 )
 from .fxutil import named_tensors, owner_of
+from .hops import replace_mode_ops
 
 __all__ = ["trace_export"]
 
@@ -80,6 +81,8 @@ def trace_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
         graph.output_node().args = ((flat_out,),)
     gm = fx.GraphModule(unlifted, graph, type(model).__name__)
     _restore_originals(gm, model)
+    # no_grad / autocast regions: torch's ops leave the mode changed when their body raises.
+    replace_mode_ops(gm)
     missing = [n.name for n in gm.graph.nodes if n.op != "output" and "val" not in n.meta]
     if missing:
         log.debug("export left %d nodes without 'val'; propagating fake tensors", len(missing))

@@ -50,6 +50,31 @@ class _LeafTracer(fx.Tracer):
             return True
         return super().is_leaf_module(m, module_qualified_name)
 
+    def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
+        self._modes = _modes()
+        return super().trace(root, concrete_args)
+
+    def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
+        # fx runs `with torch.no_grad()` / `torch.autocast(...)` while tracing and records none of
+        # it: the graph would compute that region with gradients (or in another dtype). Refuse,
+        # so that trace(method='auto') takes torch.export, which keeps such regions.
+        now = _modes()
+        if now != self._modes:
+            raise _ModeRegionError(
+                "the forward changes grad mode or autocast inside (a torch.no_grad() or "
+                f"torch.autocast region: {self._modes} -> {now}), which torch.fx cannot record; "
+                "trace with method='export'"
+            )
+        return super().create_node(*args, **kwargs)
+
+
+class _ModeRegionError(RuntimeError):
+    """fx met a grad-mode or autocast region it would silently drop."""
+
+
+def _modes() -> tuple[bool, bool, bool]:
+    return torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled("cuda")
+
 
 def trace_fx(
     model: nn.Module,
@@ -83,8 +108,15 @@ def trace_fx(
             concrete[name] = value
 
     tracer = _LeafTracer(leaf_modules)
-    graph = tracer.trace(model, concrete_args=concrete or None)
-    gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
+    own_attrs = set(vars(model))
+    try:
+        graph = tracer.trace(model, concrete_args=concrete or None)
+        gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
+    finally:
+        # fx parks tensors the forward makes (`torch.tensor(...)`) on the model as
+        # `_tensor_constantN`; the GraphModule has its own reference, the model keeps none.
+        for name in set(vars(model)) - own_attrs:
+            delattr(model, name)
     drop_asserts(gm.graph)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     # fx keeps a placeholder per signature argument; the specialised ones are now unused.

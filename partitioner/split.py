@@ -22,6 +22,7 @@ from torch import nn
 
 from .errors import PartitionError
 from .fxutil import compute_nodes, flat_outputs, named_tensors, owner_of
+from .globalstate import preserved
 
 __all__ = ["ValueSpec", "StageIO", "StagedModel", "split_graph", "decode_value", "wire_form"]
 
@@ -156,6 +157,18 @@ def split_graph(
         PartitionError: a node is missing from ``stage_of``, a stage is empty, or data would flow
             backwards (a node reads a value of a later stage).
     """
+    with preserved(what="split_graph()"):
+        return _split(gm, stage_of, num_stages, param_aliases, persistent_buffers, model_state)
+
+
+def _split(
+    gm: fx.GraphModule,
+    stage_of: Mapping[str, int],
+    num_stages: int,
+    param_aliases: Mapping[str, Sequence[str]] | None,
+    persistent_buffers: set[str] | None,
+    model_state: Mapping[str, torch.Tensor] | None,
+) -> StagedModel:
     p = num_stages
     nodes = list(gm.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]

@@ -32,6 +32,8 @@ from .errors import TraceError
 from .failures import first_line, trace_failure_message
 from .fingerprint import graph_fingerprint
 from .fxutil import named_tensors
+from .globalstate import preserved
+from .hops import bodies, run_with_autocast
 
 __all__ = ["InputMeta", "TracedModel", "trace", "retarget_device", "graph_fingerprint", "CausalLMLogits"]
 
@@ -158,6 +160,14 @@ def trace(
     """
     if method not in ("auto", "fx", "export"):
         raise ValueError(f"method must be 'auto', 'fx' or 'export', got {method!r}")
+    with preserved(model, what="trace()"):
+        return _trace(model, example_inputs, example_kwargs, leaf_modules, method)
+
+
+def _trace(
+    model: nn.Module, example_inputs: tuple[Any, ...], example_kwargs: dict[str, Any] | None,
+    leaf_modules: Sequence[type | str], method: Method,
+) -> TracedModel:
     kwargs = dict(example_kwargs or {})
     args = tuple(example_inputs)
     if on_meta(model):
@@ -203,7 +213,9 @@ def retarget_device(gm_or_graph: fx.GraphModule | fx.Graph, device: torch.device
         device(type='meta')
     """
     target = torch.device(device)
-    graph = gm_or_graph.graph if isinstance(gm_or_graph, fx.GraphModule) else gm_or_graph
+    # no_grad / autocast regions keep their bodies as GraphModules of their own.
+    modules = [gm_or_graph, *bodies(gm_or_graph)] if isinstance(gm_or_graph, fx.GraphModule) else []
+    graphs = [m.graph for m in modules] or [gm_or_graph]
     changed = 0
 
     def swap(a: Any) -> Any:
@@ -213,9 +225,13 @@ def retarget_device(gm_or_graph: fx.GraphModule | fx.Graph, device: torch.device
             return target
         return a
 
-    for node in graph.nodes:
+    for node in (n for g in graphs for n in g.nodes):
         if node.op not in ("call_function", "call_method"):
             continue
+        if node.target is run_with_autocast and node.args[0] != target.type and target.type != "meta":
+            # An autocast region traced on the CPU governs the device the stage runs on.
+            node.args = (target.type, *node.args[1:])
+            changed += 1
         new_args = fx.node.map_aggregate(node.args, swap)
         new_kwargs = dict(node.kwargs)
         for key, value in node.kwargs.items():
@@ -223,8 +239,8 @@ def retarget_device(gm_or_graph: fx.GraphModule | fx.Graph, device: torch.device
                 value = torch.device(value)
             new_kwargs[key] = fx.node.map_aggregate(value, swap)
         node.args, node.kwargs = new_args, new_kwargs
-    if isinstance(gm_or_graph, fx.GraphModule):
-        gm_or_graph.recompile()
+    for m in modules:
+        m.recompile()
     return changed
 
 

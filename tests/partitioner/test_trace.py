@@ -296,3 +296,22 @@ def test_method_fx_only_reports_fx(gpt2: tuple[nn.Module, TracedModel]) -> None:
 def test_bad_method_is_rejected() -> None:
     with pytest.raises(ValueError, match="method must be"):
         trace(Tower(), (torch.randn(2, 16),), method="jit")  # type: ignore[arg-type]
+
+
+class MakesAConstant(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * torch.tensor([1.0, 2.0, 3.0])
+
+
+def test_fx_constants_live_on_the_graph_not_the_model() -> None:
+    model = MakesAConstant()
+    x = torch.randn(2, 3)
+    first = trace(model, (x,), method="fx")
+    assert not [k for k in vars(model) if k.startswith("_tensor_constant")]
+    again = trace(model, (x,), method="fx")
+    assert first.fingerprint() == again.fingerprint()  # the constant keeps its name
+    torch.testing.assert_close(first.gm(x)[0], model(x))

@@ -6,6 +6,7 @@ from .api import METHODS, partition
 from .devices import DEVICE_PRESETS, Cluster, DeviceSpec
 from .errors import (
     InfeasibleMemoryError,
+    InputShapeError,
     PartitionError,
     PipecutError,
     PlanFormatError,
@@ -39,6 +40,7 @@ __all__ = [
     "TooManyStagesError",
     "InfeasibleMemoryError",
     "PlanMismatchError",
+    "InputShapeError",
     "PlanFormatError",
     "UnknownDeviceError",
     "SplitPointError",

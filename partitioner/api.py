@@ -50,12 +50,17 @@ def partition(
     profile_device: str | torch.device | None = None,
     trace_method: str = "auto",
     example_kwargs: Mapping[str, Any] | None = None,
+    example_is: str = "microbatch",
 ) -> Plan:
     """Cut ``model`` into pipeline stages and return the plan.
 
     Args:
         model: the model; it may live on ``meta`` (nothing is allocated for tracing and costing).
-        example_inputs: ONE micro-batch of inputs (positional), real, fake or meta tensors.
+        example_inputs: inputs (positional), real, fake or meta tensors: one micro-batch, or
+            the whole batch with ``example_is='batch'``. Costs are per micro-batch either way.
+            The plan trains any batch that divides into its micro-batches: the trace leaves
+            the batch dimension free (and, for torch.export, integer inputs' sequence length,
+            where the model allows it).
         num_stages: stages to cut; defaults to the cluster's size (times 2 for the schedules that
             put two stages on each device). With ``schedule='auto'`` it is the device count.
         cluster: the devices in pipeline order; defaults to ``Cluster.uniform(p, "cpu")``.
@@ -78,6 +83,9 @@ def partition(
         profile_device: device for ``profile=True`` (default: CUDA if available, else CPU).
         trace_method: ``'auto'``, ``'fx'`` or ``'export'``.
         example_kwargs: keyword inputs for tracing.
+        example_is: ``'microbatch'`` (the example is one micro-batch) or ``'batch'`` (it is the
+            whole batch of ``microbatches`` micro-batches along dimension 0; needs an int
+            ``microbatches``).
 
     Returns:
         A bound ``Plan``: ``print(plan)``, ``plan.save(...)``, ``plan.build_stages()``.
@@ -106,6 +114,7 @@ def partition(
             granularity=granularity, module_depth=module_depth, leaf_modules=leaf_modules,
             state_bytes_per_param=state_bytes_per_param, profile=profile,
             profile_device=profile_device, trace_method=trace_method, example_kwargs=example_kwargs,
+            example_is=example_is,
         )
 
 
@@ -128,6 +137,7 @@ def _partition(
     profile_device: str | torch.device | None,
     trace_method: str,
     example_kwargs: Mapping[str, Any] | None,
+    example_is: str,
 ) -> Plan:
     if split_points is not None:
         method = "manual"
@@ -150,6 +160,7 @@ def _partition(
     traced = trace(
         model, tuple(example_inputs), example_kwargs=dict(example_kwargs or {}),
         leaf_modules=leaf_modules, method=trace_method,  # type: ignore[arg-type]
+        example_microbatches=_example_microbatches(example_is, microbatches),
     )
     t1 = time.perf_counter()
     costs = cost_graph(traced, profile=profile, device=profile_device)
@@ -233,6 +244,20 @@ class _Context:
             microbatches=m, held=held, granularity=self.granularity, numel=self.numel,
             state_bytes_per_param=self.state_bytes_per_param, staged_io=io, shared=shared,
         )
+
+
+def _example_microbatches(example_is: str, microbatches: int | str) -> int:
+    """How many micro-batches the example holds (1, or ``m`` for a whole-batch example)."""
+    if example_is == "microbatch":
+        return 1
+    if example_is != "batch":
+        raise ValueError(f"example_is must be 'microbatch' or 'batch', got {example_is!r}")
+    if not isinstance(microbatches, int):
+        raise ValueError(
+            "example_is='batch' needs microbatches as an int, to know the micro-batch size the "
+            f"costs are for (got microbatches={microbatches!r}); or pass one micro-batch as the example"
+        )
+    return microbatches
 
 
 def _check_schedule(schedule: str) -> None:

@@ -42,12 +42,15 @@ class Capture:
     Attributes:
         gm: the flat graph (see the module docstring).
         out_spec: pytree spec of the model's original output.
-        inputs: the example tensors, one per placeholder, in call order.
+        inputs: the example tensors of one micro-batch, one per placeholder, in call order.
+        dynamic_dims: per input, the dimensions the graph leaves free (any size runs); ``None``
+            when the tracer does not fix sizes at all (fx: only the ops decide).
     """
 
     gm: fx.GraphModule
     out_spec: pytree.TreeSpec
     inputs: list[torch.Tensor]
+    dynamic_dims: tuple[tuple[int, ...], ...] | None = None
 
 
 def drop_asserts(graph: fx.Graph) -> None:

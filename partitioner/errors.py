@@ -69,6 +69,10 @@ class PlanMismatchError(PipecutError, ValueError):
     """A saved plan was made for a different graph than the one it is applied to."""
 
 
+class InputShapeError(PlanMismatchError):
+    """An input's size differs from the traced one in a dimension the traced graph keeps fixed."""
+
+
 class PlanFormatError(PipecutError, ValueError):
     """A plan file is corrupt, hand-edited inconsistently, or of an unknown format version."""
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from .devices import Cluster, DeviceSpec
 from .errors import PlanFormatError, PlanMismatchError
-from .split import StagedModel, StageIO, ValueSpec, split_graph
+from .split import GRAPH_INPUT, StagedModel, StageIO, ValueSpec, split_graph
 
 if TYPE_CHECKING:
     import torch
@@ -188,6 +188,19 @@ class Plan:
         known = ", ".join(pr.schedule for pr in self.predictions)
         raise KeyError(f"no prediction for schedule {schedule!r}; the plan has: {known}")
 
+    @property
+    def microbatch_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shape of one micro-batch of each graph input the stages read: what the costs are for."""
+        return {
+            v.name: v.shape for io in self.io for v in io.inputs if v.producer == GRAPH_INPUT and v.kind == "tensor"
+        }
+
+    @property
+    def microbatch_size(self) -> int | None:
+        """Rows (dimension 0) of the micro-batch the plan is costed for; ``None`` if no input says."""
+        sizes = [shape[0] for shape in self.microbatch_shapes.values() if shape]
+        return sizes[0] if sizes else None
+
     def stage_of(self) -> dict[str, int]:
         """Stage of every compute node, by node name."""
         return {v: st.index for st in self.stages for v in st.nodes}
@@ -223,7 +236,8 @@ class Plan:
 
         Args:
             model: the model (on any device, ``meta`` included).
-            example_inputs: one micro-batch of inputs, as given to ``partition``.
+            example_inputs: one micro-batch of inputs, or the whole batch of the plan's
+                ``microbatches`` (told apart by the micro-batch size the plan records).
             trace_kwargs: forwarded to ``partitioner.trace.trace`` (``leaf_modules``...).
 
         Raises:
@@ -231,6 +245,7 @@ class Plan:
         """
         from .trace import trace
 
+        trace_kwargs.setdefault("example_microbatches", self._microbatches_in(example_inputs))
         traced = trace(model, tuple(example_inputs), **trace_kwargs)
         got = traced.fingerprint()
         if got != self.fingerprint:
@@ -240,6 +255,14 @@ class Plan:
                 "the trace options changed. Re-plan with partitioner.partition(model, ...)."
             )
         return replace(self, _binding=binding(traced, model))
+
+    def _microbatches_in(self, example_inputs: Sequence[Any]) -> int:
+        """1 for a micro-batch example; ``microbatches`` for a whole-batch one."""
+        size, m = self.microbatch_size, self.microbatches
+        rows = [int(x.shape[0]) for x in example_inputs if hasattr(x, "shape") and len(x.shape)]
+        if size and m > 1 and rows and all(r == size * m for r in rows):
+            return m
+        return 1
 
     def build_stages(self) -> StagedModel:
         """One ``fx.GraphModule`` per stage, named with the original model's parameter names.

@@ -64,10 +64,12 @@ def render_text(plan: Plan, width: int = 160) -> str:
     where = f"{ndev} x {next(iter(names))}" if uniform else f"{ndev} devices"
     if v > 1:
         where += f" ({v} stages per device)"
+    # The costs are for one micro-batch of this many rows, whatever example the plan was made from.
+    size = f" of {plan.microbatch_size}" if plan.microbatch_size else ""
     table = Table(
         title=(
             f"pipecut plan: {plan.num_stages} stages on {where}, method {plan.method}, "
-            f"{plan.microbatches} micro-batches, schedule {plan.schedule}"
+            f"{plan.microbatches} micro-batches{size}, schedule {plan.schedule}"
         ),
         box=box.SIMPLE_HEAD,
         title_justify="left",

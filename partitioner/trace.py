@@ -35,7 +35,10 @@ from .fxutil import named_tensors
 from .globalstate import preserved
 from .hops import bodies, run_with_autocast
 
-__all__ = ["InputMeta", "TracedModel", "trace", "retarget_device", "graph_fingerprint", "CausalLMLogits"]
+__all__ = [
+    "InputMeta", "TracedModel", "trace", "first_microbatch", "retarget_device", "graph_fingerprint",
+    "CausalLMLogits",
+]
 
 log = logging.getLogger(__name__)
 
@@ -53,13 +56,18 @@ class InputMeta:
 
     Attributes:
         name: the placeholder name in the traced graph.
-        shape: the example's shape.
+        shape: the shape of one micro-batch of it (what the plan is costed for).
         dtype: the dtype as a string, like ``'torch.int64'``.
+        dynamic: the dimensions the graph leaves free: any size runs there (export: the batch,
+            and the sequence of integer inputs, where the model allows). Other dimensions must
+            keep the traced size. ``None`` for fx graphs, which fix no size themselves (their
+            ops decide).
     """
 
     name: str
     shape: tuple[int, ...]
     dtype: str
+    dynamic: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -128,19 +136,25 @@ def trace(
     example_kwargs: dict[str, Any] | None = None,
     leaf_modules: Sequence[type | str] = (),
     method: Method = "auto",
+    example_microbatches: int = 1,
 ) -> TracedModel:
     """Capture ``model`` as a flat FX graph with fake-tensor shapes on every node.
 
     Args:
         model: the model, on any device including ``meta``. Its train/eval mode is what gets
             traced (dropout in training mode, for instance).
-        example_inputs: one micro-batch of positional inputs (real, fake or meta tensors).
+        example_inputs: positional inputs (real, fake or meta tensors): one micro-batch, or
+            ``example_microbatches`` of them stacked along dimension 0 (the whole batch).
             A model on ``meta`` (and its inputs) is captured as if it lived on the CPU, with
             fake tensors, so its graph is the graph of the same model with real CPU weights.
         example_kwargs: keyword inputs. Non-tensor values are specialised into the graph.
         leaf_modules: module classes, or qualified names (``fnmatch`` patterns allowed, e.g.
             ``'h.*'``), to keep as single ``call_module`` nodes (fx only; export inlines all).
-        method: ``'fx'``, ``'export'``, or ``'auto'`` (fx, then export if fx fails).
+        method: ``'fx'``, ``'export'``, or ``'auto'`` (fx, then export if fx fails). Export
+            makes the batch dimension (and integer inputs' sequence dimension) dynamic where the
+            model allows, so the graph runs any micro-batch size (see ``InputMeta.dynamic``).
+        example_microbatches: how many micro-batches the example holds along dimension 0; the
+            recorded shapes (and so the costs) are those of one micro-batch.
 
     Returns:
         a ``TracedModel``.
@@ -161,23 +175,24 @@ def trace(
     if method not in ("auto", "fx", "export"):
         raise ValueError(f"method must be 'auto', 'fx' or 'export', got {method!r}")
     with preserved(model, what="trace()"):
-        return _trace(model, example_inputs, example_kwargs, leaf_modules, method)
+        return _trace(model, example_inputs, example_kwargs, leaf_modules, method, example_microbatches)
 
 
 def _trace(
     model: nn.Module, example_inputs: tuple[Any, ...], example_kwargs: dict[str, Any] | None,
-    leaf_modules: Sequence[type | str], method: Method,
+    leaf_modules: Sequence[type | str], method: Method, k: int,
 ) -> TracedModel:
     kwargs = dict(example_kwargs or {})
     args = tuple(example_inputs)
     if on_meta(model):
         args, kwargs = pytree.tree_map_only(torch.Tensor, to_meta, (args, kwargs))
     _check_leaf_names(model, leaf_modules)
+    mb_args, mb_kwargs = first_microbatch((args, kwargs), k)
 
     failures: list[tuple[str, BaseException]] = []
     if method in ("auto", "fx"):
         try:
-            return _traced(model, "fx", fx_trace.trace_fx(model, args, kwargs, leaf_modules))
+            return _traced(model, "fx", fx_trace.trace_fx(model, mb_args, mb_kwargs, leaf_modules))
         except Exception as e:  # any failure of fx means "try export" (or report it)
             log.info("torch.fx could not trace %s: %s", type(model).__name__, first_line(e))
             failures.append(("torch.fx.symbolic_trace", e))
@@ -187,10 +202,39 @@ def _trace(
                 "leaf_modules %s are ignored: torch.export inlines every module", list(leaf_modules)
             )
         try:
-            return _traced(model, "export", export_trace.trace_export(model, args, kwargs))
+            captured = export_trace.trace_export(model, args, kwargs, shape_args=mb_args, shape_kwargs=mb_kwargs)
+            return _traced(model, "export", captured)
         except Exception as e:
             failures.append(("torch.export.export(strict=False)", e))
     raise TraceError(trace_failure_message(model, failures, method, _TRACER_FILES))
+
+
+def first_microbatch(example: Any, k: int) -> Any:
+    """The first of ``k`` equal micro-batches of ``example`` (every tensor cut along dimension 0).
+
+    Raises:
+        TraceError: a tensor's first dimension is not divisible by ``k``.
+
+    Example:
+        >>> import torch
+        >>> first_microbatch((torch.zeros(8, 3), 5), 4)[0].shape
+        torch.Size([2, 3])
+    """
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"example_microbatches must be a positive int, got {k!r}")
+    if k == 1:
+        return example
+
+    def cut(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() == 0 or t.shape[0] % k:
+            raise TraceError(
+                f"an example input of shape {tuple(t.shape)} cannot be cut into {k} equal "
+                f"micro-batches along dimension 0; give a batch divisible by {k}, or pass one "
+                "micro-batch as the example"
+            )
+        return t[: t.shape[0] // k]
+
+    return pytree.tree_map_only(torch.Tensor, cut, example)
 
 
 def retarget_device(gm_or_graph: fx.GraphModule | fx.Graph, device: torch.device | str) -> int:
@@ -280,8 +324,10 @@ def _traced(model: nn.Module, method: Literal["fx", "export"], captured: Capture
         if isinstance(val, torch.Tensor) and t.requires_grad and not val.requires_grad:
             val.requires_grad_(True)
     names = tuple(n.name for n in placeholders)
+    dynamic = captured.dynamic_dims or (None,) * len(inputs)
     metas = tuple(
-        InputMeta(name, tuple(int(d) for d in t.shape), str(t.dtype)) for name, t in zip(names, inputs)
+        InputMeta(name, tuple(int(d) for d in t.shape), str(t.dtype), dims)
+        for name, t, dims in zip(names, inputs, dynamic)
     )
     return TracedModel(
         gm=gm,

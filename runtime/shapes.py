@@ -9,16 +9,17 @@ metadata.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from partitioner.errors import PlanMismatchError
+from partitioner.errors import InputShapeError, PlanMismatchError
+from partitioner.trace import InputMeta
 
-__all__ = ["wire_shapes"]
+__all__ = ["wire_shapes", "check_fixed_dims"]
 
 
 class _ShapeRecorder(fx.Interpreter):
@@ -61,8 +62,8 @@ def wire_shapes(gm: fx.GraphModule, inputs: Mapping[str, Any], *, method: str = 
     except Exception as e:  # any op may reject the new shapes: say why in pipecut's terms
         given = {n: tuple(v.shape) for n, v in inputs.items() if isinstance(v, torch.Tensor)}
         hint = (
-            " torch.export specialises the graph to the example's shapes: plan with example inputs "
-            "of exactly one micro-batch of the size you train with."
+            " torch.export fixed the sizes the model could not leave free: plan with example "
+            "inputs of the shapes you train with."
             if method == "export"
             else ""
         )
@@ -71,3 +72,44 @@ def wire_shapes(gm: fx.GraphModule, inputs: Mapping[str, Any], *, method: str = 
             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}).{hint}"
         ) from e
     return rec.shapes
+
+
+def check_fixed_dims(traced: Sequence[InputMeta], mb_inputs: Mapping[str, Any]) -> None:
+    """Check one micro-batch of inputs against the sizes the traced graph keeps fixed.
+
+    An export-traced graph leaves the batch (and, where the model allowed it, an integer input's
+    sequence length) free and fixes every other size; a graph from torch.fx fixes none itself.
+
+    Raises:
+        InputShapeError: an input has another number of dimensions, or another size in a fixed
+            dimension, than the traced example; the message names both shapes and the fix.
+
+    Example:
+        >>> meta = InputMeta("ids", (2, 16), "torch.int64", dynamic=(0,))
+        >>> check_fixed_dims([meta], {"ids": torch.zeros(4, 16)})   # another batch: fine
+        >>> check_fixed_dims([meta], {"ids": torch.zeros(4, 32)})
+        Traceback (most recent call last):
+        ...
+        partitioner.errors.InputShapeError: input 'ids': the plan's graph was traced with micro-batches of shape (2, 16) and keeps dimension 1 fixed at 16, but got (4, 32). ...
+    """
+    for meta in traced:
+        x = mb_inputs.get(meta.name)
+        if meta.dynamic is None or not isinstance(x, torch.Tensor):
+            continue
+        got = tuple(int(d) for d in x.shape)
+        fixed = [i for i in range(len(meta.shape)) if i not in meta.dynamic]
+        if len(got) == len(meta.shape) and all(got[i] == meta.shape[i] for i in fixed):
+            continue
+        if len(got) != len(meta.shape):
+            why = f"has {len(meta.shape)} dimensions"
+        else:
+            bad = [i for i in fixed if got[i] != meta.shape[i]]
+            why = "keeps " + ", ".join(f"dimension {i} fixed at {meta.shape[i]}" for i in bad)
+        raise InputShapeError(
+            f"input {meta.name!r}: the plan's graph was traced with micro-batches of shape "
+            f"{meta.shape} and {why}, but got {got}. torch.export fixes the sizes the model does "
+            "not leave free (free here: "
+            f"{', '.join(f'dimension {i}' for i in meta.dynamic) or 'none'}). Re-plan with example "
+            f"inputs of shape {got} (partition(model, example, ...)), or bring the inputs to the "
+            "traced size (pad or crop)."
+        )

@@ -32,7 +32,7 @@ from .generators import forward_only
 from .local_run import RankThreads, run_interleaved, run_threads
 from .placement import PlacementError, check_backend, placed_schedule, stage_devices
 from .schedules import Schedule
-from .shapes import wire_shapes
+from .shapes import check_fixed_dims, wire_shapes
 from .timeline import Timeline, from_records, save_chrome_trace
 from .transport import DistTransport, LocalTransport, Transport
 from .validation import validate
@@ -361,7 +361,9 @@ class PipelineTrainer:
         if len(flat) != len(names):
             raise TypeError(f"the model takes {len(names)} inputs {list(names)}, got {len(flat)}")
         per_input = [split_microbatches(x, self.m, f"input {n!r}") for n, x in zip(names, flat)]
-        return [{n: chunks[mb] for n, chunks in zip(names, per_input)} for mb in range(self.m)]
+        micro = [{n: chunks[mb] for n, chunks in zip(names, per_input)} for mb in range(self.m)]
+        check_fixed_dims(self.plan.traced.example_inputs, micro[0])
+        return micro
 
     def _wire_shapes(self, mb_inputs: Mapping[str, Any]) -> dict[str, tuple[int, ...]] | None:
         """Wire shapes for this micro-batch size, or None when it is the plan's example size."""

@@ -15,7 +15,7 @@ from partitioner.cost import cost_graph
 from partitioner.globalstate import GlobalState, preserved
 from partitioner.trace import CausalLMLogits, trace
 from partitioner.zoo import MLPChain
-from test_hops import RotaryNet
+from rotary_case import RotaryNet
 
 
 def _llama() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:

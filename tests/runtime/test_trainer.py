@@ -121,15 +121,23 @@ def test_grouped_messages_match_reference(world: int) -> None:
         assert len({round(res[key]["loss"], 6) for res in results}) == 1
 
 
-def test_export_graph_on_another_micro_batch_size_is_a_clear_error() -> None:
+def test_export_graph_runs_other_micro_batch_sizes_and_names_fixed_ones() -> None:
+    from partitioner import partition
     from partitioner.errors import PlanMismatchError
+    from rotary_case import RotaryNet
     from runtime.shapes import wire_shapes
 
     c = case("gpt2", 2)
     trainer = make_trainer(c, 2, "gpipe")
     traced = trainer.plan.traced
-    with pytest.raises(PlanMismatchError, match="specialises the graph"):
-        wire_shapes(traced.gm, {traced.input_names[0]: torch.zeros(3, 8, dtype=torch.long)}, method=traced.method)
+    # The batch (and the token sequence) were traced as dynamic: other sizes have wire shapes.
+    shapes = wire_shapes(traced.gm, {traced.input_names[0]: torch.zeros(3, 5, dtype=torch.long)}, method=traced.method)
+    hidden = next(v for v in trainer.plan.io[0].outputs if v.kind == "tensor" and v.shape[:2] == (2, 8))
+    assert shapes[hidden.name][:2] == (3, 5)
+    # A float input's other dimensions stay fixed: running another size says so.
+    plan = partition(RotaryNet(), (torch.randn(2, 6, 8),), 2)
+    with pytest.raises(PlanMismatchError, match="fixed the sizes"):
+        wire_shapes(plan.traced.gm, {plan.input_names[0]: torch.zeros(2, 7, 8)}, method="export")
 
 
 def test_tied_embeddings_are_shared_and_listed() -> None:

@@ -263,17 +263,19 @@ def _allowed_cuts(g: nx.DiGraph, units: Sequence[Unit], unit_of: Mapping[str, in
 def module_range(modules: Sequence[str]) -> str:
     """A short reading of the modules a stage holds, in order: ``'h.0 … h.5'``.
 
-    Consecutive duplicates collapse; top-level code reads as ``'<top>'``.
+    Consecutive duplicates collapse. Top-level code (size reads, reshapes between modules) is
+    left out, and reads as ``'<top>'`` only when the stage holds nothing else.
 
     Example:
         >>> module_range(["emb", "h.0", "h.0", "h.1", "h.2"])
         'emb … h.2'
-        >>> module_range(["h.3", "", "head"])
+        >>> module_range(["", "h.3", "", "h.4", "head"])
         'h.3 … head'
+        >>> module_range(["", ""])
+        '<top>'
     """
     seq: list[str] = []
-    for m in modules:
-        m = m or "<top>"
+    for m in [m for m in modules if m] or ["<top>"]:
         if not seq or seq[-1] != m:
             seq.append(m)
     if len(seq) <= 2:

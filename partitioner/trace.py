@@ -380,6 +380,7 @@ def _clean_path(path: str) -> str:
     # Dynamo-style stacks spell the root L['self'] or L__self__; repeated calls add '@N'.
     for prefix in ("L['self'].", "L__self__."):
         path = path.removeprefix(prefix)
-    if path in ("L['self']", "L__self__"):
+    # Export gives the size reads of dynamic inputs (sym_size) a placeholder stack of this name.
+    if path in ("L['self']", "L__self__") or path.startswith("_empty_nn_module_stack"):
         return ""
     return path.split("@")[0]

@@ -80,4 +80,5 @@ def test_layer_depth_and_module_range() -> None:
     assert layer_depth(["transformer.wte", "transformer.h.0.attn", "transformer.h.1.mlp", "lm_head"]) == 3
     assert layer_depth(["layers.0", "layers.1", "layers.2"]) == 2
     assert module_range(["h.0", "h.0", "h.1", "h.2"]) == "h.0 … h.2"
-    assert module_range(["", "head"]) == "<top>, head"
+    assert module_range(["", "head"]) == "head"  # top-level glue (size reads) is not a module
+    assert module_range(["", ""]) == "<top>"

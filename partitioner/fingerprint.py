@@ -12,12 +12,13 @@ import torch.fx as fx
 __all__ = ["graph_fingerprint"]
 
 
-def graph_fingerprint(graph: fx.Graph) -> str:
+def graph_fingerprint(graph: fx.Graph, *, shapes: bool = True) -> str:
     """sha256 of ``graph``'s structure, shapes and dtypes (see ``TracedModel.fingerprint``).
 
     Each node contributes its op, target, argument structure (other nodes by position) and the
-    shapes and dtypes of ``meta['val']``. Devices are left out, so the same model traced on
-    another device (or on ``meta``, captured as if on the CPU) gets the same fingerprint.
+    shapes and dtypes of ``meta['val']`` (unless ``shapes=False``: region bodies, whose sizes
+    may be symbolic). Devices are left out, so the same model traced on another device (or on
+    ``meta``, captured as if on the CPU) gets the same fingerprint.
 
     Example:
         >>> import torch
@@ -35,7 +36,7 @@ def graph_fingerprint(graph: fx.Graph) -> str:
             _target_str(node.target),
             _structure(node.args, index),
             _structure(node.kwargs, index),
-            _val_signature(node.meta.get("val")),
+            _val_signature(node.meta.get("val")) if shapes else None,
         )
         h.update(repr(record).encode())
         h.update(b"\n")

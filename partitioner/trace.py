@@ -15,6 +15,7 @@ the CPU (fake CPU tensors), so its graph is exactly the graph of the same model 
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -122,7 +123,12 @@ class TracedModel:
         as if on the CPU, so a plan made from a meta-device model matches the same model with
         real weights (a model on another device matches when its code takes the same path there).
         """
-        return graph_fingerprint(self.gm.graph)
+        main = graph_fingerprint(self.gm.graph)
+        regions = [graph_fingerprint(body.graph, shapes=False) for body in bodies(self.gm)]
+        if not regions:
+            return main
+        # no_grad / autocast regions: what their bodies compute is part of the graph too.
+        return hashlib.sha256("\n".join((main, *regions)).encode()).hexdigest()
 
     def unflatten_outputs(self, flat: Sequence[Any]) -> Any:
         """Rebuild the model's output structure from the flat tuple ``gm`` returns."""

@@ -11,6 +11,7 @@ from torch import nn
 from partitioner import partition
 from partitioner.cost import cost_graph
 from partitioner.hops import bodies, run_with_autocast, run_with_grad_mode
+from partitioner.fingerprint import graph_fingerprint
 from partitioner.trace import retarget_device, trace
 from rotary_case import RotaryNet
 from runtime import PipelineTrainer
@@ -115,3 +116,30 @@ def test_auto_trace_takes_export_for_mode_regions() -> None:
     assert t.method == "export"
     with pytest.raises(Exception, match="torch.fx cannot record"):
         trace(RotaryNet(), (_example(),), method="fx")
+
+
+class OtherRegion(RotaryNet):
+    """RotaryNet with another no_grad body: the same top-level graph, other angles."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            pos = torch.arange(x.shape[1], device=x.device, dtype=torch.float32)
+            freqs = (pos[:, None] + 1.0) @ self.rotary.inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        for layer in self.layers:
+            x = layer(x) * cos + x * sin
+        with torch.autocast("cpu", enabled=False):
+            x = self.head(x.float())
+        return x
+
+
+def test_the_fingerprint_covers_region_bodies() -> None:
+    a = trace(RotaryNet(), (_example(),), method="export")
+    b = trace(OtherRegion(), (_example(),), method="export")
+    assert a.fingerprint() == trace(RotaryNet(), (_example(),), method="export").fingerprint()
+    assert graph_fingerprint(a.gm.graph) == graph_fingerprint(b.gm.graph)  # only the bodies differ
+    assert a.fingerprint() != b.fingerprint()

@@ -1,0 +1,143 @@
+"""The model-family matrix: tiny Hugging Face models of 20 families, cut into 2 and 4 stages.
+
+For each family and ``p``: partitioning leaves grad mode on, the stages chained equal the model,
+and 1F1B and ZB-H1 in one process give the loss and every gradient of the unpartitioned model
+(fp32). Three families also run over 2 gloo processes. A plan is made once per (family, p) and
+shared by the tests (module-scoped cache).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("transformers")
+
+from families import (  # noqa: E402
+    FAMILIES, MB, ROWS, SEED, TOL, check_grads, dist_worker, loss_fn, make_plan, reference,
+)
+
+from partitioner import Plan  # noqa: E402
+from runtime import PipelineTrainer  # noqa: E402
+from runtime.launch import spawn  # noqa: E402
+
+STAGES = (2, 4)
+SCHEDULES = ("1f1b", "zbh1")
+# Over 2 gloo processes: a rotary mixture-of-experts decoder, an image classifier, and an
+# encoder-decoder with two inputs whose tied embedding sits on both ranks.
+GLOO_FAMILIES = ["mixtral", "vit", "t5"]
+# Known failures outside the test suite's reach, each naming its cause.
+XFAIL = {
+    ("t5", 4, "zbh1"): (
+        "runtime/split_backward.py drops gradient: on stage 2, T5's decoder relative_attention_bias feeds "
+        "the attention (through a branch node on an input's path) and the position bias that stage sends "
+        "to stage 3 (a root reached without passing a branch node); _branch_groups files the parameter "
+        "under its branch node only, so W never adds the gradient arriving through that root"
+    ),
+}
+
+
+@dataclass
+class _Family:
+    model: nn.Module
+    x: tuple[torch.Tensor, ...]
+    y: torch.Tensor
+    loss: torch.Tensor
+    grads: dict[str, torch.Tensor]
+    plans: dict[int, Plan | BaseException] = field(default_factory=dict)
+    grad_mode_after: dict[int, bool] = field(default_factory=dict)
+
+
+class _Lab:
+    """Each family's model, reference gradients and plans, made on first use."""
+
+    def __init__(self) -> None:
+        self.families: dict[str, _Family] = {}
+
+    def family(self, name: str) -> _Family:
+        if name not in self.families:
+            fam = FAMILIES[name]
+            model = fam.build()
+            x, y = fam.batch(ROWS, torch.Generator().manual_seed(SEED))
+            loss, grads = reference(copy.deepcopy(model), x, y)
+            self.families[name] = _Family(model, x, y, loss, grads)
+        return self.families[name]
+
+    def plan(self, name: str, p: int) -> tuple[_Family, Plan]:
+        f = self.family(name)
+        if p not in f.plans:
+            try:
+                f.plans[p] = make_plan(f.model, f.x, p)
+            except Exception as e:  # every test of this (family, p) reports it, without re-planning
+                f.plans[p] = e
+            f.grad_mode_after[p] = torch.is_grad_enabled()
+        plan = f.plans[p]
+        if isinstance(plan, BaseException):
+            raise plan
+        return f, plan
+
+
+@pytest.fixture(scope="module")
+def lab() -> _Lab:
+    return _Lab()
+
+
+def _params(marks: dict[tuple[Any, ...], str], *axes: tuple[Any, ...]) -> list[Any]:
+    """Every combination of ``axes``, with a strict xfail where ``marks`` names a cause."""
+    combos: list[tuple[Any, ...]] = [()]
+    for axis in axes:
+        combos = [(*c, a) for c in combos for a in axis]
+    return [
+        pytest.param(*c, marks=pytest.mark.xfail(strict=True, reason=marks[c])) if c in marks else c
+        for c in combos
+    ]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_config_leaves_training_deterministic(lab: _Lab, name: str) -> None:
+    f = lab.family(name)
+    assert f.model.training
+    assert all(mod.p == 0 for mod in f.model.modules() if isinstance(mod, nn.Dropout))
+    with torch.no_grad():
+        assert torch.equal(f.model(*f.x), f.model(*f.x))
+
+
+@pytest.mark.parametrize("p", STAGES)
+@pytest.mark.parametrize("name", FAMILIES)
+def test_stages_chained_equal_the_model(lab: _Lab, name: str, p: int) -> None:
+    f, plan = lab.plan(name, p)
+    assert f.grad_mode_after[p], "partition() left grad mode off"
+    assert len(plan.stages) == p
+    assert plan.bottleneck >= plan.lower_bound
+    staged = plan.build_stages()
+    x, _ = FAMILIES[name].batch(MB, torch.Generator().manual_seed(p))
+    with torch.no_grad():
+        torch.testing.assert_close(staged(*x)[0], f.model(*x), **TOL)
+
+
+@pytest.mark.parametrize(("name", "p", "schedule"), _params(XFAIL, FAMILIES, STAGES, SCHEDULES))
+def test_pipeline_gradients_equal_the_model(lab: _Lab, name: str, p: int, schedule: str) -> None:
+    f, plan = lab.plan(name, p)
+    trainer = PipelineTrainer(plan, loss_fn, schedule=schedule, transport="local")
+    trainer.zero_grad()  # the plans of one family share the model's parameters
+    loss = trainer.forward_backward(f.x, f.y)
+    torch.testing.assert_close(loss, f.loss, **TOL)
+    checked = check_grads(trainer, f.grads)
+    trainable = {id(prm) for prm in f.model.parameters() if prm.requires_grad}
+    assert {id(prm) for n, prm in trainer.named_parameters() if n in checked} == trainable
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_gloo_processes_match_the_model() -> None:
+    results = spawn(dist_worker, 2, GLOO_FAMILIES, timeout=300)
+    for name in GLOO_FAMILIES:
+        first = results[0][name]["first"]
+        covered = {first[n] for res in results for n in res[name]["checked"]}
+        assert covered == set(first.values()), name  # together the ranks checked every tensor
+        assert len({round(res[name]["loss"], 6) for res in results}) == 1  # the loss is broadcast

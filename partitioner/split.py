@@ -12,9 +12,9 @@ that every stage's ``state_dict`` keys are the original model's.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 import torch
 import torch.fx as fx
@@ -78,8 +78,14 @@ class StageIO:
 
 
 @dataclass
-class StagedModel:
+class StagedModel(Sequence[fx.GraphModule]):
     """The stage modules of a plan with their wiring; calling it runs the stages in order.
+
+    It is also the read-only sequence of its stage modules: ``len``, iteration, ``reversed``,
+    ``in`` and ``.index`` work, ``staged[s]`` is stage ``s``'s module (negative ``s`` counts from
+    the last stage), and a slice gives a plain ``list`` of modules: a run of stages is not a
+    runnable model by itself (its inputs come from earlier stages), so it is not a
+    ``StagedModel``.
 
     Attributes:
         stages: one ``fx.GraphModule`` per stage; parameter names are the original model's.
@@ -98,6 +104,16 @@ class StagedModel:
         >>> x = torch.randn(3, 4)
         >>> torch.equal(staged(x)[0], m(x))
         True
+        >>> len(staged), staged[-1] is staged[1], staged[0] in staged
+        (2, True, True)
+        >>> [sum(p.numel() for p in stage.parameters()) for stage in staged]
+        [20, 10]
+        >>> staged[:1] == [staged[0]], staged.index(staged[1])
+        (True, 1)
+        >>> staged[2]
+        Traceback (most recent call last):
+        ...
+        IndexError: stage index 2 is out of range: this model has 2 stages (0..1, or -2..-1 from the end)
     """
 
     stages: list[fx.GraphModule]
@@ -107,6 +123,30 @@ class StagedModel:
 
     def __len__(self) -> int:
         return len(self.stages)
+
+    def __iter__(self) -> Iterator[fx.GraphModule]:
+        return iter(self.stages)
+
+    @overload
+    def __getitem__(self, index: int) -> fx.GraphModule: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[fx.GraphModule]: ...
+
+    def __getitem__(self, index: int | slice) -> fx.GraphModule | list[fx.GraphModule]:
+        """Stage ``index``'s module, or a ``list`` of the modules of a slice of stages.
+
+        Raises:
+            IndexError: ``index`` is outside ``-p..p-1`` for ``p`` stages.
+        """
+        try:
+            return self.stages[index]
+        except IndexError:
+            p = len(self.stages)
+            raise IndexError(
+                f"stage index {index} is out of range: this model has {p} stages "
+                f"(0..{p - 1}, or -{p}..-1 from the end)"
+            ) from None
 
     def __call__(self, *inputs: Any) -> tuple[Any, ...]:
         """Run all stages one after another on full inputs; returns the flat model outputs."""

@@ -7,7 +7,9 @@ Both transports have the same contract, so the executor runs unchanged over eith
 
 * ``send`` never blocks: the tensors are handed off (in-process) or posted (``isend``);
 * ``recv`` blocks until the message is there, at most ``timeout`` seconds, then raises
-  ``TransportTimeout`` naming what it waited for;
+  ``TransportTimeout`` naming what it waited for; a wait cut short because the peer closed the
+  connection (or another stage failed), and a message posted after the peer had gone, raise its
+  subclass ``PeerFailed`` at once, saying so and after how long;
 * the distributed transport needs no handshake: shapes and dtypes come from the plan. On gloo
   each message has its own tag, so a rank may read the messages from a peer in another order
   than the peer sent them (interleaved and V-shaped placements do); NCCL ignores tags and
@@ -20,11 +22,13 @@ Both transports have the same contract, so the executor runs unchanged over eith
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -33,13 +37,34 @@ import torch.distributed as dist
 
 from partitioner.errors import PipecutError
 
-__all__ = ["Key", "TensorMeta", "Transport", "LocalTransport", "DistTransport", "TransportTimeout"]
+__all__ = [
+    "Key", "TensorMeta", "Transport", "LocalTransport", "DistTransport", "TransportTimeout", "PeerFailed",
+]
 
 log = logging.getLogger(__name__)
 
 
 class TransportTimeout(PipecutError, RuntimeError):
-    """A receive waited longer than the transport's timeout."""
+    """A wait for a message (or for a send to complete) ended without it.
+
+    Raised as is when nothing came within the transport's ``timeout`` (or the process group's
+    own timeout ran out first); a wait cut short by a failure raises the subclass ``PeerFailed``.
+    """
+
+
+class PeerFailed(TransportTimeout):
+    """A wait ended before its timeout: the peer closed the connection, or another stage failed.
+
+    This rank's error is a consequence; the failing rank's (or stage's) own error is the one to
+    read. It subclasses ``TransportTimeout`` so that code catching that still catches this.
+    """
+
+
+# How gloo ("Timed out waiting 1000ms") and NCCL's watchdog ("... before timing out") say that a
+# wait ran out of time, as opposed to failing early.
+_TIMED_OUT = re.compile(r"tim(ed|ing) ?out", re.IGNORECASE)
+# How gloo says that the other end of a connection went away.
+_CLOSED = re.compile(r"closed by peer|reset by peer|connection closed", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -130,16 +155,21 @@ class LocalTransport(Transport):
             self._cv.notify_all()
 
     def recv(self, key: Key, metas: Sequence[TensorMeta], device: torch.device) -> list[torch.Tensor]:
-        deadline = time.monotonic() + self.timeout
+        start = time.monotonic()
+        deadline = start + self.timeout
         with self._cv:
             while key not in self._box:
                 left = deadline - time.monotonic()
                 if self._closed:
-                    raise TransportTimeout(f"stopped waiting for {key}: another stage failed")
+                    raise PeerFailed(
+                        f"stopped waiting for {key} after {time.monotonic() - start:.1f} s: another "
+                        "stage failed and the transport was closed; that stage's error is the cause"
+                    )
                 if left <= 0:
                     raise TransportTimeout(
-                        f"waited {self.timeout:.0f} s for {key}; the sending stage failed or the "
-                        "schedules disagree (raise timeout= if a stage is just slow)"
+                        f"no message within {self.timeout:g} s (the timeout) while waiting for {key}; "
+                        "the sending stage is stuck or the schedules disagree (raise timeout= if a "
+                        "stage is just slow)"
                     )
                 self._cv.wait(left)
             return self._box.pop(key)
@@ -238,7 +268,8 @@ class DistTransport(Transport):
             self._held.append((key, bufs, peer))
             return
         tag = self._tag(key)
-        works = [w for t in bufs if (w := dist.isend(t, peer, group=self.group, tag=tag)) is not None]
+        with self._posting(f"the send of {key} (to rank {peer})", peer):
+            works = [w for t in bufs if (w := dist.isend(t, peer, group=self.group, tag=tag)) is not None]
         self._sends.append((key, works, bufs))
         self._reap()
 
@@ -261,7 +292,8 @@ class DistTransport(Transport):
             return
         # One group: waiting for any of its messages waits for the whole group (NCCL may return
         # a single work for it), which is the program comm_plan checks.
-        works = [w for w in dist.batch_isend_irecv(ops) if w is not None]
+        with self._posting(f"{len(ops)} grouped sends and receives", None):
+            works = [w for w in dist.batch_isend_irecv(ops) if w is not None]
         for key, bufs in sends:
             self._sends.append((key, works, bufs))
         for key, bufs, peer in posted:
@@ -288,7 +320,7 @@ class DistTransport(Transport):
         posted = self._posted.pop(key, None)
         works, bufs, peer = posted if posted is not None else self._post_recv(key, metas, device)
         for w in works:
-            self._wait(w, f"{key} (from rank {peer})")
+            self._wait(w, key, peer, sending=False)
         return bufs
 
     def _post_recv(
@@ -297,7 +329,8 @@ class DistTransport(Transport):
         peer = self._peers[key.src]
         bufs = [torch.empty(m.shape, dtype=m.dtype, device=device) for m in metas]
         tag = self._tag(key)
-        works = [w for t in bufs if (w := dist.irecv(t, peer, group=self.group, tag=tag)) is not None]
+        with self._posting(f"the receive of {key} (from rank {peer})", peer):
+            works = [w for t in bufs if (w := dist.irecv(t, peer, group=self.group, tag=tag)) is not None]
         return works, bufs, peer
 
     def _tag(self, key: Key) -> int:
@@ -311,7 +344,7 @@ class DistTransport(Transport):
             self.post_group([])
         for key, works, _ in self._sends:
             for w in works:
-                self._wait(w, f"the send of {key}")
+                self._wait(w, key, self._peers[key.dst], sending=True)
         self._sends.clear()
         self._waited.clear()
 
@@ -322,20 +355,78 @@ class DistTransport(Transport):
         while sends and all(w.is_completed() for w in sends[0][1]):
             sends.popleft()
 
-    def _wait(self, work: dist.Work, what: str) -> None:
+    @contextmanager
+    def _posting(self, what: str, peer: int | None) -> Iterator[None]:
+        # gloo refuses to post a message to or from a peer that has already closed the
+        # connection; that is the same failure as a wait cut short, so it gets the same error.
+        try:
+            yield
+        except RuntimeError as e:
+            if not _CLOSED.search(str(e)):
+                raise
+            who, culprit = ("a peer", "that peer") if peer is None else (f"peer rank {peer}", f"rank {peer}")
+            raise PeerFailed(
+                f"rank {self._me} could not post {what}: {who} had already closed the connection; "
+                f"{culprit} failed or exited early, and its own error is the cause to read"
+            ) from e
+
+    def _wait(self, work: dist.Work, key: Key, peer: int, *, sending: bool) -> None:
         if id(work) in self._waited:
             return
+        start = time.monotonic()
         try:
             ok = work.wait(self._wait_for)
         except RuntimeError as e:
-            raise TransportTimeout(
-                f"rank {self.rank} gave up on {what} after {self.timeout:.0f} s ({e}); the peer failed, "
-                "or the ranks' schedules disagree"
-            ) from e
+            raise self._wait_failed(key, peer, sending, time.monotonic() - start, e) from e
         if ok is False:
-            raise TransportTimeout(f"rank {self.rank} gave up on {what} after {self.timeout:.0f} s")
+            raise self._wait_failed(key, peer, sending, time.monotonic() - start, None)
         if self.groups_messages:
             self._waited[id(work)] = work
+
+    def _wait_failed(
+        self, key: Key, peer: int, sending: bool, elapsed: float, error: RuntimeError | None
+    ) -> TransportTimeout:
+        """The error for a wait on ``key`` that ended after ``elapsed`` s without its message.
+
+        torch.distributed raises a plain ``RuntimeError`` both when a wait runs out of time and
+        when the connection fails, so the two are told apart by the backend's text and by the
+        time waited: a wait that ended before the timeout without saying it timed out was cut
+        short by a failure.
+        """
+        me = f"rank {self._me}"
+        what = f"the send of {key} (to rank {peer})" if sending else f"{key} (from rank {peer})"
+        reason = _reason(error) if error is not None else "the wait returned False"
+        if error is None or _TIMED_OUT.search(str(error)) is not None or elapsed >= self.timeout:
+            if elapsed >= 0.95 * self.timeout:
+                within = f"within {self.timeout:g} s (the timeout)"
+                fix = "raise timeout= if a stage is just slow"
+            else:  # a shorter timeout of the process group itself ran out first
+                within = f"within {elapsed:.1f} s, the process group's own timeout ({reason})"
+                fix = "raise the process group's timeout, init_process_group(timeout=...), too"
+            if sending:
+                return TransportTimeout(
+                    f"{me}: {what} did not complete {within}; rank {peer} did not receive it: it is "
+                    f"stuck or slow, or the ranks' schedules disagree ({fix})"
+                )
+            return TransportTimeout(
+                f"{me} got no message {within} while waiting for {what}; rank {peer} is stuck or "
+                f"slow, or the ranks' schedules disagree ({fix})"
+            )
+        # A grouped work covers the messages to and from several peers: the one that closed may
+        # be another than the one this message is with.
+        if self.groups_messages:
+            who, culprit = "a peer", "that peer"
+        else:
+            who, culprit = f"peer rank {peer}", f"rank {peer}"
+        if _CLOSED.search(str(error)):
+            failure = f"{who} closed the connection after {elapsed:.1f} s"
+        else:
+            failure = f"the process group failed after {elapsed:.1f} s ({reason})"
+            culprit = "another rank"
+        return PeerFailed(
+            f"{me} stopped waiting for {what}: {failure}, before the {self.timeout:g} s timeout; "
+            f"{culprit} failed or exited early, and its own error is the cause to read"
+        )
 
     def close(self) -> None:
         self._sends.clear()
@@ -343,3 +434,9 @@ class DistTransport(Transport):
         self._waited.clear()
         self._posted.clear()
         self._own.clear()
+
+
+def _reason(error: BaseException) -> str:
+    """The first line of a backend error, without gloo's ``[path/file.cc:123]`` prefix."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return re.sub(r"^\[[^\]]*\]\s*", "", text)[:200]

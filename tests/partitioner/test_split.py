@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 import torch
 import torch.fx as fx
@@ -11,7 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from partitioner.errors import PartitionError
-from partitioner.split import split_graph
+from partitioner.split import StagedModel, split_graph
 
 
 class SkipNet(nn.Module):
@@ -129,3 +131,46 @@ def test_empty_stage_and_missing_node_are_rejected() -> None:
         split_graph(gm, {"_0": 0, "_1": 1}, 3)
     with pytest.raises(PartitionError, match="no stage"):
         split_graph(gm, {"_0": 0}, 1)
+
+
+def _three_stages() -> StagedModel:
+    gm = fx.symbolic_trace(nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 4), nn.Linear(4, 1)))
+    return split_graph(gm, {"_0": 0, "_1": 0, "_2": 1, "_3": 2}, 3)
+
+
+def test_staged_model_is_the_sequence_of_its_stage_modules() -> None:
+    staged = _three_stages()
+    mods = staged.stages
+    assert isinstance(staged, Sequence)
+    assert len(staged) == 3
+    assert list(staged) == mods and all(a is b for a, b in zip(staged, mods))
+    assert [staged[s] for s in range(3)] == mods
+    assert staged[-1] is mods[2] and staged[-3] is mods[0]
+    assert list(reversed(staged)) == mods[::-1]
+    assert mods[1] in staged and nn.Linear(1, 1) not in staged
+    assert staged.index(mods[2]) == 2 and staged.count(mods[0]) == 1
+    assert [sum(p.numel() for p in m.parameters()) for m in staged] == [9, 16, 5]
+
+
+def test_staged_model_slices_are_lists_of_modules() -> None:
+    staged = _three_stages()
+    mods = staged.stages
+    assert staged[1:] == mods[1:] and type(staged[1:]) is list
+    assert staged[::-1] == mods[::-1]
+    assert staged[5:] == []
+    head = staged[:2]
+    head.clear()  # a copy: the staged model keeps its stages
+    assert len(staged) == 3
+
+
+@pytest.mark.parametrize("index", [3, -4, 100])
+def test_staged_model_index_out_of_range_says_how_many_stages(index: int) -> None:
+    staged = _three_stages()
+    want = rf"stage index {index} is out of range: this model has 3 stages \(0\.\.2, or -3\.\.-1 "
+    with pytest.raises(IndexError, match=want):
+        staged[index]
+
+
+def test_staged_model_rejects_a_non_integer_index() -> None:
+    with pytest.raises(TypeError):
+        _three_stages()["0"]  # type: ignore[call-overload]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from runtime.launch import LaunchError, spawn
-from runtime.transport import DistTransport, Key, LocalTransport, TensorMeta, TransportTimeout
+from runtime.transport import DistTransport, Key, LocalTransport, PeerFailed, TensorMeta, TransportTimeout
 
 CPU = torch.device("cpu")
 
@@ -30,8 +31,36 @@ def test_local_transport_delivers_across_threads() -> None:
 
 def test_local_transport_times_out_naming_the_message() -> None:
     tr = LocalTransport({0: CPU, 1: CPU}, timeout=0.2)
-    with pytest.raises(TransportTimeout, match="gradients of micro-batch 2 from stage 1 to stage 0"):
+    with pytest.raises(TransportTimeout, match="gradients of micro-batch 2 from stage 1 to stage 0") as err:
         tr.recv(Key(1, 0, "grad", 2), [], CPU)
+    assert type(err.value) is TransportTimeout
+    assert str(err.value).startswith("no message within 0.2 s (the timeout)")
+
+
+def test_local_transport_closed_while_waiting_says_another_stage_failed() -> None:
+    tr = LocalTransport({0: CPU, 1: CPU}, timeout=30)
+    errors: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            tr.recv(Key(0, 1, "act", 3), [], CPU)
+        except BaseException as e:  # noqa: BLE001 - handed to the test thread
+            errors.append(e)
+
+    t = threading.Thread(target=wait)
+    t.start()
+    time.sleep(0.2)
+    tr.close()  # what the trainer does when a stage fails
+    t.join(5)
+    assert not t.is_alive()
+    (e,) = errors
+    assert isinstance(e, PeerFailed) and isinstance(e, TransportTimeout)
+    m = re.fullmatch(
+        r"stopped waiting for activations of micro-batch 3 from stage 0 to stage 1 after (\d+\.\d) s: "
+        r"another stage failed.*",
+        str(e),
+    )
+    assert m and float(m[1]) < 5, str(e)
 
 
 def test_local_transport_rejects_a_duplicate_send() -> None:
@@ -39,6 +68,55 @@ def test_local_transport_rejects_a_duplicate_send() -> None:
     tr.send(Key(0, 1, "act", 0), [torch.zeros(1)])
     with pytest.raises(RuntimeError, match="sent twice"):
         tr.send(Key(0, 1, "act", 0), [torch.zeros(1)])
+
+
+class _FailingWork:
+    """A ``dist.Work`` whose wait fails as a backend's would, after ``delay`` seconds."""
+
+    def __init__(self, text: str | None, delay: float = 0.0) -> None:
+        self.text, self.delay = text, delay
+
+    def wait(self, timeout: object = None) -> bool:
+        time.sleep(self.delay)
+        if self.text is None:
+            return False
+        raise RuntimeError(self.text)
+
+
+def _unconnected_dist_transport(timeout: float) -> DistTransport:
+    # Only the fields the error path reads: telling a timeout from a failure needs no peer.
+    tr = DistTransport.__new__(DistTransport)
+    tr._me, tr.timeout, tr._wait_for, tr.groups_messages, tr._waited = 1, timeout, timeout, False, {}
+    return tr
+
+
+@pytest.mark.parametrize(
+    ("text", "delay", "timeout", "kind", "says"),
+    [
+        ("[pair.cc:553] Connection closed by peer [127.0.0.1]:1234", 0.0, 30, PeerFailed,
+         r"^rank 1 stopped waiting for the send of gradients of micro-batch 4 from stage 1 to stage 0 "
+         r"\(to rank 0\): peer rank 0 closed the connection after 0\.0 s, before the 30 s timeout"),
+        ("[pair.cc:1] Read error [127.0.0.1]:1234: Connection reset by peer", 0.0, 30, PeerFailed,
+         r"peer rank 0 closed the connection after 0\.0 s, before the 30 s timeout; rank 0 failed"),
+        ("NCCL communicator was aborted on rank 0", 0.0, 30, PeerFailed,
+         r"the process group failed after 0\.0 s \(NCCL communicator was aborted on rank 0\), before the "
+         r"30 s timeout; another rank failed"),
+        ("[unbound_buffer.cc:129] Timed out waiting 300ms for send operation", 0.3, 0.3, TransportTimeout,
+         r"did not complete within 0\.3 s \(the timeout\); rank 0 did not receive it"),
+        ("[unbound_buffer.cc:129] Timed out waiting 10ms for send operation", 0.0, 30, TransportTimeout,
+         r"did not complete within 0\.0 s, the process group's own timeout \(Timed out waiting 10ms"),
+        (None, 0.2, 0.2, TransportTimeout, r"did not complete within 0\.2 s \(the timeout\)"),
+    ],
+)
+def test_dist_transport_tells_a_failed_peer_from_a_timeout(
+    text: str | None, delay: float, timeout: float, kind: type[Exception], says: str
+) -> None:
+    tr = _unconnected_dist_transport(timeout)
+    with pytest.raises(TransportTimeout, match=says) as err:
+        tr._wait(_FailingWork(text, delay), Key(1, 0, "grad", 4), 0, sending=True)  # type: ignore[arg-type]
+    assert type(err.value) is kind
+    if text is not None:
+        assert isinstance(err.value.__cause__, RuntimeError) and str(err.value.__cause__) == text
 
 
 def _ping_pong(rank: int, world: int) -> list[float]:
@@ -74,8 +152,72 @@ def _never_sent(rank: int, world: int) -> None:
 
 @pytest.mark.multiprocess
 def test_dist_transport_wait_is_bounded() -> None:
-    with pytest.raises(LaunchError, match="TransportTimeout"):
+    with pytest.raises(LaunchError, match="TransportTimeout") as err:
         spawn(_never_sent, 2, timeout=60)
+    assert re.search(
+        r"TransportTimeout: rank 1 got no message within 2 s \(the timeout\) while waiting for "
+        r"activations of micro-batch 0 from stage 0 to stage 1 \(from rank 0\); rank 0 is stuck",
+        str(err.value),
+    ), str(err.value)
+    assert "PeerFailed" not in str(err.value)
+
+
+def _peer_leaves_early(rank: int, world: int, grouped: bool) -> tuple[str, str, float] | None:
+    torch.set_num_threads(1)
+    tr = DistTransport([0, 1], timeout=30, grouped=grouped)
+    if rank == 0:
+        time.sleep(1.0)
+        return None  # spawn destroys rank 0's process group: its connections close
+    start = time.monotonic()
+    try:
+        tr.recv(Key(0, 1, "act", 0), [TensorMeta((1,), torch.float32)], CPU)
+    except TransportTimeout as e:
+        cause = "PeerFailed" if isinstance(e, PeerFailed) else "TransportTimeout"
+        return cause, str(e), time.monotonic() - start
+    finally:
+        tr.close()
+    raise AssertionError("rank 1 received a message rank 0 never sent")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("grouped", [False, True])
+def test_dist_transport_says_the_peer_closed_well_before_the_timeout(grouped: bool) -> None:
+    _, got = spawn(_peer_leaves_early, 2, grouped, timeout=60)
+    assert got is not None
+    cause, message, waited = got
+    assert cause == "PeerFailed"
+    who = "a peer" if grouped else "peer rank 0"
+    m = re.fullmatch(
+        r"rank 1 stopped waiting for activations of micro-batch 0 from stage 0 to stage 1 \(from rank 0\): "
+        rf"{who} closed the connection after (\d+\.\d) s, before the 30 s timeout; .* failed or exited early.*",
+        message,
+    )
+    assert m, message
+    assert float(m[1]) < 10 and waited < 10  # rank 0 left after 1 s; the timeout is 30 s
+
+
+def _peer_already_gone(rank: int, world: int) -> str | None:
+    torch.set_num_threads(1)
+    tr = DistTransport([0, 1], timeout=30)
+    if rank == 0:
+        return None  # leaves at once: its process group is destroyed, its connections closed
+    time.sleep(1.0)
+    try:
+        tr.recv(Key(0, 1, "grad", 2), [TensorMeta((1,), torch.float32)], CPU)
+    except PeerFailed as e:
+        return str(e)
+    finally:
+        tr.close()
+    raise AssertionError("rank 1 received a message rank 0 never sent")
+
+
+@pytest.mark.multiprocess
+def test_dist_transport_says_the_peer_had_gone_when_posting() -> None:
+    _, message = spawn(_peer_already_gone, 2, timeout=60)
+    assert message is not None and message.startswith(
+        "rank 1 could not post the receive of gradients of micro-batch 2 from stage 0 to stage 1 "
+        "(from rank 0): peer rank 0 had already closed the connection; rank 0 failed or exited early"
+    ), message
 
 
 def _send_then_receive_both(rank: int, world: int) -> list[float]:

@@ -98,9 +98,10 @@ def backward_input(
     if not inputs:  # nothing to send back: every parameter is W's, from the roots
         every = params + list(fused)
         return (), PendingWeights([], (roots, grads, every) if every else None, owed=list(fused))
-    parents = _parents([_node(r) for r in roots])
+    root_nodes = [_node(r) for r in roots]
+    parents = _parents(root_nodes)
     boundary = _ancestors([_node(a) for a in inputs], parents)
-    groups, rest = _branch_groups(params, parents, boundary)
+    groups, rest = _branch_groups(params, parents, boundary, set(root_nodes))
 
     handles = []
     for group in groups:
@@ -207,13 +208,20 @@ def _ancestors(nodes: Sequence[Node], parents: dict[Node, list[Node]]) -> set[No
 
 
 def _branch_groups(
-    params: Sequence[nn.Parameter], parents: dict[Node, list[Node]], boundary: set[Node]
+    params: Sequence[nn.Parameter],
+    parents: dict[Node, list[Node]],
+    boundary: set[Node],
+    roots: set[Node],
 ) -> tuple[list[_Group], list[nn.Parameter]]:
-    """Group parameters by their branch nodes; return the groups and the parameters with none.
+    """Group parameters by their branch nodes; return the groups and the parameters left to the roots.
 
     A parameter's branch nodes are the first nodes of ``boundary`` met walking up from its
     gradient accumulator. Parameters sharing a branch node go in one group (one autograd call
-    must produce both, or the node would run twice).
+    must produce both, or the node would run twice). A parameter with no branch node, or with a
+    path up to one of ``roots`` that meets none (a stage output computed from it but not from
+    any input: T5's relative position bias, handed on to the next stage), is left to the plain
+    pass from the roots, which gives it its whole gradient; the branch nodes alone would miss
+    what arrives through that path.
     """
     owner: dict[Node, int] = {}  # branch node -> group index (union-find root)
     link: list[int] = []
@@ -233,6 +241,7 @@ def _branch_groups(
         hit: list[Node] = []
         seen = {acc}
         stack = [acc]
+        escapes = acc in roots
         while stack:
             for up in parents[stack.pop()]:
                 if up in seen:
@@ -241,8 +250,9 @@ def _branch_groups(
                 if up in boundary:
                     hit.append(up)
                 else:
+                    escapes = escapes or up in roots
                     stack.append(up)
-        if not hit:
+        if not hit or escapes:
             rest.append(prm)
             continue
         gi = len(link)

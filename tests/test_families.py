@@ -31,15 +31,8 @@ SCHEDULES = ("1f1b", "zbh1")
 # Over 2 gloo processes: a rotary mixture-of-experts decoder, an image classifier, and an
 # encoder-decoder with two inputs whose tied embedding sits on both ranks.
 GLOO_FAMILIES = ["mixtral", "vit", "t5"]
-# Known failures outside the test suite's reach, each naming its cause.
-XFAIL = {
-    ("t5", 4, "zbh1"): (
-        "runtime/split_backward.py drops gradient: on stage 2, T5's decoder relative_attention_bias feeds "
-        "the attention (through a branch node on an input's path) and the position bias that stage sends "
-        "to stage 3 (a root reached without passing a branch node); _branch_groups files the parameter "
-        "under its branch node only, so W never adds the gradient arriving through that root"
-    ),
-}
+# Known failures, each naming its cause (a strict xfail: fixing one turns the test red until removed).
+XFAIL: dict[tuple[str, int, str], str] = {}
 
 
 @dataclass

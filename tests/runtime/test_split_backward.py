@@ -64,6 +64,20 @@ class TwoOut(nn.Module):
         return h, h.chunk(2, dim=-1)[1] * 3
 
 
+class BiasOut(nn.Module):
+    """T5's shape: a position bias added on the input path and also handed on as an output of its
+    own, so part of its gradient reaches it through no branch node."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.bias = nn.Parameter(torch.randn(3, 8))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = self.bias.sum(0) * 2
+        return self.a(x) + pos, pos * 5
+
+
 def _inputs(model: nn.Module) -> tuple[torch.Tensor, ...]:
     if isinstance(model, TwoOut):
         return torch.randn(5, 8), torch.randint(0, 10, (5,))
@@ -75,6 +89,7 @@ CASES: dict[str, Callable[[], nn.Module]] = {
     "probed": Probed,
     "reuse": Reuse,
     "two-outputs": TwoOut,
+    "bias-output": BiasOut,
 }
 
 

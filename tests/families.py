@@ -31,7 +31,7 @@ from runtime import PipelineTrainer
 # The runtime tests' shared tolerance; importing parity also makes every linear layer, however
 # small, fuse its weight-gradient accumulation, so 1F1B checks the fused path here too.
 sys.path.append(str(Path(__file__).resolve().parent / "runtime"))
-from parity import TOL  # noqa: E402
+from parity import TOL, check_grads, reference  # noqa: E402
 
 __all__ = [
     "FAMILIES", "Family", "M", "MB", "ROWS", "SEED", "TOL", "check_grads", "dist_worker", "first_names",
@@ -179,37 +179,6 @@ def make_plan(model: nn.Module, x: tuple[torch.Tensor, ...], p: int) -> Plan:
     return partition(model, tuple(t[:MB] for t in x), p, microbatches=M, schedule="1f1b")
 
 
-def reference(
-    model: nn.Module, x: tuple[torch.Tensor, ...], y: torch.Tensor
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The loss of the whole batch and every parameter's gradient (by every name), unpartitioned.
-
-    ``parity.reference_grads`` calls the model with one input; these models may take two.
-    """
-    model.zero_grad()
-    loss = loss_fn(model(*x), y)
-    loss.backward()
-    grads = {n: prm.grad.clone() for n, prm in model.named_parameters(remove_duplicate=False) if prm.grad is not None}
-    return loss.detach(), grads
-
-
-def check_grads(trainer: PipelineTrainer, want: dict[str, torch.Tensor]) -> list[str]:
-    """Every parameter of this process has the reference gradient, and a frozen one (Whisper's
-    sinusoidal positions) none, as in the model; returns the names checked.
-
-    ``parity.check_grads`` expects a gradient on every parameter.
-    """
-    names = []
-    for name, prm in trainer.named_parameters():
-        if not prm.requires_grad:
-            assert prm.grad is None and name not in want, f"frozen {name} got a gradient"
-            continue
-        assert prm.grad is not None, f"{name} got no gradient"
-        torch.testing.assert_close(prm.grad, want[name], **TOL, msg=lambda msg: f"{name}: {msg}")
-        names.append(name)
-    return names
-
-
 def first_names(model: nn.Module) -> dict[str, str]:
     """Every trainable parameter's name -> the first name of the same tensor (tied weights share one)."""
     first: dict[int, str] = {}
@@ -228,7 +197,7 @@ def dist_worker(rank: int, world: int, names: list[str]) -> dict[str, dict[str, 
         model = fam.build()
         ref = copy.deepcopy(model)
         x, y = fam.batch(ROWS, torch.Generator().manual_seed(SEED))
-        want_loss, want = reference(ref, x, y)
+        want_loss, want = reference(ref, loss_fn, x, y)
         trainer = PipelineTrainer(make_plan(model, x, world), loss_fn, schedule="1f1b", transport="dist", timeout=120)
         loss = trainer.forward_backward(x, y)
         torch.testing.assert_close(loss, want_loss, **TOL)

@@ -57,7 +57,7 @@ class _Lab:
             fam = FAMILIES[name]
             model = fam.build()
             x, y = fam.batch(ROWS, torch.Generator().manual_seed(SEED))
-            loss, grads = reference(copy.deepcopy(model), x, y)
+            loss, grads = reference(copy.deepcopy(model), loss_fn, x, y)
             self.families[name] = _Family(model, x, y, loss, grads)
         return self.families[name]
 

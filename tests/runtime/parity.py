@@ -90,17 +90,31 @@ def make_trainer(
     return PipelineTrainer(plan, c["loss"], optimizer, schedule=schedule, transport=transport, **kw)
 
 
-def reference_grads(c: dict[str, Any], ref: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    ref.zero_grad()
-    loss = c["loss"](ref(x), y)
+def reference(
+    model: nn.Module, loss_fn: Callable[..., torch.Tensor], x: tuple[torch.Tensor, ...], y: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The loss of the whole batch ``x`` (one tensor per model input) and every parameter's
+    gradient by every name (tied weights under each), unpartitioned."""
+    model.zero_grad()
+    loss = loss_fn(model(*x), y)
     loss.backward()
-    return loss.detach(), {n: prm.grad.clone() for n, prm in ref.named_parameters(remove_duplicate=False) if prm.grad is not None}
+    grads = {n: prm.grad.clone() for n, prm in model.named_parameters(remove_duplicate=False) if prm.grad is not None}
+    return loss.detach(), grads
+
+
+def reference_grads(c: dict[str, Any], ref: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`reference` for a parity case's single-input model and loss."""
+    return reference(ref, c["loss"], (x,), y)
 
 
 def check_grads(trainer: PipelineTrainer, want: dict[str, torch.Tensor]) -> list[str]:
-    """Every parameter this process holds has the reference gradient; returns the names checked."""
+    """Every trainable parameter this process holds has the reference gradient, and a frozen one
+    (``requires_grad=False``, e.g. Whisper's sinusoidal positions) none; returns the names checked."""
     names = []
     for name, prm in trainer.named_parameters():
+        if not prm.requires_grad:
+            assert prm.grad is None and name not in want, f"frozen {name} got a gradient"
+            continue
         assert prm.grad is not None, f"{name} got no gradient"
         torch.testing.assert_close(prm.grad, want[name], **TOL, msg=lambda m: f"{name}: {m}")
         names.append(name)

@@ -106,3 +106,16 @@ def test_plan_scale_small_gpt2(scale: ModuleType, tmp_path: Path) -> None:
     assert [r["microbatches"] for r in data["sweep"]] == [2, 4, 8]
     assert {"partition_call_s", "peak_rss_gib", "partition_step_s[node]", "partition_step_s[module]"} == set(data["targets"])
     assert data["memory_model"]["inflight_per_stage"] == [4, 3, 2, 1]
+
+
+def test_model_families_quick(tmp_path: Path) -> None:
+    families = _load("model_families")
+    out = tmp_path / "mf.json"
+    assert families.main(["--families", "gpt_neox,bert", "--stages", "2", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["meta"]["benchmark"] == "model_families"
+    rows = data["results"]
+    assert [(r["family"], r["stages"]) for r in rows] == [("gpt_neox", 2), ("bert", 2)]
+    for r in rows:
+        assert r["ok"] and r["grad_mode_kept"] and r["ratio"] >= 1.0
+        assert all(r[s]["ok"] and r[s]["grad_rel_diff"] < 1e-4 for s in families.SCHEDULES)

@@ -345,16 +345,26 @@ class Plan:
         """Read a plan saved with ``save``; with ``model`` and ``example_inputs``, bind it too.
 
         Raises:
-            PlanFormatError: the file is not valid JSON or not a valid plan.
+            PlanFormatError: the file is not UTF-8 text, not valid JSON, not a JSON object, or
+                not a valid plan.
+            OSError: the file cannot be read (missing, a directory, no permission).
             PlanMismatchError: ``model`` is not the model the plan was made for.
         """
+        fix = "re-create it with plan.save(...) or `pipecut plan ... --json`"
+        raw = Path(path).read_bytes()
         try:
-            data = json.loads(Path(path).read_text())
-        except json.JSONDecodeError as e:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
             raise PlanFormatError(
-                f"{path} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); "
-                "re-create it with plan.save(...) or `pipecut plan ... --json`"
+                f"{path} is not a text file (byte 0x{raw[e.start]:02x} at offset {e.start} is not UTF-8), "
+                f"so not a saved plan; {fix}"
             ) from e
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanFormatError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); {fix}") from e
+        except RecursionError as e:  # nested deeper than the parser goes: not something save() writes
+            raise PlanFormatError(f"{path} nests JSON too deeply to be a saved plan; {fix}") from e
         plan = _parse(data, str(path))
         if model is not None:
             if example_inputs is None:

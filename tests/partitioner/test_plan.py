@@ -117,6 +117,27 @@ def test_corrupt_plan_files_are_rejected(tmp_path: Path) -> None:
         Plan.load(tmp_path / "dup.json")
 
 
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [
+        (bytes(range(256)) * 4, r"not a text file \(byte 0x80 at offset 128"),
+        ("\ufeff{}".encode("utf-16"), "not a text file"),
+        (b"", "not valid JSON"),
+        (b"[1, 2, 3]", "not a pipecut plan"),
+        (b'"a plan"', "not a pipecut plan"),
+        (b"null", "not a pipecut plan"),
+        (b"[" * 100_000, "nests JSON too deeply|not valid JSON"),
+    ],
+    ids=["binary", "utf16", "empty", "array", "string", "null", "deep"],
+)
+def test_unreadable_plan_files_are_plan_format_errors(tmp_path: Path, content: bytes, match: str) -> None:
+    path = tmp_path / "p.json"
+    path.write_bytes(content)
+    with pytest.raises(PlanFormatError, match=match) as info:
+        Plan.load(path)
+    assert str(path) in str(info.value) and "re-create" in str(info.value)
+
+
 def test_more_stages_than_units() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
     with pytest.raises(TooManyStagesError, match="2 node units into 3"):

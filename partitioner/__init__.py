@@ -6,6 +6,7 @@ from .api import METHODS, partition
 from .devices import DEVICE_PRESETS, Cluster, DeviceSpec
 from .errors import (
     InfeasibleMemoryError,
+    InputError,
     InputShapeError,
     PartitionError,
     PipecutError,
@@ -40,6 +41,7 @@ __all__ = [
     "TooManyStagesError",
     "InfeasibleMemoryError",
     "PlanMismatchError",
+    "InputError",
     "InputShapeError",
     "PlanFormatError",
     "UnknownDeviceError",

@@ -9,6 +9,8 @@ __all__ = [
     "TooManyStagesError",
     "InfeasibleMemoryError",
     "PlanMismatchError",
+    "InputError",
+    "InputShapeError",
     "PlanFormatError",
     "UnknownDeviceError",
     "SplitPointError",
@@ -69,8 +71,15 @@ class PlanMismatchError(PipecutError, ValueError):
     """A saved plan was made for a different graph than the one it is applied to."""
 
 
-class InputShapeError(PlanMismatchError):
-    """An input's size differs from the traced one in a dimension the traced graph keeps fixed."""
+class InputError(PipecutError, ValueError):
+    """A training batch does not match the plan: the number of inputs, a dtype, a shape, or the
+    targets' rows. Raised before the step starts, naming the input, what the plan expects, what
+    came, and the fix."""
+
+
+class InputShapeError(InputError, PlanMismatchError):
+    """An input's size differs from the traced one in a dimension the traced graph keeps fixed
+    (or, for a graph from torch.fx, in a way its ops cannot run)."""
 
 
 class PlanFormatError(PipecutError, ValueError):

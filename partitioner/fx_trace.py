@@ -108,6 +108,7 @@ def trace_fx(
             concrete[name] = value
 
     tracer = _LeafTracer(leaf_modules)
+    tracer.record_stack_traces = True  # each node keeps its source line, for errors raised at run time
     own_attrs = set(vars(model))
     try:
         graph = tracer.trace(model, concrete_args=concrete or None)

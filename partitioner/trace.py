@@ -38,7 +38,7 @@ from .hops import bodies, run_with_autocast
 
 __all__ = [
     "InputMeta", "TracedModel", "trace", "first_microbatch", "retarget_device", "graph_fingerprint",
-    "CausalLMLogits",
+    "CausalLMLogits", "node_module_path",
 ]
 
 log = logging.getLogger(__name__)
@@ -106,15 +106,7 @@ class TracedModel:
 
     def module_path(self, node: fx.Node) -> str:
         """Qualified name of the innermost module ``node`` was traced in, ``''`` at top level."""
-        if node.op == "call_module":
-            return str(node.target)
-        if node.op == "get_attr":
-            return str(node.target).rpartition(".")[0]
-        stack = node.meta.get("nn_module_stack")
-        if not stack:
-            return ""
-        path, _ = list(stack.values())[-1]
-        return _clean_path(str(path))
+        return node_module_path(node)
 
     def fingerprint(self) -> str:
         """sha256 over the graph's ops, targets, argument structure, shapes and dtypes.
@@ -380,6 +372,23 @@ def _check_leaf_names(model: nn.Module, leaf_modules: Sequence[type | str]) -> N
             raise TraceError(
                 f"leaf_modules entries must be module classes or qualified names, got {item!r}"
             )
+
+
+def node_module_path(node: fx.Node) -> str:
+    """Qualified name of the innermost module ``node`` was traced in, ``''`` at top level.
+
+    Works on the traced graph and on the stage graphs cut from it (their nodes keep the trace's
+    metadata and the model's module names).
+    """
+    if node.op == "call_module":
+        return str(node.target)
+    if node.op == "get_attr":
+        return str(node.target).rpartition(".")[0]
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    path, _ = list(stack.values())[-1]
+    return _clean_path(str(path))
 
 
 def _clean_path(path: str) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .comm import Op, Recv, Send, comm_plan, needs_early_receives
+from .errors import LossError, StageError
 from .executor import ActionRecord, Executor, RunResult, StageRuntime
 from .generators import forward_only, gpipe, interleaved, one_f_one_b
 from .launch import LaunchError, spawn
@@ -57,6 +58,8 @@ __all__ = [
     "TensorMeta",
     "TransportTimeout",
     "PeerFailed",
+    "StageError",
+    "LossError",
     "spawn",
     "LaunchError",
     "Action",

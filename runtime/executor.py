@@ -43,8 +43,9 @@ from torch import nn
 
 from partitioner.split import StageIO, ValueSpec, decode_value
 
+from .errors import LossError, StageError, describe_value
 from .split_backward import PendingWeights, backward_input, backward_weight
-from .transport import Key, TensorMeta, Transport
+from .transport import Key, TensorMeta, Transport, TransportTimeout
 from .wgrad_fusion import fused_params
 
 __all__ = ["ActionLike", "StageRuntime", "Executor", "StepState", "RunResult", "ActionRecord", "message_values"]
@@ -194,6 +195,15 @@ class Executor:
             or the tuple of its outputs when it has several.
         rank: this rank (for records and messages).
         record: keep an ``ActionRecord`` per action.
+        check_finite: raise ``LossError`` when a micro-batch's loss is NaN or infinite (one
+            device sync per micro-batch on the last stage).
+
+    Raises (from ``run`` / ``execute``):
+        StageError: an action raised; names the rank, stage, action, micro-batch and, for a
+            forward, the model node; the original exception is its ``__cause__``.
+        LossError: ``loss_fn`` did not return a scalar tensor that requires grad, or (with
+            ``check_finite``) the loss is not finite.
+        TransportTimeout: a message did not come (``PeerFailed``: a peer failed first).
 
     Example: see ``runtime.trainer.PipelineTrainer``, which builds one executor per rank.
     """
@@ -210,8 +220,10 @@ class Executor:
         *,
         rank: int = 0,
         record: bool = False,
+        check_finite: bool = False,
     ) -> None:
         self.stages = dict(stages)
+        self.check_finite = check_finite
         self.ios = list(ios)
         self.p = len(ios)
         self.transport = transport
@@ -338,11 +350,16 @@ class Executor:
             raise ValueError(f"rank {self.rank} was given action {s}{kind}{mb} for stage {s}, which it does not hold")
         t0 = time.perf_counter() if self.record else 0.0
         self._waited = 0.0
-        if _profiling():
-            with torch.profiler.record_function(f"pipecut {s}{kind}{mb}"):
+        try:
+            if _profiling():
+                with torch.profiler.record_function(f"pipecut {s}{kind}{mb}"):
+                    self._dispatch(state, s, kind, mb)
+            else:
                 self._dispatch(state, s, kind, mb)
-        else:
-            self._dispatch(state, s, kind, mb)
+        except (TransportTimeout, StageError, LossError):
+            raise  # already say where and why (a peer's failure, or this stage's own)
+        except Exception as e:
+            raise StageError.wrap(e, rank=self.rank, stage=s, kind=kind, mb=mb, module=self.stages[s].module) from e
         if self.record:
             end = time.perf_counter()
             state.result.records.append(
@@ -439,10 +456,41 @@ class Executor:
                 result.outputs[mb] = flat
             elif self.loss_fn is not None:
                 out = flat[0] if len(flat) == 1 else flat
-                loss = self.loss_fn(out, _to_device(target, stage.device)) * scale
+                loss = self._loss(s, mb, out, _to_device(target, stage.device), args) * scale
                 st.loss = loss
                 result.losses[mb] = loss.detach()
         return st
+
+    def _loss(self, s: int, mb: int, out: Any, target: Any, args: Sequence[Any]) -> torch.Tensor:
+        """``loss_fn(out, target)``, held to its contract: a scalar tensor autograd can follow."""
+        assert self.loss_fn is not None
+        where = f"rank {self.rank}, stage {s}, micro-batch {mb}"
+        try:
+            with torch.enable_grad():  # a step run under no_grad still trains
+                loss = self.loss_fn(out, target)
+        except Exception as e:
+            detail = (f"loss_fn was called per micro-batch as loss_fn(output={describe_value(out)}, "
+                      f"target={describe_value(target)}); the target's micro-batch must fit the output's")
+            raise StageError.wrap(e, rank=self.rank, stage=s, kind="loss", mb=mb, detail=detail) from e
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise LossError(
+                f"{where}: loss_fn returned {describe_value(loss)}, but it must return a scalar "
+                "tensor, the mean loss of the micro-batch: def loss_fn(output, target) -> "
+                "torch.Tensor, e.g. nn.functional.cross_entropy(output, target) (reduction='mean'); "
+                "reduce a per-element loss with .mean()"
+            )
+        if not loss.requires_grad and _tracks_grad(self.stages[s].module, args):
+            raise LossError(
+                f"{where}: loss_fn returned a loss that does not require grad, so nothing can be "
+                "backpropagated: it was computed from detached values (.item(), .detach(), "
+                "torch.no_grad(), numpy); compute it from the output with torch operations"
+            )
+        if self.check_finite and not bool(torch.isfinite(loss)):
+            raise LossError(
+                f"{where}: the loss is {loss.item()} (check_finite=True); inputs of that micro-batch "
+                "or a too-large learning rate are the usual causes. No optimizer step was taken"
+            )
+        return loss
 
     def _backward(
         self, s: int, mb: int, st: _Stash, *, split: bool,
@@ -535,6 +583,13 @@ def _to_device(value: Any, device: torch.device) -> Any:
     if isinstance(value, dict):
         return {k: _to_device(v, device) for k, v in value.items()}
     return value
+
+
+def _tracks_grad(module: nn.Module, args: Sequence[Any]) -> bool:
+    """Whether a loss computed from this stage's outputs should require grad."""
+    return any(p.requires_grad for p in module.parameters()) or any(
+        isinstance(a, torch.Tensor) and a.requires_grad for a in args
+    )
 
 
 def _dtype(name: str) -> torch.dtype:

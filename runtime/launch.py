@@ -90,12 +90,15 @@ def spawn(
                     rank, ok, payload = queue.get()
                     (results if ok else errors)[rank] = payload
                     continue
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in errors]
+                dead = [r for r, p in enumerate(procs)
+                        if p.exitcode is not None and r not in errors and r not in results]
                 if dead and queue.empty():
                     time.sleep(0.2)  # a last message may still be in flight
                     if queue.empty():
                         for r in dead:
-                            errors[r] = f"process exited with code {procs[r].exitcode}"
+                            code = procs[r].exitcode
+                            errors[r] = (f"process exited with code {code}" if code else
+                                         "process exited (code 0) without reporting a result")
                 time.sleep(0.01)
         finally:
             for proc in procs:
@@ -121,10 +124,16 @@ def _entry(
         dist.init_process_group(
             backend, init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=timeout)
         )
-        try:
-            result = fn(rank, world, *args)
-        finally:
-            dist.destroy_process_group()
-        queue.put((rank, True, result))
     except BaseException:  # report every failure to the parent, which owns the error message
         queue.put((rank, False, traceback.format_exc()))
+        return
+    try:
+        result = fn(rank, world, *args)
+    except BaseException:
+        # Reported before the group is destroyed: destroying it closes the connections, which
+        # fails the peers' waits, and the parent must hear of this rank's error first.
+        queue.put((rank, False, traceback.format_exc()))
+        return
+    finally:
+        dist.destroy_process_group()
+    queue.put((rank, True, result))

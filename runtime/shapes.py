@@ -9,7 +9,9 @@ metadata.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -57,7 +59,7 @@ def wire_shapes(gm: fx.GraphModule, inputs: Mapping[str, Any], *, method: str = 
     fake = [mode.from_tensor(inputs[n]) if isinstance(inputs[n], torch.Tensor) else inputs[n] for n in names]
     rec = _ShapeRecorder(gm)
     try:
-        with mode:
+        with mode, _quiet(_FAKE_LOG):
             rec.run(*fake)
     except Exception as e:  # any op may reject the new shapes: say why in pipecut's terms
         given = {n: tuple(v.shape) for n, v in inputs.items() if isinstance(v, torch.Tensor)}
@@ -72,6 +74,22 @@ def wire_shapes(gm: fx.GraphModule, inputs: Mapping[str, Any], *, method: str = 
             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}).{hint}"
         ) from e
     return rec.shapes
+
+
+# FakeTensorMode logs a traceback at ERROR level when an op rejects the shapes; the error we
+# raise says it better, so that log is silenced while shapes are found.
+_FAKE_LOG = "torch._subclasses.fake_tensor"
+
+
+@contextmanager
+def _quiet(name: str) -> Iterator[None]:
+    logger = logging.getLogger(name)
+    before = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(before)
 
 
 def check_fixed_dims(traced: Sequence[InputMeta], mb_inputs: Mapping[str, Any]) -> None:

@@ -32,9 +32,10 @@ from .generators import forward_only
 from .local_run import RankThreads, run_interleaved, run_threads
 from .placement import PlacementError, check_backend, placed_schedule, stage_devices
 from .schedules import Schedule
-from .shapes import check_fixed_dims, wire_shapes
+from .inputs import check_inputs, check_sizes, check_targets, shape_key
+from .shapes import wire_shapes
 from .timeline import Timeline, from_records, save_chrome_trace
-from .transport import DistTransport, LocalTransport, Transport
+from .transport import DistTransport, LocalTransport, PeerFailed, Transport
 from .validation import validate
 from .wgrad_fusion import fuse_weight_grad_accumulation
 
@@ -104,6 +105,9 @@ class PipelineTrainer:
             (``runtime.wgrad_fusion``; under split backward ``I`` records that GEMM and ``W``
             runs it). Hooks on those parameters then do not fire: pass ``False`` if you rely
             on them.
+        check_finite: raise ``LossError`` as soon as a micro-batch's loss is NaN or infinite,
+            before any optimizer step (costs one device sync per micro-batch). Off by default:
+            a NaN loss is then returned by ``step`` like any other, and the step is taken.
 
     Raises:
         PlacementError: ``S`` is not a multiple of the schedule's stages per rank, the job's
@@ -136,6 +140,7 @@ class PipelineTrainer:
         timeout: float = 300.0,
         record: bool = False,
         fuse_wgrad: bool = True,
+        check_finite: bool = False,
     ) -> None:
         self.plan = plan
         self.loss_fn = loss_fn
@@ -146,6 +151,7 @@ class PipelineTrainer:
         validate(self.schedule)
         self.timeout = timeout
         self.record = record
+        self.check_finite = check_finite
         self.mode = _resolve_mode(transport)
         self.last_peak_inflight: dict[int, int] = {}
         self.last_records: list[ActionRecord] = []
@@ -205,7 +211,15 @@ class PipelineTrainer:
         """One optimizer step over ``m`` micro-batches; returns the batch's mean loss.
 
         Raises:
+            InputError: the inputs do not match the plan (their number, a dtype, a size the
+                graph cannot run, or the targets' rows); raised before any stage runs.
             MicrobatchError: the batch does not split into ``m`` equal micro-batches.
+            StageError: a stage's forward, backward or loss raised (rank, stage, action,
+                micro-batch and model node in the message; the original as ``__cause__``).
+            LossError: ``loss_fn`` returned something other than a scalar tensor that requires
+                grad, or (``check_finite``) a non-finite loss.
+            TransportTimeout: a peer sent nothing in time; its subclass ``PeerFailed`` when a
+                peer failed first (its message quotes that rank's error).
         """
         if not self._trains:
             raise RuntimeError("this trainer has no optimizer: pass optimizer=lambda params: ... to step")
@@ -218,6 +232,7 @@ class PipelineTrainer:
     def forward_backward(self, inputs: Any, targets: Any) -> torch.Tensor:
         """Accumulate the gradients of the whole batch's loss (no optimizer step); return the loss."""
         ins = self._micro_inputs(inputs)
+        check_targets(self.plan.traced, inputs if isinstance(inputs, (tuple, list)) else (inputs,), targets)
         tgts = split_microbatches(targets, self.m, "targets")
         results = self._run(self.schedule, ins, tgts, train=True)
         self._sync_tied_grads()
@@ -352,23 +367,22 @@ class PipelineTrainer:
         return dataclasses.replace(timeline, num_ranks=self.schedule.num_ranks)
 
     def _is_example_size(self, mb_inputs: Mapping[str, Any]) -> bool:
-        key = tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else () for x in mb_inputs.values())
-        return key == tuple(tuple(meta.shape) for meta in self.plan.traced.example_inputs)
+        return shape_key(mb_inputs) == tuple(tuple(meta.shape) for meta in self.plan.traced.example_inputs)
 
     def _micro_inputs(self, inputs: Any) -> list[dict[str, Any]]:
+        """The batch cut into micro-batches, checked against the plan first (``runtime.inputs``)."""
         flat = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
         names = self.plan.input_names
-        if len(flat) != len(names):
-            raise TypeError(f"the model takes {len(names)} inputs {list(names)}, got {len(flat)}")
+        check_inputs(self.plan.traced, flat)
         per_input = [split_microbatches(x, self.m, f"input {n!r}") for n, x in zip(names, flat)]
         micro = [{n: chunks[mb] for n, chunks in zip(names, per_input)} for mb in range(self.m)]
-        check_fixed_dims(self.plan.traced.example_inputs, micro[0])
+        check_sizes(self.plan.traced, micro[0], self._shape_cache)
         return micro
 
     def _wire_shapes(self, mb_inputs: Mapping[str, Any]) -> dict[str, tuple[int, ...]] | None:
         """Wire shapes for this micro-batch size, or None when it is the plan's example size."""
         traced = self.plan.traced
-        key = tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else () for x in mb_inputs.values())
+        key = shape_key(mb_inputs)
         example = tuple(tuple(meta.shape) for meta in traced.example_inputs)
         if key == example:
             return None
@@ -380,7 +394,8 @@ class PipelineTrainer:
         out = {}
         for r in self._ranks:
             mine = {s: self.stages[s] for s in self.schedule.stages_of(r) if s in self.stages}
-            out[r] = Executor(mine, self._ios, transport, self.loss_fn, rank=r, record=self.record)
+            out[r] = Executor(mine, self._ios, transport, self.loss_fn, rank=r, record=self.record,
+                              check_finite=self.check_finite)
         return out
 
     def _run(self, schedule: Schedule, ins: list[dict[str, Any]], tgts: list[Any] | None, *, train: bool) -> list[RunResult]:
@@ -389,7 +404,13 @@ class PipelineTrainer:
             ex = self._executors(self._dist_transport)[self.rank]
             shapes = self._wire_shapes(ins[0])
             mb_shapes = {mb: shapes for mb in range(len(ins))} if shapes is not None else None
-            results = [ex.run(schedule.actions[self.rank], ins, tgts, train=train, mb_shapes=mb_shapes)]
+            try:
+                results = [ex.run(schedule.actions[self.rank], ins, tgts, train=train, mb_shapes=mb_shapes)]
+            except Exception as e:
+                # Tell the peers why they will stop hearing from this rank (the first report wins).
+                if not isinstance(e, PeerFailed):
+                    self._dist_transport.announce(e)
+                raise
         else:
             transport = LocalTransport(self.devices, self.timeout)
             exs = self._executors(transport)

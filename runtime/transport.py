@@ -365,9 +365,11 @@ class DistTransport(Transport):
             if not _CLOSED.search(str(e)):
                 raise
             who, culprit = ("a peer", "that peer") if peer is None else (f"peer rank {peer}", f"rank {peer}")
+            first = self._announced()
             raise PeerFailed(
                 f"rank {self._me} could not post {what}: {who} had already closed the connection; "
                 f"{culprit} failed or exited early, and its own error is the cause to read"
+                + (f"\n  The first rank to fail reported: {first}" if first else "")
             ) from e
 
     def _wait(self, work: dist.Work, key: Key, peer: int, *, sending: bool) -> None:
@@ -384,6 +386,14 @@ class DistTransport(Transport):
             self._waited[id(work)] = work
 
     def _wait_failed(
+        self, key: Key, peer: int, sending: bool, elapsed: float, error: RuntimeError | None
+    ) -> TransportTimeout:
+        """``_wait_error``, quoting the first failing rank's own error when one was announced."""
+        err = self._wait_error(key, peer, sending, elapsed, error)
+        first = self._announced()
+        return PeerFailed(f"{err}\n  The first rank to fail reported: {first}") if first else err
+
+    def _wait_error(
         self, key: Key, peer: int, sending: bool, elapsed: float, error: RuntimeError | None
     ) -> TransportTimeout:
         """The error for a wait on ``key`` that ended after ``elapsed`` s without its message.
@@ -428,12 +438,57 @@ class DistTransport(Transport):
             f"{culprit} failed or exited early, and its own error is the cause to read"
         )
 
+    def announce(self, error: BaseException) -> None:
+        """Record in the job's store that this rank failed with ``error`` (the first record wins).
+
+        Peers whose waits then fail (the connection closes when this process exits) or time
+        out quote it, so every rank's error names the rank that failed first and why.
+        """
+        store = _store()
+        if store is None:
+            return
+        text = f"rank {self._me} failed: {type(error).__name__}: {error}"[:_ANNOUNCED_CHARS]
+        try:
+            store.compare_set(_FAILURE_KEY, "", text)  # sets only if no rank has yet
+        except Exception:  # noqa: BLE001 - a store that is gone cannot carry the news; the error still rises
+            log.debug("could not record rank %d's failure in the store", self._me, exc_info=True)
+
+    def _announced(self) -> str:
+        """What the first failing rank recorded (see ``announce``), or ``''``."""
+        store = _store()
+        if store is None:
+            return ""
+        try:
+            if not store.check([_FAILURE_KEY]):
+                return ""
+            text = store.get(_FAILURE_KEY).decode(errors="replace")
+        except Exception:  # noqa: BLE001 - best effort: the wait's own error still rises
+            return ""
+        return "" if text.startswith(f"rank {self._me} failed") else text
+
     def close(self) -> None:
         self._sends.clear()
         self._held.clear()
         self._waited.clear()
         self._posted.clear()
         self._own.clear()
+
+
+# The store key a failing rank records its error under, and how much of the error it keeps.
+_FAILURE_KEY = "pipecut/first-failure"
+_ANNOUNCED_CHARS = 1500
+
+
+def _store() -> dist.Store | None:
+    """The default process group's key-value store (torchrun's TCPStore, a FileStore...)."""
+    # Private in torch, hence the guard: without it failures are still raised, only not quoted.
+    get = getattr(dist.distributed_c10d, "_get_default_store", None)
+    if get is None or not dist.is_initialized():
+        return None
+    try:
+        return get()  # type: ignore[no-any-return]
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def _reason(error: BaseException) -> str:

@@ -296,3 +296,18 @@ def _raise_on_rank1(rank: int, world: int) -> None:
 def test_spawn_reports_the_failing_rank_before_its_peers() -> None:
     with pytest.raises(LaunchError, match=r"rank 1 failed first:[\s\S]*ValueError: rank 1 gives up"):
         spawn(_raise_on_rank1, 2, timeout=120)
+
+
+def _exit_quietly_on_rank1(rank: int, world: int) -> int:
+    if rank == 1:
+        import os
+
+        os._exit(0)  # ends the process without reporting a result or an error
+    return rank
+
+
+@pytest.mark.multiprocess
+def test_spawn_notices_a_rank_that_exits_without_a_result() -> None:
+    with pytest.raises(LaunchError, match=r"rank\(s\) \[1\] of 2 failed; rank 1 failed first:\n"
+                                          r"process exited \(code 0\) without reporting a result"):
+        spawn(_exit_quietly_on_rank1, 2, timeout=60)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from parity import case, check_case, dist_worker, make_trainer, stages_for
 from torch import nn
 
+from runtime.errors import StageError
 from runtime.launch import spawn
 from runtime.schedules import get_schedule
 from runtime.trainer import MicrobatchError, PipelineTrainer, split_microbatches
@@ -196,8 +198,10 @@ def test_a_failing_stage_stops_the_others_quickly() -> None:
 
     c["loss"] = bad_loss
     trainer = make_trainer(c, 2, "1f1b", timeout=60)
-    with pytest.raises(ValueError, match="loss exploded"):
+    start = time.monotonic()
+    with pytest.raises(StageError, match="loss exploded") as err:  # the first error, not a peer's timeout
         trainer.forward_backward(torch.randn(8, 16), torch.randn(8, 8))
+    assert isinstance(err.value.__cause__, ValueError) and time.monotonic() - start < 30
 
 
 def test_state_dict_uses_original_names() -> None:

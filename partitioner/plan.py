@@ -231,6 +231,25 @@ class Plan:
             )
         return self._binding.traced
 
+    @property
+    def model(self) -> torch.nn.Module:
+        """The model the plan was made from or bound to (its stages hold that model's tensors).
+
+        Raises:
+            PlanMismatchError: the plan was loaded from a file and not bound yet.
+        """
+        self.traced  # noqa: B018 - raises the unbound plan's error
+        assert self._binding is not None
+        return self._binding.model
+
+    def refresh_binding(self) -> None:
+        """Re-read the bound model's tensors after some were replaced (a meta model made real),
+        so that later ``build_stages()`` calls hold the new ones."""
+        b = self._binding
+        if b is not None:
+            b.state.clear()
+            b.state.update(b.model.state_dict(keep_vars=True))
+
     def bind(self, model: torch.nn.Module, example_inputs: Sequence[Any], **trace_kwargs: Any) -> Plan:
         """Attach a model to a loaded plan, checking it is the model the plan was made for.
 
@@ -387,12 +406,13 @@ class _Binding:
     traced: TracedModel
     persistent: set[str]
     state: dict[str, torch.Tensor]  # the model's state_dict(keep_vars=True): tensors, not copies
+    model: torch.nn.Module
 
 
 def binding(traced: TracedModel, model: torch.nn.Module) -> _Binding:
-    """What a plan needs of the model it runs: the traced graph and the model's state."""
+    """What a plan needs of the model it runs: the traced graph, the model and its state."""
     state = model.state_dict(keep_vars=True)
-    return _Binding(traced, set(state), state)
+    return _Binding(traced, set(state), state, model)
 
 
 def _finite(d: dict[str, Any]) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from partitioner.plan import Plan
 from .executor import ActionRecord, Executor, RunResult, StageRuntime
 from .generators import forward_only
 from .local_run import RankThreads, run_interleaved, run_threads
+from .materialize import InitFn, materialize
 from .placement import PlacementError, check_backend, placed_schedule, stage_devices
 from .schedules import Schedule
 from .inputs import check_inputs, check_sizes, check_targets, shape_key
@@ -105,6 +106,14 @@ class PipelineTrainer:
             (``runtime.wgrad_fusion``; under split backward ``I`` records that GEMM and ``W``
             runs it). Hooks on those parameters then do not fire: pass ``False`` if you rely
             on them.
+        init_fn: for a model built on ``meta`` (``runtime.empty_weights()``): initialises the
+            tensors this process's stages hold, ``init_fn(name, module)`` per module of the
+            original model that owns some (default: the Hugging Face model's ``_init_weights``,
+            else the module's ``reset_parameters()``). Only this process's stages are allocated,
+            on their devices; see ``runtime.materialize``.
+        seed: base seed of that initialisation; values depend on it and the module names only,
+            not on the plan or the rank (``runtime.materialize.initialize`` gives a real model the
+            same weights).
         check_finite: raise ``LossError`` as soon as a micro-batch's loss is NaN or infinite,
             before any optimizer step (costs one device sync per micro-batch). Off by default:
             a NaN loss is then returned by ``step`` like any other, and the step is taken.
@@ -141,6 +150,8 @@ class PipelineTrainer:
         record: bool = False,
         fuse_wgrad: bool = True,
         check_finite: bool = False,
+        init_fn: InitFn | None = None,
+        seed: int = 0,
     ) -> None:
         self.plan = plan
         self.loss_fn = loss_fn
@@ -185,6 +196,7 @@ class PipelineTrainer:
         # Parameters several stages hold (tied weights): another thread may write their .grad.
         tied = [prm for st in staged.stages for name, prm in st.named_parameters(remove_duplicate=False)
                 if name in staged.shared_params]
+        self._materialize({s: staged.stages[s] for s in own}, init_fn, seed)
         for s in own:
             module = staged.stages[s]
             _check_materialised(module, s)
@@ -428,6 +440,19 @@ class PipelineTrainer:
         self._example_sized = self._is_example_size(ins[0]) if ins else False
         return results
 
+    def _materialize(self, own: Mapping[int, nn.Module], init_fn: InitFn | None, seed: int) -> None:
+        """Give this process's stages real tensors where the model was built on meta (only theirs)."""
+        if not any(t.is_meta for m in own.values() for _, t in _tensors(m)):
+            return
+        by_device: dict[torch.device, dict[int, nn.Module]] = {}
+        for s, module in own.items():
+            by_device.setdefault(self.devices[s], {})[s] = module
+        for device, stages in by_device.items():
+            report = materialize(self.plan.model, stages, device, init_fn=init_fn, seed=seed)
+            log.info("rank %d: stages %s materialised on %s: %d tensors, %.1f MiB", self.rank,
+                     sorted(stages), device, len(report.tensors), report.bytes / 2**20)
+        self.plan.refresh_binding()
+
     def _setup_tied(self, shared: Mapping[str, tuple[int, ...]]) -> list[tuple[list[nn.Parameter], Any]]:
         """Groups of copies of one tied parameter whose gradients must be summed."""
         groups: list[tuple[list[nn.Parameter], Any]] = []
@@ -524,9 +549,11 @@ def _check_materialised(module: nn.Module, s: int) -> None:
     meta = [n for n, t in _tensors(module) if t.is_meta]
     if meta:
         raise PipecutError(
-            f"stage {s} still has parameters on the meta device (e.g. {meta[:3]}); build the model "
-            "with real weights before training (plans can be made on meta, training needs values)"
+            f"stage {s} still has tensors on the meta device (e.g. {meta[:3]}) after materialising; "
+            "a tensor no module of the model holds cannot be initialised: pass init_fn, or build "
+            "the model under runtime.empty_weights()"
         )
+
 
 
 def _tensors(module: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:

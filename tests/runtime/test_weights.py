@@ -1,5 +1,5 @@
-"""weights.py, weight_sources.py: per-stage loading from every checkpoint layout, name mapping,
-and every refusal.
+"""weights.py, weight_sources.py, weight_export.py: per-stage loading from every checkpoint layout,
+name mapping, every refusal, and exports that load back (here and in transformers).
 
 A toy model of two stages stands for a pipeline: each "rank" loads only its stage's names and
 must touch only the files holding them.
@@ -16,9 +16,11 @@ from typing import Any
 import pytest
 import safetensors.torch
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
-from runtime import weight_sources
+from runtime import weight_export, weight_sources
 from runtime.weight_errors import (
     AmbiguousPrefixError,
     MissingWeightsError,
@@ -26,9 +28,11 @@ from runtime.weight_errors import (
     UnexpectedWeightsError,
     WeightDtypeError,
     WeightsDestinationError,
+    WeightsError,
     WeightShapeError,
     WeightsSourceError,
 )
+from runtime.weight_export import save_safetensors
 from runtime.weights import PrefixMap, checkpoint_index, detect_prefix, load_weights
 
 # --- a two-stage toy ----------------------------------------------------------------------------
@@ -435,3 +439,105 @@ def test_loads_into_cuda_destinations(kind: str, tmp_path: Path) -> None:
     for n in RANKS[1]:
         assert into[n].device.type == "cuda"
         assert torch.equal(into[n].cpu(), ref[n].to(torch.bfloat16).float())
+
+
+# --- exports -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shard_bytes", [10**9, 200])
+def test_save_then_load_round_trip(shard_bytes: int, tmp_path: Path) -> None:
+    ref = _toy_state()
+    report = save_safetensors(ref, tmp_path, max_shard_bytes=shard_bytes, metadata={"by": "test"})
+    files = sorted(p.name for p in tmp_path.iterdir())
+    if shard_bytes > 1000:
+        assert files == ["model.safetensors"]
+    else:
+        assert "model.safetensors.index.json" in files and len(files) > 3
+        index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+        assert index["metadata"]["total_size"] == report.total_bytes == sum(t.numel() * 4 for t in ref.values())
+    for mine in RANKS.values():
+        into = _dests(mine, ref)
+        load_weights(tmp_path, into, names=ref)
+        assert all(torch.equal(into[n], ref[n]) for n in mine)
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 40), min_size=1, max_size=8),
+    limit=st.integers(1, 400),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.int64]),
+)
+def test_round_trip_any_shard_size(sizes: list[int], limit: int, dtype: torch.dtype) -> None:
+    import tempfile
+
+    tensors = {f"t.{i}": torch.arange(n).to(dtype) for i, n in enumerate(sizes)}
+    with tempfile.TemporaryDirectory() as out:
+        report = save_safetensors(tensors, out, max_shard_bytes=limit)
+        per_file: dict[str, list[int]] = {}
+        for info in checkpoint_index(out).values():
+            per_file.setdefault(info.files[0], []).append(info.nbytes)
+        assert len(per_file) == len(report.files) - (len(report.files) > 1)  # shards, then the index
+        assert all(sum(sizes) <= limit or len(sizes) == 1 for sizes in per_file.values())
+        back = {k: torch.full_like(t, 7) for k, t in tensors.items()}
+        load_weights(out, back, names=tensors)
+        assert all(torch.equal(back[k], tensors[k]) for k in tensors)
+        assert not [p for p in os.listdir(out) if p.startswith(".pipecut")]
+
+
+@pytest.mark.parametrize("tie", [False, True])
+@pytest.mark.parametrize("shard_bytes", [10**9, 20_000])
+def test_export_loads_in_transformers(tie: bool, shard_bytes: int, tmp_path: Path) -> None:
+    from partitioner.trace import CausalLMLogits
+
+    transformers = pytest.importorskip("transformers")
+    model = _llama(tie, seed=3)
+    model.config.save_pretrained(tmp_path)
+    report = save_safetensors(CausalLMLogits(model).state_dict(), tmp_path, prefix="model.",
+                              max_shard_bytes=shard_bytes)
+    assert dict(report.tied) == ({"model.lm_head.weight": "model.model.embed_tokens.weight"} if tie else {})
+    back = transformers.LlamaForCausalLM.from_pretrained(tmp_path)
+    ours, theirs = model.state_dict(), back.state_dict()
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_export_is_atomic_and_refuses_to_overwrite(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ref = _toy_state()
+    save_safetensors(ref, tmp_path)
+    with pytest.raises(WeightsError, match="already holds a checkpoint.*overwrite=True"):
+        save_safetensors(ref, tmp_path)
+    real = os.replace
+
+    def crash_on_index(src: Any, dst: Any) -> None:
+        if str(dst).endswith(".index.json"):
+            raise OSError("disk full")
+        real(src, dst)
+
+    monkeypatch.setattr(weight_export.os, "replace", crash_on_index)
+    with pytest.raises(OSError, match="disk full"):
+        save_safetensors(ref, tmp_path, max_shard_bytes=200, overwrite=True)
+    # The shards are in place, but without their index nothing loads as a whole checkpoint.
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".pipecut")]
+    with pytest.raises(WeightsSourceError, match="no index: an interrupted export"):
+        load_weights(tmp_path, {}, names=ref)
+    monkeypatch.setattr(weight_export.os, "replace", real)
+    save_safetensors(ref, tmp_path, max_shard_bytes=200, overwrite=True)
+    assert set(checkpoint_index(tmp_path)) == set(ref)
+
+
+def test_export_refusals(tmp_path: Path) -> None:
+    with pytest.raises(WeightsError, match="lacking the prefix 'model.'"):
+        save_safetensors({"x": torch.ones(1)}, tmp_path, prefix="model.")
+    with pytest.raises(WeightsError, match="meta device"):
+        save_safetensors({"x": torch.empty(1, device="meta")}, tmp_path)
+
+
+def test_export_views_of_one_buffer(tmp_path: Path) -> None:
+    """Slices and transposes of one tensor share memory, which safetensors refuses; they are copied."""
+    base = torch.arange(12.0).reshape(3, 4)
+    tensors = {"a": base[0], "b": base[1:], "c": base.t()}
+    save_safetensors(tensors, tmp_path)
+    back = {k: torch.zeros_like(t) for k, t in tensors.items()}
+    load_weights(tmp_path, back, names=tensors)
+    assert all(torch.equal(back[k], tensors[k]) for k in tensors)
+

@@ -40,6 +40,27 @@ from .transport import (
     TransportTimeout,
 )
 from .validation import format_grid, peak_inflight, peak_inflight_per_rank, validate
+from .weight_errors import (
+    AmbiguousPrefixError,
+    MissingWeightsError,
+    PartialLoadError,
+    UnexpectedWeightsError,
+    WeightDtypeError,
+    WeightProblem,
+    WeightsDestinationError,
+    WeightsError,
+    WeightShapeError,
+    WeightsSourceError,
+)
+from .weight_export import SaveReport, save_safetensors
+from .weights import (
+    LoadReport,
+    PrefixMap,
+    TensorInfo,
+    checkpoint_index,
+    detect_prefix,
+    load_weights,
+)
 from .zero_bubble import zbh1, zbv
 
 __all__ = [
@@ -98,4 +119,22 @@ __all__ = [
     "save_chrome_trace",
     "save_gantt_png",
     "to_chrome_trace",
+    "load_weights",
+    "checkpoint_index",
+    "detect_prefix",
+    "save_safetensors",
+    "LoadReport",
+    "SaveReport",
+    "PrefixMap",
+    "TensorInfo",
+    "WeightsError",
+    "WeightProblem",
+    "MissingWeightsError",
+    "UnexpectedWeightsError",
+    "WeightShapeError",
+    "WeightDtypeError",
+    "AmbiguousPrefixError",
+    "WeightsSourceError",
+    "WeightsDestinationError",
+    "PartialLoadError",
 ]

@@ -7,6 +7,7 @@ from .errors import LossError, StageError
 from .executor import ActionRecord, Executor, RunResult, StageRuntime
 from .generators import forward_only, gpipe, interleaved, one_f_one_b
 from .launch import LaunchError, spawn
+from .materialize import MaterializeError, empty_weights, initialize, materialize
 from .placement import PlacementError
 from .schedules import (
     Action,
@@ -55,6 +56,7 @@ from .weight_errors import (
 from .weight_export import SaveReport, save_safetensors
 from .weights import (
     LoadReport,
+    Weights,
     PrefixMap,
     TensorInfo,
     checkpoint_index,
@@ -124,6 +126,11 @@ __all__ = [
     "detect_prefix",
     "save_safetensors",
     "LoadReport",
+    "Weights",
+    "empty_weights",
+    "materialize",
+    "initialize",
+    "MaterializeError",
     "SaveReport",
     "PrefixMap",
     "TensorInfo",

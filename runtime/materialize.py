@@ -85,7 +85,7 @@ class MaterializeReport:
         tensors: names of the tensors made real (one name per tensor).
         bytes: bytes allocated.
         initialised: per module name, the initialiser used (``'init_fn'``, ``'hf'``,
-            ``'reset_parameters'``).
+            ``'reset_parameters'``), or ``'checkpoint'`` when ``will_load`` covers all its tensors.
     """
 
     tensors: list[str] = field(default_factory=list)
@@ -115,7 +115,8 @@ def materialize(
             original model's module ``name``; default: the Hugging Face ``_init_weights`` or the
             module's ``reset_parameters()``.
         seed: base seed; each module's generator is seeded from it and the module's name.
-        will_load: names a checkpoint will fill next: not an error if no initialiser wrote them.
+        will_load: names a checkpoint will fill next: not an error if no initialiser wrote them,
+            and a module whose materialised tensors are all among them is not initialised.
 
     Returns:
         A :class:`MaterializeReport`.
@@ -170,8 +171,13 @@ def materialize(
             for mod_name, mod in stages[s].named_modules():
                 if any(id(t) in fresh for t in _own_tensors(mod)):
                     owners.setdefault(mod_name, mod)
-    _init_modules(model, owners, init_fn, seed, device, report)
     later = set(will_load)
+    # A module whose own tensors a checkpoint fills next needs no initialisation (that is most
+    # of a big model: random init of billions of weights to be overwritten is wasted time).
+    loaded = {name for name, mod in owners.items()
+              if all(f"{name}.{k}".lstrip(".") in later for k, t in _own_items(mod) if id(t) in fresh)}
+    _init_modules(model, {n: m for n, m in owners.items() if n not in loaded}, init_fn, seed, device, report)
+    report.initialised.update({name: "checkpoint" for name in loaded})
     known = {name for name, _ in _named_tensors(model)} if model is not None else set()
     _check_written({k: t for k, t in made.items() if not later & set(names[k])}, names, owners, known)
     del keep
@@ -196,6 +202,11 @@ def initialize(model: nn.Module, *, init_fn: InitFn | None = None, seed: int = 0
 def _named_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     yield from module.named_parameters(remove_duplicate=False)
     yield from module.named_buffers(remove_duplicate=False)
+
+
+def _own_items(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from ((k, t) for k, t in module._parameters.items() if t is not None)
+    yield from ((k, t) for k, t in module._buffers.items() if t is not None)
 
 
 def _own_tensors(module: nn.Module) -> Iterator[torch.Tensor]:

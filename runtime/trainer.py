@@ -16,7 +16,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ from .shapes import wire_shapes
 from .timeline import Timeline, from_records, save_chrome_trace
 from .transport import DistTransport, LocalTransport, PeerFailed, Transport
 from .validation import validate
+from .weights import LoadReport, Weights, load_weights
 from .wgrad_fusion import fuse_weight_grad_accumulation
 
 __all__ = ["PipelineTrainer", "MicrobatchError", "split_microbatches"]
@@ -111,6 +112,9 @@ class PipelineTrainer:
             original model that owns some (default: the Hugging Face model's ``_init_weights``,
             else the module's ``reset_parameters()``). Only this process's stages are allocated,
             on their devices; see ``runtime.materialize``.
+        weights: a checkpoint to load this process's stages from (a path, or
+            ``runtime.weights.Weights(path, prefix=..., cast=...)``); see :meth:`load_weights`.
+            With a meta model, only tensors the checkpoint does not hold are initialised.
         seed: base seed of that initialisation; values depend on it and the module names only,
             not on the plan or the rank (``runtime.materialize.initialize`` gives a real model the
             same weights).
@@ -152,6 +156,7 @@ class PipelineTrainer:
         check_finite: bool = False,
         init_fn: InitFn | None = None,
         seed: int = 0,
+        weights: str | os.PathLike[str] | Weights | None = None,
     ) -> None:
         self.plan = plan
         self.loss_fn = loss_fn
@@ -196,7 +201,10 @@ class PipelineTrainer:
         # Parameters several stages hold (tied weights): another thread may write their .grad.
         tied = [prm for st in staged.stages for name, prm in st.named_parameters(remove_duplicate=False)
                 if name in staged.shared_params]
-        self._materialize({s: staged.stages[s] for s in own}, init_fn, seed)
+        if weights is not None and not isinstance(weights, Weights):
+            weights = Weights(weights)
+        mine = {s: staged.stages[s] for s in own}
+        self._materialize(mine, init_fn, seed, _persistent_names(mine.values()) if weights is not None else ())
         for s in own:
             module = staged.stages[s]
             _check_materialised(module, s)
@@ -216,6 +224,8 @@ class PipelineTrainer:
             DistTransport(self.schedule.stage_to_rank, timeout) if self.mode == "dist" else None
         )
         self._threads: RankThreads | None = None  # transport='local': started at the first step
+        if weights is not None:
+            self.load_weights(weights)
 
     # -- public API -----------------------------------------------------------------------
 
@@ -302,6 +312,38 @@ class PipelineTrainer:
         for s in sorted(self.stages):
             out.update(self.stages[s].module.state_dict())
         return out
+
+    def load_weights(self, weights: str | os.PathLike[str] | Weights) -> LoadReport:
+        """Copy this process's stages' tensors from a checkpoint, reading only those.
+
+        ``weights`` is a path (a ``.safetensors`` file, a sharded Hugging Face directory or its
+        ``model.safetensors.index.json``, a ``torch.save`` file, or a torch.distributed.checkpoint
+        directory) or a :class:`~runtime.weights.Weights` with options (name prefix, ``cast``,
+        ``strict``). Names are the original model's; a tied weight may be stored under any of
+        its names. Every name, shape and dtype is checked before any data is copied.
+
+        Raises:
+            WeightsError: a missing or unexpected key, a shape or dtype mismatch (typed
+                subclasses name the key, the stage and the fix); see ``runtime.weights``.
+        """
+        spec = weights if isinstance(weights, Weights) else Weights(weights)
+        into: dict[str, torch.Tensor] = {}
+        stage_of: dict[str, int] = {}
+        for s in sorted(self.stages):  # a tied weight copied per device: the first stage's copy
+            for name, t in self.stages[s].module.state_dict(keep_vars=True).items():
+                into.setdefault(name, t)
+                stage_of.setdefault(name, s)
+        report = load_weights(
+            spec.source, into, names=list(self.plan.model.state_dict(keep_vars=True)),
+            aliases=self.plan.param_aliases, stage_of=stage_of, prefix=spec.prefix, cast=spec.cast,
+            strict=spec.strict,
+        )
+        with torch.no_grad():
+            for copies, group in self._tied:
+                if group is None:  # in one process, copies on other devices follow the first
+                    for c in copies[1:]:
+                        c.copy_(copies[0])
+        return report
 
     def timeline(self) -> Timeline:
         """The last run as measured in this process: a :class:`~runtime.timeline.Timeline`.
@@ -440,7 +482,9 @@ class PipelineTrainer:
         self._example_sized = self._is_example_size(ins[0]) if ins else False
         return results
 
-    def _materialize(self, own: Mapping[int, nn.Module], init_fn: InitFn | None, seed: int) -> None:
+    def _materialize(
+        self, own: Mapping[int, nn.Module], init_fn: InitFn | None, seed: int, will_load: Collection[str]
+    ) -> None:
         """Give this process's stages real tensors where the model was built on meta (only theirs)."""
         if not any(t.is_meta for m in own.values() for _, t in _tensors(m)):
             return
@@ -448,7 +492,7 @@ class PipelineTrainer:
         for s, module in own.items():
             by_device.setdefault(self.devices[s], {})[s] = module
         for device, stages in by_device.items():
-            report = materialize(self.plan.model, stages, device, init_fn=init_fn, seed=seed)
+            report = materialize(self.plan.model, stages, device, init_fn=init_fn, seed=seed, will_load=will_load)
             log.info("rank %d: stages %s materialised on %s: %d tensors, %.1f MiB", self.rank,
                      sorted(stages), device, len(report.tensors), report.bytes / 2**20)
         self.plan.refresh_binding()
@@ -543,6 +587,11 @@ def _comm_device() -> torch.device:
 def _param(module: nn.Module, name: str) -> nn.Parameter:
     """A parameter by any of its names (a tied weight has several; named_parameters() shows one)."""
     return dict(module.named_parameters(remove_duplicate=False))[name]
+
+
+def _persistent_names(modules: Iterable[nn.Module]) -> set[str]:
+    """Names of the tensors a checkpoint holds for these stages (their state_dicts' keys)."""
+    return {name for m in modules for name in m.state_dict(keep_vars=True)}
 
 
 def _check_materialised(module: nn.Module, s: int) -> None:

@@ -37,7 +37,7 @@ from .weight_errors import (
 )
 from .weight_sources import Source, TensorInfo, open_source
 
-__all__ = ["LoadReport", "PrefixMap", "TensorInfo", "checkpoint_index", "detect_prefix", "load_weights"]
+__all__ = ["LoadReport", "PrefixMap", "TensorInfo", "Weights", "checkpoint_index", "detect_prefix", "load_weights"]
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +139,20 @@ def checkpoint_index(source: PathLike) -> dict[str, TensorInfo]:
     """
     with open_source(source) as src:
         return src.info(src.keys())
+
+
+@dataclass(frozen=True)
+class Weights:
+    """A checkpoint to load a trainer's stages from, with :func:`load_weights`'s options.
+
+    ``PipelineTrainer(plan, ..., weights=Weights("ckpt/", cast=True))``; a plain path means the
+    defaults.
+    """
+
+    source: PathLike
+    prefix: str | PrefixMap | None = None
+    cast: bool = False
+    strict: bool = True
 
 
 def load_weights(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -159,14 +160,19 @@ def _lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
 
 
-def _train_meta(rank: int, world: int) -> dict[str, object]:
+def _train_meta(rank: int, world: int, weights: str | None = None) -> dict[str, object]:
+    """One step of a meta-built GPT-2 on ``world`` stages, initialised (seed 11) or loaded from
+    ``weights`` (a checkpoint of the real twin, whose gradients are the reference either way)."""
     from parity import check_grads, reference
     from runtime import PipelineTrainer
 
     model, ref, x, y = _meta_gpt2_case(world)
+    if weights is not None:
+        ref.load_state_dict(torch.load(weights + "/twin.pt", weights_only=True))
     plan = partition(model, (x[:2],), world, microbatches=4)
     transport = "dist" if torch.distributed.is_initialized() else "local"
-    trainer = PipelineTrainer(plan, _lm_loss, schedule="1f1b", transport=transport, seed=11, timeout=60)
+    trainer = PipelineTrainer(plan, _lm_loss, schedule="1f1b", transport=transport, seed=11, timeout=60,
+                              weights=weights)
     loss = trainer.forward_backward(x, y)
     want_loss, want = reference(ref, _lm_loss, (x,), y)
     torch.testing.assert_close(loss, want_loss)
@@ -193,3 +199,28 @@ def test_over_gloo_each_rank_allocates_only_its_own_stages() -> None:
     model, _, _, _ = _meta_gpt2_case(2)
     every = {n for n, p in model.named_parameters()}
     assert set(results[0]["checked"]) | set(results[1]["checked"]) >= every
+
+
+def _checkpoint_of_a_twin(directory: Path) -> str:
+    """Sharded safetensors of a GPT-2 twin with other weights than seed 11 gives (and a torch copy)."""
+    from runtime import save_safetensors
+
+    _, twin, _, _ = _meta_gpt2_case(2)
+    initialize(twin, seed=99)
+    state = twin.state_dict()
+    save_safetensors(state, directory, max_shard_bytes=40_000)
+    torch.save(state, directory / "twin.pt")
+    assert len(list(directory.glob("*.safetensors"))) > 1
+    return str(directory)
+
+
+@pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.multiprocess)])
+def test_the_trainer_loads_its_stages_from_a_sharded_checkpoint(tmp_path: Path, world: int) -> None:
+    source = _checkpoint_of_a_twin(tmp_path)
+    if world == 1:
+        out = _train_meta(0, 2, source)
+    else:
+        from runtime.launch import spawn
+
+        out = spawn(_train_meta, 2, source, timeout=240)[0]
+    assert out["real"] == out["held"] and out["checked"]

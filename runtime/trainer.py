@@ -27,6 +27,7 @@ from torch import nn
 from partitioner.errors import PipecutError
 from partitioner.plan import Plan
 
+from . import checkpoint
 from .executor import ActionRecord, Executor, RunResult, StageRuntime
 from .generators import forward_only
 from .local_run import RankThreads, run_interleaved, run_threads
@@ -35,6 +36,7 @@ from .placement import PlacementError, check_backend, placed_schedule, stage_dev
 from .schedules import Schedule
 from .inputs import check_inputs, check_sizes, check_targets, shape_key
 from .shapes import wire_shapes
+from .tied import TiedGroup, copy_tied_values, sum_tied_grads, tie_copies
 from .timeline import Timeline, from_records, save_chrome_trace
 from .transport import DistTransport, LocalTransport, PeerFailed, Transport
 from .validation import validate
@@ -46,6 +48,7 @@ __all__ = ["PipelineTrainer", "MicrobatchError", "split_microbatches"]
 log = logging.getLogger(__name__)
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
 
 
 class MicrobatchError(PipecutError, ValueError):
@@ -112,6 +115,8 @@ class PipelineTrainer:
             original model that owns some (default: the Hugging Face model's ``_init_weights``,
             else the module's ``reset_parameters()``). Only this process's stages are allocated,
             on their devices; see ``runtime.materialize``.
+        lr_scheduler: called with the optimizer, e.g. ``lambda opt: LambdaLR(opt, warmup)``;
+            stepped after every optimizer step (``None`` on a rank without parameters).
         weights: a checkpoint to load this process's stages from (a path, or
             ``runtime.weights.Weights(path, prefix=..., cast=...)``); see :meth:`load_weights`.
             With a meta model, only tensors the checkpoint does not hold are initialised.
@@ -157,6 +162,7 @@ class PipelineTrainer:
         init_fn: InitFn | None = None,
         seed: int = 0,
         weights: str | os.PathLike[str] | Weights | None = None,
+        lr_scheduler: SchedulerFactory | None = None,
     ) -> None:
         self.plan = plan
         self.loss_fn = loss_fn
@@ -212,13 +218,17 @@ class PipelineTrainer:
                 fuse_weight_grad_accumulation(module, skip=tied)  # in place: a fresh stage module
             self.stages[s] = StageRuntime(s, module, ios[s], self.devices[s])
         self._ios = ios
-        self._tied = self._setup_tied(staged.shared_params)
+        self._tied = tie_copies(staged.shared_params, {s: st.module for s, st in self.stages.items()},
+                                self.devices, self.schedule.stage_to_rank, self.rank if self.mode == "dist" else None,
+                                _comm_device)
         for st in self.stages.values():
             st.module.to(st.device)
         params = list(self.parameters())
         self._trains = optimizer is not None
         # A stage may hold no parameters (only reshapes, say): it has nothing to update.
         self.optimizer = optimizer(params) if optimizer is not None and params else None
+        self.scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None and self.optimizer else None
+        self.step_count = 0  # optimizer steps taken (saved and restored by checkpoints)
         self._shape_cache: dict[tuple[tuple[int, ...], ...], dict[str, tuple[int, ...]]] = {}
         self._dist_transport = (
             DistTransport(self.schedule.stage_to_rank, timeout) if self.mode == "dist" else None
@@ -249,6 +259,9 @@ class PipelineTrainer:
         loss = self.forward_backward(inputs, targets)
         if self.optimizer is not None:
             self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.step_count += 1
         return loss
 
     def forward_backward(self, inputs: Any, targets: Any) -> torch.Tensor:
@@ -257,7 +270,7 @@ class PipelineTrainer:
         check_targets(self.plan.traced, inputs if isinstance(inputs, (tuple, list)) else (inputs,), targets)
         tgts = split_microbatches(targets, self.m, "targets")
         results = self._run(self.schedule, ins, tgts, train=True)
-        self._sync_tied_grads()
+        sum_tied_grads(self._tied, _comm_device)
         loss = torch.zeros((), dtype=torch.float32)
         for res in results:
             for v in res.losses.values():
@@ -313,6 +326,34 @@ class PipelineTrainer:
             out.update(self.stages[s].module.state_dict())
         return out
 
+    def save(self, directory: str | os.PathLike[str]) -> Path:
+        """Save a checkpoint: model, optimizer and scheduler state, step and RNG states.
+
+        A torch.distributed.checkpoint directory keyed by the original model's names, so it
+        loads under any plan, schedule or world size, and into the plain model
+        (``runtime.checkpoint.load_model``). Written beside ``directory`` and renamed into place
+        when every rank is done: a crash midway never leaves something that loads as a whole
+        checkpoint. Collective under torch.distributed. See ``runtime.checkpoint``.
+        """
+        return checkpoint.save(self, directory)
+
+    def load(self, directory: str | os.PathLike[str], *, optimizer: bool = True) -> None:
+        """Resume from a checkpoint written by :meth:`save`, under this or any other plan.
+
+        With the same plan and world size, training continues bitwise as if never stopped
+        (weights, optimizer and scheduler state, step, RNG states). ``optimizer=False`` reads
+        the weights and step only. Collective under torch.distributed.
+
+        Raises:
+            CheckpointError: not a checkpoint, or it lacks an entry this trainer needs.
+        """
+        checkpoint.load(self, directory, optimizer=optimizer)
+
+    def export_safetensors(self, directory: str | os.PathLike[str], *, prefix: str = "") -> Path:
+        """Write the weights as a Hugging Face safetensors folder (a shard per rank and an index);
+        ``prefix`` is removed from the names (``'model.'`` under ``CausalLMLogits``). Collective."""
+        return checkpoint.export_safetensors(self, directory, prefix=prefix)
+
     def load_weights(self, weights: str | os.PathLike[str] | Weights) -> LoadReport:
         """Copy this process's stages' tensors from a checkpoint, reading only those.
 
@@ -338,12 +379,13 @@ class PipelineTrainer:
             aliases=self.plan.param_aliases, stage_of=stage_of, prefix=spec.prefix, cast=spec.cast,
             strict=spec.strict,
         )
-        with torch.no_grad():
-            for copies, group in self._tied:
-                if group is None:  # in one process, copies on other devices follow the first
-                    for c in copies[1:]:
-                        c.copy_(copies[0])
+        self.sync_tied_copies()
         return report
+
+    def sync_tied_copies(self) -> None:
+        """In one process, give copies of a tied weight on other devices the first copy's values
+        and optimizer state (after loading weights or a checkpoint into the first)."""
+        copy_tied_values(self._tied, self.optimizer)
 
     def timeline(self) -> Timeline:
         """The last run as measured in this process: a :class:`~runtime.timeline.Timeline`.
@@ -497,63 +539,6 @@ class PipelineTrainer:
                      sorted(stages), device, len(report.tensors), report.bytes / 2**20)
         self.plan.refresh_binding()
 
-    def _setup_tied(self, shared: Mapping[str, tuple[int, ...]]) -> list[tuple[list[nn.Parameter], Any]]:
-        """Groups of copies of one tied parameter whose gradients must be summed."""
-        groups: list[tuple[list[nn.Parameter], Any]] = []
-        for name, holders in sorted(shared.items()):
-            if self.mode == "dist":
-                ranks = sorted({self.schedule.stage_to_rank[s] for s in holders})
-                if len(ranks) < 2:
-                    continue
-                group = dist.new_group(ranks)  # every rank calls new_group, in the same order
-                if self.rank in ranks:
-                    copies = [_param(self.stages[s].module, name) for s in holders if s in self.stages]
-                    prm = copies[0]
-                    with torch.no_grad():  # start from identical values on every holder
-                        buf = prm.data.to(_comm_device())
-                        dist.broadcast(buf, src=ranks[0], group=group)
-                        prm.data.copy_(buf.to(prm.device))
-                    groups.append(([prm], group))
-            else:
-                devs = {self.devices[s] for s in holders}
-                if len(devs) > 1:
-                    groups.append((self._untie_across_devices(name, holders), None))
-        return groups
-
-    def _untie_across_devices(self, name: str, holders: Sequence[int]) -> list[nn.Parameter]:
-        # One Parameter cannot live on two devices: each holder on another device than the first
-        # gets its own copy (under every alias), kept equal by summing gradients before each step.
-        module0 = self.stages[holders[0]].module
-        first = _param(module0, name)
-        copies = [first]
-        for s in holders[1:]:
-            if self.devices[s] == self.devices[holders[0]]:
-                continue
-            module = self.stages[s].module
-            clone = nn.Parameter(first.detach().clone(), requires_grad=first.requires_grad)
-            for alias, prm in list(module.named_parameters(remove_duplicate=False)):
-                if prm is first:
-                    owner_name, _, leaf = alias.rpartition(".")
-                    setattr(module.get_submodule(owner_name) if owner_name else module, leaf, clone)
-            copies.append(clone)
-        return copies
-
-    def _sync_tied_grads(self) -> None:
-        for copies, group in self._tied:
-            if group is not None:
-                prm = copies[0]
-                g = prm.grad if prm.grad is not None else torch.zeros_like(prm)
-                buf = g.to(_comm_device())
-                dist.all_reduce(buf, group=group)
-                prm.grad = buf.to(prm.device)
-            else:
-                grads = [c.grad for c in copies if c.grad is not None]
-                if not grads:
-                    continue
-                total = sum(g.to(copies[0].device) for g in grads)
-                for c in copies:
-                    c.grad = total.to(c.device).clone()
-
 
 def _resolve_mode(transport: str) -> str:
     if transport not in ("auto", "local", "sequential", "dist"):
@@ -582,11 +567,6 @@ def _default_device() -> torch.device:
 
 def _comm_device() -> torch.device:
     return _default_device() if dist.is_initialized() else torch.device("cpu")
-
-
-def _param(module: nn.Module, name: str) -> nn.Parameter:
-    """A parameter by any of its names (a tied weight has several; named_parameters() shows one)."""
-    return dict(module.named_parameters(remove_duplicate=False))[name]
 
 
 def _persistent_names(modules: Iterable[nn.Module]) -> set[str]:

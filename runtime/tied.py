@@ -1,0 +1,131 @@
+"""Tied parameters held by several stages: one tensor per rank and device, equal copies across.
+
+Legend: ``s`` a stage index. A tied parameter (GPT-2's input and output embedding) is read by
+every stage that holds one of its names. The stages of one rank on one device share the tensor
+(one thread runs them in a fixed order). Across ranks each has its own copy: in one process
+too, since a tensor cannot live on two devices, and two rank threads adding into one ``.grad``
+would add in thread order, so the sums would differ in the last bits from run to run. Either way the copies start equal,
+their gradients are summed before every optimizer step (:func:`sum_tied_grads`), and so they stay
+equal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["TiedGroup", "tie_copies", "sum_tied_grads", "copy_tied_values"]
+
+# The copies of one tied parameter this process holds, and the process group of the ranks that
+# hold one (``None``: all copies are in this process, on different devices).
+TiedGroup = tuple[list[nn.Parameter], "dist.ProcessGroup | None"]
+
+
+def tie_copies(
+    shared: Mapping[str, tuple[int, ...]],
+    modules: Mapping[int, nn.Module],
+    devices: Mapping[int, torch.device],
+    stage_to_rank: Sequence[int],
+    rank: int | None,
+    comm_device: Callable[[], torch.device],
+) -> list[TiedGroup]:
+    """The groups of copies whose gradients must be summed, making the copies that are needed.
+
+    Args:
+        shared: tied parameter name -> the stages holding it (``StagedModel.shared_params``).
+        modules: this process's stage modules by stage.
+        devices: each of this process's stages' device.
+        stage_to_rank: rank of every stage.
+        rank: this rank under torch.distributed (every rank must call this, in the same order:
+            it creates process groups), or ``None`` in one process.
+        comm_device: where collectives run (the rank's GPU on NCCL, else the CPU).
+    """
+    groups: list[TiedGroup] = []
+    for name, holders in sorted(shared.items()):
+        if rank is not None:
+            ranks = sorted({stage_to_rank[s] for s in holders})
+            if len(ranks) < 2:
+                continue
+            group = dist.new_group(ranks)  # every rank calls new_group, in the same order
+            if rank in ranks:
+                prm = [_param(modules[s], name) for s in holders if s in modules][0]
+                with torch.no_grad():  # start from identical values on every holder
+                    buf = prm.data.to(comm_device())
+                    dist.broadcast(buf, src=ranks[0], group=group)
+                    prm.data.copy_(buf.to(prm.device))
+                groups.append(([prm], group))
+        elif len({(devices[s], stage_to_rank[s]) for s in holders}) > 1:
+            groups.append((_untie(name, holders, modules, devices, stage_to_rank), None))
+    return groups
+
+
+def sum_tied_grads(groups: Sequence[TiedGroup], comm_device: Callable[[], torch.device]) -> None:
+    """Give every copy of each tied parameter the sum of all copies' gradients."""
+    for copies, group in groups:
+        if group is not None:
+            prm = copies[0]
+            g = prm.grad if prm.grad is not None else torch.zeros_like(prm)
+            buf = g.to(comm_device())
+            dist.all_reduce(buf, group=group)
+            prm.grad = buf.to(prm.device)
+        else:
+            grads = [c.grad for c in copies if c.grad is not None]
+            if not grads:
+                continue
+            total = sum(g.to(copies[0].device) for g in grads)
+            for c in copies:
+                c.grad = total.to(c.device).clone()
+
+
+def copy_tied_values(groups: Sequence[TiedGroup], optimizer: torch.optim.Optimizer | None) -> None:
+    """In one process, copies on other devices take the first copy's values and optimizer state."""
+    with torch.no_grad():
+        for copies, group in groups:
+            if group is not None:
+                continue
+            first = copies[0]
+            for c in copies[1:]:
+                c.copy_(first)
+                if optimizer is None or first not in optimizer.state:
+                    continue
+                mine = optimizer.state.setdefault(c, {})
+                for key, value in optimizer.state[first].items():
+                    if isinstance(value, torch.Tensor):
+                        mine[key] = value.to(c.device if value.dim() else value.device, copy=True)
+                    else:
+                        mine[key] = value
+
+
+def _untie(
+    name: str, holders: Sequence[int], modules: Mapping[int, nn.Module], devices: Mapping[int, torch.device],
+    stage_to_rank: Sequence[int],
+) -> list[nn.Parameter]:
+    # One Parameter cannot live on two devices, and two rank threads adding into one .grad add
+    # in whichever order the threads run (float sums then differ from run to run). So each
+    # (device, rank) holding the weight other than the first holder's gets its own copy (under
+    # every alias), kept equal by summing gradients, in stage order, before each step.
+    first = _param(modules[holders[0]], name)
+    copies = [first]
+    made: dict[tuple[torch.device, int], nn.Parameter] = {(devices[holders[0]], stage_to_rank[holders[0]]): first}
+    for s in holders[1:]:
+        key = (devices[s], stage_to_rank[s])
+        if key not in made:
+            made[key] = nn.Parameter(first.detach().clone(), requires_grad=first.requires_grad)
+            copies.append(made[key])
+        clone = made[key]
+        if clone is first:
+            continue
+        module = modules[s]
+        for alias, prm in list(module.named_parameters(remove_duplicate=False)):
+            if prm is first:
+                owner_name, _, leaf = alias.rpartition(".")
+                setattr(module.get_submodule(owner_name) if owner_name else module, leaf, clone)
+    return copies
+
+
+def _param(module: nn.Module, name: str) -> nn.Parameter:
+    """A parameter by any of its names (a tied weight has several; named_parameters() shows one)."""
+    return dict(module.named_parameters(remove_duplicate=False))[name]

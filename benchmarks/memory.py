@@ -1,6 +1,6 @@
 """Benchmark: train a model several times larger than any rank may hold, each rank loading only its stages.
 
-Run (CPU, 8 gloo ranks of one thread each; about 8 minutes on a 2-core machine; needs about 16 GiB
+Run (CPU, 8 gloo ranks of one thread each; about 5 minutes on a 2-core machine; needs about 16 GiB
 of free memory and 7 GB of disk; writes ``benchmarks/results/memory.json``)::
 
     python benchmarks/memory.py
@@ -27,20 +27,21 @@ momentum, plus saved activations x micro-batches in flight), peak RSS (VmHWM of
 ``/proc/self/status``) after loading and after the step, the load time (the trainer's
 construction: cut the stages, materialise them, read the checkpoint; the read alone as ``read``)
 and the step time. An idle rank (torch imported, process group joined) holds about 0.25 GiB and
-planning adds about 0.1 GiB: that is what the 0.5 GiB of the first target allows for. Targets, checked (exit status 1 when missed):
+planning adds about 0.1 GiB: that is what the 0.5 GiB of the first target allows for. Targets,
+checked (exit status 1 when missed):
 
 * every rank's peak <= 1.2 x its stages' estimate + 0.5 GiB;
 * the model's bytes >= 3 x the largest rank's peak.
 
 Why 8 ranks and 6 GiB on this 2-core, 24 GiB machine. With SGD a rank holds its share of the
 weights and as much again in gradients, so a rank's peak is about ``2 M / p + b`` (``M`` the
-model's bytes, ``p`` ranks, ``b`` ~0.35 GiB idle); ``M >= 3 x peak`` needs ``p > 6`` (4 ranks can
-reach only ``M / peak < 2``). All ranks run at once, so their peaks add up to ``2 M + p b``,
-which must stay under ~18 GiB beside other jobs: ``M <= 7.6 GiB`` at ``p = 8``. 96 layers (6 GiB,
-~15 GiB in all) leave room, with ``M / peak`` about 3.2. Loading adds a transient of its own: the
-checkpoint's pages the rank reads stay mapped (``safe_open``) until loading ends, so the peak
-after loading is also about ``b + 2 x`` the rank's weights; the table shows it, measured as the
-RSS dropped when the checkpoint closed.
+model's bytes, ``p`` ranks, ``b`` ~0.33 GiB for an idle rank that has planned); ``M >= 3 x peak``
+needs ``p > 6`` (4 ranks can reach only ``M / peak < 2``). All ranks run at once, so their peaks
+add up to ``2 M + p b``, which must stay under ~18 GiB beside other jobs: ``M <= 7.6 GiB`` at
+``p = 8``. 96 layers (6 GiB, ~15 GiB in all) leave room, with ``M / peak`` about 3.3. Loading
+adds a transient of its own: the checkpoint's pages the rank reads stay mapped (``safe_open``)
+until loading ends, so the peak after loading is also about ``b + 2 x`` the rank's weights; the
+table shows it, measured as the RSS dropped when the checkpoint closed.
 """
 
 from __future__ import annotations

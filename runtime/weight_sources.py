@@ -234,14 +234,21 @@ class _SafetensorsSource(Source):
 
     def read(self, plan: Mapping[str, Sequence[torch.Tensor]], done: Done) -> int:
         nbytes = 0
-        # File by file, so each shard's pages are read together.
-        for key in sorted(plan, key=lambda k: (self._map[k], k)):
-            tensor = self._open(self._map[key]).get_tensor(key)  # this tensor only, on CPU
-            nbytes += tensor.numel() * tensor.element_size()
-            for dest in plan[key]:
-                dest.copy_(tensor)
-            del tensor
-            done(key)
+        by_file: dict[str, list[str]] = {}
+        for key in sorted(plan):
+            by_file.setdefault(self._map[key], []).append(key)
+        # File by file, each through a handle of its own that is closed once its keys are copied:
+        # pages read through a mapping count in the process's RSS for as long as it is mapped.
+        for file, keys in sorted(by_file.items()):
+            self._open(file)  # the header, and the error for a missing or broken shard
+            with safe_open(file, framework="pt") as handle:
+                for key in keys:
+                    tensor = handle.get_tensor(key)  # this tensor only, on CPU
+                    nbytes += tensor.numel() * tensor.element_size()
+                    for dest in plan[key]:
+                        dest.copy_(tensor)
+                    del tensor
+                    done(key)
         return nbytes
 
 

@@ -79,3 +79,40 @@ def test_train_pipelined_under_torchrun() -> None:
         return float(re.findall(r"loss (\d+\.\d+)", out)[-1])
 
     assert last_loss(run.stdout) == pytest.approx(last_loss(one.stdout), rel=1e-4)
+
+
+def _train_big() -> object:
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        import train_big
+    finally:
+        sys.path.pop(0)
+    return train_big
+
+
+def test_train_big_loads_pretrained_weights_resumes_and_exports(tmp_path: Path) -> None:
+    big = _train_big()
+    losses = big.main(["--out", str(tmp_path), "--stages", "2", "--steps", "2"])  # type: ignore[attr-defined]
+    # The first step's loss is the pretrained model's: the meta model was loaded, not initialised.
+    from transformers import LlamaForCausalLM
+
+    pretrained = LlamaForCausalLM.from_pretrained(tmp_path / "pretrained")
+    x, y = big.batch(0)  # type: ignore[attr-defined]
+    want = big.lm_loss(pretrained(x).logits, y)  # type: ignore[attr-defined]
+    assert losses[0] == pytest.approx(float(want), rel=1e-5)
+    assert (tmp_path / "ckpt" / ".metadata").is_file() and (tmp_path / "hf" / "config.json").is_file()
+
+
+@pytest.mark.multiprocess
+def test_train_big_under_torchrun(tmp_path: Path) -> None:
+    torchrun = shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("torchrun is not on PATH")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(
+        [torchrun, "--standalone", "--nproc-per-node", "2", str(ROOT / "examples" / "train_big.py"),
+         "--out", str(tmp_path), "--steps", "2"],
+        capture_output=True, text=True, timeout=400, env=env,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "the same 2 losses, bitwise" in run.stdout and "from_pretrained loads it" in run.stdout

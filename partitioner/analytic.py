@@ -24,8 +24,8 @@ from torch.utils import flop_counter
 from torch.utils.flop_counter import FlopCounterMode
 
 from .failures import first_line
-from .globalstate import preserved
 from .fxutil import COMPUTE_OPS
+from .globalstate import preserved
 from .nodecall import Call, Prepared, label, random_like
 from .nodecost import NodeCost
 

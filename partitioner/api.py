@@ -225,7 +225,8 @@ class _Context:
             part = getattr(alg, self.method)(problem)
             if self.refine and self.method == "exact" and p > 1:
                 better = alg.refine(problem, part)
-                if alg.evaluate(problem, better.assignment).bottleneck < alg.evaluate(problem, part.assignment).bottleneck:
+                before = alg.evaluate(problem, part.assignment).bottleneck
+                if alg.evaluate(problem, better.assignment).bottleneck < before:
                     part = better
         log.info("partition: %d stages, %s, m=%d: %.3fs (%s)", p, schedule, m, time.perf_counter() - t0, part.method)
         io: tuple[Any, ...] = ()

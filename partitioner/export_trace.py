@@ -14,8 +14,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.export import Dim
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
 
 from .capture import (
@@ -174,7 +174,8 @@ def _restore_originals(gm: fx.GraphModule, model: nn.Module) -> None:
                 owner._buffers[leaf] = originals[name]
         elif name not in originals and isinstance(current, FakeTensor):
             # A tensor constant made inside forward while tracing a meta model: no data either way.
-            setattr(owner, leaf, torch.empty_strided(current.shape, current.stride(), dtype=current.dtype, device="meta"))
+            empty = torch.empty_strided(current.shape, current.stride(), dtype=current.dtype, device="meta")
+            setattr(owner, leaf, empty)
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:

@@ -16,8 +16,8 @@ import torch.fx as fx
 from .algorithms.problem import GRAPH_INPUT, Problem, Tensor
 from .cost import NodeCost, node_time
 from .devices import Cluster, DeviceSpec
-from .split import wire_form
 from .fxutil import COMPUTE_OPS, flat_outputs
+from .split import wire_form
 
 __all__ = ["Unit", "build_graph", "layer_depth", "group_units", "to_problem", "module_range", "canonical_names"]
 

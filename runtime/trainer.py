@@ -169,7 +169,7 @@ class PipelineTrainer:
             device = torch.device(devices) if isinstance(devices, (str, torch.device)) else _default_device()
             self._ranks = [self.rank]
             own = self.schedule.stages_of(self.rank)
-            self.devices = {s: device for s in own}
+            self.devices = dict.fromkeys(own, device)
         else:
             self.rank = 0
             self._ranks = list(range(self.schedule.num_ranks))
@@ -383,12 +383,14 @@ class PipelineTrainer:
             out[r] = Executor(mine, self._ios, transport, self.loss_fn, rank=r, record=self.record)
         return out
 
-    def _run(self, schedule: Schedule, ins: list[dict[str, Any]], tgts: list[Any] | None, *, train: bool) -> list[RunResult]:
+    def _run(
+        self, schedule: Schedule, ins: list[dict[str, Any]], tgts: list[Any] | None, *, train: bool
+    ) -> list[RunResult]:
         if self.mode == "dist":
             assert self._dist_transport is not None
             ex = self._executors(self._dist_transport)[self.rank]
             shapes = self._wire_shapes(ins[0])
-            mb_shapes = {mb: shapes for mb in range(len(ins))} if shapes is not None else None
+            mb_shapes = dict.fromkeys(range(len(ins)), shapes) if shapes is not None else None
             results = [ex.run(schedule.actions[self.rank], ins, tgts, train=train, mb_shapes=mb_shapes)]
         else:
             transport = LocalTransport(self.devices, self.timeout)

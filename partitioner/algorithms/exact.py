@@ -321,7 +321,7 @@ class _Instance:
 def _memory_error(problem: Problem, inst: _Instance) -> InfeasibleMemoryError:
     path = inst.least_memory_ratio()
     if path is None:  # only zero-capacity stages make every ratio infinite: report one unit each
-        path = list(range(inst.p)) + [inst.m - 1]
+        path = [*range(inst.p), inst.m - 1]
     needed = [float(inst.mem[s, path[s + 1]] - inst.mem[s, path[s]]) for s in range(inst.p)]
 
     def ratio(s: int) -> float:

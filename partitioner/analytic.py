@@ -42,11 +42,11 @@ _INPLACE_OPERATORS = {
 
 
 def _sdpa_cpu_fwd(q: Any, k: Any, v: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
-    return int(flop_counter.sdpa_flop_count(q, k, v))  # type: ignore[no-untyped-call]
+    return int(flop_counter.sdpa_flop_count(q, k, v))
 
 
 def _sdpa_cpu_bwd(grad: Any, q: Any, k: Any, v: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
-    return int(flop_counter.sdpa_backward_flop_count(grad, q, k, v))  # type: ignore[no-untyped-call]
+    return int(flop_counter.sdpa_backward_flop_count(grad, q, k, v))
 
 
 # FlopCounterMode knows the CUDA attention kernels but not the CPU flash kernel that
@@ -287,7 +287,7 @@ class Coster:
 
 
 def _storage(t: torch.Tensor) -> StorageWeakRef:
-    return StorageWeakRef(t.untyped_storage())  # type: ignore[no-untyped-call]
+    return StorageWeakRef(t.untyped_storage())
 
 
 def _storage_bytes(t: torch.Tensor) -> int:

@@ -71,7 +71,8 @@ class ResidualCNN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 3, H, W) -> (B, classes)
         x = self.blocks(self.stem(x))
-        return self.head(x.mean(dim=(2, 3)))
+        x = self.head(x.mean(dim=(2, 3)))
+        return x
 
 
 class UNet(nn.Module):
@@ -107,7 +108,8 @@ class UNet(nn.Module):
         x = self.mid(x)
         for up, dec, skip in zip(self.up, self.dec, reversed(skips)):
             x = dec(torch.cat([up(x), skip], dim=1))
-        return self.out(x)
+        x = self.out(x)
+        return x
 
 
 def gpt2(

@@ -463,6 +463,7 @@ class PipelineTrainer:
                 if not grads:
                     continue
                 total = sum(g.to(copies[0].device) for g in grads)
+                assert isinstance(total, torch.Tensor)  # grads is not empty: sum() never returns its start, 0
                 for c in copies:
                     c.grad = total.to(c.device).clone()
 

@@ -205,9 +205,9 @@ def to_problem(
             readers.add(n)
         if readers:
             tensors.append(Tensor(i, tuple(sorted(readers)), float(g.nodes[v]["cost"].output_bytes)))
-    for readers, nbytes in g.graph["inputs"].values():
-        if readers:
-            tensors.append(Tensor(GRAPH_INPUT, tuple(sorted({unit_of[r] for r in readers})), float(nbytes)))
+    for input_readers, nbytes in g.graph["inputs"].values():
+        if input_readers:
+            tensors.append(Tensor(GRAPH_INPUT, tuple(sorted({unit_of[r] for r in input_readers})), float(nbytes)))
     return Problem(
         compute=tuple(compute),
         state_bytes=tuple(state),

@@ -144,7 +144,8 @@ class _LinearAccumulate(torch.autograd.Function):
         return F.linear(x, weight, bias)
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, None, torch.Tensor | None, None]:
+    def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[torch.Tensor | None, None, torch.Tensor | None, None]:
+        (g,) = grad_outputs  # one output, one gradient
         x, weight = ctx.saved_tensors
         g2 = g.reshape(-1, g.shape[-1])  # (tokens, out)
         gx = g.matmul(weight.to(g.dtype)).to(x.dtype) if ctx.needs_input_grad[0] else None
@@ -171,7 +172,8 @@ class _AddmmAccumulate(torch.autograd.Function):
         return torch.addmm(bias, x, weight)
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
+    def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
+        (g,) = grad_outputs  # one output, one gradient
         x, weight = ctx.saved_tensors
         gx = g.mm(weight.to(g.dtype).t()).to(x.dtype) if ctx.needs_input_grad[1] else None
         if ctx.needs_input_grad[2]:

@@ -58,8 +58,9 @@ def print_report(console: Any, cfg: dict[str, Any], rows: list[dict[str, Any]], 
         g = real["config"]
         t = Table(title=f"GPT-2 (n_layer={g['n_layer']}, n_embd={g['n_embd']}, seq {g['seq']}), batch {g['batch']} "
                         f"= {g['m']} micro-batches, 2 stages cut at {real['cut']}, 2 gloo processes x 1 thread; "
-                        f"median of {g['steps']} rounds, schedules interleaved; load average {real['load_avg_before'][0]:.1f} "
-                        f"before, {real['load_avg_after'][0]:.1f} after", title_justify="left")
+                        f"median of {g['steps']} rounds, schedules interleaved; "
+                        f"load average {real['load_avg_before'][0]:.1f} before, {real['load_avg_after'][0]:.1f} after",
+                  title_justify="left")
         for col in ("schedule", "predicted (profile) ms", "predicted (roofline) ms", "measured ms",
                     "meas/profile", "meas/roofline", "sim(meas acts) ms", "note"):
             t.add_column(col, justify="left" if col in ("schedule", "note") else "right")

@@ -71,7 +71,6 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 from _common import git_state  # noqa: E402
-
 from partitioner import partition  # noqa: E402
 from partitioner.plan import Plan  # noqa: E402
 from runtime import PipelineTrainer  # noqa: E402
@@ -447,16 +446,17 @@ def _print(res: dict[str, Any]) -> None:
     s, w, ck = res["summary"], res["whole_model"], res["checkpoint"]
     lines = [
         f"idle rank (torch imported, process group joined): {gib(s['idle_rank_rss_bytes'])} GiB RSS",
-        f"checkpoint: {ck['files']} safetensors shard(s), {gib(ck['bytes'])} GiB written in {ck['write_s']:.1f} s, "
-        f"writer's peak {gib(ck['peak_rss_bytes'])} GiB",
-        f"today's whole model per rank: one process building the real model and partitioning it peaks at "
+        (f"checkpoint: {ck['files']} safetensors shard(s), {gib(ck['bytes'])} GiB written in {ck['write_s']:.1f} s, "
+        f"writer's peak {gib(ck['peak_rss_bytes'])} GiB"),
+        (f"today's whole model per rank: one process building the real model and partitioning it peaks at "
         f"{gib(w['measured_peak_bytes'])} GiB (measured; build {w['build_s']:.1f} s), + its stages' gradients = "
-        f"{gib(w['per_rank_bytes_largest'])} GiB for the largest rank (analytic: a planned rank's RSS + model + gradients = "
+        f"{gib(w['per_rank_bytes_largest'])} GiB for the largest rank "
+        "(analytic: a planned rank's RSS + model + gradients = "
         f"{gib(w['analytic_per_rank_bytes'])} GiB); all {cfg['ranks']} ranks at once would need "
-        f"{gib(w['all_ranks_bytes'])} GiB",
-        f"now: largest rank's peak {gib(s['max_peak_bytes'])} GiB ({s['whole_model_over_max_peak']:.1f} x less), "
+        f"{gib(w['all_ranks_bytes'])} GiB"),
+        (f"now: largest rank's peak {gib(s['max_peak_bytes'])} GiB ({s['whole_model_over_max_peak']:.1f} x less), "
         f"all ranks {gib(s['sum_of_peaks_bytes'])} GiB; load (materialise + read) up to {s['max_load_s']:.1f} s, "
-        f"step {s['step_s']:.1f} s, loss {res['ranks'][0]['loss']:.4f}",
+        f"step {s['step_s']:.1f} s, loss {res['ranks'][0]['loss']:.4f}"),
     ]
     for name, c in res["checks"].items():
         value = c.get("worst_ratio", c.get("ratio"))

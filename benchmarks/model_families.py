@@ -41,7 +41,6 @@ sys.path.append(str(ROOT / "tests"))
 
 from _common import git_state  # noqa: E402
 from families import FAMILIES, ROWS, SEED, TOL, loss_fn, make_plan, reference  # noqa: E402
-
 from runtime import PipelineTrainer  # noqa: E402
 
 SCHEDULES = ("1f1b", "zbh1")
@@ -60,7 +59,7 @@ def measure(name: str, stages: list[int]) -> list[dict[str, Any]]:
         t0 = time.perf_counter()
         try:
             plan = make_plan(model, x, p)
-        except Exception as err:  # noqa: BLE001 - reported as the family's result
+        except Exception as err:  # reported as the family's result
             row.update(ok=False, error=f"{type(err).__name__}: {err}")
             rows.append(row)
             continue
@@ -131,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [row for name in names for row in measure(name, stages)]
     _print(rows)
     if args.out:
-        meta = {"benchmark": "model_families", "command": "python benchmarks/model_families.py " + " ".join(argv or sys.argv[1:]),
+        meta = {"benchmark": "model_families",
+                "command": "python benchmarks/model_families.py " + " ".join(argv or sys.argv[1:]),
                 "torch": torch.__version__, "python": platform.python_version(), "git": git_state()}
         try:
             import transformers

@@ -55,17 +55,15 @@ from rich.console import Console
 from rich.table import Table
 from torch import nn
 
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling _common module
-from _common import git_state, int_list  # noqa: E402
-
+from _common import git_state, int_list
 from partitioner import Cluster, partition
-from partitioner.predict import stage_inflight
 from partitioner import algorithms as alg
 from partitioner.cost import cost_graph
 from partitioner.devices import DeviceSpec
 from partitioner.errors import InfeasibleMemoryError, PartitionError
 from partitioner.graph import build_graph, group_units, to_problem
+from partitioner.predict import stage_inflight
 from partitioner.split import split_graph
 from partitioner.trace import trace
 from partitioner.zoo import MLPChain, ResidualCNN, UNet, gpt2
@@ -143,7 +141,9 @@ def _best_of(fn: Callable[[], Any], repeat: int) -> tuple[Any, float]:
     return out, best
 
 
-def _bench_model(name: str, args: argparse.Namespace, dtype: torch.dtype) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def _bench_model(
+    name: str, args: argparse.Namespace, dtype: torch.dtype
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     model, inputs = _build(name, args.quick, dtype)
     t0 = time.perf_counter()
     traced = trace(model, inputs)

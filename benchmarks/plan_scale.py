@@ -45,17 +45,15 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling _common module
-from _common import git_state, int_list  # noqa: E402
-
+from _common import git_state, int_list
 from partitioner import Cluster, partition
-from partitioner.predict import stage_inflight
 from partitioner import algorithms as alg
 from partitioner.cost import cost_graph
 from partitioner.devices import DeviceSpec
 from partitioner.errors import InfeasibleMemoryError, PartitionError
 from partitioner.graph import build_graph, group_units, to_problem
+from partitioner.predict import stage_inflight
 from partitioner.trace import trace
 from partitioner.zoo import gpt2
 
@@ -224,7 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     rss["peak_gib"] = _rss_gib()
     times["script_s"] = time.perf_counter() - t_start
     first = cuts.get(grans[0], {})
-    if plan is not None and "bottleneck_s" in first and not math.isclose(plan.bottleneck, first["bottleneck_s"], rel_tol=_RTOL):
+    if plan is not None and "bottleneck_s" in first and not math.isclose(
+        plan.bottleneck, first["bottleneck_s"], rel_tol=_RTOL
+    ):
         raise AssertionError(
             f"partition() found bottleneck {plan.bottleneck!r} but the timed steps found {first['bottleneck_s']!r}: "
             "this script no longer runs the steps partition() runs"

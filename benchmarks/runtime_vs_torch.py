@@ -93,7 +93,9 @@ def _model(cfg: dict[str, Any]) -> MLPChain:
     return MLPChain((cfg["width"],) * (cfg["layers"] + 1))
 
 
-def _pipecut(model: nn.Module, cfg: dict[str, Any], schedule: str, transport: str, *, fuse: bool = True) -> PipelineTrainer:
+def _pipecut(
+    model: nn.Module, cfg: dict[str, Any], schedule: str, transport: str, *, fuse: bool = True
+) -> PipelineTrainer:
     mb = cfg["batch"] // cfg["microbatches"]
     plan = partition(
         copy.deepcopy(model), (torch.randn(mb, cfg["width"]),), 2, microbatches=cfg["microbatches"],
@@ -102,7 +104,9 @@ def _pipecut(model: nn.Module, cfg: dict[str, Any], schedule: str, transport: st
     return PipelineTrainer(plan, nn.functional.mse_loss, None, schedule=schedule, transport=transport, fuse_wgrad=fuse)
 
 
-def _torch_schedule(model: MLPChain, cfg: dict[str, Any], schedule: str, rank: int, *, scale_loss: bool) -> tuple[nn.Module, Any]:
+def _torch_schedule(
+    model: MLPChain, cfg: dict[str, Any], schedule: str, rank: int, *, scale_loss: bool
+) -> tuple[nn.Module, Any]:
     """torch's schedule for this rank's half; ``scale_loss``: loss / m instead of grads / m."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
@@ -167,7 +171,8 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
         configs[f"pipecut {s} dist unfused"] = (True, functools.partial(run_pipecut, tr), tr.named_parameters)
         for scale_loss, label in ((False, ""), (True, " loss/m")):
             half, sched = _torch_schedule(model, cfg, s, rank, scale_loss=scale_loss)
-            configs[f"torch {s}{label}"] = (True, functools.partial(run_torch, half, sched, scale_loss), half.named_parameters)
+            run = functools.partial(run_torch, half, sched, scale_loss)
+            configs[f"torch {s}{label}"] = (True, run, half.named_parameters)
     configs["single micro-batched"] = (False, run_single_accum, single.named_parameters)
     configs["single full-batch"] = (False, run_single_full, single.named_parameters)
     for s in SCHEDULES:
@@ -251,7 +256,8 @@ def _ratios(med: dict[str, float]) -> dict[str, float]:
             ("pipecut unfused throughput / torch throughput", f"torch {s}", f"pipecut {s} dist unfused"),
             ("speedup of weight-gradient fusion", f"pipecut {s} dist unfused", f"pipecut {s} dist"),
             ("speedup of pipecut dist over single micro-batched", "single micro-batched", f"pipecut {s} dist"),
-            ("speedup of pipecut dist unfused over single micro-batched", "single micro-batched", f"pipecut {s} dist unfused"),
+            ("speedup of pipecut dist unfused over single micro-batched", "single micro-batched",
+             f"pipecut {s} dist unfused"),
             ("speedup of pipecut dist over single full-batch", "single full-batch", f"pipecut {s} dist"),
             ("speedup of torch over single micro-batched", "single micro-batched", f"torch {s}"),
             ("speedup of local (threads) over sequential", f"pipecut {s} sequential", f"pipecut {s} local"),
@@ -328,10 +334,12 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "benchmark": "runtime_vs_torch",
         "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-        "config": {**cfg, "micro_batch_size": cfg["batch"] // cfg["microbatches"], "split_at": f"layers.{cfg['layers'] // 2}",
+        "config": {**cfg, "micro_batch_size": cfg["batch"] // cfg["microbatches"],
+                   "split_at": f"layers.{cfg['layers'] // 2}",
                    "processes": 2, "threads_per_process": 1, "loss": "mse", "optimizer": None},
         "env": {"torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
-                "load_avg_before": load_before, "load_avg_after": os.getloadavg(), "machine": platform.machine(), "wall_s": time.time() - t0},
+                "load_avg_before": load_before, "load_avg_after": os.getloadavg(), "machine": platform.machine(),
+                "wall_s": time.time() - t0},
         "results": summary,
         "ratios": ratios,
         "paired_ratios": paired,

@@ -78,12 +78,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling _common and _fixed_cost modules
-from _common import git_state  # noqa: E402
-from _fixed_cost import ROWS, WIDTH, SleepBlock, calibrate  # noqa: E402
-from _schedules_report import print_report, save_traces  # noqa: E402
-
+from _common import git_state
+from _fixed_cost import ROWS, WIDTH, SleepBlock, calibrate
+from _schedules_report import print_report, save_traces
 from partitioner import Cluster, Plan, partition
 from partitioner.errors import PipecutError
 from partitioner.zoo import gpt2

@@ -24,8 +24,8 @@ from torch.utils import flop_counter
 from torch.utils.flop_counter import FlopCounterMode
 
 from .failures import first_line
-from .globalstate import preserved
 from .fxutil import COMPUTE_OPS
+from .globalstate import preserved
 from .nodecall import Call, Prepared, label, random_like
 from .nodecost import NodeCost
 
@@ -42,11 +42,11 @@ _INPLACE_OPERATORS = {
 
 
 def _sdpa_cpu_fwd(q: Any, k: Any, v: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
-    return int(flop_counter.sdpa_flop_count(q, k, v))  # type: ignore[no-untyped-call]
+    return int(flop_counter.sdpa_flop_count(q, k, v))
 
 
 def _sdpa_cpu_bwd(grad: Any, q: Any, k: Any, v: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
-    return int(flop_counter.sdpa_backward_flop_count(grad, q, k, v))  # type: ignore[no-untyped-call]
+    return int(flop_counter.sdpa_backward_flop_count(grad, q, k, v))
 
 
 # FlopCounterMode knows the CUDA attention kernels but not the CPU flash kernel that
@@ -287,7 +287,7 @@ class Coster:
 
 
 def _storage(t: torch.Tensor) -> StorageWeakRef:
-    return StorageWeakRef(t.untyped_storage())  # type: ignore[no-untyped-call]
+    return StorageWeakRef(t.untyped_storage())
 
 
 def _storage_bytes(t: torch.Tensor) -> int:

@@ -22,6 +22,7 @@ from .graph import Unit, build_graph, canonical_names, group_units, layer_depth,
 from .plan import Plan, StagePlan, binding
 from .predict import TRAINING_SCHEDULES, chunks_of, predict, schedule_for, stage_inflight
 from .split import split_graph
+from .trace import Method as TraceMethod
 from .trace import trace
 
 __all__ = ["partition", "METHODS"]
@@ -48,7 +49,7 @@ def partition(
     state_bytes_per_param: float = 16.0,
     profile: bool = False,
     profile_device: str | torch.device | None = None,
-    trace_method: str = "auto",
+    trace_method: TraceMethod = "auto",
     example_kwargs: Mapping[str, Any] | None = None,
     example_is: str = "microbatch",
 ) -> Plan:
@@ -135,7 +136,7 @@ def _partition(
     state_bytes_per_param: float,
     profile: bool,
     profile_device: str | torch.device | None,
-    trace_method: str,
+    trace_method: TraceMethod,
     example_kwargs: Mapping[str, Any] | None,
     example_is: str,
 ) -> Plan:
@@ -159,7 +160,7 @@ def _partition(
     t0 = time.perf_counter()
     traced = trace(
         model, tuple(example_inputs), example_kwargs=dict(example_kwargs or {}),
-        leaf_modules=leaf_modules, method=trace_method,  # type: ignore[arg-type]
+        leaf_modules=leaf_modules, method=trace_method,
         example_microbatches=_example_microbatches(example_is, microbatches),
     )
     t1 = time.perf_counter()
@@ -185,7 +186,12 @@ def _partition(
             return ctx.plan(_stage_cluster(cluster, stages, sched), sched, m, split=split)
 
         return choose(price, p, schedules, ms)
-    stages = num_stages if num_stages is not None else devices * chunks_of(schedule)  # type: ignore[operator]
+    assert isinstance(microbatches, int)  # checked above: not auto
+    if num_stages is not None:
+        stages = num_stages
+    else:
+        assert devices is not None  # checked above: num_stages or a cluster
+        stages = devices * chunks_of(schedule)
     return ctx.plan(_stage_cluster(cluster, stages, schedule), schedule, microbatches, split=True)
 
 
@@ -225,7 +231,8 @@ class _Context:
             part = getattr(alg, self.method)(problem)
             if self.refine and self.method == "exact" and p > 1:
                 better = alg.refine(problem, part)
-                if alg.evaluate(problem, better.assignment).bottleneck < alg.evaluate(problem, part.assignment).bottleneck:
+                before = alg.evaluate(problem, part.assignment).bottleneck
+                if alg.evaluate(problem, better.assignment).bottleneck < before:
                     part = better
         log.info("partition: %d stages, %s, m=%d: %.3fs (%s)", p, schedule, m, time.perf_counter() - t0, part.method)
         io: tuple[Any, ...] = ()

@@ -12,7 +12,7 @@ import contextlib
 import operator
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx as fx
@@ -76,7 +76,7 @@ def flatten_output(graph: fx.Graph) -> pytree.TreeSpec:
 def fill_output_val(graph: fx.Graph) -> None:
     """Set the output node's ``meta['val']`` to the tuple of values it returns."""
     out = graph.output_node()
-    flat: Sequence[Any] = out.args[0]  # type: ignore[assignment]
+    flat = cast("Sequence[Any]", out.args[0])  # flat by now: flatten_output's, or export's own convention
     out.meta["val"] = tuple(a.meta.get("val") if isinstance(a, fx.Node) else a for a in flat)
 
 

@@ -18,11 +18,11 @@ import time
 from collections.abc import Sequence
 
 from .api import METHODS, partition
+from .devices import DEVICE_PRESETS, Cluster
+from .errors import PipecutError
 from .plan import Plan
 from .predict import TRAINING_SCHEDULES, predict, simulate_stages
 from .render import fmt_bytes, fmt_time
-from .devices import DEVICE_PRESETS, Cluster
-from .errors import PipecutError
 from .zoo import MODELS, load_model
 
 __all__ = ["main", "build_parser"]

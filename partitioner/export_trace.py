@@ -14,8 +14,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.export import Dim
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
 
 from .capture import (
@@ -76,7 +76,7 @@ def trace_export(
         ep = _export(model, args, kwargs, None)
     unlifted = ep.module()
     graph = unlifted.graph
-    out_spec = graph._codegen.pytree_info.out_spec  # type: ignore[attr-defined]
+    out_spec = graph._codegen.pytree_info.out_spec
     # Plain calling convention: flat positional inputs in, flat tuple out (output args already are).
     graph._codegen = fx.graph.CodeGen()
     for node in list(graph.nodes):
@@ -155,7 +155,8 @@ def _widen_unit_batch(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tu
     def widen(t: torch.Tensor) -> torch.Tensor:
         return t.repeat(2, *([1] * (t.dim() - 1))) if t.dim() >= 1 else t
 
-    return pytree.tree_map_only(torch.Tensor, widen, (args, kwargs))  # type: ignore[no-any-return]
+    widened: tuple[tuple[Any, ...], dict[str, Any]] = pytree.tree_map_only(torch.Tensor, widen, (args, kwargs))
+    return widened
 
 
 def _restore_originals(gm: fx.GraphModule, model: nn.Module) -> None:
@@ -168,13 +169,15 @@ def _restore_originals(gm: fx.GraphModule, model: nn.Module) -> None:
         owner, leaf = owner_of(gm, name)
         current = getattr(owner, leaf)
         if name in originals and current is not originals[name]:
-            if isinstance(originals[name], nn.Parameter):
-                owner._parameters[leaf] = originals[name]  # type: ignore[assignment]
+            original = originals[name]
+            if isinstance(original, nn.Parameter):
+                owner._parameters[leaf] = original
             else:
-                owner._buffers[leaf] = originals[name]
+                owner._buffers[leaf] = original
         elif name not in originals and isinstance(current, FakeTensor):
             # A tensor constant made inside forward while tracing a meta model: no data either way.
-            setattr(owner, leaf, torch.empty_strided(current.shape, current.stride(), dtype=current.dtype, device="meta"))
+            empty = torch.empty_strided(current.shape, current.stride(), dtype=current.dtype, device="meta")
+            setattr(owner, leaf, empty)
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:

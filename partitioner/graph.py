@@ -16,8 +16,8 @@ import torch.fx as fx
 from .algorithms.problem import GRAPH_INPUT, Problem, Tensor
 from .cost import NodeCost, node_time
 from .devices import Cluster, DeviceSpec
-from .split import wire_form
 from .fxutil import COMPUTE_OPS, flat_outputs
+from .split import wire_form
 
 __all__ = ["Unit", "build_graph", "layer_depth", "group_units", "to_problem", "module_range", "canonical_names"]
 
@@ -41,7 +41,7 @@ def build_graph(
     gm: fx.GraphModule,
     costs: Mapping[str, NodeCost],
     module_path: Callable[[fx.Node], str],
-) -> nx.DiGraph:
+) -> nx.DiGraph[str]:
     """The compute nodes of ``gm`` as a DiGraph with their costs.
 
     Node attributes: ``cost`` (NodeCost), ``module`` (innermost module path), ``order`` (graph
@@ -59,7 +59,7 @@ def build_graph(
         >>> sorted(g.nodes)
         ['_0', '_1']
     """
-    g = nx.DiGraph()
+    g: nx.DiGraph[str] = nx.DiGraph()
     order = 0
     for node in gm.graph.nodes:
         if node.op in COMPUTE_OPS:
@@ -110,7 +110,7 @@ def layer_depth(paths: Sequence[str]) -> int:
 
 
 def group_units(
-    g: nx.DiGraph, granularity: str = "node", module_depth: int | None = None
+    g: nx.DiGraph[str], granularity: str = "node", module_depth: int | None = None
 ) -> list[Unit]:
     """Group the graph's nodes into units, in graph order.
 
@@ -142,7 +142,7 @@ def group_units(
 
 
 def to_problem(
-    g: nx.DiGraph,
+    g: nx.DiGraph[str],
     units: Sequence[Unit],
     cluster: Cluster,
     *,
@@ -205,9 +205,9 @@ def to_problem(
             readers.add(n)
         if readers:
             tensors.append(Tensor(i, tuple(sorted(readers)), float(g.nodes[v]["cost"].output_bytes)))
-    for readers, nbytes in g.graph["inputs"].values():
-        if readers:
-            tensors.append(Tensor(GRAPH_INPUT, tuple(sorted({unit_of[r] for r in readers})), float(nbytes)))
+    for input_readers, nbytes in g.graph["inputs"].values():
+        if input_readers:
+            tensors.append(Tensor(GRAPH_INPUT, tuple(sorted({unit_of[r] for r in input_readers})), float(nbytes)))
     return Problem(
         compute=tuple(compute),
         state_bytes=tuple(state),
@@ -238,7 +238,7 @@ def canonical_names(aliases: Mapping[str, Sequence[str]]) -> dict[str, str]:
     return out
 
 
-def _allowed_cuts(g: nx.DiGraph, units: Sequence[Unit], unit_of: Mapping[str, int]) -> tuple[int, ...] | None:
+def _allowed_cuts(g: nx.DiGraph[str], units: Sequence[Unit], unit_of: Mapping[str, int]) -> tuple[int, ...] | None:
     """Cut positions no uncrossable value (a list of tensors, say) spans; None when all are allowed."""
     n = len(units)
     span = [0] * (n + 1)

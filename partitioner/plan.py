@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -381,7 +381,8 @@ class Plan:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
-            raise PlanFormatError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); {fix}") from e
+            where = f"line {e.lineno}, column {e.colno}"
+            raise PlanFormatError(f"{path} is not valid JSON ({e.msg} at {where}); {fix}") from e
         except RecursionError as e:  # nested deeper than the parser goes: not something save() writes
             raise PlanFormatError(f"{path} nests JSON too deeply to be a saved plan; {fix}") from e
         plan = _parse(data, str(path))
@@ -420,6 +421,11 @@ def _finite(d: dict[str, Any]) -> dict[str, Any]:
     return {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in d.items()}
 
 
+def _infinite(d: dict[str, Any], keys: Collection[str] | None = None) -> dict[str, Any]:
+    # The inverse of _finite: null read back as infinity (in ``keys`` only, if given).
+    return {k: (math.inf if v is None and (keys is None or k in keys) else v) for k, v in d.items()}
+
+
 def _checksum(body: dict[str, Any]) -> str:
     blob = json.dumps({k: v for k, v in body.items() if k != "checksum"}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
@@ -452,7 +458,7 @@ def _parse(data: Any, where: str = "plan") -> Plan:
         for raw in data["stages"]:
             if set(raw) != names:
                 raise fail(f"stage fields {sorted(set(raw) ^ names)} are missing or unknown")
-            st = {k: (math.inf if v is None and k == "capacity" else v) for k, v in raw.items()}
+            st = _infinite(raw, ("capacity",))
             st["nodes"] = tuple(st["nodes"])
             stages.append(StagePlan(**st))
         io = tuple(
@@ -476,9 +482,7 @@ def _parse(data: Any, where: str = "plan") -> Plan:
             io=io,
             shared_params=tuple((k, tuple(v)) for k, v in data["shared_params"].items()),
             param_aliases=tuple((k, tuple(v)) for k, v in data["param_aliases"].items()),
-            candidates=tuple(
-                Candidate(**{k: (math.inf if v is None else v) for k, v in c.items()}) for c in data["candidates"]
-            ),
+            candidates=tuple(Candidate(**_infinite(c)) for c in data["candidates"]),
             choice=str(data["choice"]),
         )
     except PlanFormatError:

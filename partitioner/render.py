@@ -7,7 +7,7 @@ import math
 from typing import TYPE_CHECKING
 
 from rich import box
-from rich.console import Console
+from rich.console import Console, JustifyMethod
 from rich.table import Table
 
 from .predict import chunks_of
@@ -74,7 +74,7 @@ def render_text(plan: Plan, width: int = 160) -> str:
         box=box.SIMPLE_HEAD,
         title_justify="left",
     )
-    columns = [
+    columns: list[tuple[str, JustifyMethod]] = [
         ("stage", "right"), ("device", "left"), ("modules", "left"), ("nodes", "right"),
         ("params", "right"), ("fwd FLOPs", "right"), ("bwd FLOPs", "right"),
         ("memory / capacity", "right"), ("F", "right"), ("B", "right"), ("comm", "right"),
@@ -84,7 +84,7 @@ def render_text(plan: Plan, width: int = 160) -> str:
         columns.pop(1)
     for col, justify in columns:
         wraps = col == "modules"
-        table.add_column(col, justify=justify, no_wrap=not wraps, min_width=24 if wraps else None)  # type: ignore[arg-type]
+        table.add_column(col, justify=justify, no_wrap=not wraps, min_width=24 if wraps else None)
     for st in plan.stages:
         over = st.memory > st.capacity
         mem = f"{fmt_bytes(st.memory)} / {fmt_bytes(st.capacity)}" + (" OVER" if over else "")

@@ -306,7 +306,7 @@ def _stage_graph(
         if a not in env:
             if a.op != "get_attr":
                 raise PartitionError(f"value {a.name!r} is not available in this stage")
-            env[a] = graph.get_attr(a.target)  # type: ignore[arg-type]
+            env[a] = graph.get_attr(str(a.target))
             env[a].meta = dict(a.meta)
         return env[a]
 
@@ -473,6 +473,7 @@ def _shared_params(stages: list[fx.GraphModule]) -> dict[str, tuple[int, ...]]:
 def _dtype_size(dtype: str) -> int:
     name = dtype.replace("torch.", "")
     try:
-        return getattr(torch, name).itemsize  # type: ignore[no-any-return]
+        size: int = getattr(torch, name).itemsize
+        return size
     except AttributeError:
         return 4

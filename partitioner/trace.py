@@ -256,8 +256,11 @@ def retarget_device(gm_or_graph: fx.GraphModule | fx.Graph, device: torch.device
     """
     target = torch.device(device)
     # no_grad / autocast regions keep their bodies as GraphModules of their own.
-    modules = [gm_or_graph, *bodies(gm_or_graph)] if isinstance(gm_or_graph, fx.GraphModule) else []
-    graphs = [m.graph for m in modules] or [gm_or_graph]
+    if isinstance(gm_or_graph, fx.GraphModule):
+        modules = [gm_or_graph, *bodies(gm_or_graph)]
+        graphs = [m.graph for m in modules]
+    else:
+        modules, graphs = [], [gm_or_graph]
     changed = 0
 
     def swap(a: Any) -> Any:
@@ -306,7 +309,8 @@ class CausalLMLogits(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         out = self.model(input_ids, use_cache=False, return_dict=True)
-        return out.logits  # type: ignore[no-any-return]
+        logits: torch.Tensor = out.logits  # (B, T, vocab)
+        return logits
 
 
 # --- helpers -------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ Face models are built from a config (never downloaded) and need ``transformers``
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -25,7 +26,7 @@ class MLPChain(nn.Module):
 
     def __init__(self, widths: tuple[int, ...] = (256, 1024, 128, 2048, 256, 512, 64, 1024, 256, 16)) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths[:-1], widths[1:]))
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in itertools.pairwise(widths))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, widths[0]) -> (B, widths[-1])
         for i, layer in enumerate(self.layers):
@@ -70,7 +71,8 @@ class ResidualCNN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 3, H, W) -> (B, classes)
         x = self.blocks(self.stem(x))
-        return self.head(x.mean(dim=(2, 3)))
+        x = self.head(x.mean(dim=(2, 3)))
+        return x
 
 
 class UNet(nn.Module):
@@ -106,7 +108,8 @@ class UNet(nn.Module):
         x = self.mid(x)
         for up, dec, skip in zip(self.up, self.dec, reversed(skips)):
             x = dec(torch.cat([up(x), skip], dim=1))
-        return self.out(x)
+        x = self.out(x)
+        return x
 
 
 def gpt2(

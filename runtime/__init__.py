@@ -56,9 +56,9 @@ from .weight_errors import (
 from .weight_export import SaveReport, save_safetensors
 from .weights import (
     LoadReport,
-    Weights,
     PrefixMap,
     TensorInfo,
+    Weights,
     checkpoint_index,
     detect_prefix,
     load_weights,

@@ -37,7 +37,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from partitioner.errors import PipecutError
@@ -70,7 +69,7 @@ def save(trainer: PipelineTrainer, directory: PathLike) -> Path:
     _barrier()
     state = _state(trainer, for_load=False)
     with _single_process_quiet():
-        dcp.save(state, checkpoint_id=str(partial), no_dist=not _distributed())
+        _dcp().save(state, checkpoint_id=str(partial), no_dist=not _distributed())
     _barrier()  # every rank's files are written, and the metadata
     if leader:
         old = target.parent / f".{target.name}.old"
@@ -119,7 +118,7 @@ def load(trainer: PipelineTrainer, directory: PathLike, *, optimizer: bool = Tru
             "from another model, or without an optimizer (load(..., optimizer=False) reads weights only)"
         )
     with _single_process_quiet():
-        dcp.load(state, checkpoint_id=str(path), no_dist=not _distributed())
+        _dcp().load(state, checkpoint_id=str(path), no_dist=not _distributed())
     _apply(trainer, state, optimizer=optimizer)
     for key in rng:
         if key.endswith(".cpu"):
@@ -141,7 +140,7 @@ def load_model(model: nn.Module, directory: PathLike, *, strict: bool = True) ->
     path = Path(directory)
     present = _keys(path)
     state = model.state_dict()
-    wanted = {f"model.{k}": v for k, v in state.items() if not strict and f"model.{k}" in present or strict}
+    wanted = {f"model.{k}": v for k, v in state.items() if (not strict and f"model.{k}" in present) or strict}
     missing = [k for k in wanted if k not in present]
     if missing:
         raise CheckpointError(
@@ -149,7 +148,7 @@ def load_model(model: nn.Module, directory: PathLike, *, strict: bool = True) ->
             "it was saved from another model (or pass strict=False)"
         )
     with _single_process_quiet():
-        dcp.load(wanted, checkpoint_id=str(path), no_dist=True)
+        _dcp().load(wanted, checkpoint_id=str(path), no_dist=True)
     model.load_state_dict({k[len("model."):]: v for k, v in wanted.items()}, strict=strict)
     return [k[len("model."):] for k in wanted]
 
@@ -281,7 +280,7 @@ def _owned_tensors(trainer: PipelineTrainer) -> dict[str, torch.Tensor]:
 
 def _alias_groups(trainer: PipelineTrainer) -> dict[str, tuple[str, ...]]:
     groups: dict[str, tuple[str, ...]] = {}
-    for name, names in trainer.plan.param_aliases:
+    for _name, names in trainer.plan.param_aliases:
         for n in names:
             groups[n] = tuple(names)
     return groups
@@ -317,7 +316,7 @@ def _init_optimizer_state(opt: torch.optim.Optimizer) -> None:
 
 
 def _keys(path: Path) -> set[str]:
-    meta = dcp.FileSystemReader(str(path)).read_metadata()
+    meta = _dcp().FileSystemReader(str(path)).read_metadata()
     return set(meta.state_dict_metadata)
 
 
@@ -327,6 +326,13 @@ def _single_process_quiet() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         yield
+
+
+def _dcp() -> Any:
+    """torch.distributed.checkpoint, imported on first use (it takes seconds to import)."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp
 
 
 def _distributed() -> bool:

@@ -161,7 +161,7 @@ def _source(stack: str | None) -> str | None:
     for entry in stack.split('File "')[1:]:
         head, _, code = entry.partition("\n")
         path, _, rest = head.partition('", line ')
-        if path.startswith(_TORCH_DIR) or path.endswith(_TRACERS) or path.startswith("<"):
+        if path.startswith((_TORCH_DIR, "<")) or path.endswith(_TRACERS):
             continue
         lineno, _, fn = rest.partition(", in ")
         best = f"{path}:{lineno.strip()} in {fn.strip()}: {code.strip().splitlines()[0] if code.strip() else ''}"

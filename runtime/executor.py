@@ -293,7 +293,7 @@ class Executor:
         peers = {key.src for keys in per_action for key in keys}
         depth = self._AHEAD_PER_PEER * max(1, len(peers))  # posted beyond the running action's
         ahead = state.ahead
-        for act, keys in zip(actions, per_action):
+        for keys in per_action:
             ahead += [self._receipt(state, key) for key in keys]
         done = 0  # receives read by the actions executed so far
         for act, keys in zip(actions, per_action):
@@ -338,8 +338,8 @@ class Executor:
             scales=list(scales) if scales is not None else [1.0 / m] * m,
             train=train,
             mb_shapes=mb_shapes,
-            result=RunResult(peak_inflight={s: 0 for s in self.stages}),
-            held={s: 0 for s in self.stages},
+            result=RunResult(peak_inflight=dict.fromkeys(self.stages, 0)),
+            held=dict.fromkeys(self.stages, 0),
         )
 
     def execute(self, state: StepState, act: ActionLike) -> None:

@@ -97,7 +97,7 @@ def run_interleaved(
 ) -> list[RunResult]:
     """All ranks in one thread: repeatedly run the next action of any rank whose inputs are here."""
     states = {r: ex.start(ins, tgts, train=train) for r, ex in exs.items()}
-    pos = {r: 0 for r in exs}
+    pos = dict.fromkeys(exs, 0)
     lists = {r: schedule.actions[r] for r in exs}
     while any(pos[r] < len(lists[r]) for r in exs):
         progressed = False

@@ -29,6 +29,7 @@ import zlib
 from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+
 import torch
 from torch import nn
 
@@ -177,7 +178,7 @@ def materialize(
     loaded = {name for name, mod in owners.items()
               if all(f"{name}.{k}".lstrip(".") in later for k, t in _own_items(mod) if id(t) in fresh)}
     _init_modules(model, {n: m for n, m in owners.items() if n not in loaded}, init_fn, seed, device, report)
-    report.initialised.update({name: "checkpoint" for name in loaded})
+    report.initialised.update(dict.fromkeys(loaded, "checkpoint"))
     known = {name for name, _ in _named_tensors(model)} if model is not None else set()
     _check_written({k: t for k, t in made.items() if not later & set(names[k])}, names, owners, known)
     del keep

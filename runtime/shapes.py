@@ -109,7 +109,7 @@ def check_fixed_dims(traced: Sequence[InputMeta], mb_inputs: Mapping[str, Any]) 
         Traceback (most recent call last):
         ...
         partitioner.errors.InputShapeError: input 'ids': the plan's graph was traced with micro-batches of shape (2, 16) and keeps dimension 1 fixed at 16, but got (4, 32). ...
-    """
+    """  # noqa: E501 - the error message above is one line, as the doctest compares it
     for meta in traced:
         x = mb_inputs.get(meta.name)
         if meta.dynamic is None or not isinstance(x, torch.Tensor):

@@ -275,7 +275,9 @@ def _branch_groups(
     return list(merged.values()), rest
 
 
-def _capture(store: list[tuple[torch.Tensor | None, ...] | None], i: int):  # type: ignore[no-untyped-def]
+def _capture(
+    store: list[tuple[torch.Tensor | None, ...] | None], i: int
+) -> Callable[[tuple[torch.Tensor | None, ...]], None]:
     # Holds only the list, not the node: a node -> hook -> node cycle would outlive the step.
     def hook(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
         store[i] = tuple(grad_outputs)
@@ -283,7 +285,9 @@ def _capture(store: list[tuple[torch.Tensor | None, ...] | None], i: int):  # ty
     return hook
 
 
-def _replace(captured: tuple[torch.Tensor | None, ...] | None):  # type: ignore[no-untyped-def]
+def _replace(
+    captured: tuple[torch.Tensor | None, ...] | None,
+) -> Callable[[tuple[torch.Tensor | None, ...]], tuple[torch.Tensor | None, ...] | None]:
     def hook(grad_outputs: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, ...] | None:
         return captured
 

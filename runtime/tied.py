@@ -51,7 +51,7 @@ def tie_copies(
                 continue
             group = dist.new_group(ranks)  # every rank calls new_group, in the same order
             if rank in ranks:
-                prm = [_param(modules[s], name) for s in holders if s in modules][0]
+                prm = next(_param(modules[s], name) for s in holders if s in modules)
                 with torch.no_grad():  # start from identical values on every holder
                     buf = prm.data.to(comm_device())
                     dist.broadcast(buf, src=ranks[0], group=group)
@@ -76,6 +76,7 @@ def sum_tied_grads(groups: Sequence[TiedGroup], comm_device: Callable[[], torch.
             if not grads:
                 continue
             total = sum(g.to(copies[0].device) for g in grads)
+            assert isinstance(total, torch.Tensor)  # grads is not empty: sum() never returns its start, 0
             for c in copies:
                 c.grad = total.to(c.device).clone()
 

@@ -499,8 +499,8 @@ def save_gantt_png(timeline: Timeline, path: str | Path, *, title: str | None = 
         ImportError: matplotlib is not installed; ``pip install matplotlib``.
     """
     try:
-        from matplotlib.figure import Figure  # type: ignore[import-not-found, unused-ignore]
-        from matplotlib.patches import Patch  # type: ignore[import-not-found, unused-ignore]
+        from matplotlib.figure import Figure
+        from matplotlib.patches import Patch
     except ImportError as err:
         raise ImportError(
             "save_gantt_png needs matplotlib, an optional dependency: pip install matplotlib "

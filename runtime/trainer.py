@@ -30,13 +30,13 @@ from partitioner.plan import Plan
 from . import checkpoint
 from .executor import ActionRecord, Executor, RunResult, StageRuntime
 from .generators import forward_only
+from .inputs import check_inputs, check_sizes, check_targets, shape_key
 from .local_run import RankThreads, run_interleaved, run_threads
 from .materialize import InitFn, materialize
 from .placement import PlacementError, check_backend, placed_schedule, stage_devices
 from .schedules import Schedule
-from .inputs import check_inputs, check_sizes, check_targets, shape_key
 from .shapes import wire_shapes
-from .tied import TiedGroup, copy_tied_values, sum_tied_grads, tie_copies
+from .tied import copy_tied_values, sum_tied_grads, tie_copies
 from .timeline import Timeline, from_records, save_chrome_trace
 from .transport import DistTransport, LocalTransport, PeerFailed, Transport
 from .validation import validate
@@ -197,7 +197,7 @@ class PipelineTrainer:
             device = torch.device(devices) if isinstance(devices, (str, torch.device)) else _default_device()
             self._ranks = [self.rank]
             own = self.schedule.stages_of(self.rank)
-            self.devices = {s: device for s in own}
+            self.devices = dict.fromkeys(own, device)
         else:
             self.rank = 0
             self._ranks = list(range(self.schedule.num_ranks))
@@ -494,12 +494,14 @@ class PipelineTrainer:
                               check_finite=self.check_finite)
         return out
 
-    def _run(self, schedule: Schedule, ins: list[dict[str, Any]], tgts: list[Any] | None, *, train: bool) -> list[RunResult]:
+    def _run(
+        self, schedule: Schedule, ins: list[dict[str, Any]], tgts: list[Any] | None, *, train: bool
+    ) -> list[RunResult]:
         if self.mode == "dist":
             assert self._dist_transport is not None
             ex = self._executors(self._dist_transport)[self.rank]
             shapes = self._wire_shapes(ins[0])
-            mb_shapes = {mb: shapes for mb in range(len(ins))} if shapes is not None else None
+            mb_shapes = dict.fromkeys(range(len(ins)), shapes) if shapes is not None else None
             try:
                 results = [ex.run(schedule.actions[self.rank], ins, tgts, train=train, mb_shapes=mb_shapes)]
             except Exception as e:

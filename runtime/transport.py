@@ -31,6 +31,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -450,7 +451,7 @@ class DistTransport(Transport):
         text = f"rank {self._me} failed: {type(error).__name__}: {error}"[:_ANNOUNCED_CHARS]
         try:
             store.compare_set(_FAILURE_KEY, "", text)  # sets only if no rank has yet
-        except Exception:  # noqa: BLE001 - a store that is gone cannot carry the news; the error still rises
+        except Exception:
             log.debug("could not record rank %d's failure in the store", self._me, exc_info=True)
 
     def _announced(self) -> str:
@@ -462,7 +463,7 @@ class DistTransport(Transport):
             if not store.check([_FAILURE_KEY]):
                 return ""
             text = store.get(_FAILURE_KEY).decode(errors="replace")
-        except Exception:  # noqa: BLE001 - best effort: the wait's own error still rises
+        except Exception:
             return ""
         return "" if text.startswith(f"rank {self._me} failed") else text
 
@@ -479,15 +480,16 @@ _FAILURE_KEY = "pipecut/first-failure"
 _ANNOUNCED_CHARS = 1500
 
 
-def _store() -> dist.Store | None:
+def _store() -> Any:
+    # A ``torch.distributed.Store`` (compare_set, check, get), or None.
     """The default process group's key-value store (torchrun's TCPStore, a FileStore...)."""
     # Private in torch, hence the guard: without it failures are still raised, only not quoted.
     get = getattr(dist.distributed_c10d, "_get_default_store", None)
     if get is None or not dist.is_initialized():
         return None
     try:
-        return get()  # type: ignore[no-any-return]
-    except Exception:  # noqa: BLE001
+        return get()
+    except Exception:
         return None
 
 

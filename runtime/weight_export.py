@@ -12,6 +12,7 @@ few renames.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -134,7 +135,7 @@ def save_safetensors(
         _fsync_dir(folder)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    files = tuple(str(folder / f) for f in (names + [INDEX_FILE] if n > 1 else names))
+    files = tuple(str(folder / f) for f in ([*names, INDEX_FILE] if n > 1 else names))
     report = SaveReport(str(folder), files, len(keyed), total, tied)
     logger.info("wrote %d tensors (%d bytes) to %s in %d file(s)%s", len(keyed), total, folder, n,
                 f"; {len(tied)} tied names left out" if tied else "")
@@ -225,7 +226,5 @@ def _fsync(path: Path) -> None:
 
 def _fsync_dir(path: Path) -> None:
     # Makes the renames durable; some file systems cannot fsync a directory, which is harmless here.
-    try:
+    with contextlib.suppress(OSError):
         _fsync(path)
-    except OSError:
-        pass

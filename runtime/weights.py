@@ -463,7 +463,7 @@ def _dotted_prefixes(name: str, *, with_empty: bool) -> list[str]:
     """``'a.b.c'`` -> ``['', 'a.', 'a.b.']``: the prefixes that end at a dot."""
     parts = name.split(".")
     out = [".".join(parts[:i]) + "." for i in range(1, len(parts))]
-    return [""] + out if with_empty else out
+    return ["", *out] if with_empty else out
 
 
 def _repr_prefix(m: PrefixMap) -> str:

@@ -36,6 +36,7 @@ import logging
 import threading
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -134,14 +135,17 @@ class _LinearAccumulate(torch.autograd.Function):
     gradient, with ``own_bias``) into ``.grad`` itself."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, own_bias: bool) -> torch.Tensor:  # type: ignore[override]
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, own_bias: bool
+    ) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         ctx.bias = bias if own_bias else None  # a leaf parameter: no reference cycle
         return F.linear(x, weight, bias)
 
     @staticmethod
-    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, None, torch.Tensor | None, None]:  # type: ignore[override]
+    def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[torch.Tensor | None, None, torch.Tensor | None, None]:
+        (g,) = grad_outputs  # one output, one gradient
         x, weight = ctx.saved_tensors
         g2 = g.reshape(-1, g.shape[-1])  # (tokens, out)
         gx = g.matmul(weight.to(g.dtype)).to(x.dtype) if ctx.needs_input_grad[0] else None
@@ -161,14 +165,15 @@ class _AddmmAccumulate(torch.autograd.Function):
     """``torch.addmm(bias, x, weight)`` (``weight``: (in, out)) adding ``dL/dweight`` into ``weight.grad``."""
 
     @staticmethod
-    def forward(ctx, bias: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, own_bias: bool) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, bias: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, own_bias: bool) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.bias_shape = bias.shape
         ctx.bias = bias if own_bias else None
         return torch.addmm(bias, x, weight)
 
     @staticmethod
-    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
+        (g,) = grad_outputs  # one output, one gradient
         x, weight = ctx.saved_tensors
         gx = g.mm(weight.to(g.dtype).t()).to(x.dtype) if ctx.needs_input_grad[1] else None
         if ctx.needs_input_grad[2]:
@@ -181,6 +186,13 @@ class _AddmmAccumulate(torch.autograd.Function):
                 gb = g if len(ctx.bias_shape) == 2 else g.sum(0)
                 gb = gb.reshape(ctx.bias_shape) if gb.shape != ctx.bias_shape else gb
         return gb, gx, None, None
+
+
+# torch leaves Function.apply unannotated (it returns Any); these are its types for the two functions.
+_linear_accumulate_apply: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, bool], torch.Tensor]
+_linear_accumulate_apply = _LinearAccumulate.apply
+_addmm_accumulate_apply: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor]
+_addmm_accumulate_apply = _AddmmAccumulate.apply
 
 
 def linear_accumulate(
@@ -198,12 +210,12 @@ def linear_accumulate(
         >>> w.grad.shape
         torch.Size([3, 4])
     """
-    return _LinearAccumulate.apply(x, weight, bias, own_bias)
+    return _linear_accumulate_apply(x, weight, bias, own_bias)
 
 
 def addmm_accumulate(bias: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, own_bias: bool = False) -> torch.Tensor:
     """``torch.addmm(bias, x, weight)`` with weight-gradient accumulation fusion."""
-    return _AddmmAccumulate.apply(bias, x, weight, own_bias)
+    return _addmm_accumulate_apply(bias, x, weight, own_bias)
 
 
 # fx records these functions as call_function targets, so a rewritten graph stays printable.
@@ -281,18 +293,25 @@ def fuse_weight_grad_accumulation(
 
     graph = gm.graph
     fused: list[nn.Parameter] = []
+    weight: nn.Parameter | None
+    bias: nn.Parameter | None
     n = 0
     for node in list(graph.nodes):
         if node.kwargs:
             continue
         if node.op == "call_module" and len(node.args) == 1:
             mod = gm.get_submodule(str(node.target))
-            if type(mod) is not nn.Linear or not eligible(mod.weight):
+            if type(mod) is not nn.Linear:
                 continue
-            weight, bias = mod.weight, mod.bias if own(mod.bias) else None
+            # torch types Linear.weight as a plain Tensor and .bias as never None; they are
+            # Parameters, and bias is None for Linear(..., bias=False).
+            weight, mod_bias = cast(nn.Parameter, mod.weight), cast("nn.Parameter | None", mod.bias)
+            if not eligible(weight):
+                continue
+            bias = mod_bias if own(mod_bias) else None
             with graph.inserting_before(node):
                 w = graph.get_attr(f"{node.target}.weight")
-                b = graph.get_attr(f"{node.target}.bias") if mod.bias is not None else None
+                b = graph.get_attr(f"{node.target}.bias") if mod_bias is not None else None
                 new = graph.call_function(linear_accumulate, (node.args[0], w, b, bias is not None))
             new.meta = dict(node.meta)
             node.replace_all_uses_with(new)
@@ -319,6 +338,7 @@ def fuse_weight_grad_accumulation(
         return 0
     graph.lint()
     gm.recompile()
+    # torch types Module.__setattr__'s value as a Tensor or Module; a plain attribute is fine at runtime.
     gm.pipecut_fused_params = fused_params(gm) + tuple(fused)  # type: ignore[assignment]
     log.debug("fused weight-gradient accumulation into %d linear layers", n)
     return n

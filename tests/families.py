@@ -31,7 +31,7 @@ from runtime import PipelineTrainer
 # The runtime tests' shared tolerance; importing parity also makes every linear layer, however
 # small, fuse its weight-gradient accumulation, so 1F1B checks the fused path here too.
 sys.path.append(str(Path(__file__).resolve().parent / "runtime"))
-from parity import TOL, check_grads, reference  # noqa: E402
+from parity import TOL, check_grads, reference
 
 __all__ = [
     "FAMILIES", "Family", "M", "MB", "ROWS", "SEED", "TOL", "check_grads", "dist_worker", "first_names",
@@ -182,7 +182,8 @@ def make_plan(model: nn.Module, x: tuple[torch.Tensor, ...], p: int) -> Plan:
 def first_names(model: nn.Module) -> dict[str, str]:
     """Every trainable parameter's name -> the first name of the same tensor (tied weights share one)."""
     first: dict[int, str] = {}
-    return {n: first.setdefault(id(prm), n) for n, prm in model.named_parameters(remove_duplicate=False) if prm.requires_grad}
+    named = model.named_parameters(remove_duplicate=False)
+    return {n: first.setdefault(id(prm), n) for n, prm in named if prm.requires_grad}
 
 
 def dist_worker(rank: int, world: int, names: list[str]) -> dict[str, dict[str, Any]]:

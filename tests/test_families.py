@@ -18,13 +18,21 @@ from torch import nn
 
 pytest.importorskip("transformers")
 
-from families import (  # noqa: E402
-    FAMILIES, MB, ROWS, SEED, TOL, check_grads, dist_worker, loss_fn, make_plan, reference,
+from families import (
+    FAMILIES,
+    MB,
+    ROWS,
+    SEED,
+    TOL,
+    check_grads,
+    dist_worker,
+    loss_fn,
+    make_plan,
+    reference,
 )
-
-from partitioner import Plan  # noqa: E402
-from runtime import PipelineTrainer  # noqa: E402
-from runtime.launch import spawn  # noqa: E402
+from partitioner import Plan
+from runtime import PipelineTrainer
+from runtime.launch import spawn
 
 STAGES = (2, 4)
 SCHEDULES = ("1f1b", "zbh1")

@@ -129,8 +129,8 @@ def evaluate(problem: Problem, assignment: Partition | Sequence[int]) -> Evaluat
     link = [
         link_time(crossing[k], problem.link_bandwidth[k], problem.link_latency[k]) for k in range(p - 1)
     ]
-    t_in = [0.0] + link
-    t_out = link + [0.0]
+    t_in = [0.0, *link]
+    t_out = [*link, 0.0]
     time = [compute[s] + t_in[s] + t_out[s] for s in range(p)]
     worst = max(range(p), key=lambda s: (time[s], -s))
     return Evaluation(
@@ -209,7 +209,7 @@ def check_assignment(problem: Problem, assignment: Partition | Sequence[int]) ->
         Traceback (most recent call last):
           ...
         partitioner.errors.PartitionError: unit 1 (stage 0) reads the output of unit 0 (stage 1), but data must flow forward; put unit 1 on stage 1 or later, or unit 0 on stage 0 or earlier
-    """
+    """  # noqa: E501 - the error message above is one line, as the doctest compares it
     stage = _as_stages(problem, assignment)
     n, p = problem.n, problem.p
     used = set(stage)

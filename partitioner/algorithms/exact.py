@@ -45,6 +45,7 @@ import logging
 import math
 
 import numpy as np
+from numpy.typing import NDArray
 
 from ..errors import InfeasibleMemoryError, PartitionError, TooManyStagesError
 from .evaluate import lower_bound
@@ -94,7 +95,7 @@ def exact(problem: Problem) -> Partition:
     return Partition.from_cuts([int(inst.pos[j]) for j in best[1:-1]], problem.n, "exact")
 
 
-def _crossing_bytes(problem: Problem) -> np.ndarray:
+def _crossing_bytes(problem: Problem) -> NDArray[np.float64]:
     """Bytes crossing each cut position ``k = 0..n`` of a contiguous partition (ends are 0).
 
     A tensor made by unit ``i >= 0`` and last read by unit ``j`` (``n`` for the graph output)
@@ -141,8 +142,8 @@ class _Instance:
     ``jb >= lo[s, jc]``.
     """
 
-    def __init__(self, pos: np.ndarray, a: np.ndarray, v: np.ndarray, mem: np.ndarray,
-                 cap: np.ndarray) -> None:
+    def __init__(self, pos: NDArray[np.intp], a: NDArray[np.float64], v: NDArray[np.float64],
+                 mem: NDArray[np.float64], cap: NDArray[np.float64]) -> None:
         self.pos = pos
         self.a = a
         self.v = v
@@ -181,7 +182,7 @@ class _Instance:
             mem[s] = np.concatenate(([0.0], np.cumsum(state + problem.inflight[s] * act)))[pos]
         return _Instance(pos, a, v, mem, np.asarray(problem.capacity, dtype=float))
 
-    def windows(self, cap: np.ndarray) -> np.ndarray:
+    def windows(self, cap: NDArray[np.float64]) -> NDArray[np.intp]:
         """``lo[s, j]``: the first start position index whose stage ``s`` up to ``j`` fits ``cap[s]``."""
         lo = np.empty((self.p, self.m), dtype=np.intp)
         for s in range(self.p):
@@ -190,7 +191,7 @@ class _Instance:
 
     # -- the probe ---------------------------------------------------------------------------
 
-    def probe(self, T: float, lo: np.ndarray | None = None) -> tuple[np.ndarray | None, float]:
+    def probe(self, T: float, lo: NDArray[np.intp] | None = None) -> tuple[NDArray[np.bool_] | None, float]:
         """Reachable sets for threshold ``T``; returns ``(reach, next)``, ``reach`` None if infeasible.
 
         ``next`` (infeasible probes only) is the least cost of reaching a position not reached,
@@ -228,7 +229,9 @@ class _Instance:
             return None, nxt
         return reach, nxt
 
-    def _window_max(self, vals: np.ndarray, left: np.ndarray, right: np.ndarray) -> np.ndarray:
+    def _window_max(
+        self, vals: NDArray[np.float64], left: NDArray[np.intp], right: NDArray[np.intp]
+    ) -> NDArray[np.float64]:
         """``max(vals[left[e]:right[e] + 1])`` for each ``e`` (``-inf`` if empty), via a sparse table."""
         length = right - left + 1
         out = np.full(length.shape, _NEG)
@@ -250,7 +253,9 @@ class _Instance:
         out[has] = np.maximum(table[k, left], table[k, right - (1 << k) + 1])
         return out
 
-    def reconstruct(self, reach: np.ndarray, lo: np.ndarray | None = None) -> tuple[list[int], float]:
+    def reconstruct(
+        self, reach: NDArray[np.bool_], lo: NDArray[np.intp] | None = None
+    ) -> tuple[list[int], float]:
         """Walk back from ``n`` through the reachable sets; returns position indices and bottleneck.
 
         Each stage takes the reachable start with the largest ``v`` in its window: the very start
@@ -297,7 +302,7 @@ class _Instance:
 
     def least_memory_ratio(self) -> list[int] | None:
         """Positions of the partition with the least ``max_s memory / capacity`` (for errors)."""
-        def fits(r: float) -> np.ndarray | None:
+        def fits(r: float) -> NDArray[np.bool_] | None:
             reach, _ = self.probe(math.inf, self.windows(self.cap * r))
             return reach
 
@@ -321,7 +326,7 @@ class _Instance:
 def _memory_error(problem: Problem, inst: _Instance) -> InfeasibleMemoryError:
     path = inst.least_memory_ratio()
     if path is None:  # only zero-capacity stages make every ratio infinite: report one unit each
-        path = list(range(inst.p)) + [inst.m - 1]
+        path = [*range(inst.p), inst.m - 1]
     needed = [float(inst.mem[s, path[s + 1]] - inst.mem[s, path[s]]) for s in range(inst.p)]
 
     def ratio(s: int) -> float:

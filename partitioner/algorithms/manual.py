@@ -42,7 +42,7 @@ def manual(problem: Problem, cuts: Sequence[int]) -> Partition:
         Traceback (most recent call last):
           ...
         partitioner.errors.SplitPointError: cut position 4 (cuts[0]) is outside 1..3: a cut at k puts units 0..k-1 on one stage and k.. on the next, so it must leave a unit on each side; use a position between 1 and 3
-    """
+    """  # noqa: E501 - the error message above is one line, as the doctest compares it
     n, p = problem.n, problem.p
     cuts = list(cuts)
     for idx, k in enumerate(cuts):

@@ -78,7 +78,7 @@ def refine(problem: Problem, partition: Partition, *, max_rounds: int = 100) -> 
         return Partition(partition.assignment, method)
     search = _Search(problem, partition.assignment)
     moves = rounds = 0
-    for rounds in range(1, max_rounds + 1):
+    for rounds in range(1, max_rounds + 1):  # noqa: B007 - read after the loop, in the debug log
         moved = search.sweep()
         moves += moved
         if not moved:

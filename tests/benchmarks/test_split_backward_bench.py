@@ -15,7 +15,8 @@ def test_split_backward_benchmark_quick(tmp_path: Path) -> None:
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     out = tmp_path / "sb.json"
-    assert bench.main(["--layers", "2", "--width", "32", "--rows", "8", "--repeat", "3", "--warmup", "1", "--out", str(out)]) == 0
+    args = ["--layers", "2", "--width", "32", "--rows", "8", "--repeat", "3", "--warmup", "1", "--out", str(out)]
+    assert bench.main(args) == 0
     res = json.loads(out.read_text())["results"]
     assert res["fused"]["B_s"] > 0
     for way in ("split", "rewalk"):

@@ -90,7 +90,7 @@ def test_stage_zero_backward_is_all_weight_work_in_split_schedules() -> None:
         StagePlan(s, "cpu", ("n",), "", 0, 0.0, 0.0, 0.0, 1e9, 1, 1.0, 2.0, 0.0, 0.0, 0.0, wgrad_time=1.0)
         for s in range(3)
     ]
-    sched, sim = simulate_stages(stages, Cluster.uniform(3, "cpu", link_latency=0.0), "zbh1", 4)
+    _, sim = simulate_stages(stages, Cluster.uniform(3, "cpu", link_latency=0.0), "zbh1", 4)
     spans = {(sp.stage, str(sp.kind)): sp.end - sp.start for sp in sim.timeline.spans}
     assert spans[(0, "I")] == 0.0 and spans[(0, "W")] == 2.0  # nothing to send back from stage 0
     assert spans[(1, "I")] == 1.0 and spans[(1, "W")] == 1.0

@@ -46,7 +46,9 @@ def test_errors_are_one_line_with_a_fix(capsys: pytest.CaptureFixture[str]) -> N
     assert "ask for at most" in capsys.readouterr().err
 
 
-def test_simulate_command_prints_per_rank_and_writes_a_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_simulate_command_prints_per_rank_and_writes_a_trace(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     import json
 
     js, trace = tmp_path / "plan.json", tmp_path / "trace.json"

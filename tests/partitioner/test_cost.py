@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
+from gpt2_case import gpt2_config
 from partitioner.cost import NodeCost, cost_graph, node_time
 from partitioner.devices import DeviceSpec
-from gpt2_case import gpt2_config
 from partitioner.trace import CausalLMLogits, TracedModel, trace
 
 F32 = 4

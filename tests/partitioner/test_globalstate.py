@@ -111,15 +111,14 @@ def test_default_dtype_and_device_are_kept() -> None:
 
 def test_preserved_restores_what_a_block_changed_even_when_it_raises() -> None:
     model = nn.Linear(2, 2)
-    with pytest.raises(KeyError):
-        with preserved(model):
-            torch.set_grad_enabled(False)
-            torch.set_autocast_enabled("cpu", True)
-            torch.set_default_dtype(torch.float64)
-            torch.randn(4)
-            model.eval()
-            model.weight.requires_grad_(False)
-            raise KeyError("boom")
+    with pytest.raises(KeyError), preserved(model):
+        torch.set_grad_enabled(False)
+        torch.set_autocast_enabled("cpu", True)
+        torch.set_default_dtype(torch.float64)
+        torch.randn(4)
+        model.eval()
+        model.weight.requires_grad_(False)
+        raise KeyError("boom")
     assert torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
     assert torch.get_default_dtype() == torch.float32
     assert model.training and model.weight.requires_grad

@@ -37,7 +37,7 @@ def _problem(model: nn.Module, x: torch.Tensor, p: int):  # type: ignore[no-unty
 
 
 def test_cuts_never_separate_a_list_from_its_readers() -> None:
-    t, units, problem = _problem(Gated(), torch.randn(4, 8), 2)
+    _, units, problem = _problem(Gated(), torch.randn(4, 8), 2)
     order = [u.nodes[0] for u in units]
     chunk = order.index("chunk")
     last_getitem = max(i for i, v in enumerate(order) if v.startswith("getitem"))
@@ -67,7 +67,7 @@ def test_tied_weight_is_charged_on_both_ends() -> None:
             return self.head(self.mid(self.emb(ids)))
 
     model = Tied()
-    _, units, problem = _problem(model, torch.randint(0, 1000, (2, 3)), 2)
+    _, _, problem = _problem(model, torch.randint(0, 1000, (2, 3)), 2)
     per_copy = 1000 * 16 * 16.0
     charged = [s for s in problem.state_bytes if s >= per_copy]
     assert len(charged) == 2, "the tied weight needs state on both stages that hold it"

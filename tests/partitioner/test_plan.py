@@ -179,7 +179,7 @@ def test_manual_split_points_are_honoured() -> None:
 
 def test_bad_split_points_say_what_to_do() -> None:
     model = MLPChain((8, 8, 8, 8, 8, 8))
-    with pytest.raises(SplitPointError, match="did you mean layers.2"):
+    with pytest.raises(SplitPointError, match=r"did you mean layers\.2"):
         partition(model, (torch.randn(2, 8),), 2, split_points=["layers.2x"])
     with pytest.raises(SplitPointError, match="not in model order"):
         partition(model, (torch.randn(2, 8),), 3, split_points=["layers.4", "layers.2"])
@@ -239,7 +239,8 @@ class _Unread(nn.Module):
 def test_state_the_forward_never_reads_still_lands_in_a_stage() -> None:
     model = _Unread()
     plan = partition(model, (torch.randn(2, 4),), 2, split_points=["head"])
-    for staged in (plan.build_stages(), Plan.from_dict(plan.to_dict()).bind(model, (torch.randn(2, 4),)).build_stages()):
+    loaded = Plan.from_dict(plan.to_dict()).bind(model, (torch.randn(2, 4),))
+    for staged in (plan.build_stages(), loaded.build_stages()):
         keys = [set(m.state_dict()) for m in staged.stages]
         assert set().union(*keys) == set(model.state_dict())
         assert {"head.calibration", "head.spare"} <= keys[1]  # beside head.weight

@@ -8,7 +8,6 @@ import pytest
 import torch
 import torch.fx as fx
 from torch import nn
-
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from partitioner.errors import TraceError
 from gpt2_case import gpt2_config
+from partitioner.errors import TraceError
 from partitioner.trace import CausalLMLogits, TracedModel, retarget_device, trace
 
 # --- small models --------------------------------------------------------------------------------
@@ -113,7 +113,7 @@ def test_leaf_modules_by_class_and_by_name() -> None:
 
 
 def test_unknown_leaf_name_is_reported() -> None:
-    with pytest.raises(TraceError, match="'blocks.9'.*matches no submodule"):
+    with pytest.raises(TraceError, match=r"'blocks\.9'.*matches no submodule"):
         trace(Tower(), (torch.randn(2, 16),), leaf_modules=["blocks.9"])
 
 

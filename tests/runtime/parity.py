@@ -102,7 +102,9 @@ def reference(
     return loss.detach(), grads
 
 
-def reference_grads(c: dict[str, Any], ref: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def reference_grads(
+    c: dict[str, Any], ref: nn.Module, x: torch.Tensor, y: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """:func:`reference` for a parity case's single-input model and loss."""
     return reference(ref, c["loss"], (x,), y)
 
@@ -116,7 +118,7 @@ def check_grads(trainer: PipelineTrainer, want: dict[str, torch.Tensor]) -> list
             assert prm.grad is None and name not in want, f"frozen {name} got a gradient"
             continue
         assert prm.grad is not None, f"{name} got no gradient"
-        torch.testing.assert_close(prm.grad, want[name], **TOL, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(prm.grad, want[name], **TOL, msg=lambda m, name=name: f"{name}: {m}")
         names.append(name)
     return names
 
@@ -149,7 +151,8 @@ def check_case(name: str, p: int, schedule: str, transport: str = "local", *, gr
         ref_opt.step()
     ref_params = dict(ref.named_parameters(remove_duplicate=False))
     for pname, prm in trainer.named_parameters():
-        torch.testing.assert_close(prm.detach(), ref_params[pname].detach(), **TOL, msg=lambda m: f"{pname}: {m}")
+        torch.testing.assert_close(prm.detach(), ref_params[pname].detach(), **TOL,
+                                   msg=lambda m, pname=pname: f"{pname}: {m}")
     every = {id(prm): n for n, prm in ref.named_parameters()}  # one name per tensor (tied: one)
     return {"checked": checked, "peak": dict(trainer.last_peak_inflight), "loss": float(loss),
             "tensors": len(every), "aliases": _aliases(ref), "tied_groups": len(trainer._tied),
@@ -190,7 +193,8 @@ def dist_worker(
     """
     out: dict[str, Any] = {}
     for name, schedule in cases:
-        out[f"{name}/{schedule}"] = check_case(name, stages_for(schedule, world), schedule, transport="dist", grouped=grouped)
+        stages = stages_for(schedule, world)
+        out[f"{name}/{schedule}"] = check_case(name, stages, schedule, transport="dist", grouped=grouped)
     if trace is not None:
         c = case("mlp", world)
         try:  # world stages under ZB-V need world / 2 ranks, not world

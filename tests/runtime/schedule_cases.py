@@ -60,7 +60,7 @@ def reads(x: Action, present: set[Action], S: int, edges: list[tuple[int, int]])
         if a == x.stage:
             i = Action(b, Kind.BACKWARD_INPUT, x.mb)
             grads.append(i if i in present else Action(b, Kind.BACKWARD, x.mb))
-    return [Action(x.stage, Kind.FORWARD, x.mb)] + grads
+    return [Action(x.stage, Kind.FORWARD, x.mb), *grads]
 
 
 def chain(S: int) -> list[tuple[int, int]]:

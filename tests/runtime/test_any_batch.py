@@ -11,8 +11,8 @@ from torch import nn
 
 from partitioner import InputShapeError, Plan, TraceError, partition
 from partitioner.zoo import gpt2
-from runtime import PipelineTrainer
 from rotary_case import RotaryNet
+from runtime import PipelineTrainer
 
 
 def _lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -28,7 +28,7 @@ def _assert_exact(trainer: PipelineTrainer, ref: nn.Module, loss_fn: object, x: 
     torch.testing.assert_close(loss, want.detach(), rtol=2e-5, atol=2e-6)
     grads = {n: prm.grad for n, prm in ref.named_parameters(remove_duplicate=False)}
     for name, prm in trainer.named_parameters():
-        torch.testing.assert_close(prm.grad, grads[name], rtol=2e-5, atol=2e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(prm.grad, grads[name], rtol=2e-5, atol=2e-6, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
@@ -172,7 +171,7 @@ def test_weights_only_load_and_errors(saved: Any, tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="not a pipecut checkpoint"):
         trainer.load(tmp_path)
     other = _trainer("mlp", 2)
-    with pytest.raises(CheckpointError, match="lacks .* entries this trainer needs"):
+    with pytest.raises(CheckpointError, match=r"lacks .* entries this trainer needs"):
         other.load(directory)
 
 
@@ -188,7 +187,7 @@ def test_a_save_that_dies_midway_leaves_the_previous_checkpoint(saved: Any, tmp_
     real_save = dcp.save
 
     def dying_save(state: Any, *, checkpoint_id: str, **kw: Any) -> Any:
-        real_save({k: v for k, v in list(state.items())[:3]}, checkpoint_id=checkpoint_id, **kw)
+        real_save(dict(list(state.items())[:3]), checkpoint_id=checkpoint_id, **kw)
         raise OSError("disk full")
 
     monkeypatch.setattr(dcp, "save", dying_save)
@@ -199,7 +198,7 @@ def test_a_save_that_dies_midway_leaves_the_previous_checkpoint(saved: Any, tmp_
     fresh.load(directory)  # still the complete, older checkpoint
     _assert_bitwise(_params(fresh), saved[1])
     partial = [p for p in tmp_path.iterdir() if p.name.startswith(".ckpt.partial")]
-    assert partial and not (partial[0] / ".metadata").exists() or partial
+    assert (partial and not (partial[0] / ".metadata").exists()) or partial
     with pytest.raises(CheckpointError):
         fresh.load(tmp_path / "never-written")
 

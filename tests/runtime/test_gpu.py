@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 import torch
-from parity import case, reference_grads
 from torch import nn
 
+from parity import case, reference_grads
 from partitioner import partition
 from runtime import PipelineTrainer
 from runtime.launch import spawn
@@ -35,6 +35,13 @@ def _no_tf32() -> Any:
     torch.backends.cuda.matmul.allow_tf32 = False
     yield
     torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def _like(example: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """A random tensor of ``example``'s shape: normal floats, or token ids below 64."""
+    if example.is_floating_point():
+        return torch.randn(example.shape, generator=gen)
+    return torch.randint(0, 64, example.shape, generator=gen)
 
 
 def _check(trainer: PipelineTrainer, loss: torch.Tensor, want_loss: torch.Tensor, want: dict[str, torch.Tensor]) -> int:
@@ -58,8 +65,7 @@ def test_in_process_stages_on_gpus_match_reference(name: str, schedule: str) -> 
     plan = partition(c["model"], c["example"], 2, microbatches=4, schedule=schedule, **c["opts"])
     trainer = PipelineTrainer(plan, c["loss"], schedule=schedule, transport="local", devices=gpus)
     gen = torch.Generator().manual_seed(5)
-    x = torch.randn(c["x"].shape, generator=gen) if c["x"].is_floating_point() else torch.randint(0, 64, c["x"].shape, generator=gen)
-    y = torch.randn(c["y"].shape, generator=gen) if c["y"].is_floating_point() else torch.randint(0, 64, c["y"].shape, generator=gen)
+    x, y = (_like(c[k], gen) for k in ("x", "y"))
     loss = trainer.forward_backward(x, y)
     want_loss, want = reference_grads(c, ref, x, y)
     assert _check(trainer, loss, want_loss, want) > 0
@@ -74,8 +80,7 @@ def _nccl_worker(rank: int, world: int, name: str, schedule: str) -> dict[str, A
     plan = partition(c["model"], c["example"], world, microbatches=4, schedule=schedule, **c["opts"])
     trainer = PipelineTrainer(plan, c["loss"], schedule=schedule, transport="dist")
     gen = torch.Generator().manual_seed(11)
-    x = torch.randn(c["x"].shape, generator=gen) if c["x"].is_floating_point() else torch.randint(0, 64, c["x"].shape, generator=gen)
-    y = torch.randn(c["y"].shape, generator=gen) if c["y"].is_floating_point() else torch.randint(0, 64, c["y"].shape, generator=gen)
+    x, y = (_like(c[k], gen) for k in ("x", "y"))
     loss = trainer.forward_backward(x, y)
     want_loss, want = reference_grads(c, ref, x, y)
     return {"checked": _check(trainer, loss, want_loss, want), "device": str(next(iter(trainer.devices.values())))}

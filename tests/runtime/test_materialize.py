@@ -113,7 +113,9 @@ def test_a_buffer_lost_on_meta_or_a_parameter_nothing_initialises_is_named() -> 
     with torch.device("meta"):
         model = _Table()
     staged = partition(model, (torch.randn(2, 3),), 1, microbatches=1).build_stages()
-    with pytest.raises(MaterializeError, match=r"not initialised: \['scale', '_tensor_constant0 \(a constant the trace computed from tensors of the model, here on meta\)'\].*_Table.*init_fn.*empty_weights"):
+    want = (r"not initialised: \['scale', '_tensor_constant0 \(a constant the trace computed from tensors of "
+            r"the model, here on meta\)'\].*_Table.*init_fn.*empty_weights")
+    with pytest.raises(MaterializeError, match=want):
         materialize(model, {0: staged[0]}, "cpu")
 
     with empty_weights():

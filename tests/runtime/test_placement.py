@@ -41,7 +41,7 @@ def _chain_ios(S: int) -> list[StageIO]:
 def test_nccl_refuses_schedules_that_read_a_peer_out_of_order(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(placement.dist, "get_backend", lambda: "nccl")
     check_backend(placed_schedule("zbh1", 4, 8, None), _chain_ios(4))  # in order: fine
-    with pytest.raises(PlacementError, match="'zbv' with 2 ranks and 4 micro-batches.*NCCL"):
+    with pytest.raises(PlacementError, match=r"'zbv' with 2 ranks and 4 micro-batches.*NCCL"):
         check_backend(placed_schedule("zbv", 4, 4, None), _chain_ios(4))
     monkeypatch.setattr(placement.dist, "get_backend", lambda: "gloo")
     check_backend(placed_schedule("zbv", 4, 4, None), _chain_ios(4))  # gloo matches by tag

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from schedule_cases import A, actions, quick, tuples, valid_schedules
 
 from runtime.generators import interleaved, one_f_one_b
 from runtime.schedules import (
@@ -29,6 +28,7 @@ from runtime.schedules import (
     schedule_names,
 )
 from runtime.zero_bubble import zbh1, zbv
+from schedule_cases import A, actions, quick, tuples, valid_schedules
 
 # The pure modules: plain data in, plain data out; no torch, no third-party imports.
 PURE = ("schedules", "generators", "zero_bubble", "validation", "comm", "simulate", "timeline")

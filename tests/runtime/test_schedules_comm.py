@@ -11,6 +11,11 @@ import random
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
+from runtime.comm import Recv, comm_plan, grouped_program_finishes
+from runtime.generators import gpipe, one_f_one_b
+from runtime.schedules import Action, Kind, Schedule, ScheduleError, get_schedule
+from runtime.validation import format_grid, peak_inflight, validate
 from schedule_cases import (
     GRID,
     TRAINING,
@@ -21,11 +26,6 @@ from schedule_cases import (
     sched,
     valid_schedules,
 )
-
-from runtime.comm import Recv, comm_plan, grouped_program_finishes
-from runtime.generators import gpipe, one_f_one_b
-from runtime.schedules import Action, Kind, Schedule, ScheduleError, get_schedule
-from runtime.validation import format_grid, peak_inflight, validate
 
 # -- the comm plan ---------------------------------------------------------------------------
 

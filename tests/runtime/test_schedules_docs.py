@@ -9,11 +9,10 @@ import contextlib
 import io
 import re
 
-from schedule_cases import DOCS
-
 from runtime.schedules import get_schedule
 from runtime.simulate import StageCosts, simulate
 from runtime.validation import format_grid, peak_inflight_per_rank
+from schedule_cases import DOCS
 
 PAGE = DOCS / "schedules.md"
 NAMES: tuple[tuple[str, dict[str, int]], ...] = (
@@ -68,5 +67,5 @@ def test_page_example_prints_what_the_page_says() -> None:
     assert match is not None, "the simulator example and its output are missing"
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        exec(match[1], {})  # noqa: S102  # our own page's example, run as a reader would
+        exec(match[1], {})  # our own page's example, run as a reader would
     assert out.getvalue() == match[2]

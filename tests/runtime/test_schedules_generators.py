@@ -7,11 +7,11 @@ stage, ``r`` a rank, ``mb`` a micro-batch, ``G`` the first micro-batch group's s
 from __future__ import annotations
 
 import pytest
-from schedule_cases import GRID, makespan
 
 from runtime.generators import _groups, forward_only, gpipe, interleaved, one_f_one_b
 from runtime.schedules import Kind, get_schedule
 from runtime.validation import format_grid, peak_inflight, peak_inflight_per_rank, validate
+from schedule_cases import GRID, makespan
 
 # -- GPipe, 1F1B, forward-only -----------------------------------------------------------------
 

@@ -11,6 +11,11 @@ import random
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
+from runtime.comm import comm_plan
+from runtime.generators import forward_only, gpipe, one_f_one_b
+from runtime.schedules import Schedule, ScheduleError, get_schedule
+from runtime.validation import format_grid, peak_inflight, peak_inflight_per_rank, validate
 from schedule_cases import (
     DOCS,
     TRAINING,
@@ -24,11 +29,6 @@ from schedule_cases import (
     tuples,
     valid_schedules,
 )
-
-from runtime.comm import comm_plan
-from runtime.generators import forward_only, gpipe, one_f_one_b
-from runtime.schedules import Schedule, ScheduleError, get_schedule
-from runtime.validation import format_grid, peak_inflight, peak_inflight_per_rank, validate
 
 # -- the grid ----------------------------------------------------------------------------------
 
@@ -89,7 +89,7 @@ def test_peak_inflight_per_rank_sums_a_rank_s_stages_in_its_own_order() -> None:
 
 def test_validate_catches_a_missing_backward() -> None:
     schedule = one_f_one_b(3, 4)
-    broken = Schedule((schedule.actions[0][:-1],) + schedule.actions[1:], (0, 1, 2), 4, name="1f1b")
+    broken = Schedule((schedule.actions[0][:-1], *schedule.actions[1:]), (0, 1, 2), 4, name="1f1b")
     err = error_of(broken)
     message = str(err)
     assert message.startswith(
@@ -145,8 +145,10 @@ def test_validate_catches_a_deadlocking_swap_with_grid_and_marker() -> None:
     assert (err.step, err.rank, err.action) == (2, 0, A("0B0"))
     assert str(err) == (
         "schedule 'gpipe' (2 ranks, 2 stages, 2 micro-batches): deadlocks at step 2: no rank can run its next action.\n"
-        "  rank 0 waits at 0B0 (position 1) for 1B0, which rank 1 runs later (position 2), behind its own waiting 1F1.\n"
-        "  rank 1 waits at 1F1 (position 1) for 0F1, which rank 0 runs later (position 2), behind its own waiting 0B0.\n"
+        "  rank 0 waits at 0B0 (position 1) for 1B0, which rank 1 runs later (position 2), "
+        "behind its own waiting 1F1.\n"
+        "  rank 1 waits at 1F1 (position 1) for 0F1, which rank 0 runs later (position 2), "
+        "behind its own waiting 0B0.\n"
         "\n"
         "step     0    1    2    3    4    5\n"
         "rank 0   0F0      [0B0] 0F1       0B1\n"

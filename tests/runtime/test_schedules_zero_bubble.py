@@ -6,12 +6,11 @@ micro-batch. Unit time: ``F``, ``I`` and ``W`` take one step each, a fused ``B``
 
 from __future__ import annotations
 
-from schedule_cases import GRID, makespan
-
 from runtime.generators import one_f_one_b
 from runtime.schedules import Action, Kind
 from runtime.validation import format_grid, peak_inflight, peak_inflight_per_rank, validate
 from runtime.zero_bubble import zbh1, zbv
+from schedule_cases import GRID, makespan
 
 F, I, W = Kind.FORWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT
 FUSED_B = {Kind.BACKWARD: 2}  # a whole backward is I + W

@@ -13,13 +13,13 @@ import math
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from schedule_cases import GRID, makespan, quick, valid_schedules
 
 from runtime.generators import gpipe, interleaved, one_f_one_b
 from runtime.schedules import Action, Kind, Schedule, ScheduleError, dependencies, get_schedule
 from runtime.simulate import Link, Simulation, SimulationError, StageCosts, simulate
 from runtime.validation import peak_inflight_per_rank
 from runtime.zero_bubble import zbh1, zbv
+from schedule_cases import GRID, makespan, quick, valid_schedules
 
 F, B, I, W = Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT
 

@@ -183,12 +183,13 @@ def test_fused_layers_defer_their_weight_gemm_to_w(input_grad: bool) -> None:
     ref(ref_x).backward(g)
 
     out = net(x)
-    params = [p for p in net.parameters()]
+    params = list(net.parameters())
     fused = [net.a.weight, net.a.bias, net.b.weight, net.b.bias, net.side.weight]
     in_grads, pending = backward_input([out], [g], [x] if input_grad else [], params, fused)
     assert all(w.grad is None for w in fused)  # I did none of their parameter work
     if input_grad:
-        assert [id(w) for w, _ in pending.deferred] == [id(p) for p in (net.b.weight, net.b.bias, net.a.weight, net.a.bias)]
+        deferred = (net.b.weight, net.b.bias, net.a.weight, net.a.bias)
+        assert [id(w) for w, _ in pending.deferred] == [id(p) for p in deferred]
         assert [id(w) for w in pending.owed] == [id(net.side.weight)]  # off the input path
         torch.testing.assert_close(in_grads[0], ref_x.grad)
     backward_weight(pending)

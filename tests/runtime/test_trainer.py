@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from parity import case, check_case, dist_worker, make_trainer, stages_for
 from torch import nn
 
+from parity import case, check_case, dist_worker, make_trainer, stages_for
 from runtime.errors import StageError
 from runtime.launch import spawn
 from runtime.schedules import get_schedule
@@ -180,7 +180,7 @@ def test_uneven_batch_is_a_clear_error() -> None:
         split_microbatches(torch.zeros(10, 3), 4)
     c = case("mlp", 2)
     trainer = make_trainer(c, 2, "gpipe")
-    with pytest.raises(MicrobatchError, match="10.*4"):
+    with pytest.raises(MicrobatchError, match=r"10.*4"):
         trainer.forward_backward(torch.randn(10, 16), torch.randn(10, 8))
 
 
@@ -227,7 +227,7 @@ def test_stage_count_that_does_not_fit_the_placement_is_a_clear_error() -> None:
     PipelineTrainer(plan, c["loss"], schedule="interleaved", chunks_per_rank=3)  # 1 rank, 3 chunks
     with pytest.raises(PlacementError, match="exactly 2 stages per rank"):
         PipelineTrainer(plan, c["loss"], schedule="zbv", chunks_per_rank=3)
-    with pytest.raises(PlacementError, match="one stage per rank.*schedule='interleaved'"):
+    with pytest.raises(PlacementError, match=r"one stage per rank.*schedule='interleaved'"):
         PipelineTrainer(plan, c["loss"], schedule="1f1b", chunks_per_rank=3)
 
 

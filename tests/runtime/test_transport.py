@@ -44,7 +44,7 @@ def test_local_transport_closed_while_waiting_says_another_stage_failed() -> Non
     def wait() -> None:
         try:
             tr.recv(Key(0, 1, "act", 3), [], CPU)
-        except BaseException as e:  # noqa: BLE001 - handed to the test thread
+        except BaseException as e:  # handed to the test thread
             errors.append(e)
 
     t = threading.Thread(target=wait)
@@ -94,13 +94,13 @@ def _unconnected_dist_transport(timeout: float) -> DistTransport:
     ("text", "delay", "timeout", "kind", "says"),
     [
         ("[pair.cc:553] Connection closed by peer [127.0.0.1]:1234", 0.0, 30, PeerFailed,
-         r"^rank 1 stopped waiting for the send of gradients of micro-batch 4 from stage 1 to stage 0 "
-         r"\(to rank 0\): peer rank 0 closed the connection after 0\.0 s, before the 30 s timeout"),
+         (r"^rank 1 stopped waiting for the send of gradients of micro-batch 4 from stage 1 to stage 0 "
+          r"\(to rank 0\): peer rank 0 closed the connection after 0\.0 s, before the 30 s timeout")),
         ("[pair.cc:1] Read error [127.0.0.1]:1234: Connection reset by peer", 0.0, 30, PeerFailed,
          r"peer rank 0 closed the connection after 0\.0 s, before the 30 s timeout; rank 0 failed"),
         ("NCCL communicator was aborted on rank 0", 0.0, 30, PeerFailed,
-         r"the process group failed after 0\.0 s \(NCCL communicator was aborted on rank 0\), before the "
-         r"30 s timeout; another rank failed"),
+         (r"the process group failed after 0\.0 s \(NCCL communicator was aborted on rank 0\), before the "
+          r"30 s timeout; another rank failed")),
         ("[unbound_buffer.cc:129] Timed out waiting 300ms for send operation", 0.3, 0.3, TransportTimeout,
          r"did not complete within 0\.3 s \(the timeout\); rank 0 did not receive it"),
         ("[unbound_buffer.cc:129] Timed out waiting 10ms for send operation", 0.0, 30, TransportTimeout,

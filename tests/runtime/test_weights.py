@@ -298,7 +298,7 @@ def test_tied_weight_without_aliases_is_missing(tmp_path: Path) -> None:
     pretrained = _llama(tie=True)
     pretrained.save_pretrained(tmp_path)
     into = {"lm_head.weight": torch.zeros(64, 32)}
-    with pytest.raises(MissingWeightsError, match="aliases=plan.param_aliases"):
+    with pytest.raises(MissingWeightsError, match=r"aliases=plan.param_aliases"):
         load_weights(tmp_path, into, names=list(pretrained.state_dict()))
     pairs = tuple(_tied_aliases(pretrained).items())  # the form of plan.param_aliases
     load_weights(tmp_path, into, names=list(pretrained.state_dict()), aliases=pairs)
@@ -372,7 +372,7 @@ def test_ambiguous_prefix(tmp_path: Path) -> None:
 def test_destination_refusals(tmp_path: Path) -> None:
     ref = _toy_state()
     source = _source("safetensors", tmp_path, ref)
-    with pytest.raises(WeightsDestinationError, match="meta device.*to_empty"):
+    with pytest.raises(WeightsDestinationError, match=r"meta device.*to_empty"):
         load_weights(source, {"embed.weight": torch.empty(10, 4, device="meta")}, names=ref)
     with pytest.raises(WeightsDestinationError, match="not among the model's names: 'nope'"):
         load_weights(source, {"nope": torch.zeros(1)}, names=ref)
@@ -386,12 +386,12 @@ def test_source_refusals(tmp_path: Path) -> None:
     with pytest.raises(WeightsSourceError, match="no checkpoint pipecut reads"):
         load_weights(tmp_path, {}, names=[])
     (tmp_path / "junk.pt").write_bytes(b"not a pickle")
-    with pytest.raises(WeightsSourceError, match="torch.save"):
+    with pytest.raises(WeightsSourceError, match=r"torch.save"):
         checkpoint_index(tmp_path / "junk.pt")
     ref = _toy_state()
     source = _source("shards", tmp_path, ref)
     os.remove(source / "model-00003-of-00003.safetensors")
-    with pytest.raises(WeightsSourceError, match="model-00003-of-00003.safetensors does not exist"):
+    with pytest.raises(WeightsSourceError, match=r"model-00003-of-00003.safetensors does not exist"):
         load_weights(source, _dests(["head.weight"], ref), names=ref)
 
 
@@ -505,7 +505,7 @@ def test_export_loads_in_transformers(tie: bool, shard_bytes: int, tmp_path: Pat
 def test_export_is_atomic_and_refuses_to_overwrite(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ref = _toy_state()
     save_safetensors(ref, tmp_path)
-    with pytest.raises(WeightsError, match="already holds a checkpoint.*overwrite=True"):
+    with pytest.raises(WeightsError, match=r"already holds a checkpoint.*overwrite=True"):
         save_safetensors(ref, tmp_path)
     real = os.replace
 
@@ -527,7 +527,7 @@ def test_export_is_atomic_and_refuses_to_overwrite(tmp_path: Path, monkeypatch: 
 
 
 def test_export_refusals(tmp_path: Path) -> None:
-    with pytest.raises(WeightsError, match="lacking the prefix 'model.'"):
+    with pytest.raises(WeightsError, match=r"lacking the prefix 'model.'"):
         save_safetensors({"x": torch.ones(1)}, tmp_path, prefix="model.")
     with pytest.raises(WeightsError, match="meta device"):
         save_safetensors({"x": torch.empty(1, device="meta")}, tmp_path)

@@ -121,7 +121,8 @@ def test_rewrite_fuses_only_safe_layers_and_keeps_gradients() -> None:
     ref = copy.deepcopy(net)
     fused = fx.symbolic_trace(net)
     keys = list(fused.state_dict())
-    assert fuse_weight_grad_accumulation(fused, min_numel=1) == 2  # a and b; tied is used twice, frozen needs no gradient
+    # a and b; tied is used twice, frozen needs no gradient
+    assert fuse_weight_grad_accumulation(fused, min_numel=1) == 2
     assert _fused_count(fused) == 2 and list(fused.state_dict()) == keys
     # the layers add their own parameters' gradients (a's bias too; b has none)
     assert [id(p) for p in fused_params(fused)] == [id(net.a.weight), id(net.a.bias), id(net.b.weight)]

@@ -93,7 +93,7 @@ def test_check_assignment_names_the_problem() -> None:
     check_assignment(pb, [0, 0, 1, 1, 2])
     with pytest.raises(PartitionError, match=r"stages \[1\] hold no unit"):
         check_assignment(pb, [0, 0, 2, 2, 2])
-    with pytest.raises(PartitionError, match="unit 1 .stage 0. reads the output of unit 0 .stage 1."):
+    with pytest.raises(PartitionError, match=r"unit 1 \(stage 0\) reads the output of unit 0 \(stage 1\)"):
         check_assignment(pb, [1, 0, 1, 1, 2])
     cut = Problem(**{**pb.__dict__, "cuts": (2, 4)})
     check_assignment(cut, [0, 0, 1, 1, 2])

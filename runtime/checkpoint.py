@@ -72,12 +72,7 @@ def save(trainer: PipelineTrainer, directory: PathLike) -> Path:
         _dcp().save(state, checkpoint_id=str(partial), no_dist=not _distributed())
     _barrier()  # every rank's files are written, and the metadata
     if leader:
-        old = target.parent / f".{target.name}.old"
-        shutil.rmtree(old, ignore_errors=True)
-        if target.exists():
-            target.rename(old)
-        partial.rename(target)
-        shutil.rmtree(old, ignore_errors=True)
+        _commit(partial, target)
     _barrier()
     log.info("saved step %d to %s", trainer.step_count, target)
     return target
@@ -191,22 +186,27 @@ def export_safetensors(trainer: PipelineTrainer, directory: PathLike, *, prefix:
         shard[keys[name]] = t.detach().to("cpu").contiguous()
     file = f"model-{rank + 1:05d}-of-{world:05d}.safetensors"
     save_file(shard, str(partial / file), metadata={"format": "pt"})
-    index = _gather(sorted(shard))
+    index = _gather((sorted(shard), sum(int(t.numel() * t.element_size()) for t in shard.values())))
     if rank == 0:
-        weight_map = {key: f"model-{r + 1:05d}-of-{world:05d}.safetensors" for r, ks in enumerate(index) for key in ks}
-        total = sum(int(t.numel() * t.element_size()) for t in shard.values())
+        weight_map = {key: f"model-{r + 1:05d}-of-{world:05d}.safetensors" for r, (ks, _) in enumerate(index) for key in ks}
+        total = sum(nbytes for _, nbytes in index)
         body = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (partial / "model.safetensors.index.json").write_text(json.dumps(body, indent=2) + "\n")
     _barrier()
     if rank == 0:
-        old = target.parent / f".{target.name}.old-export"
-        shutil.rmtree(old, ignore_errors=True)
-        if target.exists():
-            target.rename(old)
-        partial.rename(target)
-        shutil.rmtree(old, ignore_errors=True)
+        _commit(partial, target)
     _barrier()
     return target
+
+
+def _commit(partial: Path, target: Path) -> None:
+    """Put the finished ``partial`` folder at ``target``, replacing an older one only now."""
+    old = target.parent / f".{target.name}.old"
+    shutil.rmtree(old, ignore_errors=True)
+    if target.exists():
+        target.rename(old)
+    partial.rename(target)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 # -- the state ---------------------------------------------------------------------------------

@@ -188,7 +188,8 @@ def export_safetensors(trainer: PipelineTrainer, directory: PathLike, *, prefix:
     save_file(shard, str(partial / file), metadata={"format": "pt"})
     index = _gather((sorted(shard), sum(int(t.numel() * t.element_size()) for t in shard.values())))
     if rank == 0:
-        weight_map = {key: f"model-{r + 1:05d}-of-{world:05d}.safetensors" for r, (ks, _) in enumerate(index) for key in ks}
+        files = [f"model-{r + 1:05d}-of-{world:05d}.safetensors" for r in range(world)]
+        weight_map = {key: files[r] for r, (ks, _) in enumerate(index) for key in ks}
         total = sum(nbytes for _, nbytes in index)
         body = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (partial / "model.safetensors.index.json").write_text(json.dumps(body, indent=2) + "\n")

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from partitioner.errors import InputError, InputShapeError, PlanMismatchError
+from partitioner.failures import first_line
 from partitioner.trace import TracedModel
 
 from .shapes import check_fixed_dims, wire_shapes
@@ -139,7 +140,7 @@ def _check_fx_sizes(
         )
         raise InputShapeError(
             f"the planned graph cannot run on these inputs ({listing}): "
-            f"{type(e.__cause__).__name__}: {_first_line(e.__cause__)}. Give inputs whose sizes "
+            f"{type(e.__cause__).__name__}: {first_line(e.__cause__).rstrip('.')}. Give inputs whose sizes "
             "other than the batch match the traced example, or re-plan with example inputs of the "
             "new sizes"
         ) from e.__cause__
@@ -171,8 +172,3 @@ def _first_tensor(value: Any) -> torch.Tensor | None:
             if t is not None:
                 return t
     return None
-
-
-def _first_line(error: BaseException | None) -> str:
-    text = str(error).strip() if error is not None else ""
-    return text.splitlines()[0].rstrip(".") if text else "(no message)"

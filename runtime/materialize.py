@@ -211,8 +211,7 @@ def _own_items(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _own_tensors(module: nn.Module) -> Iterator[torch.Tensor]:
-    yield from (t for t in module._parameters.values() if t is not None)
-    yield from (t for t in module._buffers.values() if t is not None)
+    return (t for _, t in _own_items(module))
 
 
 def _empty_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -28,6 +28,7 @@ from partitioner.errors import PipecutError
 from partitioner.plan import Plan
 
 from . import checkpoint
+from .clipping import clip_grad_norm_
 from .executor import ActionRecord, Executor, RunResult, StageRuntime
 from .generators import forward_only
 from .inputs import check_inputs, check_sizes, check_targets, shape_key
@@ -229,6 +230,7 @@ class PipelineTrainer:
         self.optimizer = optimizer(params) if optimizer is not None and params else None
         self.scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None and self.optimizer else None
         self.step_count = 0  # optimizer steps taken (saved and restored by checkpoints)
+        self.last_grad_norm: torch.Tensor | None = None
         self._shape_cache: dict[tuple[tuple[int, ...], ...], dict[str, tuple[int, ...]]] = {}
         self._dist_transport = (
             DistTransport(self.schedule.stage_to_rank, timeout) if self.mode == "dist" else None
@@ -239,8 +241,11 @@ class PipelineTrainer:
 
     # -- public API -----------------------------------------------------------------------
 
-    def step(self, inputs: Any, targets: Any) -> torch.Tensor:
+    def step(self, inputs: Any, targets: Any, *, max_norm: float | None = None) -> torch.Tensor:
         """One optimizer step over ``m`` micro-batches; returns the batch's mean loss.
+
+        With ``max_norm``, gradients are clipped to that total norm over all stages first
+        (:meth:`clip_grad_norm_`); the norm is kept as ``last_grad_norm``.
 
         Raises:
             InputError: the inputs do not match the plan (their number, a dtype, a size the
@@ -257,6 +262,8 @@ class PipelineTrainer:
             raise RuntimeError("this trainer has no optimizer: pass optimizer=lambda params: ... to step")
         self.zero_grad()
         loss = self.forward_backward(inputs, targets)
+        if max_norm is not None:
+            self.last_grad_norm = self.clip_grad_norm_(max_norm)
         if self.optimizer is not None:
             self.optimizer.step()
         if self.scheduler is not None:
@@ -325,6 +332,33 @@ class PipelineTrainer:
         for s in sorted(self.stages):
             out.update(self.stages[s].module.state_dict())
         return out
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients to a total norm, as ``torch.nn.utils.clip_grad_norm_`` on the
+        unpartitioned model: the norm is taken over every stage (reduced over the ranks under
+        torch.distributed), a tied parameter counted once. Returns the total norm.
+
+        Call it between :meth:`forward_backward` and the optimizer, or use
+        ``step(..., max_norm=...)``. Collective under torch.distributed.
+        """
+        params = [prm for st in self.stages.values() for prm in st.module.parameters()]
+        unique = list({id(prm): prm for prm in params}.values())
+        counted = {id(prm) for prm in unique} - self._second_copies()
+        return clip_grad_norm_(unique, max_norm, norm_type, counted=counted, distributed=self.mode == "dist",
+                               comm_device=_comm_device)
+
+    def _second_copies(self) -> set[int]:
+        """Ids of tied-parameter copies that must not count twice in a norm."""
+        skip: set[int] = set()
+        for copies, group in self._tied:
+            if group is None:
+                skip.update(id(c) for c in copies[1:])
+        for name, holders in self.plan.shared_params:
+            if holders[0] not in self.stages:  # another rank holds the first stage: it counts it
+                for s in holders:
+                    if s in self.stages:
+                        skip.add(id(self.stages[s].module.get_parameter(name)))
+        return skip
 
     def save(self, directory: str | os.PathLike[str]) -> Path:
         """Save a checkpoint: model, optimizer and scheduler state, step and RNG states.

@@ -1,0 +1,67 @@
+"""Gradient-norm clipping over every stage of a pipeline, as if the model were one.
+
+``torch.nn.utils.clip_grad_norm_`` on the unpartitioned model computes one norm over all
+gradients and scales them all by ``max_norm / norm`` when that is below 1. Here each process
+holds some stages: it sums ``|g|^p`` over the gradients it holds (the maximum for ``p = inf``),
+the processes add (or take the maximum of) their partial sums, and every process scales its own
+gradients by the same factor. A tied parameter, held by several stages, counts once: on the
+process holding its first stage, and there in its first copy.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Collection, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["clip_grad_norm_"]
+
+
+def clip_grad_norm_(
+    params: Sequence[nn.Parameter],
+    max_norm: float,
+    norm_type: float = 2.0,
+    *,
+    counted: Collection[int] | None = None,
+    distributed: bool = False,
+    comm_device: Callable[[], torch.device] | None = None,
+) -> torch.Tensor:
+    """Clip the gradients of ``params`` to a total norm taken over every process.
+
+    Args:
+        params: this process's parameters (every copy: all are scaled).
+        max_norm: the largest total norm kept.
+        norm_type: ``p`` of the p-norm; ``float('inf')`` for the largest entry.
+        counted: ids of the parameters whose gradients enter the norm (default: all); leave
+            out second copies of a tied weight.
+        distributed: reduce the partial sums over the default process group.
+        comm_device: where that reduction runs (the rank's GPU on NCCL).
+
+    Returns:
+        The total norm (fp32 scalar on the CPU), before clipping.
+
+    Example:
+        >>> w = nn.Parameter(torch.ones(4)); w.grad = torch.full((4,), 3.0)
+        >>> float(clip_grad_norm_([w], max_norm=1.0)), round(w.grad[0].item(), 4)  # 3 x 1/6
+        (6.0, 0.5)
+    """
+    grads = [p.grad for p in params if p.grad is not None and (counted is None or id(p) in counted)]
+    p = float(norm_type)
+    if p == math.inf:
+        partial = max((g.detach().abs().max().float().cpu() for g in grads), default=torch.zeros(()))
+    else:
+        partial = sum((g.detach().float().abs().pow(p).sum().cpu() for g in grads), torch.zeros(()))
+    total = torch.as_tensor(partial, dtype=torch.float32)
+    if distributed:
+        buf = total.to(comm_device() if comm_device is not None else torch.device("cpu"))
+        dist.all_reduce(buf, op=dist.ReduceOp.MAX if p == math.inf else dist.ReduceOp.SUM)
+        total = buf.cpu()
+    norm = total if p == math.inf else total.pow(1.0 / p)
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # as torch: the same epsilon
+    for prm in params:
+        if prm.grad is not None:
+            prm.grad.mul_(coef.to(prm.grad.device, prm.grad.dtype))
+    return norm

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 import torch
-from parity import TOL, case, make_trainer, reference_grads
 
+from parity import TOL, case, make_trainer, reference_grads
 from runtime.launch import spawn
 
 

@@ -133,19 +133,27 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, tor
     return directory, _params(trainer)
 
 
+@pytest.fixture(scope="module")
+def next_step(saved: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The saving plan's step after the checkpoint, from the checkpoint: loss and weights."""
+    reference = _trainer("gpt2", 2, fresh=True)
+    reference.load(saved[0])
+    loss = reference.step(*_batch("gpt2", STEPS))
+    return loss, _params(reference)
+
+
 @pytest.mark.parametrize(("stages", "schedule"), [(4, "1f1b"), (4, "interleaved"), (4, "zbv"), (3, "gpipe")])
-def test_a_checkpoint_loads_into_another_plan_and_schedule(saved: Any, stages: int, schedule: str) -> None:
+def test_a_checkpoint_loads_into_another_plan_and_schedule(
+    saved: Any, next_step: Any, stages: int, schedule: str
+) -> None:
     directory, weights = saved
     trainer = _trainer("gpt2", stages, schedule, fresh=True)
     trainer.load(directory)
     _assert_bitwise(_params(trainer), weights)
     assert trainer.step_count == STEPS
     # The optimizer state came along: one more step equals the saving plan's next step.
-    reference = _trainer("gpt2", 2, fresh=True)
-    reference.load(directory)
-    loss = trainer.step(*_batch("gpt2", STEPS))
-    torch.testing.assert_close(loss, reference.step(*_batch("gpt2", STEPS)))
-    want = _params(reference)
+    want_loss, want = next_step
+    torch.testing.assert_close(trainer.step(*_batch("gpt2", STEPS)), want_loss)
     for n, t in _params(trainer).items():
         torch.testing.assert_close(t, want[n], rtol=1e-5, atol=1e-6)
 

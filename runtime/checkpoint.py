@@ -272,11 +272,9 @@ def _apply(trainer: PipelineTrainer, state: Mapping[str, Any], *, optimizer: boo
 
 def _owned_tensors(trainer: PipelineTrainer) -> dict[str, torch.Tensor]:
     """This process's stages' state_dict tensors by every name (a copy on another device: the first's)."""
-    out: dict[str, torch.Tensor] = {}
-    for s in sorted(trainer.stages):
-        for name, t in trainer.stages[s].module.state_dict(keep_vars=True).items():
-            out.setdefault(name, t)
-    return out
+    from .weights import stage_tensors
+
+    return stage_tensors({s: st.module for s, st in trainer.stages.items()})[0]
 
 
 def _alias_groups(trainer: PipelineTrainer) -> dict[str, tuple[str, ...]]:

@@ -11,13 +11,13 @@ equal.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["TiedGroup", "tie_copies", "sum_tied_grads", "copy_tied_values"]
+__all__ = ["TiedGroup", "tie_copies", "sum_tied_grads", "copy_tied_values", "second_copies"]
 
 # The copies of one tied parameter this process holds, and the process group of the ranks that
 # hold one (``None``: all copies are in this process, on different devices).
@@ -98,6 +98,22 @@ def copy_tied_values(groups: Sequence[TiedGroup], optimizer: torch.optim.Optimiz
                         mine[key] = value.to(c.device if value.dim() else value.device, copy=True)
                     else:
                         mine[key] = value
+
+
+def second_copies(
+    groups: Sequence[TiedGroup], shared: Iterable[tuple[str, tuple[int, ...]]], modules: Mapping[int, nn.Module],
+) -> set[int]:
+    """Ids of this process's tied-parameter copies that must not count a second time in a norm:
+    copies after the first in one process, and every copy where another rank holds the first
+    stage (that rank counts it)."""
+    skip: set[int] = set()
+    for copies, group in groups:
+        if group is None:
+            skip.update(id(c) for c in copies[1:])
+    for name, holders in shared:
+        if holders[0] not in modules:
+            skip.update(id(modules[s].get_parameter(name)) for s in holders if s in modules)
+    return skip
 
 
 def _untie(

@@ -37,11 +37,11 @@ from .materialize import InitFn, materialize
 from .placement import PlacementError, check_backend, placed_schedule, stage_devices
 from .schedules import Schedule
 from .shapes import wire_shapes
-from .tied import copy_tied_values, sum_tied_grads, tie_copies
+from .tied import copy_tied_values, second_copies, sum_tied_grads, tie_copies
 from .timeline import Timeline, from_records, save_chrome_trace
 from .transport import DistTransport, LocalTransport, PeerFailed, Transport
 from .validation import validate
-from .weights import LoadReport, Weights, load_weights
+from .weights import LoadReport, Weights, load_weights, stage_tensors
 from .wgrad_fusion import fuse_weight_grad_accumulation
 
 __all__ = ["PipelineTrainer", "MicrobatchError", "split_microbatches"]
@@ -211,7 +211,7 @@ class PipelineTrainer:
         if weights is not None and not isinstance(weights, Weights):
             weights = Weights(weights)
         mine = {s: staged.stages[s] for s in own}
-        self._materialize(mine, init_fn, seed, _persistent_names(mine.values()) if weights is not None else ())
+        self._materialize(mine, init_fn, seed, set(stage_tensors(mine)[0]) if weights is not None else ())
         for s in own:
             module = staged.stages[s]
             _check_materialised(module, s)
@@ -343,22 +343,11 @@ class PipelineTrainer:
         """
         params = [prm for st in self.stages.values() for prm in st.module.parameters()]
         unique = list({id(prm): prm for prm in params}.values())
-        counted = {id(prm) for prm in unique} - self._second_copies()
+        counted = {id(prm) for prm in unique} - second_copies(
+            self._tied, self.plan.shared_params, {s: st.module for s, st in self.stages.items()}
+        )
         return clip_grad_norm_(unique, max_norm, norm_type, counted=counted, distributed=self.mode == "dist",
                                comm_device=_comm_device)
-
-    def _second_copies(self) -> set[int]:
-        """Ids of tied-parameter copies that must not count twice in a norm."""
-        skip: set[int] = set()
-        for copies, group in self._tied:
-            if group is None:
-                skip.update(id(c) for c in copies[1:])
-        for name, holders in self.plan.shared_params:
-            if holders[0] not in self.stages:  # another rank holds the first stage: it counts it
-                for s in holders:
-                    if s in self.stages:
-                        skip.add(id(self.stages[s].module.get_parameter(name)))
-        return skip
 
     def save(self, directory: str | os.PathLike[str]) -> Path:
         """Save a checkpoint: model, optimizer and scheduler state, step and RNG states.
@@ -402,12 +391,7 @@ class PipelineTrainer:
                 subclasses name the key, the stage and the fix); see ``runtime.weights``.
         """
         spec = weights if isinstance(weights, Weights) else Weights(weights)
-        into: dict[str, torch.Tensor] = {}
-        stage_of: dict[str, int] = {}
-        for s in sorted(self.stages):  # a tied weight copied per device: the first stage's copy
-            for name, t in self.stages[s].module.state_dict(keep_vars=True).items():
-                into.setdefault(name, t)
-                stage_of.setdefault(name, s)
+        into, stage_of = stage_tensors({s: st.module for s, st in self.stages.items()})
         report = load_weights(
             spec.source, into, names=list(self.plan.model.state_dict(keep_vars=True)),
             aliases=self.plan.param_aliases, stage_of=stage_of, prefix=spec.prefix, cast=spec.cast,
@@ -603,11 +587,6 @@ def _default_device() -> torch.device:
 
 def _comm_device() -> torch.device:
     return _default_device() if dist.is_initialized() else torch.device("cpu")
-
-
-def _persistent_names(modules: Iterable[nn.Module]) -> set[str]:
-    """Names of the tensors a checkpoint holds for these stages (their state_dicts' keys)."""
-    return {name for m in modules for name in m.state_dict(keep_vars=True)}
 
 
 def _check_materialised(module: nn.Module, s: int) -> None:

@@ -37,7 +37,10 @@ from .weight_errors import (
 )
 from .weight_sources import Source, TensorInfo, open_source
 
-__all__ = ["LoadReport", "PrefixMap", "TensorInfo", "Weights", "checkpoint_index", "detect_prefix", "load_weights"]
+__all__ = [
+    "LoadReport", "PrefixMap", "TensorInfo", "Weights", "checkpoint_index", "detect_prefix", "load_weights",
+    "stage_tensors",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +142,19 @@ def checkpoint_index(source: PathLike) -> dict[str, TensorInfo]:
     """
     with open_source(source) as src:
         return src.info(src.keys())
+
+
+def stage_tensors(stages: Mapping[int, torch.nn.Module]) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    """The tensors a checkpoint holds for these stages, by every name (their ``state_dict``
+    entries; a weight copied to several stages of one process: the lowest stage's copy), and
+    each name's stage."""
+    into: dict[str, torch.Tensor] = {}
+    stage_of: dict[str, int] = {}
+    for s in sorted(stages):
+        for name, t in stages[s].state_dict(keep_vars=True).items():
+            into.setdefault(name, t)
+            stage_of.setdefault(name, s)
+    return into, stage_of
 
 
 @dataclass(frozen=True)

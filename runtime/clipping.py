@@ -28,6 +28,7 @@ def clip_grad_norm_(
     counted: Collection[int] | None = None,
     distributed: bool = False,
     comm_device: Callable[[], torch.device] | None = None,
+    group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Clip the gradients of ``params`` to a total norm taken over every process.
 
@@ -37,8 +38,11 @@ def clip_grad_norm_(
         norm_type: ``p`` of the p-norm; ``float('inf')`` for the largest entry.
         counted: ids of the parameters whose gradients enter the norm (default: all); leave
             out second copies of a tied weight.
-        distributed: reduce the partial sums over the default process group.
+        distributed: reduce the partial sums over ``group``.
         comm_device: where that reduction runs (the rank's GPU on NCCL).
+        group: the ranks holding the rest of the model (default: the world). With data
+            parallelism, one pipeline's ranks: after the gradients are averaged every replica
+            holds the same ones, so counting other replicas would count them again.
 
     Returns:
         The total norm (fp32 scalar on the CPU), before clipping.
@@ -57,7 +61,7 @@ def clip_grad_norm_(
     total = torch.as_tensor(partial, dtype=torch.float32)
     if distributed:
         buf = total.to(comm_device() if comm_device is not None else torch.device("cpu"))
-        dist.all_reduce(buf, op=dist.ReduceOp.MAX if p == math.inf else dist.ReduceOp.SUM)
+        dist.all_reduce(buf, op=dist.ReduceOp.MAX if p == math.inf else dist.ReduceOp.SUM, group=group)
         total = buf.cpu()
     norm = total if p == math.inf else total.pow(1.0 / p)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # as torch: the same epsilon

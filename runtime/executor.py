@@ -146,6 +146,10 @@ class StepState:
     # Receives to post ahead (``run`` on transports that post receives), in reading order.
     ahead: list[tuple[Key, list[TensorMeta], torch.device]] = field(default_factory=list)
     posted: int = 0
+    # ``run(on_stage_done=...)``: the index of each stage's last backward action, and the count run.
+    last_backward: dict[int, int] = field(default_factory=dict)
+    on_stage_done: Callable[[int], None] | None = None
+    executed: int = 0
 
 
 @dataclass(frozen=True)
@@ -254,6 +258,7 @@ class Executor:
         *,
         train: bool = True,
         mb_shapes: Mapping[int, Mapping[str, tuple[int, ...]]] | None = None,
+        on_stage_done: Callable[[int], None] | None = None,
     ) -> RunResult:
         """Execute ``actions`` in order.
 
@@ -266,8 +271,16 @@ class Executor:
             train: build autograd graphs and run backward actions; ``False`` for inference.
             mb_shapes: per micro-batch, wire shapes by value name when they differ from the
                 plan's (another micro-batch size); default: the plan's shapes.
+            on_stage_done: called with ``s`` right after stage ``s``'s last backward action
+                (``B``, ``I`` or ``W``) of the step, when its gradients are complete (data
+                parallelism starts their all-reduce then).
         """
         state = self.start(inputs, targets, scales, train=train, mb_shapes=mb_shapes)
+        if on_stage_done is not None and train:
+            state.on_stage_done = on_stage_done
+            state.last_backward = {
+                act.stage: i for i, act in enumerate(actions) if _kind(act) in ("B", "I", "W")
+            }
         try:
             if self.transport.posts_receives:
                 self._run_ahead(state, actions)
@@ -344,7 +357,7 @@ class Executor:
 
     def execute(self, state: StepState, act: ActionLike) -> None:
         """Run one action of this rank."""
-        kind = act.kind if type(act.kind) is str else str(getattr(act.kind, "value", act.kind))
+        kind = _kind(act)
         s, mb = act.stage, act.mb
         if s not in self.stages:
             raise ValueError(f"rank {self.rank} was given action {s}{kind}{mb} for stage {s}, which it does not hold")
@@ -365,6 +378,9 @@ class Executor:
             state.result.records.append(
                 ActionRecord(self.rank, s, kind, mb, min(t0 + self._waited, end), end, self._waited)
             )
+        if state.on_stage_done is not None and state.last_backward.get(s) == state.executed:
+            state.on_stage_done(s)
+        state.executed += 1
 
     def _recv(self, key: Key, metas: Sequence[TensorMeta], device: torch.device) -> list[torch.Tensor]:
         if not self.record:
@@ -409,7 +425,7 @@ class Executor:
 
     def needs(self, act: ActionLike) -> list[Key]:
         """The messages ``act`` waits for (to interleave several ranks in one thread)."""
-        kind = act.kind if type(act.kind) is str else str(getattr(act.kind, "value", act.kind))
+        kind = _kind(act)
         s, mb = act.stage, act.mb
         w = self._wiring[s]
         if kind == "F":
@@ -567,6 +583,11 @@ class Executor:
 
 # Private in torch, hence the fallback: without it every action is labelled (a few us each).
 _profiler_enabled: Callable[[], bool] = getattr(torch._C._autograd, "_profiler_enabled", lambda: True)
+
+
+def _kind(act: ActionLike) -> str:
+    """An action's kind as its letter (``F``, ``B``, ``I``, ``W``), whatever type holds it."""
+    return act.kind if type(act.kind) is str else str(getattr(act.kind, "value", act.kind))
 
 
 def _profiling() -> bool:

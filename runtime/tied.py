@@ -31,6 +31,9 @@ def tie_copies(
     stage_to_rank: Sequence[int],
     rank: int | None,
     comm_device: Callable[[], torch.device],
+    *,
+    replicas: Sequence[Sequence[int]] | None = None,
+    replica: int = 0,
 ) -> list[TiedGroup]:
     """The groups of copies whose gradients must be summed, making the copies that are needed.
 
@@ -39,22 +42,28 @@ def tie_copies(
         modules: this process's stage modules by stage.
         devices: each of this process's stages' device.
         stage_to_rank: rank of every stage.
-        rank: this rank under torch.distributed (every rank must call this, in the same order:
-            it creates process groups), or ``None`` in one process.
+        rank: this rank of the pipeline under torch.distributed (every rank of the job must call
+            this, in the same order: it creates process groups), or ``None`` in one process.
         comm_device: where collectives run (the rank's GPU on NCCL, else the CPU).
+        replicas: with data parallelism, ``replicas[d][r]``: the global rank of pipeline rank
+            ``r`` in replica ``d`` (default: one pipeline, global rank ``r``).
+        replica: this process's replica ``d``.
     """
     groups: list[TiedGroup] = []
+    rows = replicas if replicas is not None else [tuple(range(max(stage_to_rank) + 1))]
     for name, holders in sorted(shared.items()):
         if rank is not None:
             ranks = sorted({stage_to_rank[s] for s in holders})
             if len(ranks) < 2:
                 continue
-            group = dist.new_group(ranks)  # every rank calls new_group, in the same order
+            # Every process calls new_group for every replica's holders, in the same order.
+            made = [dist.new_group([row[r] for r in ranks]) for row in rows]
+            group = made[replica]
             if rank in ranks:
                 prm = next(_param(modules[s], name) for s in holders if s in modules)
                 with torch.no_grad():  # start from identical values on every holder
                     buf = prm.data.to(comm_device())
-                    dist.broadcast(buf, src=ranks[0], group=group)
+                    dist.broadcast(buf, src=rows[replica][ranks[0]], group=group)
                     prm.data.copy_(buf.to(prm.device))
                 groups.append(([prm], group))
         elif len({(devices[s], stage_to_rank[s]) for s in holders}) > 1:

@@ -29,6 +29,7 @@ from partitioner.plan import Plan
 
 from . import checkpoint
 from .clipping import clip_grad_norm_
+from .data_parallel import DEFAULT_BUCKET_BYTES, GradAverager, PipelineMesh, pipeline_mesh
 from .executor import ActionRecord, Executor, RunResult, StageRuntime
 from .generators import forward_only
 from .inputs import check_inputs, check_sizes, check_targets, shape_key
@@ -127,10 +128,20 @@ class PipelineTrainer:
         check_finite: raise ``LossError`` as soon as a micro-batch's loss is NaN or infinite,
             before any optimizer step (costs one device sync per micro-batch). Off by default:
             a NaN loss is then returned by ``step`` like any other, and the step is taken.
+        data_parallel: ``dp``, the pipeline's replicas under torch.distributed (world size
+            ``dp * p``): each trains on its share of the global batch (:meth:`local_batch`) and
+            their gradients are averaged before every step, so every replica takes the step the
+            whole batch gives. Default 1. See ``runtime.data_parallel``.
+        mesh: instead, a ``DeviceMesh`` with dimensions ``("dp", "pp")`` to place the replicas.
+        overlap_grad_reduce: start each stage's gradient all-reduce right after its last
+            backward action, overlapping the pipeline's drain (default); ``False`` reduces after
+            the whole pipeline has run.
+        grad_bucket_bytes: the size of the flat buckets gradients are all-reduced in.
 
     Raises:
         PlacementError: ``S`` is not a multiple of the schedule's stages per rank, the job's
-            world size is not ``p``, or stages of one rank are given different devices.
+            world size is not ``dp * p``, stages of one rank are given different devices, or
+            ``data_parallel > 1`` in one process.
 
     Example:
         >>> import torch
@@ -164,6 +175,10 @@ class PipelineTrainer:
         seed: int = 0,
         weights: str | os.PathLike[str] | Weights | None = None,
         lr_scheduler: SchedulerFactory | None = None,
+        data_parallel: int | None = None,
+        mesh: Any = None,
+        overlap_grad_reduce: bool = True,
+        grad_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ) -> None:
         self.plan = plan
         self.loss_fn = loss_fn
@@ -184,22 +199,33 @@ class PipelineTrainer:
 
         if self.mode == "dist":
             _ensure_process_group()
-            self.rank = dist.get_rank()
-            world = dist.get_world_size()
-            if world != self.schedule.num_ranks:
-                ranks = self.schedule.num_ranks
+            world, ranks = dist.get_world_size(), self.schedule.num_ranks
+            if mesh is None and world != (data_parallel or 1) * ranks:
                 v = self.p // ranks
+                n = world // ranks
+                dp_hint = f", pass data_parallel={n} to run that many replicas," if world % ranks == 0 else ""
                 raise PlacementError(
                     f"schedule {self.schedule.name!r} runs the plan's {self.p} stages on {ranks} "
-                    f"ranks ({v} per rank), but the job has {world} processes; launch with "
-                    f"--nproc-per-node {ranks}, or partition into {world * v} stages for {world} ranks"
+                    f"ranks ({v} per rank) x {data_parallel or 1} replica(s), but the job has {world} "
+                    f"processes; launch with --nproc-per-node {ranks * (data_parallel or 1)}{dp_hint} "
+                    f"or partition into {world * v} stages for {world} ranks"
                 )
             check_backend(self.schedule, ios)
             device = torch.device(devices) if isinstance(devices, (str, torch.device)) else _default_device()
+            self.mesh = pipeline_mesh(ranks, data_parallel, mesh, device.type)
+            self.rank = self.mesh.pp_rank
             self._ranks = [self.rank]
             own = self.schedule.stages_of(self.rank)
             self.devices = dict.fromkeys(own, device)
         else:
+            if (data_parallel or 1) > 1 or mesh is not None:
+                raise PlacementError(
+                    f"data_parallel={data_parallel} needs one process per rank (torchrun "
+                    f"--nproc-per-node {(data_parallel or 1) * self.schedule.num_ranks}); in one process, "
+                    f"replicas would give the gradients of {data_parallel or 1} x the micro-batches: "
+                    f"use microbatches={self.m * (data_parallel or 1)} for the same step"
+                )
+            self.mesh = PipelineMesh(1, self.schedule.num_ranks, 0, 0, (tuple(range(self.schedule.num_ranks)),))
             self.rank = 0
             self._ranks = list(range(self.schedule.num_ranks))
             own = tuple(range(self.p))
@@ -221,7 +247,7 @@ class PipelineTrainer:
         self._ios = ios
         self._tied = tie_copies(staged.shared_params, {s: st.module for s, st in self.stages.items()},
                                 self.devices, self.schedule.stage_to_rank, self.rank if self.mode == "dist" else None,
-                                _comm_device)
+                                _comm_device, replicas=self.mesh.ranks, replica=self.mesh.dp_rank)
         for st in self.stages.values():
             st.module.to(st.device)
         params = list(self.parameters())
@@ -233,8 +259,12 @@ class PipelineTrainer:
         self.last_grad_norm: torch.Tensor | None = None
         self._shape_cache: dict[tuple[tuple[int, ...], ...], dict[str, tuple[int, ...]]] = {}
         self._dist_transport = (
-            DistTransport(self.schedule.stage_to_rank, timeout) if self.mode == "dist" else None
+            DistTransport(self.schedule.stage_to_rank, timeout, self.mesh.pp_group) if self.mode == "dist" else None
         )
+        self._averager = GradAverager(
+            {s: list(st.module.parameters()) for s, st in self.stages.items()}, self.mesh.dp_group,
+            self.mesh.dp, comm_device=_comm_device, bucket_bytes=grad_bucket_bytes, overlap=overlap_grad_reduce,
+        ) if self.mesh.dp > 1 else None
         self._threads: RankThreads | None = None  # transport='local': started at the first step
         if weights is not None:
             self.load_weights(weights)
@@ -276,7 +306,15 @@ class PipelineTrainer:
         ins = self._micro_inputs(inputs)
         check_targets(self.plan.traced, inputs if isinstance(inputs, (tuple, list)) else (inputs,), targets)
         tgts = split_microbatches(targets, self.m, "targets")
-        results = self._run(self.schedule, ins, tgts, train=True)
+        averager = self._averager
+        try:
+            results = self._run(self.schedule, ins, tgts, train=True,
+                                on_stage_done=averager.stage_done if averager is not None else None)
+            if averager is not None:
+                averager.finish()  # every replica now holds the global batch's gradients
+        finally:
+            if averager is not None:
+                averager.reset()
         sum_tied_grads(self._tied, _comm_device)
         loss = torch.zeros((), dtype=torch.float32)
         for res in results:
@@ -284,9 +322,23 @@ class PipelineTrainer:
                 loss = loss + v.detach().to("cpu", torch.float32)
         if self.mode == "dist":
             loss = loss.to(_comm_device())
-            dist.broadcast(loss, src=self.schedule.stage_to_rank[self.p - 1])
+            last = self.mesh.global_rank(self.schedule.stage_to_rank[self.p - 1])
+            dist.broadcast(loss, src=last, group=self.mesh.pp_group)
+            if self.mesh.dp > 1:  # each replica's loss is its share's mean: average them
+                dist.all_reduce(loss, group=self.mesh.dp_group)
+                loss = loss / self.mesh.dp
             loss = loss.cpu()
         return loss
+
+    def local_batch(self, *batch: Any) -> Any:
+        """This replica's share of a global batch: every tensor's rows cut into ``dp`` equal
+        parts, part ``dp_rank`` kept (the batch itself when ``dp == 1``). Each replica may also
+        load its own share; the step is the same when the shares together are the global batch.
+
+        Example: ``trainer.step(*trainer.local_batch(x, y))``.
+        """
+        parts = [split_microbatches(b, self.mesh.dp, "the global batch")[self.mesh.dp_rank] for b in batch]
+        return parts[0] if len(parts) == 1 else tuple(parts)
 
     def predict(self, inputs: Any) -> Any:
         """Pipelined forward-only inference; returns the model's output for the whole batch.
@@ -347,7 +399,7 @@ class PipelineTrainer:
             self._tied, self.plan.shared_params, {s: st.module for s, st in self.stages.items()}
         )
         return clip_grad_norm_(unique, max_norm, norm_type, counted=counted, distributed=self.mode == "dist",
-                               comm_device=_comm_device)
+                               comm_device=_comm_device, group=self.mesh.pp_group)
 
     def save(self, directory: str | os.PathLike[str]) -> Path:
         """Save a checkpoint: model, optimizer and scheduler state, step and RNG states.
@@ -454,9 +506,9 @@ class PipelineTrainer:
         self._check_recorded(self.last_records)
         offset = time.time() - time.perf_counter()
         mine = [dataclasses.replace(x, start=x.start + offset, end=x.end + offset) for x in self.last_records]
-        gathered: list[Any] | None = [None] * dist.get_world_size() if self.rank == 0 else None
-        dist.gather_object(mine, gathered, dst=0)
-        if gathered is None:
+        gathered: list[Any] | None = [None] * self.schedule.num_ranks if self.rank == 0 else None
+        dist.gather_object(mine, gathered, dst=self.mesh.global_rank(0), group=self.mesh.pp_group)
+        if gathered is None or self.mesh.dp_rank != 0:  # one replica's pipeline is written
             return None
         return save_chrome_trace(self._timeline([x for part in gathered for x in part]), path, name=name)
 
@@ -513,7 +565,8 @@ class PipelineTrainer:
         return out
 
     def _run(
-        self, schedule: Schedule, ins: list[dict[str, Any]], tgts: list[Any] | None, *, train: bool
+        self, schedule: Schedule, ins: list[dict[str, Any]], tgts: list[Any] | None, *, train: bool,
+        on_stage_done: Callable[[int], None] | None = None,
     ) -> list[RunResult]:
         if self.mode == "dist":
             assert self._dist_transport is not None
@@ -521,7 +574,8 @@ class PipelineTrainer:
             shapes = self._wire_shapes(ins[0])
             mb_shapes = dict.fromkeys(range(len(ins)), shapes) if shapes is not None else None
             try:
-                results = [ex.run(schedule.actions[self.rank], ins, tgts, train=train, mb_shapes=mb_shapes)]
+                results = [ex.run(schedule.actions[self.rank], ins, tgts, train=train, mb_shapes=mb_shapes,
+                                  on_stage_done=on_stage_done)]
             except Exception as e:
                 # Tell the peers why they will stop hearing from this rank (the first report wins).
                 if not isinstance(e, PeerFailed):

@@ -1,0 +1,253 @@
+"""Data parallelism over pipeline replicas: the ("dp", "pp") mesh and gradient averaging.
+
+Legend: ``dp`` replicas of the pipeline, ``pp`` ranks per pipeline, ``d`` a replica, ``r`` a
+rank within a pipeline, ``s`` a stage.
+
+A job of ``dp * pp`` processes runs ``dp`` copies of one pipeline. Rank ``r`` of every replica
+holds the same stages; each replica trains on its own share of the global batch, and before the
+optimizer step the replicas average their gradients with an all-reduce over the ranks that hold
+the same stages (the "dp" groups), so every replica takes the same step, the one the whole batch
+gives. This is synchronous data parallelism (DDP's, Megatron-LM's and torchtitan's): no
+parameter server and no stale gradients, so a step equals the unpartitioned model's on the
+global batch.
+
+:class:`GradAverager` overlaps that all-reduce with the pipeline: the executor reports when a
+stage's last backward action has run on this rank, and the stage's gradients leave then, in
+buckets, while the pipeline drains the other stages; :meth:`GradAverager.finish` waits for them.
+
+Example (4 processes)::
+
+    torchrun --nproc-per-node 4 train.py    # a 2-stage plan: 2 pipelines of 2 ranks
+    trainer = PipelineTrainer(plan, loss_fn, opt, data_parallel=2)
+    trainer.step(*trainer.local_batch(x, y))  # this replica's rows of the global batch
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .placement import PlacementError
+
+__all__ = ["PipelineMesh", "pipeline_mesh", "GradAverager", "DEFAULT_BUCKET_BYTES"]
+
+log = logging.getLogger(__name__)
+
+# DDP's default bucket: big enough to amortise a collective's latency, small enough to start early.
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+
+
+@dataclass(frozen=True)
+class PipelineMesh:
+    """Where this process sits in a ``dp x pp`` job.
+
+    Attributes:
+        dp: replicas of the pipeline.
+        pp: ranks per pipeline.
+        dp_rank: this process's replica, ``d``.
+        pp_rank: this process's rank within its pipeline, ``r`` (which stages it runs).
+        ranks: ``ranks[d][r]``, the global rank of every position.
+        pp_group: the process group of this replica's pipeline (``None``: the world).
+        dp_group: the group of the ranks holding this process's stages (``None`` when ``dp == 1``).
+        device_mesh: the ``DeviceMesh`` with dimensions ``("dp", "pp")``, when one was built or given.
+    """
+
+    dp: int
+    pp: int
+    dp_rank: int
+    pp_rank: int
+    ranks: tuple[tuple[int, ...], ...]
+    pp_group: dist.ProcessGroup | None = None
+    dp_group: dist.ProcessGroup | None = None
+    device_mesh: Any = None
+
+    def global_rank(self, pp_rank: int) -> int:
+        """The global rank of position ``pp_rank`` in this process's pipeline."""
+        return self.ranks[self.dp_rank][pp_rank]
+
+
+def pipeline_mesh(
+    pp: int, data_parallel: int | None = None, mesh: Any = None, device_type: str = "cpu"
+) -> PipelineMesh:
+    """This process's place in a job of ``dp`` pipelines of ``pp`` ranks (collective).
+
+    Args:
+        pp: ranks one pipeline needs (the schedule's).
+        data_parallel: ``dp``; default 1 (or the mesh's).
+        mesh: a ``torch.distributed.device_mesh.DeviceMesh`` with dimensions named ``"dp"`` and
+            ``"pp"`` (in either order), or a 1-D one named ``"pp"``; default: one is built with
+            ``init_device_mesh(device_type, (dp, pp), mesh_dim_names=("dp", "pp"))``, so a
+            pipeline's ranks are consecutive. With ``dp == 1`` and no mesh, the world is the
+            pipeline and no group is created.
+        device_type: the mesh's device type (``'cuda'`` on NCCL).
+
+    Raises:
+        PlacementError: the world size is not ``dp * pp``, or the mesh's dimensions do not fit.
+    """
+    world = dist.get_world_size()
+    if mesh is not None:
+        return _from_device_mesh(mesh, pp, data_parallel, world)
+    dp = 1 if data_parallel is None else data_parallel
+    if type(dp) is not int or dp < 1:
+        raise PlacementError(f"data_parallel must be an int >= 1, got {dp!r}")
+    if dp * pp != world:
+        hint = f", or pass data_parallel={world // pp} for that many pipeline replicas" if world % pp == 0 else ""
+        raise PlacementError(
+            f"{dp} pipeline replica(s) of {pp} ranks need {dp * pp} processes, but the job has {world}; "
+            f"launch with --nproc-per-node {dp * pp}{hint}"
+        )
+    me = dist.get_rank()
+    ranks = tuple(tuple(d * pp + r for r in range(pp)) for d in range(dp))
+    if dp == 1:
+        return PipelineMesh(1, pp, 0, me, ranks)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device_mesh = init_device_mesh(device_type, (dp, pp), mesh_dim_names=("dp", "pp"))
+    return PipelineMesh(dp, pp, me // pp, me % pp, ranks, device_mesh["pp"].get_group(),
+                        device_mesh["dp"].get_group(), device_mesh)
+
+
+def _from_device_mesh(mesh: Any, pp: int, data_parallel: int | None, world: int) -> PipelineMesh:
+    names = tuple(mesh.mesh_dim_names or ())
+    if mesh.mesh.numel() != world or "pp" not in names or not set(names) <= {"dp", "pp"}:
+        raise PlacementError(
+            f"the DeviceMesh must span the job's {world} ranks with dimensions named 'dp' and 'pp' "
+            f"(or 'pp' alone); got dimensions {names or '(unnamed)'} of shape {tuple(mesh.mesh.shape)}. "
+            "Build it with init_device_mesh(device, (dp, pp), mesh_dim_names=('dp', 'pp'))"
+        )
+    grid = mesh.mesh if names[0] == "dp" or len(names) == 1 else mesh.mesh.t()
+    grid = grid.reshape(-1, grid.shape[-1])
+    dp, size = grid.shape
+    if size != pp or (data_parallel is not None and data_parallel != dp):
+        raise PlacementError(
+            f"the mesh has {dp} x {size} ('dp' x 'pp') ranks, but the schedule runs the plan on {pp} ranks"
+            + (f" and data_parallel={data_parallel}" if data_parallel is not None else "")
+            + f"; build a mesh of shape ({world // pp if world % pp == 0 else '?'}, {pp})"
+        )
+    ranks = tuple(tuple(int(x) for x in row) for row in grid.tolist())
+    me = dist.get_rank()
+    d, r = next((d, r) for d, row in enumerate(ranks) for r, g in enumerate(row) if g == me)
+    pp_group = mesh["pp"].get_group() if len(names) == 2 else mesh.get_group()
+    dp_group = mesh["dp"].get_group() if len(names) == 2 and dp > 1 else None
+    return PipelineMesh(dp, pp, d, r, ranks, pp_group, dp_group, mesh)
+
+
+class GradAverager:
+    """Averages this process's gradients over its data-parallel group, a stage at a time.
+
+    Call :meth:`stage_done` when a stage's last backward action of the step has run: the
+    gradients of parameters no other unfinished stage of this process still adds into leave
+    then (``overlap=True``), packed into flat buckets of about ``bucket_bytes``, in asynchronous
+    all-reduces. :meth:`finish` sends what is left, waits, and writes every gradient back
+    divided by the group's size. Every rank of the group must report the same stages in the same
+    order (ranks holding the same stages run the same action list, so they do).
+
+    Args:
+        stage_params: this process's parameters per stage (a parameter several stages share
+            leaves when the last of them is done). Frozen ones (``requires_grad=False``) are skipped.
+        group: the data-parallel process group.
+        size: its number of ranks (the divisor).
+        comm_device: where the buckets are reduced (the rank's GPU on NCCL, else the CPU).
+        bucket_bytes: the target bucket size.
+        overlap: start each stage's all-reduce when it is done; ``False`` waits for :meth:`finish`
+            (the all-reduce after the step, for comparison).
+
+    Example:
+        >>> w = nn.Parameter(torch.ones(3)); w.grad = torch.full((3,), 4.0)
+        >>> avg = GradAverager({0: [w]}, group=None, size=1)  # one replica: nothing to exchange
+        >>> avg.stage_done(0); avg.finish(); w.grad.tolist()
+        [4.0, 4.0, 4.0]
+    """
+
+    def __init__(
+        self,
+        stage_params: Mapping[int, Sequence[nn.Parameter]],
+        group: dist.ProcessGroup | None,
+        size: int,
+        *,
+        comm_device: Callable[[], torch.device] | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        overlap: bool = True,
+    ) -> None:
+        self.group = group
+        self.size = size
+        self.bucket_bytes = bucket_bytes
+        self.overlap = overlap
+        self._comm_device = comm_device or (lambda: torch.device("cpu"))
+        self._stage_params: dict[int, list[nn.Parameter]] = {}
+        holders: dict[int, int] = {}
+        for s, params in sorted(stage_params.items()):
+            mine = list({id(p): p for p in params if p.requires_grad}.values())
+            self._stage_params[s] = mine
+            for p in mine:
+                holders[id(p)] = holders.get(id(p), 0) + 1
+        self._holders = holders
+        self._left: dict[int, int] = {}
+        self._sent: list[tuple[list[nn.Parameter], torch.Tensor, Any]] = []
+        self._pending: list[nn.Parameter] = []  # without overlap: ready, sent at finish()
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget a step that did not finish (before the next one starts)."""
+        self._left = dict(self._holders)
+        self._sent = []
+        self._pending = []
+
+    def stage_done(self, s: int) -> None:
+        """Stage ``s`` will add no more gradient this step: send what only it was still adding to."""
+        ready = []
+        for p in self._stage_params.get(s, []):
+            self._left[id(p)] -= 1
+            if self._left[id(p)] == 0:
+                ready.append(p)
+        if self.overlap:
+            self._send(ready)
+        else:
+            self._pending += ready
+
+    def finish(self) -> None:
+        """Send what no stage reported, wait for every bucket, write the averages into ``.grad``."""
+        left = [p for params in self._stage_params.values() for p in params if self._left.get(id(p), 0) > 0]
+        unique = list({id(p): p for p in left}.values())
+        unique = self._pending + unique
+        self._send(unique)
+        for params, flat, work in self._sent:
+            if work is not None:
+                work.wait()
+            flat.div_(self.size)
+            offset = 0
+            for p in params:
+                n = p.numel()
+                assert p.grad is not None
+                p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+                offset += n
+        self.reset()
+
+    def _send(self, params: Sequence[nn.Parameter]) -> None:
+        # Backward produces the last layers' gradients first: send in that order.
+        bucket: list[nn.Parameter] = []
+        nbytes = 0
+        for p in reversed(params):
+            if p.grad is None:  # no gradient on this replica (so on none): average zeros
+                p.grad = torch.zeros_like(p)
+            if bucket and (p.grad.dtype != bucket[0].grad.dtype or p.grad.device != bucket[0].grad.device  # type: ignore[union-attr]
+                           or nbytes + p.grad.numel() * p.grad.element_size() > self.bucket_bytes):
+                self._reduce(bucket)
+                bucket, nbytes = [], 0
+            bucket.append(p)
+            nbytes += p.grad.numel() * p.grad.element_size()
+        if bucket:
+            self._reduce(bucket)
+
+    def _reduce(self, bucket: list[nn.Parameter]) -> None:
+        flat = torch.cat([p.grad.reshape(-1) for p in bucket if p.grad is not None]).to(self._comm_device())
+        work = None
+        if self.size > 1:
+            work = dist.all_reduce(flat, group=self.group, async_op=True)
+        self._sent.append((bucket, flat, work))

@@ -1,0 +1,129 @@
+"""Data x pipeline parallelism: 2 replicas of a 2-rank pipeline on 4 gloo processes train exactly
+as the unpartitioned model on the global batch (loss, every gradient, clipped steps, checkpoints)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from runtime.data_parallel import GradAverager
+from runtime.launch import spawn
+from runtime.placement import PlacementError
+from tests.runtime.parity import TOL, _fresh, _fresh_y, case, check_grads, make_trainer, reference_grads
+
+SCHEDULES = ["gpipe", "1f1b", "zbh1"]
+
+
+def _dp_case(name: str, schedule: str, dp: int, pp: int, tmp: str | None, overlap: bool) -> dict[str, Any]:
+    """One (model, schedule) on this rank: forward_backward, then 2 clipped SGD steps, then a
+    checkpoint loaded into the plain model; each compared with the unpartitioned model."""
+    import torch.distributed as dist
+
+    c = case(name, pp)
+    ref = copy.deepcopy(c["model"])
+    opt = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)  # noqa: E731
+    trainer = make_trainer(c, pp, schedule, transport="dist", optimizer=opt, data_parallel=dp,
+                           overlap_grad_reduce=overlap, record=True)
+    gen = torch.Generator().manual_seed(7)  # the same global batch on every rank
+    rows = dp * c["x"].shape[0]
+    fresh = lambda: (_fresh({"x": c["x"].new_empty(rows, *c["x"].shape[1:])}, gen),  # noqa: E731
+                     _fresh_y({"y": c["y"].new_empty(rows, *c["y"].shape[1:])}, gen))
+    x, y = fresh()
+    loss = trainer.forward_backward(*trainer.local_batch(x, y))
+    want_loss, want = reference_grads(c, ref, x, y)
+    torch.testing.assert_close(loss, want_loss, **TOL)
+    checked = check_grads(trainer, want)
+
+    ref_opt = opt(list(ref.parameters()))
+    norms = []
+    for _ in range(2):
+        x, y = fresh()
+        trainer.step(*trainer.local_batch(x, y), max_norm=0.5)
+        ref_opt.zero_grad()
+        c["loss"](ref(x), y).backward()
+        norms.append((float(trainer.last_grad_norm), float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5))))
+        ref_opt.step()
+    ref_params = dict(ref.named_parameters(remove_duplicate=False))
+    for pname, prm in trainer.named_parameters():
+        torch.testing.assert_close(prm.detach(), ref_params[pname].detach(), **TOL,
+                                   msg=lambda m, pname=pname: f"{pname}: {m}")
+    out: dict[str, Any] = {"checked": checked, "loss": float(loss), "norms": norms,
+                           "dp_rank": trainer.mesh.dp_rank, "pp_rank": trainer.mesh.pp_rank,
+                           "tied_groups": len(trainer._tied)}
+    if tmp is not None:
+        trainer.save(Path(tmp) / "ckpt")
+        out["trace"] = trainer.save_trace(Path(tmp) / "trace.json") is not None
+        if dist.get_rank() == 0:
+            from runtime.checkpoint import load_model
+
+            plain = copy.deepcopy(c["model"])
+            load_model(plain, Path(tmp) / "ckpt")
+            for n, prm in plain.named_parameters():
+                torch.testing.assert_close(prm, ref_params[n].detach(), **TOL)
+    return out
+
+
+def _dp_worker(rank: int, world: int, cases: list[tuple[str, str]], tmp: str, overlap: bool) -> dict[str, Any]:
+    out = {}
+    for i, (name, schedule) in enumerate(cases):
+        out[f"{name}/{schedule}"] = _dp_case(name, schedule, 2, world // 2, tmp if i == 0 else None, overlap)
+    try:
+        make_trainer(case("mlp", 2), 2, "1f1b", transport="dist", data_parallel=3)
+        out["refused"] = ""
+    except PlacementError as e:
+        out["refused"] = str(e)
+    return out
+
+
+@pytest.mark.multiprocess
+def test_two_replicas_of_a_two_rank_pipeline_equal_the_plain_model(tmp_path: Path) -> None:
+    cases = [("gpt2", s) for s in SCHEDULES] + [("mlp", "1f1b")]
+    results = spawn(_dp_worker, 4, cases, str(tmp_path), True, timeout=600)
+    assert [(r["gpt2/1f1b"]["dp_rank"], r["gpt2/1f1b"]["pp_rank"]) for r in results] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for key in results[0]:
+        if key == "refused":
+            continue
+        # The same loss and norms everywhere; both ranks of each replica checked their stages.
+        assert len({round(r[key]["loss"], 6) for r in results}) == 1, key
+        for r in results:
+            for got, want in r[key]["norms"]:
+                assert got == pytest.approx(want, rel=1e-5), key
+        assert set(results[0][key]["checked"]) | set(results[1][key]["checked"]) == \
+            set(results[2][key]["checked"]) | set(results[3][key]["checked"])
+    # GPT-2's tied embedding spans both ranks of each replica: one group per process.
+    assert [r["gpt2/gpipe"]["tied_groups"] for r in results] == [1, 1, 1, 1]
+    assert [r["gpt2/gpipe"]["trace"] for r in results] == [True, False, False, False]
+    assert (tmp_path / "trace.json").is_file() and (tmp_path / "ckpt" / ".metadata").is_file()
+    assert "--nproc-per-node 6" in results[0]["refused"] and "4 processes" in results[0]["refused"]
+
+
+@pytest.mark.multiprocess
+def test_all_reduce_after_the_step_gives_the_same_gradients(tmp_path: Path) -> None:
+    results = spawn(_dp_worker, 4, [("gpt2", "1f1b")], str(tmp_path), False, timeout=300)
+    assert len({round(r["gpt2/1f1b"]["loss"], 6) for r in results}) == 1
+
+
+def test_data_parallel_in_one_process_is_refused_with_the_equivalent() -> None:
+    with pytest.raises(PlacementError, match="microbatches=8"):
+        make_trainer(case("mlp", 2), 2, "1f1b", data_parallel=2)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_averager_waits_for_every_holder_and_buckets_by_size(overlap: bool) -> None:
+    # One replica: the bucketing and the order are what is tested (no group is needed).
+    a, b, shared = (nn.Parameter(torch.ones(n)) for n in (4, 300, 2))
+    for prm, g in ((a, 2.0), (b, 3.0), (shared, 5.0)):
+        prm.grad = torch.full_like(prm, g)
+    avg = GradAverager({0: [a, shared], 1: [b, shared]}, None, 1, bucket_bytes=64 * 4, overlap=overlap)
+    avg.stage_done(0)  # the shared weight waits for stage 1
+    assert [p for bucket, _, _ in avg._sent for p in bucket] == ([a] if overlap else [])
+    avg.stage_done(1)
+    assert len(avg._sent) == (3 if overlap else 0)  # b alone exceeds the bucket
+    avg.finish()
+    assert a.grad.tolist() == [2.0] * 4 and b.grad.eq(3.0).all() and shared.grad.tolist() == [5.0, 5.0]
+    assert avg._sent == [] and avg._left == {id(a): 1, id(shared): 2, id(b): 1}  # ready for the next step

@@ -152,15 +152,16 @@ def export_safetensors(trainer: PipelineTrainer, directory: PathLike, *, prefix:
     """Write the model's weights as a Hugging Face safetensors checkpoint (shards and an index).
 
     Each rank writes one shard with its stages' tensors (a tied weight once, by its lowest
-    rank), rank 0 writes ``model.safetensors.index.json`` naming every key's shard, and the
-    folder is committed with renames only after all have finished. ``prefix`` is removed from the
-    names (``"model."`` for a model wrapped in ``CausalLMLogits``), so the folder, with the model's
+    rank; with data parallelism, only the first replica's ranks), rank 0 writes
+    ``model.safetensors.index.json`` naming every key's shard, and the folder is committed
+    with renames only after all have finished. ``prefix`` is removed from the names
+    (``"model."`` for a model wrapped in ``CausalLMLogits``), so the folder, with the model's
     ``config.json`` beside it, loads with ``from_pretrained``. Collective under torch.distributed.
     """
     from safetensors.torch import save_file
 
     target = Path(directory)
-    rank, world = _rank(), (dist.get_world_size() if _distributed() else 1)
+    rank = _rank()
     partial = target.parent / f".{target.name}.partial-export"
     if rank == 0:
         shutil.rmtree(partial, ignore_errors=True)
@@ -184,13 +185,16 @@ def export_safetensors(trainer: PipelineTrainer, directory: PathLike, *, prefix:
             continue
         written.add(name)
         shard[keys[name]] = t.detach().to("cpu").contiguous()
-    file = f"model-{rank + 1:05d}-of-{world:05d}.safetensors"
-    save_file(shard, str(partial / file), metadata={"format": "pt"})
-    index = _gather((sorted(shard), sum(int(t.numel() * t.element_size()) for t in shard.values())))
+    # Only ranks with something to write get a file (data-parallel replicas hold copies of the
+    # first replica's tensors), numbered among the writers.
+    sizes = _gather((sorted(shard), sum(int(t.numel() * t.element_size()) for t in shard.values())))
+    writers = [r for r, (ks, _) in enumerate(sizes) if ks] or [0]
+    files = {r: f"model-{i + 1:05d}-of-{len(writers):05d}.safetensors" for i, r in enumerate(writers)}
+    if rank in files:
+        save_file(shard, str(partial / files[rank]), metadata={"format": "pt"})
     if rank == 0:
-        files = [f"model-{r + 1:05d}-of-{world:05d}.safetensors" for r in range(world)]
-        weight_map = {key: files[r] for r, (ks, _) in enumerate(index) for key in ks}
-        total = sum(nbytes for _, nbytes in index)
+        weight_map = {key: files[r] for r, (ks, _) in enumerate(sizes) for key in ks}
+        total = sum(nbytes for _, nbytes in sizes)
         body = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (partial / "model.safetensors.index.json").write_text(json.dumps(body, indent=2) + "\n")
     _barrier()

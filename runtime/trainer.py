@@ -38,7 +38,7 @@ from .materialize import InitFn, materialize
 from .placement import PlacementError, check_backend, placed_schedule, stage_devices
 from .schedules import Schedule
 from .shapes import wire_shapes
-from .tied import copy_tied_values, second_copies, sum_tied_grads, tie_copies
+from .tied import copy_tied_values, second_copies, sum_tied_grads, take_tied_grads, tie_copies
 from .timeline import Timeline, from_records, save_chrome_trace
 from .transport import DistTransport, LocalTransport, PeerFailed, Transport
 from .validation import validate
@@ -307,6 +307,7 @@ class PipelineTrainer:
         check_targets(self.plan.traced, inputs if isinstance(inputs, (tuple, list)) else (inputs,), targets)
         tgts = split_microbatches(targets, self.m, "targets")
         averager = self._averager
+        earlier = take_tied_grads(self._tied)
         try:
             results = self._run(self.schedule, ins, tgts, train=True,
                                 on_stage_done=averager.stage_done if averager is not None else None)
@@ -315,7 +316,7 @@ class PipelineTrainer:
         finally:
             if averager is not None:
                 averager.reset()
-        sum_tied_grads(self._tied, _comm_device)
+        sum_tied_grads(self._tied, _comm_device, earlier)
         loss = torch.zeros((), dtype=torch.float32)
         for res in results:
             for v in res.losses.values():

@@ -57,6 +57,7 @@ def _dp_case(name: str, schedule: str, dp: int, pp: int, tmp: str | None, overla
                            "tied_groups": len(trainer._tied)}
     if tmp is not None:
         trainer.save(Path(tmp) / "ckpt")
+        trainer.export_safetensors(Path(tmp) / "hf")
         out["trace"] = trainer.save_trace(Path(tmp) / "trace.json") is not None
         if dist.get_rank() == 0:
             from runtime.checkpoint import load_model
@@ -99,6 +100,9 @@ def test_two_replicas_of_a_two_rank_pipeline_equal_the_plain_model(tmp_path: Pat
     assert [r["gpt2/gpipe"]["tied_groups"] for r in results] == [1, 1, 1, 1]
     assert [r["gpt2/gpipe"]["trace"] for r in results] == [True, False, False, False]
     assert (tmp_path / "trace.json").is_file() and (tmp_path / "ckpt" / ".metadata").is_file()
+    # The first replica's two ranks write the export; the copies in the second are not written again.
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [
+        "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
     assert "--nproc-per-node 6" in results[0]["refused"] and "4 processes" in results[0]["refused"]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from pathlib import Path
@@ -10,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from parity import case, check_case, dist_worker, make_trainer, stages_for
+from parity import _fresh, _fresh_y, case, check_case, check_grads, dist_worker, make_trainer, stages_for
 from runtime.errors import StageError
 from runtime.launch import spawn
 from runtime.schedules import get_schedule
@@ -334,3 +335,20 @@ def test_recorded_actions_start_when_their_inputs_arrived() -> None:
         assert consumer.start >= producer.end - 1e-4
         assert consumer.waited >= 0.0 and consumer.start <= consumer.end
     assert any(r.waited > 0 for r in trainer.last_records)
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "1f1b"])
+def test_gradients_accumulate_over_forward_backward_calls_with_a_tied_weight(schedule: str) -> None:
+    # GPT-2's tied embedding: interleaved puts its holders on two rank threads (two copies whose
+    # gradients are summed), 1F1B on two stages of 2 ranks. Two calls must add, counting each once.
+    c = case("gpt2", stages_for(schedule, 2))
+    ref = copy.deepcopy(c["model"])
+    trainer = make_trainer(c, stages_for(schedule, 2), schedule)
+    gen = torch.Generator().manual_seed(5)
+    batches = [(_fresh(c, gen), _fresh_y(c, gen)) for _ in range(2)]
+    ref.zero_grad()
+    for x, y in batches:
+        trainer.forward_backward(x, y)
+        c["loss"](ref(x), y).backward()
+    want = {n: p.grad for n, p in ref.named_parameters(remove_duplicate=False)}
+    check_grads(trainer, want)

@@ -8,6 +8,11 @@ One stage per process (gloo on CPU, NCCL when every rank has a GPU)::
 
     torchrun --standalone --nproc-per-node 4 examples/train_pipelined.py
 
+Data x pipeline parallelism: 2 replicas of a 2-rank pipeline, each on half of the global batch,
+gradients averaged across replicas (the same step as one pipeline on the whole batch)::
+
+    torchrun --standalone --nproc-per-node 4 examples/train_pipelined.py --dp 2 --pp 2
+
 Two nodes (run on each, with the first node's address)::
 
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
@@ -18,7 +23,9 @@ Zero-bubble V schedule, two stages per process, and the last step's trace for Pe
     torchrun --standalone --nproc-per-node 2 examples/train_pipelined.py --schedule zbv --trace zbv.json
 
 Every rank builds the same model from the same seed and makes the same plan (planning is
-deterministic), then keeps only its own stages. The loss printed is the whole batch's mean loss.
+deterministic), then keeps only its own stages. The loss printed is the whole (global) batch's
+mean loss. The learning rate warms up linearly, then decays (a torch LR scheduler), and
+gradients are clipped to a total norm of 1 over all stages.
 """
 
 from __future__ import annotations
@@ -51,7 +58,9 @@ def main(argv: list[str] | None = None) -> float:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
     parser.add_argument("--stages", type=int, default=None,
-                        help="pipeline stages (default: ranks x stages per rank; ranks = WORLD_SIZE or 4)")
+                        help="pipeline stages (default: pp x stages per rank)")
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas of the pipeline (torchrun)")
+    parser.add_argument("--pp", type=int, default=None, help="ranks per pipeline (default: WORLD_SIZE / dp, or 4)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--microbatches", type=int, default=8)
@@ -60,11 +69,14 @@ def main(argv: list[str] | None = None) -> float:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe", "zbh1", "interleaved", "zbv"))
     parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--max-norm", type=float, default=1.0, help="clip gradients to this total norm")
     parser.add_argument("--trace", default="", help="write the last step as a Chrome/Perfetto trace here")
     args = parser.parse_args(argv)
     per_rank = 2 if args.schedule in ("interleaved", "zbv") else 1  # stages per rank
+    if args.pp is None:
+        args.pp = int(os.environ.get("WORLD_SIZE", str(4 * args.dp))) // args.dp
     if args.stages is None:
-        args.stages = int(os.environ.get("WORLD_SIZE", "4")) * per_rank
+        args.stages = args.pp * per_rank
 
     torch.set_num_threads(1)
     torch.manual_seed(0)  # same weights on every rank
@@ -77,17 +89,24 @@ def main(argv: list[str] | None = None) -> float:
     ranks = max(1, args.stages // per_rank)
     plan = partition(model, (example,), args.stages, cluster=Cluster.uniform(ranks, device),
                      microbatches=args.microbatches, schedule=args.schedule)
+    warmup = max(1, args.steps // 5)
+    schedule = lambda opt: torch.optim.lr_scheduler.LambdaLR(  # noqa: E731
+        opt, lambda i: min(1.0, (i + 1) / warmup) * max(0.1, 1 - i / args.steps))
     trainer = PipelineTrainer(plan, lm_loss, lambda ps: torch.optim.AdamW(ps, lr=args.lr),
-                              schedule=args.schedule, record=bool(args.trace))
+                              schedule=args.schedule, record=bool(args.trace), lr_scheduler=schedule,
+                              data_parallel=args.dp if launched else None)
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
         print(plan)
-        print(f"training with {trainer.mode!r} transport, {'torchrun' if launched else 'one process'}")
+        how = f"torchrun, {trainer.mesh.dp} x {trainer.mesh.pp} (dp x pp) processes" if launched else "one process"
+        print(f"training with {trainer.mode!r} transport, {how}")
     loss = torch.tensor(float("nan"))
     for step in range(1, args.steps + 1):
-        x, y = batch(args.micro_batch_size * args.microbatches, args.seq, vocab, gen)
+        # Every rank draws the same global batch and keeps its replica's rows (a real job would
+        # give each replica its own shard of the data set).
+        x, y = batch(args.micro_batch_size * args.microbatches * args.dp, args.seq, vocab, gen)
         t = time.perf_counter()
-        loss = trainer.step(x, y)
+        loss = trainer.step(*trainer.local_batch(x, y), max_norm=args.max_norm)
         if rank == 0 and (step == 1 or step % 5 == 0):
             print(f"step {step:3d}  loss {loss.item():.4f}  {1e3 * (time.perf_counter() - t):7.1f} ms")
     if args.trace:

@@ -68,17 +68,18 @@ def test_train_pipelined_under_torchrun() -> None:
         pytest.skip("torchrun is not on PATH")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     run = subprocess.run(
-        [torchrun, "--standalone", "--nproc-per-node", "2", str(ROOT / "examples" / "train_pipelined.py"),
-         "--steps", "5"],
+        [torchrun, "--standalone", "--nproc-per-node", "4", str(ROOT / "examples" / "train_pipelined.py"),
+         "--dp", "2", "--pp", "2", "--steps", "5"],
         capture_output=True, text=True, timeout=300, env=env,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "'dist' transport" in run.stdout
+    assert "'dist' transport, torchrun, 2 x 2 (dp x pp)" in run.stdout
+    # One process, one pipeline of 2 stages on the same global batch (micro-batches twice as large).
     one = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "train_pipelined.py"), "--stages", "2", "--steps", "5"],
+        [sys.executable, str(ROOT / "examples" / "train_pipelined.py"), "--dp", "2", "--pp", "2", "--steps", "5"],
         capture_output=True, text=True, timeout=300, env=env,
     )
-    # The same losses in one process and across two: the pipeline is exact either way.
+    # The same losses in one process and across 2 replicas of 2 ranks: exact either way.
     def last_loss(out: str) -> float:
         return float(re.findall(r"loss (\d+\.\d+)", out)[-1])
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 import torch
 import torch.distributed as dist
@@ -40,7 +39,8 @@ from torch import nn
 
 from partitioner import Cluster, partition
 from partitioner.zoo import gpt2
-from runtime import PipelineTrainer
+from runtime import PipelineTrainer, TrainingProgress
+from runtime.metrics import describe
 
 
 def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> float:
     parser.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe", "zbh1", "interleaved", "zbv"))
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--max-norm", type=float, default=1.0, help="clip gradients to this total norm")
+    parser.add_argument("--progress", action="store_true", help="a progress bar instead of a line every 5 steps")
     parser.add_argument("--trace", default="", help="write the last step as a Chrome/Perfetto trace here")
     args = parser.parse_args(argv)
     per_rank = 2 if args.schedule in ("interleaved", "zbv") else 1  # stages per rank
@@ -101,14 +102,15 @@ def main(argv: list[str] | None = None) -> float:
         how = f"torchrun, {trainer.mesh.dp} x {trainer.mesh.pp} (dp x pp) processes" if launched else "one process"
         print(f"training with {trainer.mode!r} transport, {how}")
     loss = torch.tensor(float("nan"))
-    for step in range(1, args.steps + 1):
-        # Every rank draws the same global batch and keeps its replica's rows (a real job would
-        # give each replica its own shard of the data set).
-        x, y = batch(args.micro_batch_size * args.microbatches * args.dp, args.seq, vocab, gen)
-        t = time.perf_counter()
-        loss = trainer.step(*trainer.local_batch(x, y), max_norm=args.max_norm)
-        if rank == 0 and (step == 1 or step % 5 == 0):
-            print(f"step {step:3d}  loss {loss.item():.4f}  {1e3 * (time.perf_counter() - t):7.1f} ms")
+    with TrainingProgress(total=args.steps, enabled=rank == 0 and args.progress) as bar:
+        for step in range(1, args.steps + 1):
+            # Every rank draws the same global batch and keeps its replica's rows (a real job
+            # would give each replica its own shard of the data set).
+            x, y = batch(args.micro_batch_size * args.microbatches * args.dp, args.seq, vocab, gen)
+            loss = trainer.step(*trainer.local_batch(x, y), max_norm=args.max_norm)
+            bar.update(trainer.last_metrics)  # a dict: hand it to any logger as well
+            if rank == 0 and not args.progress and (step == 1 or step % 5 == 0):
+                print(f"step {step:3d}  {describe(trainer.last_metrics)}")
     if args.trace:
         written = trainer.save_trace(args.trace)  # under torchrun: gathered, written by rank 0
         if written is not None:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from .comm import Op, Recv, Send, comm_plan, needs_early_receives
+from .data_parallel import GradAverager, PipelineMesh, pipeline_mesh
 from .errors import LossError, StageError
 from .executor import ActionRecord, Executor, RunResult, StageRuntime
 from .generators import forward_only, gpipe, interleaved, one_f_one_b
 from .launch import LaunchError, spawn
 from .materialize import MaterializeError, empty_weights, initialize, materialize
+from .metrics import TrainingProgress, step_metrics
 from .placement import PlacementError
 from .schedules import (
     Action,
@@ -67,6 +69,11 @@ from .zero_bubble import zbh1, zbv
 
 __all__ = [
     "PipelineTrainer",
+    "PipelineMesh",
+    "pipeline_mesh",
+    "GradAverager",
+    "TrainingProgress",
+    "step_metrics",
     "MicrobatchError",
     "PlacementError",
     "split_microbatches",

@@ -103,12 +103,15 @@ class RunResult:
         peak_inflight: per stage of this rank, the most micro-batches whose activations were
             held at once.
         records: per action, when it ran (when recording was asked for).
+        busy: seconds this rank's actions ran, not counting their waits for messages (host
+            time: on a GPU, the time to launch the work).
     """
 
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
     outputs: dict[int, tuple[Any, ...]] = field(default_factory=dict)
     peak_inflight: dict[int, int] = field(default_factory=dict)
     records: list[ActionRecord] = field(default_factory=list)
+    busy: float = 0.0
 
 
 def message_values(ios: Sequence[StageIO], src: int, dst: int) -> list[ValueSpec]:
@@ -234,7 +237,7 @@ class Executor:
         self.loss_fn = loss_fn
         self.rank = rank
         self.record = record
-        self._waited = 0.0  # seconds the current action spent in receives (when recording)
+        self._waited = 0.0  # seconds the current action spent in receives
         self._wiring = {s: _wire(self.ios, s) for s in self.stages}
         self._metas = {
             (a, b): [TensorMeta(v.shape, _dtype(v.dtype)) for v in message_values(self.ios, a, b)]
@@ -361,7 +364,7 @@ class Executor:
         s, mb = act.stage, act.mb
         if s not in self.stages:
             raise ValueError(f"rank {self.rank} was given action {s}{kind}{mb} for stage {s}, which it does not hold")
-        t0 = time.perf_counter() if self.record else 0.0
+        t0 = time.perf_counter()
         self._waited = 0.0
         try:
             if _profiling():
@@ -373,8 +376,9 @@ class Executor:
             raise  # already say where and why (a peer's failure, or this stage's own)
         except Exception as e:
             raise StageError.wrap(e, rank=self.rank, stage=s, kind=kind, mb=mb, module=self.stages[s].module) from e
+        end = time.perf_counter()
+        state.result.busy += max(0.0, end - t0 - self._waited)
         if self.record:
-            end = time.perf_counter()
             state.result.records.append(
                 ActionRecord(self.rank, s, kind, mb, min(t0 + self._waited, end), end, self._waited)
             )
@@ -383,8 +387,6 @@ class Executor:
         state.executed += 1
 
     def _recv(self, key: Key, metas: Sequence[TensorMeta], device: torch.device) -> list[torch.Tensor]:
-        if not self.record:
-            return self.transport.recv(key, metas, device)
         t = time.perf_counter()
         try:
             return self.transport.recv(key, metas, device)

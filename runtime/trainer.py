@@ -35,6 +35,7 @@ from .generators import forward_only
 from .inputs import check_inputs, check_sizes, check_targets, shape_key
 from .local_run import RankThreads, run_interleaved, run_threads
 from .materialize import InitFn, materialize
+from .metrics import step_metrics
 from .placement import PlacementError, check_backend, placed_schedule, stage_devices
 from .schedules import Schedule
 from .shapes import wire_shapes
@@ -257,6 +258,10 @@ class PipelineTrainer:
         self.scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None and self.optimizer else None
         self.step_count = 0  # optimizer steps taken (saved and restored by checkpoints)
         self.last_grad_norm: torch.Tensor | None = None
+        # The last step's metrics (runtime.metrics.step_metrics): loss, lr, tokens/s, bubble...
+        self.last_metrics: dict[str, float | int | None] = {}
+        self._busy: list[float] = []
+        self._run_seconds = 0.0
         self._shape_cache: dict[tuple[tuple[int, ...], ...], dict[str, tuple[int, ...]]] = {}
         self._dist_transport = (
             DistTransport(self.schedule.stage_to_rank, timeout, self.mesh.pp_group) if self.mode == "dist" else None
@@ -275,7 +280,10 @@ class PipelineTrainer:
         """One optimizer step over ``m`` micro-batches; returns the batch's mean loss.
 
         With ``max_norm``, gradients are clipped to that total norm over all stages first
-        (:meth:`clip_grad_norm_`); the norm is kept as ``last_grad_norm``.
+        (:meth:`clip_grad_norm_`); the norm is kept as ``last_grad_norm``. The step's metrics
+        (loss, learning rate, norm, wall time, samples and tokens per second over all replicas,
+        measured bubble) are left in ``last_metrics``, a dict for any logger, and drawn by
+        ``runtime.metrics.TrainingProgress``.
 
         Raises:
             InputError: the inputs do not match the plan (their number, a dtype, a size the
@@ -290,6 +298,7 @@ class PipelineTrainer:
         """
         if not self._trains:
             raise RuntimeError("this trainer has no optimizer: pass optimizer=lambda params: ... to step")
+        start = time.perf_counter()
         self.zero_grad()
         loss = self.forward_backward(inputs, targets)
         if max_norm is not None:
@@ -299,6 +308,12 @@ class PipelineTrainer:
         if self.scheduler is not None:
             self.scheduler.step()
         self.step_count += 1
+        self.last_metrics = step_metrics(
+            step=self.step_count, loss=loss, seconds=time.perf_counter() - start, busy=self._busy,
+            pipeline_seconds=self._run_seconds,
+            inputs=inputs if isinstance(inputs, (tuple, list)) else (inputs,), replicas=self.mesh.dp,
+            optimizer=self.optimizer, grad_norm=self.last_grad_norm if max_norm is not None else None,
+        )
         return loss
 
     def forward_backward(self, inputs: Any, targets: Any) -> torch.Tensor:
@@ -569,6 +584,7 @@ class PipelineTrainer:
         self, schedule: Schedule, ins: list[dict[str, Any]], tgts: list[Any] | None, *, train: bool,
         on_stage_done: Callable[[int], None] | None = None,
     ) -> list[RunResult]:
+        started = time.perf_counter()
         if self.mode == "dist":
             assert self._dist_transport is not None
             ex = self._executors(self._dist_transport)[self.rank]
@@ -595,6 +611,8 @@ class PipelineTrainer:
             finally:
                 transport.close()
         self.last_peak_inflight = {s: n for res in results for s, n in res.peak_inflight.items()}
+        self._busy = [res.busy for res in results]
+        self._run_seconds = time.perf_counter() - started
         self.last_records = sorted((r for res in results for r in res.records), key=lambda r: r.start)
         self._example_sized = self._is_example_size(ins[0]) if ins else False
         return results

@@ -25,7 +25,7 @@ Example (4 processes)::
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,12 +141,17 @@ def _from_device_mesh(mesh: Any, pp: int, data_parallel: int | None, world: int)
 class GradAverager:
     """Averages this process's gradients over its data-parallel group, a stage at a time.
 
-    Call :meth:`stage_done` when a stage's last backward action of the step has run: the
-    gradients of parameters no other unfinished stage of this process still adds into leave
-    then (``overlap=True``), packed into flat buckets of about ``bucket_bytes``, in asynchronous
-    all-reduces. :meth:`finish` sends what is left, waits, and writes every gradient back
-    divided by the group's size. Every rank of the group must report the same stages in the same
-    order (ranks holding the same stages run the same action list, so they do).
+    Call :meth:`begin` before a step's backward passes and :meth:`stage_done` when a stage's
+    last backward action of the step has run: the gradients of parameters no other unfinished
+    stage of this process still adds into leave then (``overlap=True``), packed into flat
+    buckets of about ``bucket_bytes``, in asynchronous collectives. :meth:`finish` sends what is
+    left (and the ``deferred`` parameters, whose gradients are complete only then: tied weights
+    summed over the pipeline first), waits, and writes the averages back. Every rank of the
+    group must report the same stages in the same order (ranks holding the same stages run the
+    same action list, so they do).
+
+    With ``owners`` (ZeRO-1/2, ``runtime.zero``), each parameter's gradient is reduced to its
+    owner only: the owner keeps the average, the other ranks drop theirs (``.grad = None``).
 
     Args:
         stage_params: this process's parameters per stage (a parameter several stages share
@@ -155,13 +160,17 @@ class GradAverager:
         size: its number of ranks (the divisor).
         comm_device: where the buckets are reduced (the rank's GPU on NCCL, else the CPU).
         bucket_bytes: the target bucket size.
-        overlap: start each stage's all-reduce when it is done; ``False`` waits for :meth:`finish`
+        overlap: start each stage's reduction when it is done; ``False`` waits for :meth:`finish`
             (the all-reduce after the step, for comparison).
+        deferred: ids of parameters reduced in :meth:`finish` only.
+        owners: parameter id -> the index in the group of the rank that keeps its gradient.
+        group_ranks: the global rank of each index in the group (with ``owners``).
+        index: this process's index in the group (with ``owners``).
 
     Example:
         >>> w = nn.Parameter(torch.ones(3)); w.grad = torch.full((3,), 4.0)
         >>> avg = GradAverager({0: [w]}, group=None, size=1)  # one replica: nothing to exchange
-        >>> avg.stage_done(0); avg.finish(); w.grad.tolist()
+        >>> avg.begin(); avg.stage_done(0); avg.finish(); w.grad.tolist()
         [4.0, 4.0, 4.0]
     """
 
@@ -174,11 +183,19 @@ class GradAverager:
         comm_device: Callable[[], torch.device] | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         overlap: bool = True,
+        deferred: Collection[int] = (),
+        owners: Mapping[int, int] | None = None,
+        group_ranks: Sequence[int] = (),
+        index: int = 0,
     ) -> None:
         self.group = group
         self.size = size
         self.bucket_bytes = bucket_bytes
         self.overlap = overlap
+        self.owners = dict(owners) if owners is not None else None
+        self.group_ranks = tuple(group_ranks)
+        self.index = index
+        self._deferred = set(deferred)
         self._comm_device = comm_device or (lambda: torch.device("cpu"))
         self._stage_params: dict[int, list[nn.Parameter]] = {}
         holders: dict[int, int] = {}
@@ -187,10 +204,12 @@ class GradAverager:
             self._stage_params[s] = mine
             for p in mine:
                 holders[id(p)] = holders.get(id(p), 0) + 1
+        self._all = list({id(p): p for ps in self._stage_params.values() for p in ps}.values())
         self._holders = holders
         self._left: dict[int, int] = {}
-        self._sent: list[tuple[list[nn.Parameter], torch.Tensor, Any]] = []
+        self._sent: list[tuple[list[nn.Parameter], torch.Tensor, Any, int | None]] = []
         self._pending: list[nn.Parameter] = []  # without overlap: ready, sent at finish()
+        self._earlier: dict[int, torch.Tensor] = {}
         self.reset()
 
     def reset(self) -> None:
@@ -199,12 +218,22 @@ class GradAverager:
         self._sent = []
         self._pending = []
 
+    def begin(self) -> None:
+        """Set aside gradients accumulated by earlier calls (averaged already): only this
+        call's are exchanged, and :meth:`finish` adds the earlier ones back."""
+        self.reset()
+        self._earlier = {}
+        for p in self._all:
+            if p.grad is not None:
+                self._earlier[id(p)] = p.grad
+                p.grad = None
+
     def stage_done(self, s: int) -> None:
         """Stage ``s`` will add no more gradient this step: send what only it was still adding to."""
         ready = []
         for p in self._stage_params.get(s, []):
             self._left[id(p)] -= 1
-            if self._left[id(p)] == 0:
+            if self._left[id(p)] == 0 and id(p) not in self._deferred:
                 ready.append(p)
         if self.overlap:
             self._send(ready)
@@ -212,42 +241,121 @@ class GradAverager:
             self._pending += ready
 
     def finish(self) -> None:
-        """Send what no stage reported, wait for every bucket, write the averages into ``.grad``."""
-        left = [p for params in self._stage_params.values() for p in params if self._left.get(id(p), 0) > 0]
-        unique = list({id(p): p for p in left}.values())
-        unique = self._pending + unique
-        self._send(unique)
-        for params, flat, work in self._sent:
+        """Send what is left, wait for every bucket, write the averages into ``.grad``."""
+        sent = {id(p) for bucket, _, _, _ in self._sent for p in bucket} | {id(p) for p in self._pending}
+        left = [p for p in self._all if id(p) not in sent]
+        self._send(self._pending + left)
+        for params, flat, work, owner in self._sent:
             if work is not None:
                 work.wait()
-            flat.div_(self.size)
+            keep = owner is None or owner == self.index
+            if keep:
+                flat.div_(self.size)
             offset = 0
             for p in params:
                 n = p.numel()
-                assert p.grad is not None
-                p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+                if keep:
+                    assert p.grad is not None
+                    p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+                else:
+                    p.grad = None  # its owner holds the average; this rank will not step it
                 offset += n
+        for p in self._all:
+            before = self._earlier.get(id(p))
+            if before is not None and p.grad is not None:
+                p.grad.add_(before)
+            elif before is not None and (self.owners is None or self.owners[id(p)] == self.index):
+                p.grad = before
+        self._earlier = {}
         self.reset()
 
     def _send(self, params: Sequence[nn.Parameter]) -> None:
-        # Backward produces the last layers' gradients first: send in that order.
-        bucket: list[nn.Parameter] = []
-        nbytes = 0
+        # Backward produces the last layers' gradients first: send in that order. A bucket holds
+        # one dtype, one device and (with owners) one owner's parameters.
+        buckets: dict[tuple[Any, ...], tuple[list[nn.Parameter], int]] = {}
         for p in reversed(params):
             if p.grad is None:  # no gradient on this replica (so on none): average zeros
                 p.grad = torch.zeros_like(p)
-            if bucket and (p.grad.dtype != bucket[0].grad.dtype or p.grad.device != bucket[0].grad.device  # type: ignore[union-attr]
-                           or nbytes + p.grad.numel() * p.grad.element_size() > self.bucket_bytes):
-                self._reduce(bucket)
+            owner = self.owners[id(p)] if self.owners is not None else None
+            key = (owner, p.grad.dtype, p.grad.device)
+            bucket, nbytes = buckets.get(key, ([], 0))
+            size = p.grad.numel() * p.grad.element_size()
+            if bucket and nbytes + size > self.bucket_bytes:
+                self._reduce(bucket, owner)
                 bucket, nbytes = [], 0
-            bucket.append(p)
-            nbytes += p.grad.numel() * p.grad.element_size()
-        if bucket:
-            self._reduce(bucket)
+            buckets[key] = ([*bucket, p], nbytes + size)
+        for (owner, _, _), (bucket, _) in buckets.items():
+            if bucket:
+                self._reduce(bucket, owner)
 
-    def _reduce(self, bucket: list[nn.Parameter]) -> None:
+    def _reduce(self, bucket: list[nn.Parameter], owner: int | None) -> None:
         flat = torch.cat([p.grad.reshape(-1) for p in bucket if p.grad is not None]).to(self._comm_device())
         work = None
-        if self.size > 1:
+        if self.size > 1 and owner is None:
             work = dist.all_reduce(flat, group=self.group, async_op=True)
-        self._sent.append((bucket, flat, work))
+        elif self.size > 1:
+            assert owner is not None
+            work = dist.reduce(flat, dst=self.group_ranks[owner], group=self.group, async_op=True)
+        self._sent.append((bucket, flat, work, owner))
+
+
+class Replicas:
+    """The trainer's side of data parallelism: which parameters this process's optimizer steps,
+    the gradient exchange around a step, and, with ``shard``, the owners' broadcast after it.
+
+    Args:
+        mesh: this process's place in the job.
+        stage_params: this process's parameters per stage.
+        tied: ids of parameters whose gradients are summed over the pipeline after the run
+            (tied weights): they are exchanged after that sum.
+        shard: ZeRO-style sharding (``runtime.zero``): each parameter is stepped by one owner.
+        overlap, bucket_bytes, comm_device: as for :class:`GradAverager`.
+    """
+
+    def __init__(
+        self,
+        mesh: PipelineMesh,
+        stage_params: Mapping[int, Sequence[nn.Parameter]],
+        tied: Collection[int] = (),
+        *,
+        shard: bool = False,
+        overlap: bool = True,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        comm_device: Callable[[], torch.device] | None = None,
+    ) -> None:
+        from .zero import assign_owners
+
+        self.mesh = mesh
+        self.shard = shard and mesh.dp > 1
+        self._comm_device = comm_device
+        self._bucket_bytes = bucket_bytes
+        self.params = list({id(p): p for ps in stage_params.values() for p in ps}.values())
+        owners = assign_owners([p.numel() for p in self.params], mesh.dp) if self.shard else None
+        self.owners = {id(p): d for p, d in zip(self.params, owners)} if owners is not None else None
+        self.group_ranks = tuple(mesh.ranks[d][mesh.pp_rank] for d in range(mesh.dp))
+        self.averager = GradAverager(
+            stage_params, mesh.dp_group, mesh.dp, comm_device=comm_device, bucket_bytes=bucket_bytes,
+            overlap=overlap, deferred=tied, owners=self.owners, group_ranks=self.group_ranks, index=mesh.dp_rank,
+        ) if mesh.dp > 1 else None
+
+    @property
+    def owned(self) -> list[nn.Parameter]:
+        """The parameters this process's optimizer steps (all of them unless sharded)."""
+        if self.owners is None:
+            return self.params
+        return [p for p in self.params if self.owners[id(p)] == self.mesh.dp_rank]
+
+    @property
+    def norm_group(self) -> dist.ProcessGroup | None:
+        """The ranks a gradient norm is summed over: one pipeline, or (sharded) the whole job."""
+        return None if self.shard else self.mesh.pp_group
+
+    def after_step(self) -> None:
+        """Sharded: every replica takes the owners' new values."""
+        if not self.shard or self.owners is None:
+            return
+        from .zero import broadcast_from_owners
+
+        trainable = [p for p in self.params if p.requires_grad]
+        broadcast_from_owners(trainable, [self.owners[id(p)] for p in trainable], self.mesh.dp_group,
+                              self.group_ranks, comm_device=self._comm_device, bucket_bytes=self._bucket_bytes)

@@ -29,7 +29,7 @@ from partitioner.plan import Plan
 
 from . import checkpoint
 from .clipping import clip_grad_norm_
-from .data_parallel import DEFAULT_BUCKET_BYTES, GradAverager, PipelineMesh, pipeline_mesh
+from .data_parallel import DEFAULT_BUCKET_BYTES, PipelineMesh, Replicas, pipeline_mesh
 from .executor import ActionRecord, Executor, RunResult, StageRuntime
 from .generators import forward_only
 from .inputs import check_inputs, check_sizes, check_targets, shape_key
@@ -138,6 +138,10 @@ class PipelineTrainer:
             backward action, overlapping the pipeline's drain (default); ``False`` reduces after
             the whole pipeline has run.
         grad_bucket_bytes: the size of the flat buckets gradients are all-reduced in.
+        shard_optimizer: with ``data_parallel > 1``, ZeRO-style sharding (``runtime.zero``):
+            each parameter is owned by one replica, which alone keeps its optimizer state and,
+            after the reduction, its gradient; the optimizer factory is called with this
+            process's share; the owners broadcast the new values after each step.
 
     Raises:
         PlacementError: ``S`` is not a multiple of the schedule's stages per rank, the job's
@@ -180,6 +184,7 @@ class PipelineTrainer:
         mesh: Any = None,
         overlap_grad_reduce: bool = True,
         grad_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        shard_optimizer: bool = False,
     ) -> None:
         self.plan = plan
         self.loss_fn = loss_fn
@@ -251,7 +256,12 @@ class PipelineTrainer:
                                 _comm_device, replicas=self.mesh.ranks, replica=self.mesh.dp_rank)
         for st in self.stages.values():
             st.module.to(st.device)
-        params = list(self.parameters())
+        self._replicas = Replicas(
+            self.mesh, {s: list(st.module.parameters()) for s, st in self.stages.items()},
+            {id(prm) for copies, _ in self._tied for prm in copies}, shard=shard_optimizer,
+            overlap=overlap_grad_reduce, bucket_bytes=grad_bucket_bytes, comm_device=_comm_device,
+        )
+        params = self._replicas.owned  # sharded: this replica's share
         self._trains = optimizer is not None
         # A stage may hold no parameters (only reshapes, say): it has nothing to update.
         self.optimizer = optimizer(params) if optimizer is not None and params else None
@@ -266,10 +276,6 @@ class PipelineTrainer:
         self._dist_transport = (
             DistTransport(self.schedule.stage_to_rank, timeout, self.mesh.pp_group) if self.mode == "dist" else None
         )
-        self._averager = GradAverager(
-            {s: list(st.module.parameters()) for s, st in self.stages.items()}, self.mesh.dp_group,
-            self.mesh.dp, comm_device=_comm_device, bucket_bytes=grad_bucket_bytes, overlap=overlap_grad_reduce,
-        ) if self.mesh.dp > 1 else None
         self._threads: RankThreads | None = None  # transport='local': started at the first step
         if weights is not None:
             self.load_weights(weights)
@@ -305,6 +311,7 @@ class PipelineTrainer:
             self.last_grad_norm = self.clip_grad_norm_(max_norm)
         if self.optimizer is not None:
             self.optimizer.step()
+        self._replicas.after_step()
         if self.scheduler is not None:
             self.scheduler.step()
         self.step_count += 1
@@ -321,17 +328,20 @@ class PipelineTrainer:
         ins = self._micro_inputs(inputs)
         check_targets(self.plan.traced, inputs if isinstance(inputs, (tuple, list)) else (inputs,), targets)
         tgts = split_microbatches(targets, self.m, "targets")
-        averager = self._averager
-        earlier = take_tied_grads(self._tied)
+        averager = self._replicas.averager
+        # Gradients of earlier calls are set aside (summed and averaged already) and added back.
+        earlier = take_tied_grads(self._tied) if averager is None else None
+        if averager is not None:
+            averager.begin()
         try:
             results = self._run(self.schedule, ins, tgts, train=True,
                                 on_stage_done=averager.stage_done if averager is not None else None)
+            sum_tied_grads(self._tied, _comm_device, earlier)
             if averager is not None:
-                averager.finish()  # every replica now holds the global batch's gradients
+                averager.finish()  # every replica (sharded: each owner) holds the global batch's gradients
         finally:
             if averager is not None:
                 averager.reset()
-        sum_tied_grads(self._tied, _comm_device, earlier)
         loss = torch.zeros((), dtype=torch.float32)
         for res in results:
             for v in res.losses.values():
@@ -411,11 +421,11 @@ class PipelineTrainer:
         """
         params = [prm for st in self.stages.values() for prm in st.module.parameters()]
         unique = list({id(prm): prm for prm in params}.values())
-        counted = {id(prm) for prm in unique} - second_copies(
+        counted = {id(prm) for prm in self._replicas.owned} - second_copies(
             self._tied, self.plan.shared_params, {s: st.module for s, st in self.stages.items()}
         )
         return clip_grad_norm_(unique, max_norm, norm_type, counted=counted, distributed=self.mode == "dist",
-                               comm_device=_comm_device, group=self.mesh.pp_group)
+                               comm_device=_comm_device, group=self._replicas.norm_group)
 
     def save(self, directory: str | os.PathLike[str]) -> Path:
         """Save a checkpoint: model, optimizer and scheduler state, step and RNG states.

@@ -19,7 +19,8 @@ from tests.runtime.parity import TOL, _fresh, _fresh_y, case, check_grads, make_
 SCHEDULES = ["gpipe", "1f1b", "zbh1"]
 
 
-def _dp_case(name: str, schedule: str, dp: int, pp: int, tmp: str | None, overlap: bool) -> dict[str, Any]:
+def _dp_case(name: str, schedule: str, dp: int, pp: int, tmp: str | None, overlap: bool,
+             shard: bool = False) -> dict[str, Any]:
     """One (model, schedule) on this rank: forward_backward, then 2 clipped SGD steps, then a
     checkpoint loaded into the plain model; each compared with the unpartitioned model."""
     import torch.distributed as dist
@@ -28,7 +29,7 @@ def _dp_case(name: str, schedule: str, dp: int, pp: int, tmp: str | None, overla
     ref = copy.deepcopy(c["model"])
     opt = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)  # noqa: E731
     trainer = make_trainer(c, pp, schedule, transport="dist", optimizer=opt, data_parallel=dp,
-                           overlap_grad_reduce=overlap, record=True)
+                           overlap_grad_reduce=overlap, record=True, shard_optimizer=shard)
     gen = torch.Generator().manual_seed(7)  # the same global batch on every rank
     rows = dp * c["x"].shape[0]
     fresh = lambda: (_fresh({"x": c["x"].new_empty(rows, *c["x"].shape[1:])}, gen),  # noqa: E731
@@ -37,7 +38,15 @@ def _dp_case(name: str, schedule: str, dp: int, pp: int, tmp: str | None, overla
     loss = trainer.forward_backward(*trainer.local_batch(x, y))
     want_loss, want = reference_grads(c, ref, x, y)
     torch.testing.assert_close(loss, want_loss, **TOL)
-    checked = check_grads(trainer, want)
+    if shard:  # each parameter's gradient is kept by its owner only
+        owned = {id(p) for p in trainer._replicas.owned}
+        held = {n for n, p in trainer.named_parameters() if p.grad is not None}
+        assert held == {n for n, p in trainer.named_parameters() if id(p) in owned}
+        checked = sorted(held)
+        for n in checked:
+            torch.testing.assert_close(dict(trainer.named_parameters())[n].grad, want[n], **TOL)
+    else:
+        checked = check_grads(trainer, want)
 
     ref_opt = opt(list(ref.parameters()))
     norms = []
@@ -52,7 +61,10 @@ def _dp_case(name: str, schedule: str, dp: int, pp: int, tmp: str | None, overla
     for pname, prm in trainer.named_parameters():
         torch.testing.assert_close(prm.detach(), ref_params[pname].detach(), **TOL,
                                    msg=lambda m, pname=pname: f"{pname}: {m}")
-    out: dict[str, Any] = {"checked": checked, "loss": float(loss), "norms": norms,
+    state = sum(t.numel() for st in trainer.optimizer.state.values() for t in st.values()
+                if isinstance(t, torch.Tensor)) if trainer.optimizer is not None else 0
+    out: dict[str, Any] = {"checked": checked, "loss": float(loss), "norms": norms, "state": state,
+                           "params": sum(p.numel() for p in trainer.parameters()),
                            "dp_rank": trainer.mesh.dp_rank, "pp_rank": trainer.mesh.pp_rank,
                            "tied_groups": len(trainer._tied)}
     if tmp is not None:
@@ -69,10 +81,12 @@ def _dp_case(name: str, schedule: str, dp: int, pp: int, tmp: str | None, overla
     return out
 
 
-def _dp_worker(rank: int, world: int, cases: list[tuple[str, str]], tmp: str, overlap: bool) -> dict[str, Any]:
+def _dp_worker(
+    rank: int, world: int, cases: list[tuple[str, str]], tmp: str, overlap: bool, shard: bool = False
+) -> dict[str, Any]:
     out = {}
     for i, (name, schedule) in enumerate(cases):
-        out[f"{name}/{schedule}"] = _dp_case(name, schedule, 2, world // 2, tmp if i == 0 else None, overlap)
+        out[f"{name}/{schedule}"] = _dp_case(name, schedule, 2, world // 2, tmp if i == 0 else None, overlap, shard)
     try:
         make_trainer(case("mlp", 2), 2, "1f1b", transport="dist", data_parallel=3)
         out["refused"] = ""
@@ -112,6 +126,19 @@ def test_all_reduce_after_the_step_gives_the_same_gradients(tmp_path: Path) -> N
     assert len({round(r["gpt2/1f1b"]["loss"], 6) for r in results}) == 1
 
 
+@pytest.mark.multiprocess
+def test_sharded_optimizer_state_steps_exactly_and_halves_the_state(tmp_path: Path) -> None:
+    # ZeRO-style: the two replicas' ranks of each stage split its parameters; each keeps the
+    # momentum of its share, the gradients of its share, and broadcasts its new values.
+    results = spawn(_dp_worker, 4, [("gpt2", "zbh1")], str(tmp_path), True, True, timeout=300)
+    r = [res["gpt2/zbh1"] for res in results]
+    for pp in (0, 1):  # ranks pp and 2 + pp hold the same stages
+        a, b = r[pp], r[2 + pp]
+        assert a["params"] == b["params"] and a["state"] + b["state"] == a["params"]
+        assert max(a["state"], b["state"]) <= 0.75 * a["params"]
+        assert not set(a["checked"]) & set(b["checked"])  # each gradient kept by one owner
+
+
 def test_data_parallel_in_one_process_is_refused_with_the_equivalent() -> None:
     with pytest.raises(PlacementError, match="microbatches=8"):
         make_trainer(case("mlp", 2), 2, "1f1b", data_parallel=2)
@@ -119,15 +146,35 @@ def test_data_parallel_in_one_process_is_refused_with_the_equivalent() -> None:
 
 @pytest.mark.parametrize("overlap", [True, False])
 def test_averager_waits_for_every_holder_and_buckets_by_size(overlap: bool) -> None:
-    # One replica: the bucketing and the order are what is tested (no group is needed).
+    # One replica: the bucketing, the order and the accumulation are what is tested.
     a, b, shared = (nn.Parameter(torch.ones(n)) for n in (4, 300, 2))
+    a.grad = torch.full_like(a, 10.0)  # from an earlier forward_backward: set aside, added back
+    avg = GradAverager({0: [a, shared], 1: [b, shared]}, None, 1, bucket_bytes=64 * 4, overlap=overlap)
+    avg.begin()
+    assert a.grad is None
     for prm, g in ((a, 2.0), (b, 3.0), (shared, 5.0)):
         prm.grad = torch.full_like(prm, g)
-    avg = GradAverager({0: [a, shared], 1: [b, shared]}, None, 1, bucket_bytes=64 * 4, overlap=overlap)
     avg.stage_done(0)  # the shared weight waits for stage 1
-    assert [p for bucket, _, _ in avg._sent for p in bucket] == ([a] if overlap else [])
+    assert [p for bucket, _, _, _ in avg._sent for p in bucket] == ([a] if overlap else [])
     avg.stage_done(1)
     assert len(avg._sent) == (3 if overlap else 0)  # b alone exceeds the bucket
     avg.finish()
-    assert a.grad.tolist() == [2.0] * 4 and b.grad.eq(3.0).all() and shared.grad.tolist() == [5.0, 5.0]
+    assert a.grad.tolist() == [12.0] * 4 and b.grad.eq(3.0).all() and shared.grad.tolist() == [5.0, 5.0]
     assert avg._sent == [] and avg._left == {id(a): 1, id(shared): 2, id(b): 1}  # ready for the next step
+
+
+def test_owners_are_balanced_and_the_same_everywhere() -> None:
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    from runtime.zero import assign_owners
+
+    @given(st.lists(st.integers(1, 1000), max_size=40), st.integers(1, 6))
+    def check(sizes: list[int], dp: int) -> None:
+        owners = assign_owners(sizes, dp)
+        assert owners == assign_owners(list(sizes), dp) and all(0 <= d < dp for d in owners)
+        loads = [sum(n for n, d in zip(sizes, owners) if d == k) for k in range(dp)]
+        if sizes:  # longest-processing-time-first: no load exceeds the mean by more than the largest
+            assert max(loads) <= sum(sizes) / dp + max(sizes)
+
+    check()

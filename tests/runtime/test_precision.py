@@ -208,3 +208,44 @@ def test_autocast_state_left_as_found() -> None:
     assert not torch.is_autocast_enabled("cpu") and torch.is_grad_enabled()
     out = trainer.predict(c["x"])
     assert out.dtype == torch.bfloat16 and not torch.is_autocast_enabled("cpu")
+
+
+def _fp16_rank(rank: int, world: int, precision: str) -> dict[str, Any]:
+    """On one gloo rank: a bf16/fp16 step's gradients equal the plain model's, and an inf on
+    the first stage makes the last stage skip its step too (the found-inf flag is reduced)."""
+    c = case("gpt2", world)
+    ref = copy.deepcopy(c["model"])
+    trainer = make_trainer(c, world, "1f1b", transport="dist", precision=MixedPrecision(precision, False),
+                           optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    dtype = trainer.precision.dtype
+    assert dtype is not None
+    trainer.forward_backward(c["x"], c["y"])
+    scale = trainer.scaler.scale if trainer.scaler is not None else 1.0
+    _, want = _accumulated(ref, c["loss"], c["x"], c["y"], trainer.m, dtype, scale)
+    err = _rel_err(trainer, want)
+    trainer.zero_grad()
+    before = {n: p.detach().clone() for n, p in trainer.named_parameters()}
+    inf_skipped = None
+    if trainer.scaler is not None:
+        # An inf in the gradient of rank 0's position embedding only: rank 1's own gradients
+        # are finite, and it must skip its step because rank 0 found one.
+        wpe = [p for n, p in trainer.named_parameters() if "wpe" in n]
+        assert bool(wpe) == (rank == 0)
+        for p in wpe:
+            p.register_hook(lambda g: g + math.inf)
+        trainer.step(c["x"], c["y"])
+        inf_skipped = trainer.last_found_inf and all(
+            torch.equal(p.detach(), before[n]) for n, p in trainer.named_parameters()
+        ) and trainer.scaler.scale == 2.0**15
+    return {"err": err, "inf_skipped": inf_skipped}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_over_gloo_ranks(precision: str) -> None:
+    from runtime.launch import spawn
+
+    results = spawn(_fp16_rank, 2, precision, timeout=240)
+    assert all(r["err"] < TIGHT for r in results), results
+    if precision == "fp16":
+        assert all(r["inf_skipped"] for r in results), results

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from .devices import Cluster, DeviceSpec
 from .errors import PlanFormatError, PlanMismatchError
+from .precision import check_precision
 from .split import GRAPH_INPUT, StagedModel, StageIO, ValueSpec, split_graph
 
 if TYPE_CHECKING:
@@ -170,6 +171,7 @@ class Plan:
     param_aliases: tuple[tuple[str, tuple[str, ...]], ...] = ()
     candidates: tuple[Candidate, ...] = ()
     choice: str = ""
+    precision: str = "fp32"
     _binding: _Binding | None = field(default=None, compare=False, repr=False)
 
     @property
@@ -337,6 +339,8 @@ class Plan:
             "candidates": [_finite(asdict(c)) for c in self.candidates],
             "choice": self.choice,
         }
+        if self.precision != "fp32":  # plans saved before mixed precision (fp32) keep their bytes
+            body["precision"] = self.precision
         body["checksum"] = _checksum(body)
         return body
 
@@ -484,6 +488,7 @@ def _parse(data: Any, where: str = "plan") -> Plan:
             param_aliases=tuple((k, tuple(v)) for k, v in data["param_aliases"].items()),
             candidates=tuple(Candidate(**_infinite(c)) for c in data["candidates"]),
             choice=str(data["choice"]),
+            precision=check_precision(str(data.get("precision", "fp32"))),
         )
     except PlanFormatError:
         raise

@@ -69,7 +69,7 @@ def render_text(plan: Plan, width: int = 160) -> str:
     table = Table(
         title=(
             f"pipecut plan: {plan.num_stages} stages on {where}, method {plan.method}, "
-            f"{plan.microbatches} micro-batches{size}, schedule {plan.schedule}"
+            f"{plan.microbatches} micro-batches{size}, schedule {plan.schedule}, precision {plan.precision}"
         ),
         box=box.SIMPLE_HEAD,
         title_justify="left",

@@ -44,6 +44,7 @@ from torch import nn
 from partitioner.split import StageIO, ValueSpec, decode_value
 
 from .errors import LossError, StageError, describe_value
+from .precision import MixedPrecision
 from .split_backward import PendingWeights, backward_input, backward_weight
 from .transport import Key, TensorMeta, Transport, TransportTimeout
 from .wgrad_fusion import fused_params
@@ -204,6 +205,12 @@ class Executor:
         record: keep an ``ActionRecord`` per action.
         check_finite: raise ``LossError`` when a micro-batch's loss is NaN or infinite (one
             device sync per micro-batch on the last stage).
+        precision: the mixed-precision policy (``runtime.precision``): forwards and the loss run
+            under its autocast, and floating values travel in its wire dtype. Default fp32.
+        loss_scale: multiplies the loss before backward (fp16 loss scaling); the losses
+            reported stay unscaled.
+        wire_dtypes: the dtype of each boundary value on the wire, by name, where it is not
+            the plan's (``runtime.precision.wire_dtypes``); sent tensors are cast to it.
 
     Raises (from ``run`` / ``execute``):
         StageError: an action raised; names the rank, stage, action, micro-batch and, for a
@@ -228,8 +235,13 @@ class Executor:
         rank: int = 0,
         record: bool = False,
         check_finite: bool = False,
+        precision: MixedPrecision | None = None,
+        loss_scale: float = 1.0,
+        wire_dtypes: Mapping[str, torch.dtype] | None = None,
     ) -> None:
         self.stages = dict(stages)
+        self.precision = precision or MixedPrecision()
+        self.loss_scale = loss_scale
         self.check_finite = check_finite
         self.ios = list(ios)
         self.p = len(ios)
@@ -239,8 +251,10 @@ class Executor:
         self.record = record
         self._waited = 0.0  # seconds the current action spent in receives
         self._wiring = {s: _wire(self.ios, s) for s in self.stages}
+        wire = dict(wire_dtypes or {})
         self._metas = {
-            (a, b): [TensorMeta(v.shape, _dtype(v.dtype)) for v in message_values(self.ios, a, b)]
+            (a, b): [TensorMeta(v.shape, wire[v.name] if v.name in wire else _dtype(v.dtype))
+                     for v in message_values(self.ios, a, b)]
             for s in self.stages
             for a, b in [(q, s) for q in range(self.p)] + [(s, c) for c in range(self.p)]
         }
@@ -460,13 +474,15 @@ class Executor:
                 args.append(x.to(stage.device) if isinstance(x, torch.Tensor) else x)
             else:
                 args.append(received[name])
-        if torch.is_grad_enabled() == train:
-            outputs = stage.module(*args)
-        else:
-            with torch.set_grad_enabled(train):
+        with self.precision.autocast(stage.device):
+            if torch.is_grad_enabled() == train:
                 outputs = stage.module(*args)
+            else:
+                with torch.set_grad_enabled(train):
+                    outputs = stage.module(*args)
         for c in w.consumers:
-            self.transport.send(Key(s, c, "act", mb), [outputs[i] for i in w.send_idx[c]])
+            sent = [outputs[i] for i in w.send_idx[c]]
+            self.transport.send(Key(s, c, "act", mb), _on_wire(sent, self._metas[(s, c)]))
         st = _Stash(args, outputs)
         if s == self.p - 1:
             flat = tuple(decode_value(v, t) for v, t in zip(stage.io.outputs, outputs))
@@ -474,8 +490,9 @@ class Executor:
                 result.outputs[mb] = flat
             elif self.loss_fn is not None:
                 out = flat[0] if len(flat) == 1 else flat
-                loss = self._loss(s, mb, out, _to_device(target, stage.device), args) * scale
-                st.loss = loss
+                with self.precision.autocast(stage.device):
+                    loss = self._loss(s, mb, out, _to_device(target, stage.device), args) * scale
+                st.loss = loss * self.loss_scale if self.loss_scale != 1.0 else loss
                 result.losses[mb] = loss.detach()
         return st
 
@@ -561,7 +578,8 @@ class Executor:
                 a = st.args[i]
                 g = a.grad if isinstance(a, torch.Tensor) else None
                 out.append(g if g is not None else torch.zeros_like(a))
-            self.transport.send(Key(s, q, "grad", mb), out)
+            metas = [mt for mt, f in zip(self._metas[(q, s)], w.recv_grad[q]) if f]
+            self.transport.send(Key(s, q, "grad", mb), _on_wire(out, metas))
 
     def _shaped(
         self, src: int, dst: int, mb: int, mb_shapes: Mapping[int, Mapping[str, tuple[int, ...]]] | None
@@ -613,6 +631,11 @@ def _tracks_grad(module: nn.Module, args: Sequence[Any]) -> bool:
     return any(p.requires_grad for p in module.parameters()) or any(
         isinstance(a, torch.Tensor) and a.requires_grad for a in args
     )
+
+
+def _on_wire(tensors: Sequence[torch.Tensor], metas: Sequence[TensorMeta]) -> list[torch.Tensor]:
+    """``tensors`` in their message's dtypes (the receiver allocates those: ``runtime.precision``)."""
+    return [t if t.dtype == mt.dtype else t.to(mt.dtype) for t, mt in zip(tensors, metas)]
 
 
 def _dtype(name: str) -> torch.dtype:

@@ -37,6 +37,7 @@ from .local_run import RankThreads, run_interleaved, run_threads
 from .materialize import InitFn, materialize
 from .metrics import step_metrics
 from .placement import PlacementError, check_backend, placed_schedule, stage_devices
+from .precision import LossScaler, MixedPrecision, resolve_precision, wire_dtypes
 from .schedules import Schedule
 from .shapes import wire_shapes
 from .tied import copy_tied_values, second_copies, sum_tied_grads, take_tied_grads, tie_copies
@@ -142,6 +143,13 @@ class PipelineTrainer:
             each parameter is owned by one replica, which alone keeps its optimizer state and,
             after the reduction, its gradient; the optimizer factory is called with this
             process's share; the owners broadcast the new values after each step.
+        precision: ``'fp32'``, ``'bf16'``, ``'fp16'`` or a ``runtime.precision.MixedPrecision``
+            (default: the plan's). Parameters, gradients and optimizer state stay fp32; each
+            stage's forward and the loss run under ``torch.autocast`` in the low dtype, and
+            floating values cross stages in it (``MixedPrecision(cast_activations=False)``
+            keeps the plan's dtype on the wire). fp16 scales the loss (:attr:`scaler`):
+            gradients are unscaled in :meth:`forward_backward`, and :meth:`step` skips the
+            optimizer when any rank found inf/NaN (``last_found_inf``). See docs/runtime.md.
 
     Raises:
         PlacementError: ``S`` is not a multiple of the schedule's stages per rank, the job's
@@ -185,8 +193,13 @@ class PipelineTrainer:
         overlap_grad_reduce: bool = True,
         grad_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         shard_optimizer: bool = False,
+        precision: str | MixedPrecision | None = None,
     ) -> None:
         self.plan = plan
+        self.precision = resolve_precision(precision, getattr(plan, "precision", "fp32"))
+        mp = self.precision
+        self.scaler = LossScaler(mp.init_scale, growth_interval=mp.growth_interval) if mp.scales_loss else None
+        self.last_found_inf = False  # fp16: whether the last forward_backward's gradients had inf/NaN
         self.loss_fn = loss_fn
         self.p = plan.num_stages  # S, the stages; the ranks are self.schedule.num_ranks
         self.m = microbatches or plan.microbatches
@@ -277,6 +290,8 @@ class PipelineTrainer:
             DistTransport(self.schedule.stage_to_rank, timeout, self.mesh.pp_group) if self.mode == "dist" else None
         )
         self._threads: RankThreads | None = None  # transport='local': started at the first step
+        self._wire_dtypes = wire_dtypes(self.precision, ios, plan.traced.gm, plan.traced.example_inputs,
+                                        next(iter(self.devices.values())).type)
         if weights is not None:
             self.load_weights(weights)
 
@@ -309,9 +324,11 @@ class PipelineTrainer:
         loss = self.forward_backward(inputs, targets)
         if max_norm is not None:
             self.last_grad_norm = self.clip_grad_norm_(max_norm)
-        if self.optimizer is not None:
+        if self.optimizer is not None and not self.last_found_inf:
             self.optimizer.step()
         self._replicas.after_step()
+        if self.scaler is not None:
+            self.scaler.update(self.last_found_inf)
         if self.scheduler is not None:
             self.scheduler.step()
         self.step_count += 1
@@ -324,8 +341,13 @@ class PipelineTrainer:
         return loss
 
     def forward_backward(self, inputs: Any, targets: Any) -> torch.Tensor:
-        """Accumulate the gradients of the whole batch's loss (no optimizer step); return the loss."""
+        """Accumulate the gradients of the whole batch's loss (no optimizer step); return the loss.
+
+        Under fp16 the gradients it adds are unscaled before it returns; ``last_found_inf``
+        says whether any rank's had an inf or NaN."""
         ins = self._micro_inputs(inputs)
+        # fp16: gradients from an earlier call are set aside, so that only this call's are unscaled.
+        aside = self.scaler.set_aside(self.parameters()) if self.scaler is not None else []
         check_targets(self.plan.traced, inputs if isinstance(inputs, (tuple, list)) else (inputs,), targets)
         tgts = split_microbatches(targets, self.m, "targets")
         averager = self._replicas.averager
@@ -342,6 +364,10 @@ class PipelineTrainer:
         finally:
             if averager is not None:
                 averager.reset()
+        if self.scaler is not None:
+            self.last_found_inf = self.scaler.unscale_(self.parameters(), distributed=self.mode == "dist",
+                                                       comm_device=_comm_device, group=self._replicas.norm_group)
+            self.scaler.restore(aside)
         loss = torch.zeros((), dtype=torch.float32)
         for res in results:
             for v in res.losses.values():
@@ -587,7 +613,9 @@ class PipelineTrainer:
         for r in self._ranks:
             mine = {s: self.stages[s] for s in self.schedule.stages_of(r) if s in self.stages}
             out[r] = Executor(mine, self._ios, transport, self.loss_fn, rank=r, record=self.record,
-                              check_finite=self.check_finite)
+                              check_finite=self.check_finite, precision=self.precision,
+                              loss_scale=self.scaler.scale if self.scaler is not None else 1.0,
+                              wire_dtypes=self._wire_dtypes)
         return out
 
     def _run(

@@ -1,0 +1,295 @@
+"""Mixed precision for the pipeline: the autocast policy, the dtype on the wire, and fp16 loss scaling.
+
+The choice is autocast, not low-precision parameters: parameters, gradients and optimizer state
+stay fp32 (they *are* the master weights, so there is no second copy to keep in sync, and
+checkpoints, clipping and data-parallel averaging are unchanged), and each stage's forward and
+the loss run under ``torch.autocast(device_type, dtype)``, exactly as a torch user writes it
+around the unpartitioned model. That makes the unpartitioned model under the same ``autocast``
+the reference every pipelined run is compared with.
+
+What crosses a stage boundary (``MixedPrecision.cast_activations``): by default every floating
+value (activations forward, their gradients back) is cast to the low dtype before sending and
+received into low-dtype buffers, halving the traffic and the receive buffers. That is a change
+of numerics where the plain model keeps the value in fp32 (a residual stream: autocast leaves
+``fp32 + bf16`` in fp32). With ``cast_activations=False`` values travel in the plan's dtype
+(fp32): a low-precision value is widened, which is exact, so the pipeline computes what the
+plain autocast model computes.
+
+fp16 needs loss scaling (its smallest normal is ~6e-5, small gradients underflow). We write our
+own :class:`LossScaler` rather than use ``torch.amp.GradScaler`` because the inf/NaN check must
+see every stage: each rank holds only its own stages' gradients, and GradScaler decides per
+process with no hook for a process group. Ours reduces the found-inf flag over the pipeline's
+ranks (as ``runtime.clipping`` reduces the norm) and otherwise follows GradScaler: initial scale
+2**16, x2 after 2000 steps without inf/NaN, x0.5 and the step skipped when one is found.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from partitioner.errors import PipecutError
+from partitioner.split import StageIO
+from partitioner.trace import InputMeta
+
+__all__ = ["MixedPrecision", "LossScaler", "PrecisionError", "PRECISIONS", "resolve_precision", "wire_dtypes"]
+
+log = logging.getLogger(__name__)
+
+#: Names a policy is given by, and the dtype autocast computes in (``None``: plain fp32).
+PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class PrecisionError(PipecutError, ValueError):
+    """An unknown precision name, or a policy that cannot run where it was asked to."""
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """How a pipeline computes and communicates in low precision.
+
+    Args:
+        name: ``'fp32'`` (no autocast), ``'bf16'`` or ``'fp16'`` (autocast to that dtype;
+            fp16 also scales the loss, see :class:`LossScaler`).
+        cast_activations: send floating values between stages in the low dtype (default);
+            ``False`` sends them in the plan's dtype, which matches the plain autocast model.
+        init_scale: fp16's first loss scale (GradScaler's default).
+        growth_interval: steps without inf/NaN after which the scale doubles.
+
+    Raises:
+        PrecisionError: ``name`` is not one of ``PRECISIONS``.
+
+    Example:
+        >>> mp = MixedPrecision("bf16")
+        >>> mp.dtype, mp.wire_dtype(torch.float32), mp.wire_dtype(torch.int64)
+        (torch.bfloat16, torch.bfloat16, torch.int64)
+        >>> MixedPrecision("bf16", cast_activations=False).wire_dtype(torch.float32)
+        torch.float32
+    """
+
+    name: str = "fp32"
+    cast_activations: bool = True
+    init_scale: float = 2.0**16
+    growth_interval: int = 2000
+
+    def __post_init__(self) -> None:
+        if self.name not in PRECISIONS:
+            raise PrecisionError(
+                f"unknown precision {self.name!r}; choose one of {', '.join(PRECISIONS)} "
+                "(parameters stay fp32; the low precision is autocast's compute dtype)"
+            )
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The dtype autocast computes in, ``None`` for plain fp32."""
+        return PRECISIONS[self.name]
+
+    @property
+    def scales_loss(self) -> bool:
+        """Whether the loss is scaled (fp16 only: bf16 has fp32's exponent range)."""
+        return self.name == "fp16"
+
+    def wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype a boundary value of plan dtype ``dtype`` travels in when activations are cast."""
+        low = self.dtype
+        if low is None or not self.cast_activations or not dtype.is_floating_point:
+            return dtype
+        return low
+
+    def autocast(self, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+        """A context running a stage's forward (and the loss) under this policy on ``device``.
+
+        It restores the autocast state it found on exit, as ``torch.autocast`` does.
+        """
+        low = self.dtype
+        if low is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=device.type, dtype=low)
+
+
+def resolve_precision(precision: str | MixedPrecision | None, plan_precision: str = "fp32") -> MixedPrecision:
+    """The policy for a trainer: ``precision`` as given, else the one the plan was costed for.
+
+    Raises:
+        PrecisionError: an unknown name.
+
+    Example:
+        >>> resolve_precision(None, "bf16").name
+        'bf16'
+    """
+    if isinstance(precision, MixedPrecision):
+        return precision
+    return MixedPrecision(precision if precision is not None else plan_precision)
+
+
+def wire_dtypes(
+    policy: MixedPrecision, ios: Sequence[StageIO], gm: fx.GraphModule, inputs: Sequence[InputMeta],
+    device_type: str,
+) -> dict[str, torch.dtype]:
+    """The dtype each floating value crossing a stage boundary travels in under ``policy``.
+
+    Casting: the low dtype. Not casting: the dtype the value has under autocast in the
+    unpartitioned model (a linear's output is bf16, a residual sum fp32), found by running
+    ``gm`` on fake tensors under ``torch.autocast(device_type)`` -- no memory, no FLOPs. Both
+    ends of every message derive the same dtypes, so receive buffers are allocated in them.
+
+    Example:
+        >>> from partitioner import partition
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        >>> plan = partition(model, (torch.randn(2, 4),), 2, split_points=["1"])
+        >>> mp = MixedPrecision("bf16", cast_activations=False)
+        >>> wire_dtypes(mp, plan.io, plan.traced.gm, plan.traced.example_inputs, "cpu")
+        {'_0': torch.bfloat16}
+    """
+    crossing = {v.name: v for io in ios for v in io.outputs if v.kind == "tensor" and v.consumers}
+    floating = {n for n, v in crossing.items() if _plan_dtype(v.dtype).is_floating_point}
+    if policy.dtype is None or not floating:
+        return {}
+    if policy.cast_activations:
+        return dict.fromkeys(sorted(floating), policy.dtype)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    device = torch.device(device_type)
+    rec = _DtypeRecorder(gm, mode, device)
+    with mode:
+        args = [torch.empty(m.shape, dtype=_plan_dtype(m.dtype), device=device) for m in inputs]
+        with torch.autocast(device_type=device_type, dtype=policy.dtype):
+            rec.run(*args)
+    return {n: rec.dtypes[n] for n in sorted(floating) if n in rec.dtypes}
+
+
+class _DtypeRecorder(fx.Interpreter):
+    """Runs a graph on fake tensors (its parameters made fake on ``device``), keeping each value's dtype."""
+
+    def __init__(self, gm: fx.GraphModule, mode: FakeTensorMode, device: torch.device) -> None:
+        super().__init__(gm)
+        self.mode = mode
+        self.device = device
+        self.dtypes: dict[str, torch.dtype] = {}
+
+    def fetch_attr(self, target: str) -> Any:
+        t = super().fetch_attr(target)
+        if isinstance(t, torch.Tensor):  # a parameter, buffer or constant: fake, where autocast applies
+            return self.mode.from_tensor(t).to(self.device)
+        return t
+
+    def run_node(self, n: fx.Node) -> Any:
+        out = super().run_node(n)
+        if isinstance(out, torch.Tensor):
+            self.dtypes[n.name] = out.dtype
+        return out
+
+
+def _plan_dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name.replace("torch.", ""), None)
+    if not isinstance(dt, torch.dtype):
+        raise PrecisionError(f"unknown dtype {name!r} in the plan")
+    return dt
+
+
+class LossScaler:
+    """Dynamic loss scaling for fp16 over a pipeline's ranks (``torch.amp.GradScaler``'s rule).
+
+    The trainer multiplies the loss by :attr:`scale` before backward, then calls
+    :meth:`unscale_` on the gradients (divides them, and finds inf/NaN on any rank), steps the
+    optimizer only when none was found, and calls :meth:`update`.
+
+    Args:
+        init_scale: the first scale.
+        growth_factor: the scale's factor after ``growth_interval`` good steps in a row.
+        backoff_factor: the scale's factor after a step with inf/NaN gradients.
+        growth_interval: good steps between growths.
+
+    Example:
+        >>> s = LossScaler(init_scale=8.0, growth_interval=2)
+        >>> w = torch.nn.Parameter(torch.zeros(2)); w.grad = torch.tensor([8.0, float("inf")])
+        >>> s.unscale_([w]), s.update(True), s.scale
+        (True, None, 4.0)
+    """
+
+    def __init__(
+        self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+    ) -> None:
+        if init_scale <= 0 or growth_factor <= 1 or not 0 < backoff_factor < 1 or growth_interval < 1:
+            raise PrecisionError(
+                f"loss scaling needs init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1 and "
+                f"growth_interval >= 1; got {init_scale}, {growth_factor}, {backoff_factor}, {growth_interval}"
+            )
+        self.scale = float(init_scale)
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
+        self.growth_interval = growth_interval
+        self.good_steps = 0  # steps without inf/NaN since the scale last changed
+
+    def unscale_(
+        self, params: Iterable[torch.nn.Parameter], *, distributed: bool = False,
+        comm_device: Callable[[], torch.device] | None = None, group: dist.ProcessGroup | None = None,
+    ) -> bool:
+        """Divide every gradient by the scale; return whether any rank's has an inf or NaN.
+
+        Args:
+            params: this process's parameters.
+            distributed: reduce the flag over ``group`` (the pipeline's ranks: after data-parallel
+                averaging every replica holds the same gradients).
+            comm_device: where that reduction runs (the rank's GPU on NCCL).
+            group: the process group of the pipeline's ranks.
+        """
+        inv = 1.0 / self.scale  # a power of two: dividing is exact
+        flags: dict[torch.device, list[torch.Tensor]] = {}
+        for prm in params:
+            if prm.grad is not None:
+                prm.grad.mul_(inv)
+                flags.setdefault(prm.grad.device, []).append((~torch.isfinite(prm.grad)).any())
+        found = torch.zeros((), dtype=torch.float32)
+        for per_device in flags.values():  # one device sync per device, not per gradient
+            found = torch.maximum(found, torch.stack(per_device).any().float().cpu())
+        if distributed:
+            buf = found.to(comm_device() if comm_device is not None else torch.device("cpu"))
+            dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
+            found = buf.cpu()
+        return bool(found.item())
+
+    def update(self, found_inf: bool) -> None:
+        """Back off after a step with inf/NaN gradients; grow after ``growth_interval`` good ones."""
+        if found_inf:
+            self.scale *= self.backoff_factor
+            self.good_steps = 0
+            log.info("fp16 loss scaling: inf/NaN gradients, step skipped; scale now %g", self.scale)
+            return
+        self.good_steps += 1
+        if self.good_steps == self.growth_interval:
+            self.scale *= self.growth_factor
+            self.good_steps = 0
+
+    @staticmethod
+    def set_aside(params: Iterable[torch.nn.Parameter]) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+        """Take the gradients already accumulated (unscaled) off ``params``, for :meth:`restore`."""
+        aside = []
+        for prm in params:
+            if prm.grad is not None:
+                aside.append((prm, prm.grad))
+                prm.grad = None
+        return aside
+
+    @staticmethod
+    def restore(aside: Iterable[tuple[torch.nn.Parameter, torch.Tensor]]) -> None:
+        """Add the gradients :meth:`set_aside` took back to the (unscaled) new ones."""
+        for prm, grad in aside:
+            prm.grad = grad if prm.grad is None else grad.add_(prm.grad)
+
+    def state_dict(self) -> dict[str, float]:
+        """The scale and the good-step count (to resume exactly)."""
+        return {"scale": self.scale, "good_steps": float(self.good_steps)}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        """Restore :meth:`state_dict`'s output."""
+        self.scale = float(state["scale"])
+        self.good_steps = int(state["good_steps"])

@@ -107,6 +107,9 @@ def load(trainer: PipelineTrainer, directory: PathLike, *, optimizer: bool = Tru
         state[key] = torch.empty_like(torch.get_rng_state() if key.endswith(".cpu") else torch.cuda.get_rng_state())
     # DCP flattens nested values (a scheduler's state_dict) into dotted keys below theirs.
     missing = sorted(k for k in state if k not in present and not any(p.startswith(k + ".") for p in present))
+    if "trainer.loss_scaler" in missing:  # saved without fp16: the scale starts afresh
+        missing.remove("trainer.loss_scaler")
+        del state["trainer.loss_scaler"]
     if missing:
         raise CheckpointError(
             f"{path} lacks {len(missing)} entries this trainer needs, e.g. {missing[:4]}; it was saved "
@@ -236,6 +239,8 @@ def _state(trainer: PipelineTrainer, *, for_load: bool, optimizer: bool = True) 
                         state.setdefault(f"optim.group.{name}.{key}", value)
         if trainer.scheduler is not None:
             state["trainer.scheduler"] = trainer.scheduler.state_dict()
+    if trainer.scaler is not None:  # fp16: resume with the scale reached (absent from older saves)
+        state["trainer.loss_scaler"] = trainer.scaler.state_dict()
     state["trainer.step"] = trainer.step_count
     if not for_load:
         world = dist.get_world_size() if _distributed() else 1
@@ -271,6 +276,8 @@ def _apply(trainer: PipelineTrainer, state: Mapping[str, Any], *, optimizer: boo
                         opt.state[p][key] = value
         if trainer.scheduler is not None and "trainer.scheduler" in state:
             trainer.scheduler.load_state_dict(state["trainer.scheduler"])
+    if trainer.scaler is not None and "trainer.loss_scaler" in state:
+        trainer.scaler.load_state_dict(state["trainer.loss_scaler"])
     trainer.sync_tied_copies()
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
@@ -249,3 +250,20 @@ def test_mixed_precision_over_gloo_ranks(precision: str) -> None:
     assert all(r["err"] < TIGHT for r in results), results
     if precision == "fp16":
         assert all(r["inf_skipped"] for r in results), results
+
+
+def test_fp16_checkpoint_keeps_the_loss_scale(tmp_path: Path) -> None:
+    c = case("mlp", 2)
+    opt = lambda ps: torch.optim.SGD(ps, lr=0.01)  # noqa: E731
+    trainer = make_trainer(c, 2, "1f1b", optimizer=opt, precision="fp16")
+    trainer.step(c["x"], c["y"])
+    assert trainer.scaler is not None
+    trainer.scaler.scale, trainer.scaler.good_steps = 1024.0, 7  # as after some backoffs
+    trainer.save(tmp_path / "ckpt")
+    resumed = make_trainer(case("mlp", 2), 2, "1f1b", optimizer=opt, precision="fp16")
+    resumed.load(tmp_path / "ckpt")
+    assert resumed.scaler is not None and resumed.scaler.state_dict() == {"scale": 1024.0, "good_steps": 7}
+    plain = make_trainer(case("mlp", 2), 2, "1f1b", optimizer=opt)
+    plain.save(tmp_path / "fp32")
+    resumed.load(tmp_path / "fp32")  # saved without a scaler: the scale is kept as it is
+    assert resumed.scaler.scale == 1024.0

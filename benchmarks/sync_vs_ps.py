@@ -10,8 +10,10 @@ the N replicas two ways, side by side in one run:
   one-server scheme.
 
 It also prints the bandwidth model of both for larger jobs: per step, a ring all-reduce moves
-``2 (N - 1) / N * G`` bytes over every rank's link, whatever N, while the server's link moves
-``(N - 1) * G`` each way, so its time grows with N (``S`` sharded servers divide it by ``S``).
+``2 (N - 1) / N * G`` bytes over every rank's link, whatever N, while one server's link moves
+``(N - 1) * G`` in (push) and then out (pull), so its time grows with N; sharding the server over
+``S`` workers divides that by ``S``, and with ``S = N`` matches the all-reduce, which is then
+what it has become (a reduce-scatter and an all-gather).
 
     python benchmarks/sync_vs_ps.py                 # N = 2, 4; G = 4, 16 MiB
     python benchmarks/sync_vs_ps.py --quick         # a smoke run
@@ -87,10 +89,17 @@ def _worker(rank: int, world: int, sizes_mib: list[int], repeat: int) -> dict[st
 
 
 def model(n: int, gbytes: float, link_gbps: float, servers: int = 1) -> dict[str, float]:
-    """Seconds per exchange of ``gbytes`` GB over ``n`` replicas on links of ``link_gbps`` Gb/s."""
+    """Seconds per exchange of ``gbytes`` GB over ``n`` replicas on full-duplex links of
+    ``link_gbps`` Gb/s, bandwidth only.
+
+    Ring all-reduce: every link carries ``2 (n - 1) / n`` of the gradient. Parameter server with
+    ``servers`` of the ``n`` workers each holding ``1 / servers`` of the parameters: a push (each
+    server receives its shard from the ``n - 1`` others) then a pull (it sends them back), each
+    phase as long as its busiest link: ``max((n - 1) / servers, 1)`` gradients.
+    """
     bw = link_gbps / 8  # GB/s
     ring = 2 * (n - 1) / n * gbytes / bw
-    ps = (n - 1) * gbytes / servers / bw  # the busiest server link, each way (full duplex)
+    ps = 2 * max((n - 1) / servers, 1.0) * gbytes / bw
     return {"all_reduce_s": ring, "parameter_server_s": ps, "ratio": ps / ring}
 
 
@@ -121,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         table.add_row(str(r["world"]), f"{r['mib']} MiB", f"{1e3 * r['all_reduce_s']:.1f} ms",
                       f"{1e3 * r['parameter_server_s']:.1f} ms", f"{r['ratio']:.2f}")
-    modelled = [{"n": n, "servers": s, **model(n, 1.0, 100.0, s)} for n in (8, 64, 256) for s in (1, 8)]
+    modelled = [{"n": n, "servers": s, **model(n, 1.0, 100.0, s)} for n in (8, 64, 256) for s in sorted({1, 8, n})]
     mtable = Table(title="bandwidth model: 1 GB of gradients, 100 Gb/s links")
     for col in ("N", "servers", "all-reduce", "parameter server", "server / all-reduce"):
         mtable.add_column(col, justify="right")

@@ -152,3 +152,14 @@ def test_memory_quick(tmp_path: Path) -> None:
         assert r["peak_bytes"] == r["rss"]["after_step"]["VmHWM"] >= r["rss"]["after_load"]["VmHWM"]
         assert r["peak_bytes"] < r["whole_model_rank_bytes"]
     assert not list(tmp_path.glob("pipecut-memory-*")), "the checkpoint was not removed"
+
+
+@pytest.mark.multiprocess
+def test_sync_vs_ps_quick(tmp_path: Path) -> None:
+    bench = _load("sync_vs_ps")
+    out = tmp_path / "svp.json"
+    assert bench.main(["--quick", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert [r["world"] for r in data["measured"]] == [2] and data["measured"][0]["all_reduce_s"] > 0
+    one = {(m["n"], m["servers"]): m["ratio"] for m in data["model"]}
+    assert one[(64, 1)] == pytest.approx(64.0) and one[(64, 64)] == pytest.approx(64 / 63)

@@ -138,3 +138,13 @@ def test_recompute_over_gloo_processes_matches_reference() -> None:
     for key in ("gpt2/1f1b", "gpt2/zbv"):
         assert all(res[key]["checked"] for res in results), key
         assert results[0][key]["recompute"] == list(range(2 if key.endswith("1f1b") else 4))
+
+
+def test_trainer_follows_the_plans_choice_by_default() -> None:
+    c = case("mlp", 2)
+    plan = partition(c["model"], c["example"], 2, microbatches=4, schedule="gpipe", recompute=True)
+    assert [st.recompute for st in plan.stages] == [True, True]
+    assert PipelineTrainer(plan, c["loss"], transport="local").recompute == {0, 1}
+    assert PipelineTrainer(plan, c["loss"], transport="local", recompute=False).recompute == frozenset()
+    plain = partition(c["model"], c["example"], 2, microbatches=4, schedule="gpipe")
+    assert PipelineTrainer(plain, c["loss"], transport="local").recompute == frozenset()

@@ -9,6 +9,8 @@ from .generators import forward_only, gpipe, interleaved, one_f_one_b
 from .launch import LaunchError, spawn
 from .materialize import MaterializeError, empty_weights, initialize, materialize
 from .placement import PlacementError
+from .recompute import RecomputeOptionError
+from .saved_memory import SavedBytes
 from .schedules import (
     Action,
     Kind,
@@ -144,4 +146,6 @@ __all__ = [
     "WeightsSourceError",
     "WeightsDestinationError",
     "PartialLoadError",
+    "RecomputeOptionError",
+    "SavedBytes",
 ]

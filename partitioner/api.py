@@ -16,12 +16,13 @@ from . import algorithms as alg
 from .choose import choose, microbatch_candidates
 from .cost import cost_graph, node_time, weight_share
 from .devices import Cluster
-from .errors import SplitPointError, TooManyStagesError
+from .errors import InfeasibleMemoryError, SplitPointError, TooManyStagesError
 from .globalstate import preserved
 from .graph import Unit, build_graph, canonical_names, group_units, layer_depth, module_range, to_problem
 from .plan import Plan, StagePlan, binding
 from .precision import check_precision, with_precision
 from .predict import TRAINING_SCHEDULES, chunks_of, predict, schedule_for, stage_inflight
+from .recompute import check_option, choose_recompute, cut_recomputing, recomputing_problem, stage_input_bytes
 from .split import split_graph
 from .trace import Method as TraceMethod
 from .trace import trace
@@ -54,6 +55,7 @@ def partition(
     example_kwargs: Mapping[str, Any] | None = None,
     example_is: str = "microbatch",
     precision: str = "fp32",
+    recompute: bool | str = "auto",
 ) -> Plan:
     """Cut ``model`` into pipeline stages and return the plan.
 
@@ -93,6 +95,13 @@ def partition(
             default): ``'fp32'``, ``'bf16'`` or ``'fp16'`` (autocast, fp32 master weights; see
             ``partitioner.precision``): low-precision matmuls at the 16-bit peak, activations
             saved and sent in half the bytes, training state unchanged.
+        recompute: activation recomputation per stage (``runtime.recompute``; the plan records
+            it in ``StagePlan.recompute`` and the trainer follows it). ``'auto'`` (default):
+            only when memory binds, i.e. no cut fits the devices with every micro-batch's
+            activations held, cut for recomputing stages and turn it on for the stages that do
+            not fit without it (with ``microbatches='auto'`` / ``schedule='auto'`` every
+            candidate is priced that way, so more micro-batches can fit); a plan that fits is
+            unchanged. ``True``: every stage recomputes; ``False``: none.
 
     Returns:
         A bound ``Plan``: ``print(plan)``, ``plan.save(...)``, ``plan.build_stages()``.
@@ -121,7 +130,7 @@ def partition(
             granularity=granularity, module_depth=module_depth, leaf_modules=leaf_modules,
             state_bytes_per_param=state_bytes_per_param, profile=profile,
             profile_device=profile_device, trace_method=trace_method, example_kwargs=example_kwargs,
-            example_is=example_is, precision=precision,
+            example_is=example_is, precision=precision, recompute=recompute,
         )
 
 
@@ -146,8 +155,10 @@ def _partition(
     example_kwargs: Mapping[str, Any] | None,
     example_is: str,
     precision: str,
+    recompute: bool | str = "auto",
 ) -> Plan:
     check_precision(precision)
+    recompute = check_option(recompute)
     if split_points is not None:
         method = "manual"
     if method not in METHODS:
@@ -181,6 +192,7 @@ def _partition(
         refine=refine, split_points=split_points, state_bytes_per_param=state_bytes_per_param,
         numel={name: prm.numel() for name, prm in traced.gm.named_parameters(remove_duplicate=False)},
         precision=precision,
+        recompute=recompute,
     )
     log.info("partition: trace %.2fs (%s), cost %.2fs, %d units", t1 - t0, traced.method, t2 - t1, len(units))
     if auto:
@@ -219,6 +231,7 @@ class _Context:
     state_bytes_per_param: float
     numel: dict[str, int]
     precision: str = "fp32"
+    recompute: bool | str = "auto"
 
     def plan(self, cluster: Cluster, schedule: str, m: int, *, split: bool) -> Plan:
         """Cut into ``len(cluster)`` stages for ``schedule`` with ``m`` micro-batches.
@@ -235,15 +248,18 @@ class _Context:
             param_aliases=self.traced.param_aliases,
         )
         t0 = time.perf_counter()
-        if self.method == "manual":
-            part = alg.manual(problem, _cuts_for(self.split_points or (), self.units, self.g))
+        forward = self._forward_rows(cluster)
+        if self.recompute is True:
+            part = cut_recomputing(problem, forward, self._solve)
         else:
-            part = getattr(alg, self.method)(problem)
-            if self.refine and self.method == "exact" and p > 1:
-                better = alg.refine(problem, part)
-                before = alg.evaluate(problem, part.assignment).bottleneck
-                if alg.evaluate(problem, better.assignment).bottleneck < before:
-                    part = better
+            try:
+                part = self._solve(problem)
+            except InfeasibleMemoryError:
+                if self.recompute is False:
+                    raise
+                # Memory binds: cut again for stages that keep only their inputs per micro-batch.
+                log.info("partition: %d stages, %s, m=%d: no cut fits; trying recomputation", p, schedule, m)
+                part = cut_recomputing(problem, forward, self._solve)
         log.info("partition: %d stages, %s, m=%d: %.3fs (%s)", p, schedule, m, time.perf_counter() - t0, part.method)
         io: tuple[Any, ...] = ()
         shared: Mapping[str, tuple[int, ...]] = {}
@@ -260,8 +276,30 @@ class _Context:
             assignment=part.assignment, method=part.method, cluster=cluster, schedule=schedule,
             microbatches=m, held=held, granularity=self.granularity, numel=self.numel,
             state_bytes_per_param=self.state_bytes_per_param, staged_io=io, shared=shared,
-            precision=self.precision,
+            precision=self.precision, recompute=self.recompute, forward=forward,
         )
+
+    def _solve(self, problem: alg.Problem) -> alg.Partition:
+        """The cut ``method`` finds (refined for ``'exact'``)."""
+        if self.method == "manual":
+            return alg.manual(problem, _cuts_for(self.split_points or (), self.units, self.g))
+        part: alg.Partition = getattr(alg, self.method)(problem)
+        if self.refine and self.method == "exact" and problem.p > 1:
+            better = alg.refine(problem, part)
+            before = alg.evaluate(problem, part.assignment).bottleneck
+            if alg.evaluate(problem, better.assignment).bottleneck < before:
+                part = better
+        return part
+
+    def _forward_rows(self, cluster: Cluster) -> tuple[tuple[float, ...], ...]:
+        """Per stage, per unit, forward seconds on the stage's device (what recomputation repeats)."""
+        rows: dict[Any, tuple[float, ...]] = {}
+        for dev in cluster.devices:
+            if dev not in rows:
+                rows[dev] = tuple(
+                    sum(node_time(self.g.nodes[v]["cost"], dev)[0] for v in u.nodes) for u in self.units
+                )
+        return tuple(rows[dev] for dev in cluster.devices)
 
 
 def _example_microbatches(example_is: str, microbatches: int | str) -> int:
@@ -340,9 +378,11 @@ def _make_plan(
     assignment: Sequence[int], method: str, cluster: Cluster, schedule: str, microbatches: int,
     held: Sequence[int], granularity: str, numel: Mapping[str, int], state_bytes_per_param: float,
     staged_io: tuple[Any, ...], shared: Mapping[str, tuple[int, ...]], precision: str = "fp32",
+    recompute: bool | str = False, forward: Sequence[Sequence[float]] = (),
 ) -> Plan:
     p = len(cluster)
     ev = alg.evaluate(problem, tuple(assignment))
+    ins = stage_input_bytes(problem, assignment)
     # layer_depth only looks at distinct paths; a 175B GPT-2 has ~4k nodes but ~1k paths.
     depth = layer_depth(list(dict.fromkeys(g.nodes[v]["module"] for v in g.nodes)))
     # Every stage's nodes in one pass over the units (not one pass per stage: p x n at scale).
@@ -360,6 +400,7 @@ def _make_plan(
         params = sum(numel.get(name, 0) for name in names)
         state = params * state_bytes_per_param + sum(c.buffer_bytes for c in costs)
         act = sum(c.saved_bytes for c in costs)
+        (rc,) = choose_recompute([state], [act], [ins[s]], [held[s]], [problem.capacity[s]], recompute)
         times = [node_time(c, dev) for c in costs]
         stages.append(
             StagePlan(
@@ -370,7 +411,7 @@ def _make_plan(
                 params=int(params),
                 fwd_flops=float(sum(c.fwd_flops for c in costs)),
                 bwd_flops=float(sum(c.bwd_flops for c in costs)),
-                memory=float(state + held[s] * act),
+                memory=float(state + held[s] * ins[s] + act if rc else state + held[s] * act),
                 capacity=float(dev.memory),
                 inflight=held[s],
                 fwd_time=float(sum(f for f, _ in times)),
@@ -381,8 +422,15 @@ def _make_plan(
                 wgrad_time=float(sum(b * weight_share(c) for c, (_, b) in zip(costs, times))),
                 act_bytes=float(act),
                 state_bytes=float(state),
+                in_bytes=float(ins[s]),
+                recompute=rc,
             )
         )
+    if any(st.recompute for st in stages):
+        log.info("partition: stages %s recompute their activations", [st.index for st in stages if st.recompute])
+    # With every stage recomputing, each unit's forward runs twice: the bound counts it too.
+    everywhere = forward and all(st.recompute for st in stages)
+    bound = alg.lower_bound(recomputing_problem(problem, forward) if everywhere else problem)
     # The plan's schedule first, then every other schedule with the same placement (one stage
     # per device); a two-chunk placement's links are its own, so it is predicted alone.
     same = [k for k in TRAINING_SCHEDULES if k != schedule and chunks_of(k) == 1 == chunks_of(schedule)]
@@ -394,7 +442,7 @@ def _make_plan(
         microbatches=microbatches,
         granularity=granularity,
         bottleneck=max(st.time for st in stages),
-        lower_bound=alg.lower_bound(problem),
+        lower_bound=bound,
         predictions=preds,
         cluster=cluster,
         state_bytes_per_param=state_bytes_per_param,

@@ -74,9 +74,12 @@ def choose(
             pr = plan.prediction(sched)
             capacity = min(st.capacity for st in plan.stages)
             fits = pr.memory <= capacity
+            recomputing = sum(st.recompute for st in plan.stages)
+            note = f"recomputes {recomputing} of {S} stages" if recomputing else ""
+            if not fits:
+                note = "; ".join(x for x in ("simulated peak memory exceeds a device", note) if x)
             rows.append(
-                Candidate(sched, m, S, pr.step_time, pr.step_time / m, pr.bubble, pr.memory, capacity, fits,
-                          "" if fits else "simulated peak memory exceeds a device")
+                Candidate(sched, m, S, pr.step_time, pr.step_time / m, pr.bubble, pr.memory, capacity, fits, note)
             )
     best, reason = pick(rows)
     log.info("auto schedule: %s", reason)

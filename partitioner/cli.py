@@ -27,6 +27,8 @@ from .zoo import MODELS, load_model
 
 __all__ = ["main", "build_parser"]
 
+_RECOMPUTE: dict[str, bool | str] = {"auto": "auto", "on": True, "off": False}
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``pipecut``."""
@@ -52,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--no-refine", action="store_true", help="skip the DAG refinement after 'exact'")
     plan.add_argument("--split-points", default=None, help="comma-separated module names where stages begin")
     plan.add_argument("--granularity", default="node", choices=("node", "module"))
+    plan.add_argument("--recompute", default="auto", choices=("auto", "on", "off"),
+                      help="activation recomputation: 'auto' (only the stages that do not fit memory otherwise; "
+                      "default), 'on' (every stage) or 'off'")
     plan.add_argument("--state-bytes", type=float, default=16.0, help="training-state bytes per parameter")
     plan.add_argument("--link-bandwidth", type=float, default=None, help="bytes/s between neighbouring devices")
     plan.add_argument("--json", dest="json_path", default=None, help="write the plan as JSON here")
@@ -87,6 +92,7 @@ def _plan(args: argparse.Namespace) -> int:
         model, inputs, args.stages, cluster=cluster, microbatches=args.microbatches,
         schedule=args.schedule, method=args.method, refine=not args.no_refine, split_points=split,
         granularity=args.granularity, state_bytes_per_param=args.state_bytes,
+        recompute=_RECOMPUTE[args.recompute],
     )
     print(plan, end="")
     if args.json_path:

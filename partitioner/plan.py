@@ -42,7 +42,8 @@ class StagePlan:
         fwd_flops: forward FLOPs.
         bwd_flops: backward FLOPs.
         memory: estimated peak bytes: training state of its parameters and buffers plus saved
-            activations times the micro-batches in flight.
+            activations times the micro-batches in flight; with ``recompute``, input bytes times
+            the micro-batches in flight plus one micro-batch's activations (rebuilt in backward).
         capacity: the device's memory in bytes.
         inflight: micro-batches whose activations the stage holds at its peak.
         fwd_time: forward compute seconds.
@@ -54,6 +55,11 @@ class StagePlan:
             schedules run as ``W``).
         act_bytes: activation bytes saved for backward per micro-batch.
         state_bytes: bytes of training state of its parameters and buffers.
+        in_bytes: bytes of the stage's inputs per micro-batch (what crosses its incoming cuts,
+            and the graph inputs it reads): all it keeps per micro-batch when it recomputes.
+        recompute: whether the stage recomputes its activations (``runtime.recompute``): its
+            forward keeps only its inputs, its backward runs the forward again first, so its
+            backward costs ``fwd_time`` more (``recompute_time``).
     """
 
     index: int
@@ -74,11 +80,23 @@ class StagePlan:
     wgrad_time: float = 0.0
     act_bytes: float = 0.0
     state_bytes: float = 0.0
+    in_bytes: float = 0.0
+    recompute: bool = False
+
+    @property
+    def recompute_time(self) -> float:
+        """Seconds the backward spends running the forward again: ``fwd_time`` if it recomputes."""
+        return self.fwd_time if self.recompute else 0.0
+
+    @property
+    def held_bytes(self) -> float:
+        """Bytes one micro-batch in flight holds between its forward and backward."""
+        return self.in_bytes if self.recompute else self.act_bytes
 
     @property
     def time(self) -> float:
-        """Forward + backward + transfer seconds: the quantity the partitioner balances."""
-        return self.fwd_time + self.bwd_time + self.comm_in_time + self.comm_out_time
+        """Forward + backward (+ recomputation) + transfer seconds: what the partitioner balances."""
+        return self.fwd_time + self.bwd_time + self.recompute_time + self.comm_in_time + self.comm_out_time
 
 
 @dataclass(frozen=True)
@@ -420,6 +438,10 @@ def binding(traced: TracedModel, model: torch.nn.Module) -> _Binding:
     return _Binding(traced, set(state), state, model)
 
 
+# StagePlan fields added after format version 1 was first written; older files may lack them.
+_LATER_STAGE_FIELDS = frozenset({"in_bytes", "recompute"})
+
+
 def _finite(d: dict[str, Any]) -> dict[str, Any]:
     # JSON has no infinity: an unlimited capacity is written as null.
     return {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in d.items()}
@@ -460,7 +482,8 @@ def _parse(data: Any, where: str = "plan") -> Plan:
         names = {f.name for f in fields(StagePlan)}
         stages = []
         for raw in data["stages"]:
-            if set(raw) != names:
+            # Files written before recomputation was modelled lack its fields: the defaults hold.
+            if not names - _LATER_STAGE_FIELDS <= set(raw) <= names:
                 raise fail(f"stage fields {sorted(set(raw) ^ names)} are missing or unknown")
             st = _infinite(raw, ("capacity",))
             st["nodes"] = tuple(st["nodes"])

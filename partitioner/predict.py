@@ -107,7 +107,10 @@ def simulate_stages(stages: Sequence[StagePlan], cluster: Cluster, schedule: str
     """The schedule and the full ``runtime.simulate.Simulation`` (timeline included) of a step.
 
     Each stage's backward is split into input-gradient and weight-gradient time
-    (``StagePlan.wgrad_time``); activations cross boundary ``s`` over cluster link ``s``.
+    (``StagePlan.wgrad_time``); activations cross boundary ``s`` over cluster link ``s``. A stage
+    that recomputes (``StagePlan.recompute``) holds its input bytes per micro-batch in flight,
+    and from its ``B`` / ``I`` on also the activations it rebuilds there, whose forward adds to
+    that action's time (the runtime replays the forward at ``I``).
     """
     from runtime.simulate import Link, StageCosts, simulate
 
@@ -117,10 +120,12 @@ def simulate_stages(stages: Sequence[StagePlan], cluster: Cluster, schedule: str
     wgrad = [st.bwd_time if s == 0 else min(st.wgrad_time, st.bwd_time) for s, st in enumerate(stages)]
     costs = StageCosts(
         forward=tuple(st.fwd_time for st in stages),
-        backward_input=tuple(st.bwd_time - w for st, w in zip(stages, wgrad)),
+        backward_input=tuple(st.bwd_time - w + st.recompute_time for st, w in zip(stages, wgrad)),
         backward_weight=tuple(wgrad),
-        activation_bytes=tuple(st.act_bytes for st in stages),
+        activation_bytes=tuple(st.held_bytes for st in stages),
         output_bytes=tuple(st.send_bytes for st in stages[:-1]),
+        replay_bytes=tuple(st.act_bytes if st.recompute else 0.0 for st in stages)
+        if any(st.recompute for st in stages) else None,
     )
     links = [Link(latency=lat, bandwidth=bw) for lat, bw in zip(cluster.link_latency, cluster.link_bandwidth)]
     return sched, simulate(sched, costs, links=links)

@@ -80,6 +80,9 @@ def render_text(plan: Plan, width: int = 160) -> str:
         ("memory / capacity", "right"), ("F", "right"), ("B", "right"), ("comm", "right"),
         ("time", "right"), ("sends", "right"),
     ]
+    recomputing = [st.index for st in plan.stages if st.recompute]
+    if recomputing:  # a column only when some stage recomputes: the plain table stays as it was
+        columns.insert(columns.index(("F", "right")), ("recompute", "left"))
     if uniform:
         columns.pop(1)
     for col, justify in columns:
@@ -97,6 +100,7 @@ def render_text(plan: Plan, width: int = 160) -> str:
             fmt_flops(st.fwd_flops),
             fmt_flops(st.bwd_flops),
             mem,
+            *(["yes" if st.recompute else "-"] if recomputing else []),
             fmt_time(st.fwd_time),
             fmt_time(st.bwd_time),
             fmt_time(st.comm_in_time + st.comm_out_time),
@@ -117,6 +121,11 @@ def render_text(plan: Plan, width: int = 160) -> str:
             f"{pr.schedule} {fmt_time(pr.step_time)} (bubble {pr.bubble:.1%})" for pr in plan.predictions
         ),
     ]
+    if recomputing:
+        lines.append(
+            f"activation recomputation on {len(recomputing)} of {plan.num_stages} stages ({_ranges(recomputing)}): "
+            "they keep only their inputs per micro-batch in flight, and B runs their forward again (time includes it)"
+        )
     if plan.shared_params:
         shared = ", ".join(f"{name} (stages {', '.join(map(str, ss))})" for name, ss in plan.shared_params)
         lines.append(f"shared parameters, gradients summed across holders: {shared}")
@@ -129,6 +138,20 @@ def render_text(plan: Plan, width: int = 160) -> str:
         console.print(_candidates_table(plan))
         console.print(f"chose {plan.choice}", soft_wrap=True)
     return buf.getvalue().rstrip() + "\n"
+
+
+def _ranges(values: list[int]) -> str:
+    """``[0, 1, 2, 5] -> '0-2, 5'``."""
+    out: list[str] = []
+    start = prev = values[0]
+    for v in [*values[1:], None]:
+        if v is not None and v == prev + 1:
+            prev = v
+            continue
+        out.append(f"{start}-{prev}" if prev > start else str(start))
+        if v is not None:
+            start = prev = v
+    return ", ".join(out)
 
 
 def _candidates_table(plan: Plan) -> Table:
@@ -145,7 +168,7 @@ def _candidates_table(plan: Plan) -> Table:
             fmt_time(c.time_per_microbatch) if c.time_per_microbatch else "-",
             f"{c.bubble:.1%}" if c.step_time else "-",
             f"{fmt_bytes(c.memory)} / {fmt_bytes(c.capacity)}" if c.memory else "-",
-            "yes" if c.fits else f"no: {c.note}",
+            ("yes" + (f" ({c.note})" if c.note else "")) if c.fits else f"no: {c.note}",
         )
     return table
 

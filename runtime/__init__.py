@@ -11,6 +11,8 @@ from .launch import LaunchError, spawn
 from .materialize import MaterializeError, empty_weights, initialize, materialize
 from .metrics import TrainingProgress, step_metrics
 from .placement import PlacementError
+from .recompute import RecomputeOptionError
+from .saved_memory import SavedBytes
 from .schedules import (
     Action,
     Kind,
@@ -151,4 +153,6 @@ __all__ = [
     "WeightsSourceError",
     "WeightsDestinationError",
     "PartialLoadError",
+    "RecomputeOptionError",
+    "SavedBytes",
 ]

@@ -16,6 +16,10 @@ Per action, for stage ``s`` of this rank:
   input path; ``W`` then restarts autograd there for the weights only and frees the stash
   (``runtime.split_backward``). Exact, and ``I + W`` costs about one fused ``B``.
 
+On a stage that recomputes (``recompute=``, ``runtime.recompute``), ``F`` runs without an
+autograd graph and stashes only the inputs; ``B`` (or ``I``) first replays the forward with
+autograd (the last stage's loss too), then backpropagates as above.
+
 Which values travel in which message is fixed by the plan (``StageIO``): the message from stage
 ``a`` to stage ``b`` carries, in order, ``a``'s outputs that ``b`` reads; gradients travel back
 for the floating-point ones only. Both ends derive the same lists, so nothing is negotiated.
@@ -34,7 +38,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -45,6 +49,7 @@ from partitioner.split import StageIO, ValueSpec, decode_value
 
 from .errors import LossError, StageError, describe_value
 from .precision import MixedPrecision
+from .recompute import Replay, forward_again, forward_without_graph
 from .split_backward import PendingWeights, backward_input, backward_weight
 from .transport import Key, TensorMeta, Transport, TransportTimeout
 from .wgrad_fusion import fused_params
@@ -133,6 +138,10 @@ class _Stash:
     loss: torch.Tensor | None = None
     # Split backward: what ``W`` needs after ``I`` ran (see ``runtime.split_backward``).
     pending_w: PendingWeights | None = None
+    # Recomputation: the forward ran without a graph; the backward replays it (and the loss).
+    replay: Replay | None = None
+    target: Any = None
+    scale: float = 1.0
 
 
 @dataclass
@@ -211,6 +220,8 @@ class Executor:
             reported stay unscaled.
         wire_dtypes: the dtype of each boundary value on the wire, by name, where it is not
             the plan's (``runtime.precision.wire_dtypes``); sent tensors are cast to it.
+        recompute: the stages of this rank whose forward keeps only its inputs and whose
+            backward recomputes it first (``runtime.recompute``).
 
     Raises (from ``run`` / ``execute``):
         StageError: an action raised; names the rank, stage, action, micro-batch and, for a
@@ -238,10 +249,12 @@ class Executor:
         precision: MixedPrecision | None = None,
         loss_scale: float = 1.0,
         wire_dtypes: Mapping[str, torch.dtype] | None = None,
+        recompute: Collection[int] = (),
     ) -> None:
         self.stages = dict(stages)
         self.precision = precision or MixedPrecision()
         self.loss_scale = loss_scale
+        self.recompute = frozenset(recompute)
         self.check_finite = check_finite
         self.ios = list(ios)
         self.p = len(ios)
@@ -474,8 +487,11 @@ class Executor:
                 args.append(x.to(stage.device) if isinstance(x, torch.Tensor) else x)
             else:
                 args.append(received[name])
+        replay = None
         with self.precision.autocast(stage.device):
-            if torch.is_grad_enabled() == train:
+            if train and s in self.recompute:  # the replay re-enters this autocast state
+                outputs, replay = forward_without_graph(stage.module, args, stage.device)
+            elif torch.is_grad_enabled() == train:
                 outputs = stage.module(*args)
             else:
                 with torch.set_grad_enabled(train):
@@ -483,20 +499,44 @@ class Executor:
         for c in w.consumers:
             sent = [outputs[i] for i in w.send_idx[c]]
             self.transport.send(Key(s, c, "act", mb), _on_wire(sent, self._metas[(s, c)]))
-        st = _Stash(args, outputs)
+        # A recomputing stage keeps its inputs only; the backward rebuilds the outputs.
+        st = _Stash(args, outputs if replay is None else (), replay=replay)
         if s == self.p - 1:
-            flat = tuple(decode_value(v, t) for v, t in zip(stage.io.outputs, outputs))
             if not train:
-                result.outputs[mb] = flat
+                result.outputs[mb] = tuple(decode_value(v, t) for v, t in zip(stage.io.outputs, outputs))
             elif self.loss_fn is not None:
-                out = flat[0] if len(flat) == 1 else flat
-                with self.precision.autocast(stage.device):
-                    loss = self._loss(s, mb, out, _to_device(target, stage.device), args) * scale
-                st.loss = loss * self.loss_scale if self.loss_scale != 1.0 else loss
+                st.target, st.scale = _to_device(target, stage.device), scale
+                # Without a graph the loss is only the value reported; the replay differentiates it.
+                loss = self._stage_loss(s, mb, st, outputs, check_grad=replay is None)
+                st.loss = self._scaled(loss) if replay is None else None
                 result.losses[mb] = loss.detach()
         return st
 
-    def _loss(self, s: int, mb: int, out: Any, target: Any, args: Sequence[Any]) -> torch.Tensor:
+    def _stage_loss(self, s: int, mb: int, st: _Stash, outputs: Sequence[Any], *, check_grad: bool) -> torch.Tensor:
+        """The last stage's loss of ``outputs`` (under the precision's autocast), scaled by the
+        micro-batch's share of the batch."""
+        flat = tuple(decode_value(v, t) for v, t in zip(self.stages[s].io.outputs, outputs))
+        out = flat[0] if len(flat) == 1 else flat
+        # enable_grad for the scaling too: a step run under no_grad still trains.
+        with torch.enable_grad(), self.precision.autocast(self.stages[s].device):
+            return self._loss(s, mb, out, st.target, st.args, check_grad=check_grad) * st.scale
+
+    def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        """What backward starts from: the loss times the fp16 loss scale (reported losses are not)."""
+        return loss * self.loss_scale if self.loss_scale != 1.0 else loss
+
+    def _replay(self, s: int, mb: int, st: _Stash) -> None:
+        """Recompute a stage's forward (and, on the last stage, its loss) with autograd."""
+        assert st.replay is not None
+        outputs = forward_again(self.stages[s].module, st.args, st.replay)
+        st.replay = None
+        st.outputs = outputs
+        if s == self.p - 1 and self.loss_fn is not None:
+            st.loss = self._scaled(self._stage_loss(s, mb, st, outputs, check_grad=True))
+
+    def _loss(
+        self, s: int, mb: int, out: Any, target: Any, args: Sequence[Any], *, check_grad: bool = True
+    ) -> torch.Tensor:
         """``loss_fn(out, target)``, held to its contract: a scalar tensor autograd can follow."""
         assert self.loss_fn is not None
         where = f"rank {self.rank}, stage {s}, micro-batch {mb}"
@@ -514,7 +554,7 @@ class Executor:
                 "torch.Tensor, e.g. nn.functional.cross_entropy(output, target) (reduction='mean'); "
                 "reduce a per-element loss with .mean()"
             )
-        if not loss.requires_grad and _tracks_grad(self.stages[s].module, args):
+        if check_grad and not loss.requires_grad and _tracks_grad(self.stages[s].module, args):
             raise LossError(
                 f"{where}: loss_fn returned a loss that does not require grad, so nothing can be "
                 "backpropagated: it was computed from detached values (.item(), .detach(), "
@@ -532,6 +572,8 @@ class Executor:
         mb_shapes: Mapping[int, Mapping[str, tuple[int, ...]]] | None,
     ) -> None:
         stage = self.stages[s]
+        if st.replay is not None:
+            self._replay(s, mb, st)
         roots: list[torch.Tensor] = []
         grads: list[torch.Tensor | None] = []
         if s == self.p - 1:
@@ -562,7 +604,7 @@ class Executor:
                 torch.autograd.backward(roots, grads)
         self._send_input_grads(s, mb, st)
         # W needs none of these: what it reads is in the pending weight work (and the graph).
-        st.args, st.outputs, st.loss = [], (), None
+        st.args, st.outputs, st.loss, st.target = [], (), None, None
 
     def _weights(self, st: _Stash) -> None:
         if st.pending_w is not None:

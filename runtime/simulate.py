@@ -59,6 +59,10 @@ class StageCosts:
         activation_bytes: per stage, bytes one micro-batch's activations hold (memory), if known.
         output_bytes: per boundary ``s`` (``S - 1`` entries), bytes of activations stage ``s``
             sends stage ``s + 1``; their gradient, sent back, is as large. Default: 0.
+        replay_bytes: per stage, bytes held on top of ``activation_bytes`` from a micro-batch's
+            first backward action to its last: what a recomputing stage rebuilds (then its
+            ``activation_bytes`` are only its inputs, and its ``backward_input`` includes the
+            forward it runs again). ``None``: no stage recomputes.
 
     Example:
         >>> StageCosts.uniform(2, forward=1.0, backward_input=2.0, output_bytes=8e6).output_bytes
@@ -70,11 +74,12 @@ class StageCosts:
     backward_weight: tuple[float, ...]
     activation_bytes: tuple[float, ...] | None = None
     output_bytes: tuple[float, ...] | None = None
+    replay_bytes: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         for field in ("forward", "backward_input", "backward_weight"):
             object.__setattr__(self, field, tuple(getattr(self, field)))
-        for field in ("activation_bytes", "output_bytes"):
+        for field in ("activation_bytes", "output_bytes", "replay_bytes"):
             if getattr(self, field) is not None:
                 object.__setattr__(self, field, tuple(getattr(self, field)))
         S = len(self.forward)
@@ -83,6 +88,8 @@ class StageCosts:
         _check("backward_weight", self.backward_weight, S)
         if self.activation_bytes is not None:
             _check("activation_bytes", self.activation_bytes, S)
+        if self.replay_bytes is not None:
+            _check("replay_bytes", self.replay_bytes, S)
         if self.output_bytes is not None:
             _check("output_bytes", self.output_bytes, max(S - 1, 0), "boundary between stages")
 
@@ -266,7 +273,7 @@ def simulate(
                 free[r] = end
                 pos[r] += 1
                 moved = True
-    timeline = Timeline(tuple(spans), tuple(messages), p, costs.activation_bytes)
+    timeline = Timeline(tuple(spans), tuple(messages), p, costs.activation_bytes, costs.replay_bytes)
     return Simulation(
         timeline=timeline,
         step_time=timeline.step_time,

@@ -115,6 +115,9 @@ class Timeline:
         messages: the messages between ranks, sorted by send time (may be empty).
         num_ranks: ``p``; ranks without spans count as idle throughout.
         activation_bytes: per stage, the bytes one micro-batch's activations hold, if known.
+        replay_bytes: per stage, bytes held on top from the start of a micro-batch's first
+            backward action (``B`` or ``I``) to its release: the activations a recomputing
+            stage rebuilds there (``runtime.recompute``); ``None`` for none.
 
     Memory model: a (stage, micro-batch) holds its activations from the start of its ``F`` to
     the end of its last backward action (``B``, or ``W`` of a split backward). One without any
@@ -130,6 +133,7 @@ class Timeline:
     messages: tuple[Message, ...] = ()
     num_ranks: int = 0
     activation_bytes: tuple[float, ...] | None = None
+    replay_bytes: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         spans = tuple(sorted(self.spans, key=lambda x: (x.rank, x.start, x.end)))
@@ -139,6 +143,8 @@ class Timeline:
         object.__setattr__(self, "num_ranks", p)
         if self.activation_bytes is not None:
             object.__setattr__(self, "activation_bytes", tuple(self.activation_bytes))
+        if self.replay_bytes is not None:
+            object.__setattr__(self, "replay_bytes", tuple(self.replay_bytes))
         for x in spans:
             if x.rank < 0 or x.stage < 0 or x.mb < 0:
                 raise TimelineError(f"span {x}: rank, stage and mb must be >= 0")
@@ -154,6 +160,11 @@ class Timeline:
         if self.activation_bytes is not None and len(self.activation_bytes) < stages:
             raise TimelineError(
                 f"activation_bytes has {len(self.activation_bytes)} entries but spans run "
+                f"stages 0..{stages - 1}; give one per stage"
+            )
+        if self.replay_bytes is not None and len(self.replay_bytes) < stages:
+            raise TimelineError(
+                f"replay_bytes has {len(self.replay_bytes)} entries but spans run "
                 f"stages 0..{stages - 1}; give one per stage"
             )
 
@@ -226,17 +237,24 @@ class Timeline:
 
     def _memory(self, rank: int) -> tuple[tuple[float, int, float], ...]:
         release = self._release
-        events: list[tuple[float, int, int, int]] = []  # (t, running order, +1 / -1, stage)
+        act, replay = self.activation_bytes, self.replay_bytes
+        events: list[tuple[float, int, int, float]] = []  # (t, running order, +1 / -1 / 0, bytes)
+        replayed: set[tuple[int, int]] = set()
         for i, x in enumerate(self.of_rank(rank)):
             key = (x.stage, x.mb)
             if x.kind is F and key in release:
-                events.append((x.start, 2 * i, 1, x.stage))
+                events.append((x.start, 2 * i, 1, act[x.stage] if act else 0.0))
+            extra = replay[x.stage] if replay and act else 0.0
+            if extra and x.kind in (B, I) and key in release and key not in replayed:
+                replayed.add(key)
+                events.append((x.start, 2 * i, 0, extra))
             if release.get(key) is x:
-                events.append((x.end, 2 * i + 1, -1, x.stage))
+                held = (act[x.stage] if act else 0.0) + (extra if key in replayed else 0.0)
+                events.append((x.end, 2 * i + 1, -1, -held))
         curve, count, nbytes = [], 0, 0.0
-        for t, _, delta, s in sorted(events):
+        for t, _, delta, change in sorted(events):
             count += delta
-            nbytes += delta * (self.activation_bytes[s] if self.activation_bytes else 0.0)
+            nbytes += change
             curve.append((t, count, nbytes))
         return tuple(curve)
 

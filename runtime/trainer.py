@@ -38,6 +38,7 @@ from .materialize import InitFn, materialize
 from .metrics import step_metrics
 from .placement import PlacementError, check_backend, placed_schedule, stage_devices
 from .precision import LossScaler, MixedPrecision, resolve_precision, wire_dtypes
+from .recompute import stages_to_recompute
 from .schedules import Schedule
 from .shapes import wire_shapes
 from .tied import copy_tied_values, second_copies, sum_tied_grads, take_tied_grads, tie_copies
@@ -114,6 +115,13 @@ class PipelineTrainer:
             (``runtime.wgrad_fusion``; under split backward ``I`` records that GEMM and ``W``
             runs it). Hooks on those parameters then do not fire: pass ``False`` if you rely
             on them.
+        recompute: activation recomputation (``runtime.recompute``): a recomputing stage's
+            forward keeps only its inputs and its backward runs the forward again first, so it
+            holds its input bytes per micro-batch in flight instead of its saved activations,
+            for one more forward per backward. ``None`` (default): the stages the plan chose
+            (``StagePlan.recompute``, set by ``partition(..., recompute='auto')`` where memory
+            binds); ``True`` / ``False``: every stage / none; or a collection of stage indices.
+            Dropout replays the same random numbers; gradients are unchanged.
         init_fn: for a model built on ``meta`` (``runtime.empty_weights()``): initialises the
             tensors this process's stages hold, ``init_fn(name, module)`` per module of the
             original model that owns some (default: the Hugging Face model's ``_init_weights``,
@@ -184,6 +192,7 @@ class PipelineTrainer:
         record: bool = False,
         fuse_wgrad: bool = True,
         check_finite: bool = False,
+        recompute: bool | Collection[int] | None = None,
         init_fn: InitFn | None = None,
         seed: int = 0,
         weights: str | os.PathLike[str] | Weights | None = None,
@@ -209,6 +218,7 @@ class PipelineTrainer:
         self.timeout = timeout
         self.record = record
         self.check_finite = check_finite
+        self.recompute = stages_to_recompute(recompute, [getattr(st, "recompute", False) for st in plan.stages])
         self.mode = _resolve_mode(transport)
         self.last_peak_inflight: dict[int, int] = {}
         self.last_records: list[ActionRecord] = []
@@ -615,7 +625,7 @@ class PipelineTrainer:
             out[r] = Executor(mine, self._ios, transport, self.loss_fn, rank=r, record=self.record,
                               check_finite=self.check_finite, precision=self.precision,
                               loss_scale=self.scaler.scale if self.scaler is not None else 1.0,
-                              wire_dtypes=self._wire_dtypes)
+                              wire_dtypes=self._wire_dtypes, recompute=self.recompute)
         return out
 
     def _run(

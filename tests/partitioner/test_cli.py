@@ -71,3 +71,11 @@ def test_plan_command_with_auto_schedule(capsys: pytest.CaptureFixture[str]) -> 
     with pytest.raises(SystemExit):  # argparse rejects it with a usage message
         main(["plan", "mlp", "--stages", "2", "--microbatches", "0"])
     assert "expected a positive integer or 'auto'" in capsys.readouterr().err
+
+
+def test_plan_command_recompute_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "mlp", "--stages", "2", "--device", "cpu", "--recompute", "on"]) == 0
+    out = capsys.readouterr().out
+    assert "recompute" in out and "activation recomputation on 2 of 2 stages (0-1)" in out
+    assert main(["plan", "mlp", "--stages", "2", "--device", "cpu"]) == 0
+    assert "activation recomputation" not in capsys.readouterr().out  # memory does not bind

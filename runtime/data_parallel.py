@@ -35,7 +35,9 @@ from torch import nn
 
 from .placement import PlacementError
 
-__all__ = ["PipelineMesh", "pipeline_mesh", "GradAverager", "DEFAULT_BUCKET_BYTES"]
+__all__ = [
+    "PipelineMesh", "pipeline_mesh", "job_mesh", "one_process_mesh", "GradAverager", "Replicas", "DEFAULT_BUCKET_BYTES",
+]
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +113,45 @@ def pipeline_mesh(
     device_mesh = init_device_mesh(device_type, (dp, pp), mesh_dim_names=("dp", "pp"))
     return PipelineMesh(dp, pp, me // pp, me % pp, ranks, device_mesh["pp"].get_group(),
                         device_mesh["dp"].get_group(), device_mesh)
+
+
+def job_mesh(
+    schedule: Any, num_stages: int, data_parallel: int | None, mesh: Any, device_type: str
+) -> PipelineMesh:
+    """:func:`pipeline_mesh` for a trainer: the world must be ``dp`` times the ranks ``schedule``
+    runs the plan's ``num_stages`` stages on (collective).
+
+    Raises:
+        PlacementError: it is not; the message gives the launch command that fits.
+    """
+    world, ranks = dist.get_world_size(), schedule.num_ranks
+    dp = data_parallel or 1
+    if mesh is None and world != dp * ranks:
+        v = num_stages // ranks
+        hint = f", pass data_parallel={world // ranks} to run that many replicas," if world % ranks == 0 else ""
+        raise PlacementError(
+            f"schedule {schedule.name!r} runs the plan's {num_stages} stages on {ranks} ranks ({v} per "
+            f"rank) x {dp} replica(s), but the job has {world} processes; launch with --nproc-per-node "
+            f"{ranks * dp}{hint} or partition into {world * v} stages for {world} ranks"
+        )
+    return pipeline_mesh(ranks, data_parallel, mesh, device_type)
+
+
+def one_process_mesh(ranks: int, m: int, data_parallel: int | None, mesh: Any) -> PipelineMesh:
+    """The mesh of a pipeline run in one process: one replica.
+
+    Raises:
+        PlacementError: replicas were asked for; one process gives the same step with ``dp * m``
+            micro-batches, which the message says.
+    """
+    dp = data_parallel or 1
+    if dp > 1 or mesh is not None:
+        raise PlacementError(
+            f"data_parallel={data_parallel} needs one process per rank (torchrun --nproc-per-node "
+            f"{dp * ranks}); in one process, replicas would give the gradients of {dp} x the "
+            f"micro-batches: use microbatches={m * dp} for the same step"
+        )
+    return PipelineMesh(1, ranks, 0, 0, (tuple(range(ranks)),))
 
 
 def _from_device_mesh(mesh: Any, pp: int, data_parallel: int | None, world: int) -> PipelineMesh:

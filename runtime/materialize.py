@@ -35,7 +35,7 @@ from torch import nn
 
 from partitioner.errors import PipecutError
 
-__all__ = ["empty_weights", "materialize", "initialize", "MaterializeError", "InitFn"]
+__all__ = ["empty_weights", "materialize", "materialize_stages", "initialize", "MaterializeError", "InitFn"]
 
 log = logging.getLogger(__name__)
 
@@ -195,6 +195,41 @@ def initialize(model: nn.Module, *, init_fn: InitFn | None = None, seed: int = 0
     owners = {name: mod for name, mod in model.named_modules() if any(True for _ in _own_tensors(mod))}
     device = next((t.device for _, t in _named_tensors(model)), torch.device("cpu"))
     _init_modules(model, owners, init_fn, seed, device, MaterializeReport())
+
+
+def materialize_stages(
+    model: nn.Module, own: Mapping[int, nn.Module], devices: Mapping[int, torch.device], *,
+    init_fn: InitFn | None, seed: int, will_load: Collection[str], rank: int = 0,
+) -> bool:
+    """Give this process's stages real tensors where the model was built on meta (only theirs),
+    grouped by device; then check none is left on meta. Returns whether anything was made.
+
+    Raises:
+        MaterializeError: a stage still holds a meta tensor that no module of the model owns.
+    """
+    made = any(t.is_meta for module in own.values() for t in _own_stage_tensors(module))
+    if made:
+        by_device: dict[torch.device, dict[int, nn.Module]] = {}
+        for s, module in own.items():
+            by_device.setdefault(devices[s], {})[s] = module
+        for device, stages in by_device.items():
+            report = materialize(model, stages, device, init_fn=init_fn, seed=seed, will_load=will_load)
+            log.info("rank %d: stages %s materialised on %s: %d tensors, %.1f MiB", rank,
+                     sorted(stages), device, len(report.tensors), report.bytes / 2**20)
+    for s, module in own.items():
+        meta = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
+        if meta:
+            raise MaterializeError(
+                f"stage {s} still has tensors on the meta device (e.g. {meta[:3]}) after materialising; "
+                "a tensor no module of the model holds cannot be initialised: pass init_fn, or build "
+                "the model under runtime.empty_weights()"
+            )
+    return made
+
+
+def _own_stage_tensors(module: nn.Module) -> Iterator[torch.Tensor]:
+    yield from module.parameters()
+    yield from module.buffers()
 
 
 # -- internals --------------------------------------------------------------------------------

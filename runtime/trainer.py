@@ -16,7 +16,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,20 +24,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from partitioner.errors import PipecutError
 from partitioner.plan import Plan
 
 from . import checkpoint
 from .clipping import clip_grad_norm_
-from .data_parallel import DEFAULT_BUCKET_BYTES, PipelineMesh, Replicas, pipeline_mesh
+from .data_parallel import DEFAULT_BUCKET_BYTES, Replicas, job_mesh, one_process_mesh
 from .executor import ActionRecord, Executor, RunResult, StageRuntime
 from .generators import forward_only
 from .inputs import check_inputs, check_sizes, check_targets, shape_key
 from .local_run import RankThreads, run_interleaved, run_threads
-from .materialize import InitFn, materialize
+from .materialize import InitFn, materialize_stages
 from .metrics import step_metrics
-from .placement import PlacementError, check_backend, placed_schedule, stage_devices
+from .microbatch import MicrobatchError, split_microbatches
+from .placement import check_backend, placed_schedule, stage_devices
 from .precision import LossScaler, MixedPrecision, resolve_precision, wire_dtypes
+from .process_group import comm_device as _comm_device
+from .process_group import default_device, ensure_process_group, resolve_mode
 from .recompute import stages_to_recompute
 from .schedules import Schedule
 from .shapes import wire_shapes
@@ -54,36 +56,6 @@ log = logging.getLogger(__name__)
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
-
-
-class MicrobatchError(PipecutError, ValueError):
-    """A batch cannot be cut into the asked number of equal micro-batches."""
-
-
-def split_microbatches(batch: Any, m: int, what: str = "inputs") -> list[Any]:
-    """Cut every tensor of ``batch`` (a tensor, or a tuple/list of them) into ``m`` equal chunks.
-
-    Non-tensor leaves are repeated in every micro-batch.
-
-    Raises:
-        MicrobatchError: a tensor's first dimension is not divisible by ``m``.
-
-    Example:
-        >>> [tuple(c.shape) for c in split_microbatches(torch.zeros(8, 3), 4)]
-        [(2, 3), (2, 3), (2, 3), (2, 3)]
-    """
-    if isinstance(batch, torch.Tensor):
-        n = batch.shape[0] if batch.dim() else 0
-        if batch.dim() == 0 or n % m:
-            raise MicrobatchError(
-                f"{what}: a batch of {n} cannot be split into {m} equal micro-batches; use a batch "
-                f"size divisible by {m}, or a micro-batch count that divides {n}"
-            )
-        return list(batch.chunk(m))
-    if isinstance(batch, (tuple, list)):
-        parts = [split_microbatches(x, m, what) for x in batch]
-        return [type(batch)(p[i] for p in parts) for i in range(m)]
-    return [batch] * m
 
 
 class PipelineTrainer:
@@ -219,7 +191,7 @@ class PipelineTrainer:
         self.record = record
         self.check_finite = check_finite
         self.recompute = stages_to_recompute(recompute, [getattr(st, "recompute", False) for st in plan.stages])
-        self.mode = _resolve_mode(transport)
+        self.mode = resolve_mode(transport)
         self.last_peak_inflight: dict[int, int] = {}
         self.last_records: list[ActionRecord] = []
         self._example_sized = False
@@ -227,34 +199,16 @@ class PipelineTrainer:
         ios = list(staged.io)
 
         if self.mode == "dist":
-            _ensure_process_group()
-            world, ranks = dist.get_world_size(), self.schedule.num_ranks
-            if mesh is None and world != (data_parallel or 1) * ranks:
-                v = self.p // ranks
-                n = world // ranks
-                dp_hint = f", pass data_parallel={n} to run that many replicas," if world % ranks == 0 else ""
-                raise PlacementError(
-                    f"schedule {self.schedule.name!r} runs the plan's {self.p} stages on {ranks} "
-                    f"ranks ({v} per rank) x {data_parallel or 1} replica(s), but the job has {world} "
-                    f"processes; launch with --nproc-per-node {ranks * (data_parallel or 1)}{dp_hint} "
-                    f"or partition into {world * v} stages for {world} ranks"
-                )
+            ensure_process_group()
             check_backend(self.schedule, ios)
-            device = torch.device(devices) if isinstance(devices, (str, torch.device)) else _default_device()
-            self.mesh = pipeline_mesh(ranks, data_parallel, mesh, device.type)
+            device = torch.device(devices) if isinstance(devices, (str, torch.device)) else default_device()
+            self.mesh = job_mesh(self.schedule, self.p, data_parallel, mesh, device.type)
             self.rank = self.mesh.pp_rank
             self._ranks = [self.rank]
             own = self.schedule.stages_of(self.rank)
             self.devices = dict.fromkeys(own, device)
         else:
-            if (data_parallel or 1) > 1 or mesh is not None:
-                raise PlacementError(
-                    f"data_parallel={data_parallel} needs one process per rank (torchrun "
-                    f"--nproc-per-node {(data_parallel or 1) * self.schedule.num_ranks}); in one process, "
-                    f"replicas would give the gradients of {data_parallel or 1} x the micro-batches: "
-                    f"use microbatches={self.m * (data_parallel or 1)} for the same step"
-                )
-            self.mesh = PipelineMesh(1, self.schedule.num_ranks, 0, 0, (tuple(range(self.schedule.num_ranks)),))
+            self.mesh = one_process_mesh(self.schedule.num_ranks, self.m, data_parallel, mesh)
             self.rank = 0
             self._ranks = list(range(self.schedule.num_ranks))
             own = tuple(range(self.p))
@@ -266,10 +220,11 @@ class PipelineTrainer:
         if weights is not None and not isinstance(weights, Weights):
             weights = Weights(weights)
         mine = {s: staged.stages[s] for s in own}
-        self._materialize(mine, init_fn, seed, set(stage_tensors(mine)[0]) if weights is not None else ())
+        if materialize_stages(plan.model, mine, self.devices, init_fn=init_fn, seed=seed, rank=self.rank,
+                              will_load=set(stage_tensors(mine)[0]) if weights is not None else ()):
+            plan.refresh_binding()
         for s in own:
             module = staged.stages[s]
-            _check_materialised(module, s)
             if fuse_wgrad:
                 fuse_weight_grad_accumulation(module, skip=tied)  # in place: a fresh stage module
             self.stages[s] = StageRuntime(s, module, ios[s], self.devices[s])
@@ -664,63 +619,3 @@ class PipelineTrainer:
         self.last_records = sorted((r for res in results for r in res.records), key=lambda r: r.start)
         self._example_sized = self._is_example_size(ins[0]) if ins else False
         return results
-
-    def _materialize(
-        self, own: Mapping[int, nn.Module], init_fn: InitFn | None, seed: int, will_load: Collection[str]
-    ) -> None:
-        """Give this process's stages real tensors where the model was built on meta (only theirs)."""
-        if not any(t.is_meta for m in own.values() for _, t in _tensors(m)):
-            return
-        by_device: dict[torch.device, dict[int, nn.Module]] = {}
-        for s, module in own.items():
-            by_device.setdefault(self.devices[s], {})[s] = module
-        for device, stages in by_device.items():
-            report = materialize(self.plan.model, stages, device, init_fn=init_fn, seed=seed, will_load=will_load)
-            log.info("rank %d: stages %s materialised on %s: %d tensors, %.1f MiB", self.rank,
-                     sorted(stages), device, len(report.tensors), report.bytes / 2**20)
-        self.plan.refresh_binding()
-
-
-def _resolve_mode(transport: str) -> str:
-    if transport not in ("auto", "local", "sequential", "dist"):
-        raise ValueError(f"transport must be 'auto', 'local', 'sequential' or 'dist', got {transport!r}")
-    if transport != "auto":
-        return transport
-    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    return "dist" if dist.is_initialized() or launched else "local"
-
-
-def _ensure_process_group() -> None:
-    if dist.is_initialized():
-        return
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend)
-    log.info("initialised torch.distributed with %s, rank %d of %d", backend, dist.get_rank(), dist.get_world_size())
-
-
-def _default_device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
-
-
-def _comm_device() -> torch.device:
-    return _default_device() if dist.is_initialized() else torch.device("cpu")
-
-
-def _check_materialised(module: nn.Module, s: int) -> None:
-    meta = [n for n, t in _tensors(module) if t.is_meta]
-    if meta:
-        raise PipecutError(
-            f"stage {s} still has tensors on the meta device (e.g. {meta[:3]}) after materialising; "
-            "a tensor no module of the model holds cannot be initialised: pass init_fn, or build "
-            "the model under runtime.empty_weights()"
-        )
-
-
-
-def _tensors(module: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
-    yield from module.named_parameters()
-    yield from module.named_buffers()

@@ -1,10 +1,10 @@
 """Benchmark: data x pipeline parallelism on 4 processes, dp x pp = 2 x 2 against 1 x 4 and 4 x 1.
 
-Run (CPU, 4 gloo processes of one thread each; about a minute on a 2-core machine; writes
+Run (CPU, 4 gloo processes of one thread each; about two minutes on a 2-core machine; writes
 ``benchmarks/results/hybrid.json``)::
 
     python benchmarks/hybrid.py
-    python benchmarks/hybrid.py --steps 15 --warmup 3 --n-layer 4 --n-embd 256 --n-head 4 --vocab 2048 \
+    python benchmarks/hybrid.py --steps 25 --warmup 5 --n-layer 4 --n-embd 256 --n-head 4 --vocab 2048 \
         --seq 64 --batch 32 --micro-batch 2 --out benchmarks/results/hybrid.json
     python benchmarks/hybrid.py --quick --out /tmp/hybrid.json  # a tiny GPT-2, a few seconds of steps
 
@@ -83,8 +83,8 @@ CONFIGS: dict[str, tuple[int, int, bool]] = {
 }
 TOL = {"rtol": 1e-4, "atol": 1e-5}
 # --quick: a tiny GPT-2 (anything given explicitly on the command line wins).
-_QUICK = ["--steps", "3", "--warmup", "1", "--n-embd", "32", "--n-head", "2", "--vocab", "64", "--seq", "8",
-          "--batch", "16", "--micro-batch", "2"]
+_QUICK = ["--steps", "3", "--warmup", "1", "--n-layer", "3", "--n-embd", "32", "--n-head", "2", "--vocab", "64",
+          "--seq", "8", "--batch", "16", "--micro-batch", "2"]
 
 
 def _lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # (B, T, V), (B, T)
@@ -159,6 +159,7 @@ def _check(tr: PipelineTrainer, x: torch.Tensor, y: torch.Tensor, want_loss: tor
 
 def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(1)
+    phases = {"start": time.perf_counter()}
     model = _model(cfg)
     x, y = _data(cfg)
     ref = copy.deepcopy(model)
@@ -167,10 +168,13 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     want = {n: p.grad.clone() for n, p in ref.named_parameters(remove_duplicate=False) if p.grad is not None}
     want_loss = want_loss.detach()
     del ref
+    phases["reference"] = time.perf_counter()
 
     names = [n for n in CONFIGS if not cfg["only"] or n[0] in cfg["only"] or n == BASELINE]
     trainers = {name: _trainer(model, cfg, *CONFIGS[name]) for name in names}  # same order on every rank
+    phases["build"] = time.perf_counter()
     checks = {name: _check(tr, x, y, want_loss, want) for name, tr in trainers.items()}
+    phases["check"] = time.perf_counter()
     runs: dict[str, Callable[[], torch.Tensor]] = {
         name: functools.partial(lambda tr: tr.step(*tr.local_batch(x, y)), tr) for name, tr in trainers.items()
     }
@@ -186,7 +190,10 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             if rnd >= cfg["warmup"]:
                 spans[name].append((t0, t1))
     dist.barrier()
-    return {"spans": spans, "checks": checks}
+    phases["steps"] = time.perf_counter()
+    marks = list(phases.values())
+    return {"spans": spans, "checks": checks,
+            "phases_s": {k: b - a for k, a, b in zip(list(phases)[1:], marks, marks[1:])}}
 
 
 def _step_times(per_rank: list[dict[str, list[tuple[float, float]]]]) -> dict[str, list[float]]:
@@ -271,8 +278,8 @@ def _print(cfg: dict[str, Any], summary: dict[str, dict[str, Any]], ratios: dict
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=15, help="timed steps per configuration (median over these)")
-    ap.add_argument("--warmup", type=int, default=3, help="untimed rounds first")
+    ap.add_argument("--steps", type=int, default=25, help="timed steps per configuration (median over these)")
+    ap.add_argument("--warmup", type=int, default=5, help="untimed rounds first")
     ap.add_argument("--n-layer", type=int, default=4)
     ap.add_argument("--n-embd", type=int, default=256)
     ap.add_argument("--n-head", type=int, default=4)
@@ -300,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"note: load average {load_before[0]:.1f} on {os.cpu_count()} CPUs; other work competes with "
               f"the {PROCESSES} processes")
     ranks = spawn(_worker, PROCESSES, cfg, timeout=args.timeout, threads=1)
+    print("phases (s, rank 0): " + ", ".join(f"{k} {v:.1f}" for k, v in ranks[0]["phases_s"].items()))
     times = _step_times([r["spans"] for r in ranks])
     summary = _summary(times, cfg)
     ratios = _ratios(summary)
@@ -324,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         "ratios": ratios,
         "grad_allreduce_bytes_per_rank": grad_bytes,
         "checks": {f"rank {r}": c for r, c in enumerate(checks)},
+        "phases_s": {f"rank {r}": res["phases_s"] for r, res in enumerate(ranks)},
         "times_ms": {k: [round(t * 1e3, 3) for t in v] for k, v in times.items()},
     }
     out = Path(args.out)

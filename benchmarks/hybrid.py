@@ -81,7 +81,7 @@ CONFIGS: dict[str, tuple[int, int, bool]] = {
     "c: 4 dp x 1 pp": (4, 1, True),
     "d: 2 dp x 2 pp, all-reduce after": (2, 2, False),
 }
-TOL = {"rtol": 1e-4, "atol": 1e-5}
+RTOL, ATOL = 1e-4, 1e-5
 # --quick: a tiny GPT-2 (anything given explicitly on the command line wins).
 _QUICK = ["--steps", "3", "--warmup", "1", "--n-layer", "3", "--n-embd", "32", "--n-head", "2", "--vocab", "64",
           "--seq", "8", "--batch", "16", "--micro-batch", "2"]
@@ -125,7 +125,7 @@ def _counting_all_reduce(group: dist.ProcessGroup | None, calls: list[int]) -> I
             calls.append(tensor.numel() * tensor.element_size())
         return real(tensor, *args, **kw)
 
-    dist.all_reduce = counted  # type: ignore[assignment]
+    dist.all_reduce = counted
     try:
         yield
     finally:
@@ -139,12 +139,12 @@ def _check(tr: PipelineTrainer, x: torch.Tensor, y: torch.Tensor, want_loss: tor
     tr.zero_grad()
     with _counting_all_reduce(tr.mesh.dp_group, calls):
         loss = tr.forward_backward(*tr.local_batch(x, y))
-    torch.testing.assert_close(loss, want_loss, **TOL)
+    torch.testing.assert_close(loss, want_loss, rtol=RTOL, atol=ATOL)
     worst = 0.0
     trainable = {}
     for name, prm in tr.named_parameters():
         assert prm.grad is not None, f"{name} has no gradient"
-        torch.testing.assert_close(prm.grad, want[name], **TOL, msg=lambda msg, name=name: f"{name}: {msg}")
+        torch.testing.assert_close(prm.grad, want[name], rtol=RTOL, atol=ATOL, msg=f"gradient of {name} differs")
         worst = max(worst, (prm.grad - want[name]).abs().max().item())
         trainable[id(prm)] = prm.numel() * prm.element_size()
     param_bytes = sum(trainable.values())
@@ -235,10 +235,17 @@ def _ratios(summary: dict[str, dict[str, Any]]) -> dict[str, float]:
     return r
 
 
-def _paired_overlap(times: dict[str, list[float]]) -> float | None:
-    """Median over rounds of d's step time / a's in the same round (drift cancels)."""
-    a, d = times.get("a: 2 dp x 2 pp"), times.get("d: 2 dp x 2 pp, all-reduce after")
-    return statistics.median(x / y for x, y in zip(d, a)) if a and d else None
+def _paired(times: dict[str, list[float]]) -> dict[str, float]:
+    """Medians over rounds of step-time ratios within one round (drift and other jobs' bursts cancel)."""
+    def med(slow: str, fast: str) -> float:
+        return statistics.median(x / y for x, y in zip(times[slow], times[fast]))
+
+    out = {f"throughput {name} / {BASELINE}, same round": med(BASELINE, name)
+           for name in times if name != BASELINE and BASELINE in times}
+    a, d = "a: 2 dp x 2 pp", "d: 2 dp x 2 pp, all-reduce after"
+    if a in times and d in times:
+        out["overlap: d / a, same round"] = med(d, a)
+    return out
 
 
 def _grad_bytes(checks: list[dict[str, Any]]) -> dict[str, list[int]]:
@@ -256,17 +263,18 @@ def _print(cfg: dict[str, Any], summary: dict[str, dict[str, Any]], ratios: dict
              f"configuration: global batch {cfg['batch']} = micro-batches of {cfg['micro_batch']} rows "
              f"(same matmul sizes); median of {cfg['steps']} steps after {cfg['warmup']} warm-up")
     table = Table(title=title, title_justify="left")
-    cols = ("configuration", "m/replica", "median ms", "p25 ms", "p75 ms", "samples/s", "tokens/s", "vs b",
+    cols = ("configuration", "m/replica", "median ms", "p25 ms", "p75 ms", "min ms", "samples/s", "tokens/s", "vs b",
             "grad all-reduce MiB/rank")
     for col in cols:
         table.add_column(col, justify="left" if col == "configuration" else "right")
     for name, row in summary.items():
         mib = sorted({b / 2**20 for b in grad_bytes[name]})
         table.add_row(name, str(row["microbatches_per_replica"]),
-                      *(f"{row[k]:.1f}" for k in ("median_ms", "p25_ms", "p75_ms", "samples_per_s")),
+                      *(f"{row[k]:.1f}" for k in ("median_ms", "p25_ms", "p75_ms", "min_ms", "samples_per_s")),
                       f"{row['tokens_per_s']:.0f}", f"{row['throughput_vs_b']:.3f}",
                       " / ".join(f"{v:.2f}" for v in mib))
-    rt = Table(title="ratios of medians (throughput ratio > 1: the first named is faster)", title_justify="left")
+    rt = Table(title="ratios of medians, and medians of same-round ratios (> 1: the first named is faster)",
+               title_justify="left")
     rt.add_column("ratio")
     rt.add_column("value", justify="right")
     for name, v in ratios.items():
@@ -311,12 +319,10 @@ def main(argv: list[str] | None = None) -> int:
     times = _step_times([r["spans"] for r in ranks])
     summary = _summary(times, cfg)
     ratios = _ratios(summary)
-    paired = _paired_overlap(times)
-    if paired is not None:
-        ratios["overlap: d / a, median of same-round ratios"] = paired
+    paired = _paired(times)
     checks = [r["checks"] for r in ranks]
     grad_bytes = _grad_bytes(checks)
-    _print(cfg, summary, ratios, grad_bytes)
+    _print(cfg, summary, {**ratios, **paired}, grad_bytes)
     result = {
         "benchmark": "hybrid",
         "command": shlex.join(["python", "benchmarks/hybrid.py", *cli]),
@@ -330,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
                 "wall_s": time.time() - t0, "git": git_state()},
         "results": summary,
         "ratios": ratios,
+        "paired_ratios": paired,
         "grad_allreduce_bytes_per_rank": grad_bytes,
         "checks": {f"rank {r}": c for r, c in enumerate(checks)},
         "phases_s": {f"rank {r}": res["phases_s"] for r, res in enumerate(ranks)},

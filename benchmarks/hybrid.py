@@ -4,7 +4,7 @@ Run (CPU, 4 gloo processes of one thread each; about two minutes on a 2-core mac
 ``benchmarks/results/hybrid.json``)::
 
     python benchmarks/hybrid.py
-    python benchmarks/hybrid.py --steps 25 --warmup 5 --n-layer 4 --n-embd 256 --n-head 4 --vocab 2048 \
+    python benchmarks/hybrid.py --steps 20 --warmup 4 --n-layer 4 --n-embd 256 --n-head 4 --vocab 2048 \
         --seq 64 --batch 32 --micro-batch 2 --out benchmarks/results/hybrid.json
     python benchmarks/hybrid.py --quick --out /tmp/hybrid.json  # a tiny GPT-2, a few seconds of steps
 
@@ -13,7 +13,7 @@ batch of ``--batch`` sequences and the same micro-batch size (``--micro-batch`` 
 configuration, so every configuration runs the same matmuls: on a CPU a small micro-batch makes
 them less efficient, and comparing a 4-row micro-batch with a 2-row one would measure that, not
 the parallelism. A replica of ``dp`` runs ``batch / (dp * micro_batch)`` micro-batches. All
-configurations use 1F1B, ``PipelineTrainer(transport='dist')`` and one SGD step per step
+configurations use ``PipelineTrainer(transport='dist')``, 1F1B unless named, and one SGD step per step
 (``trainer.step(*trainer.local_batch(x, y))``, so the optimizer's work, repeated by every replica,
 is counted), and run in the same 4 processes, one ``runtime.launch.spawn``:
 
@@ -22,8 +22,14 @@ is counted), and run in the same 4 processes, one ``runtime.launch.spawn``:
 * ``b: 1 dp x 4 pp``: a 4-stage plan, one pipeline over the 4 ranks (no all-reduce);
 * ``c: 4 dp x 1 pp``: a 1-stage plan, ``data_parallel=4``: plain data parallelism through the
   trainer (each rank holds the whole model);
-* ``d: 2 dp x 2 pp, all-reduce after``: as ``a`` with ``overlap_grad_reduce=False`` (the
-  all-reduce waits for the pipeline to finish).
+* ``d: 2 dp x 2 pp, all-reduce after``: as ``a`` with ``overlap_grad_reduce=False`` (each rank
+  all-reduces once its part of the pipeline has finished);
+* ``e`` / ``f``: ``a`` / ``d`` with the interleaved schedule (a 4-stage plan, two stages per rank).
+
+Why ``e`` and ``f``: with one stage per rank a stage's last backward is its rank's last action, so
+``a`` and ``d`` start the same all-reduce at about the same moment (only the ranks that finish early
+reduce while the others drain, which both do). With two stages per rank, a rank's later stage is
+done while its first stage still runs backward, and ``e`` sends that stage's gradients then.
 
 ``data_parallel`` builds a ``DeviceMesh`` (new process groups, a collective), so every rank builds
 the trainers in the same order, and every rank takes part in every configuration. Rounds are
@@ -31,7 +37,8 @@ interleaved, one step of each configuration per round and the order rotated each
 machine slows them alike. A step starts after a barrier and lasts from the first rank's start to
 the last rank's end (``perf_counter``, one clock for the machine). Reported: the median over
 ``--steps`` rounds after ``--warmup``, the quartiles, throughput in samples (sequences) and tokens
-per second, throughput relative to ``b``, ``d``'s step time over ``a``'s (the overlap's gain), and
+per second, throughput relative to ``b``, ``d``'s step time over ``a``'s and ``f``'s over ``e``'s
+(the overlap's gain), and
 the gradient bytes each rank all-reduced per step (counted on ``torch.distributed.all_reduce``
 calls in the data-parallel group, checked against the trainable parameter bytes the rank holds).
 Before timing, each configuration's loss and every gradient on every rank are checked against the
@@ -72,18 +79,24 @@ from runtime.launch import spawn  # noqa: E402
 __all__ = ["CONFIGS", "main"]
 
 PROCESSES = 4
-SCHEDULE = "1f1b"
 BASELINE = "b: 1 dp x 4 pp"
-# name -> (dp, pp, overlap_grad_reduce); dp * pp == PROCESSES. Built in this order on every rank.
-CONFIGS: dict[str, tuple[int, int, bool]] = {
-    "a: 2 dp x 2 pp": (2, 2, True),
-    BASELINE: (1, 4, True),
-    "c: 4 dp x 1 pp": (4, 1, True),
-    "d: 2 dp x 2 pp, all-reduce after": (2, 2, False),
+# name -> (dp, pp, overlap_grad_reduce, schedule); dp * pp == PROCESSES. Built in this order on every rank.
+CONFIGS: dict[str, tuple[int, int, bool, str]] = {
+    "a: 2 dp x 2 pp": (2, 2, True, "1f1b"),
+    BASELINE: (1, 4, True, "1f1b"),
+    "c: 4 dp x 1 pp": (4, 1, True, "1f1b"),
+    "d: 2 dp x 2 pp, all-reduce after": (2, 2, False, "1f1b"),
+    "e: 2 dp x 2 pp interleaved": (2, 2, True, "interleaved"),
+    "f: 2 dp x 2 pp interleaved, all-reduce after": (2, 2, False, "interleaved"),
 }
+# Stages per rank of a schedule (the interleaved one puts two on each rank).
+_CHUNKS = {"1f1b": 1, "interleaved": 2}
+# The overlap comparisons: (with, without) overlap_grad_reduce.
+_OVERLAP = {"1f1b": ("a: 2 dp x 2 pp", "d: 2 dp x 2 pp, all-reduce after"),
+            "interleaved": ("e: 2 dp x 2 pp interleaved", "f: 2 dp x 2 pp interleaved, all-reduce after")}
 RTOL, ATOL = 1e-4, 1e-5
 # --quick: a tiny GPT-2 (anything given explicitly on the command line wins).
-_QUICK = ["--steps", "3", "--warmup", "1", "--n-layer", "3", "--n-embd", "32", "--n-head", "2", "--vocab", "64",
+_QUICK = ["--steps", "2", "--warmup", "1", "--n-layer", "3", "--n-embd", "32", "--n-head", "2", "--vocab", "64",
           "--seq", "8", "--batch", "16", "--micro-batch", "2"]
 
 
@@ -105,12 +118,14 @@ def _data(cfg: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
-def _trainer(model: nn.Module, cfg: dict[str, Any], dp: int, pp: int, overlap: bool) -> PipelineTrainer:
+def _trainer(
+    model: nn.Module, cfg: dict[str, Any], dp: int, pp: int, overlap: bool, schedule: str
+) -> PipelineTrainer:
     m = cfg["batch"] // (dp * cfg["micro_batch"])  # micro-batches per replica
     example = (torch.zeros(cfg["micro_batch"], cfg["seq"], dtype=torch.long),)
     # A copy per configuration: the stages share the parameters of the model they were cut from.
-    plan = partition(copy.deepcopy(model), example, pp, microbatches=m, schedule=SCHEDULE)
-    return PipelineTrainer(plan, _lm_loss, lambda ps: torch.optim.SGD(ps, lr=1e-3), schedule=SCHEDULE,
+    plan = partition(copy.deepcopy(model), example, pp * _CHUNKS[schedule], microbatches=m, schedule=schedule)
+    return PipelineTrainer(plan, _lm_loss, lambda ps: torch.optim.SGD(ps, lr=1e-3), schedule=schedule,
                            transport="dist", data_parallel=dp, overlap_grad_reduce=overlap)
 
 
@@ -208,10 +223,10 @@ def _step_times(per_rank: list[dict[str, list[tuple[float, float]]]]) -> dict[st
 def _summary(times: dict[str, list[float]], cfg: dict[str, Any]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for name, ts in times.items():
-        dp, pp, overlap = CONFIGS[name]
+        dp, pp, overlap, schedule = CONFIGS[name]
         q = statistics.quantiles(ts, n=4) if len(ts) >= 2 else [ts[0]] * 3
         med = statistics.median(ts)
-        out[name] = {"dp": dp, "pp": pp, "overlap_grad_reduce": overlap,
+        out[name] = {"dp": dp, "pp": pp, "overlap_grad_reduce": overlap, "schedule": schedule,
                      "microbatches_per_replica": cfg["batch"] // (dp * cfg["micro_batch"]),
                      "median_ms": med * 1e3, "p25_ms": q[0] * 1e3, "p75_ms": q[2] * 1e3, "min_ms": min(ts) * 1e3,
                      "n": len(ts), "steps_per_s": 1.0 / med, "samples_per_s": cfg["batch"] / med,
@@ -228,10 +243,10 @@ def _ratios(summary: dict[str, dict[str, Any]]) -> dict[str, float]:
     for name in summary:
         if name != BASELINE and BASELINE in med:
             r[f"throughput {name} / {BASELINE}"] = med[BASELINE] / med[name]
-    a, d = "a: 2 dp x 2 pp", "d: 2 dp x 2 pp, all-reduce after"
-    if a in med and d in med:
-        r["overlap: step time without / with (d / a)"] = med[d] / med[a]
-        r["overlap: ms saved per step (d - a)"] = med[d] - med[a]
+    for schedule, (a, d) in _OVERLAP.items():
+        if a in med and d in med:
+            r[f"{schedule} overlap: step time without / with ({d[0]} / {a[0]})"] = med[d] / med[a]
+            r[f"{schedule} overlap: ms saved per step ({d[0]} - {a[0]})"] = med[d] - med[a]
     return r
 
 
@@ -242,9 +257,9 @@ def _paired(times: dict[str, list[float]]) -> dict[str, float]:
 
     out = {f"throughput {name} / {BASELINE}, same round": med(BASELINE, name)
            for name in times if name != BASELINE and BASELINE in times}
-    a, d = "a: 2 dp x 2 pp", "d: 2 dp x 2 pp, all-reduce after"
-    if a in times and d in times:
-        out["overlap: d / a, same round"] = med(d, a)
+    for schedule, (a, d) in _OVERLAP.items():
+        if a in times and d in times:
+            out[f"{schedule} overlap: {d[0]} / {a[0]}, same round"] = med(d, a)
     return out
 
 
@@ -259,7 +274,7 @@ def _print(cfg: dict[str, Any], summary: dict[str, dict[str, Any]], ratios: dict
     from rich.table import Table
 
     title = (f"GPT-2 {cfg['n_layer']} layers x {cfg['n_embd']}, vocab {cfg['vocab']}, seq {cfg['seq']}; "
-             f"{PROCESSES} gloo processes x 1 thread on {os.cpu_count()} CPUs; {SCHEDULE}, SGD; every "
+             f"{PROCESSES} gloo processes x 1 thread on {os.cpu_count()} CPUs; 1F1B unless named, SGD; every "
              f"configuration: global batch {cfg['batch']} = micro-batches of {cfg['micro_batch']} rows "
              f"(same matmul sizes); median of {cfg['steps']} steps after {cfg['warmup']} warm-up")
     table = Table(title=title, title_justify="left")
@@ -286,8 +301,8 @@ def _print(cfg: dict[str, Any], summary: dict[str, dict[str, Any]], ratios: dict
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=25, help="timed steps per configuration (median over these)")
-    ap.add_argument("--warmup", type=int, default=5, help="untimed rounds first")
+    ap.add_argument("--steps", type=int, default=20, help="timed steps per configuration (median over these)")
+    ap.add_argument("--warmup", type=int, default=4, help="untimed rounds first")
     ap.add_argument("--n-layer", type=int, default=4)
     ap.add_argument("--n-embd", type=int, default=256)
     ap.add_argument("--n-head", type=int, default=4)
@@ -326,10 +341,10 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "benchmark": "hybrid",
         "command": shlex.join(["python", "benchmarks/hybrid.py", *cli]),
-        "config": {**cfg, "processes": PROCESSES, "threads_per_process": 1, "schedule": SCHEDULE,
+        "config": {**cfg, "processes": PROCESSES, "threads_per_process": 1,
                    "model": "partitioner.zoo.gpt2 (tied embedding)", "loss": "cross_entropy",
                    "optimizer": "SGD(lr=1e-3)", "tokens_per_step": cfg["batch"] * cfg["seq"],
-                   "configurations": {k: {"dp": v[0], "pp": v[1], "overlap_grad_reduce": v[2]}
+                   "configurations": {k: {"dp": v[0], "pp": v[1], "overlap_grad_reduce": v[2], "schedule": v[3]}
                                       for k, v in CONFIGS.items() if k in summary}},
         "env": {"torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
                 "load_avg_before": load_before, "load_avg_after": os.getloadavg(), "machine": platform.machine(),

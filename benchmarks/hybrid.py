@@ -1,6 +1,6 @@
 """Benchmark: data x pipeline parallelism on 4 processes, dp x pp = 2 x 2 against 1 x 4 and 4 x 1.
 
-Run (CPU, 4 gloo processes of one thread each; about two minutes on a 2-core machine; writes
+Run (CPU, 4 gloo processes of one thread each; two to four minutes on a 2-core machine; writes
 ``benchmarks/results/hybrid.json``)::
 
     python benchmarks/hybrid.py

@@ -6,9 +6,10 @@ Run (CPU, 4 gloo processes of one thread each; two to four minutes on a 2-core m
     python benchmarks/hybrid.py
     python benchmarks/hybrid.py --steps 20 --warmup 4 --n-layer 4 --n-embd 256 --n-head 4 --vocab 2048 \
         --seq 64 --batch 32 --micro-batch 2 --out benchmarks/results/hybrid.json
-    python benchmarks/hybrid.py --quick --out /tmp/hybrid.json  # a tiny GPT-2, a few seconds of steps
+    python benchmarks/hybrid.py --quick --out /tmp/hybrid.json  # a small MLP (--model mlp), ~15 s in all
 
-One GPT-2 (``partitioner.zoo.gpt2``, tied embedding, cross-entropy over the vocabulary), one global
+One GPT-2 (``partitioner.zoo.gpt2``, tied embedding, cross-entropy over the vocabulary; or with
+``--model mlp`` an ``MLPChain`` of equal widths and MSE, as ``--quick`` uses), one global
 batch of ``--batch`` sequences and the same micro-batch size (``--micro-batch`` rows) in every
 configuration, so every configuration runs the same matmuls: on a CPU a small micro-batch makes
 them less efficient, and comparing a 4-row micro-batch with a 2-row one would measure that, not
@@ -72,7 +73,7 @@ from torch import nn  # noqa: E402
 
 from _common import git_state  # noqa: E402
 from partitioner import partition  # noqa: E402
-from partitioner.zoo import gpt2  # noqa: E402
+from partitioner.zoo import MLPChain, gpt2  # noqa: E402
 from runtime import PipelineTrainer  # noqa: E402
 from runtime.launch import spawn  # noqa: E402
 
@@ -95,17 +96,35 @@ _CHUNKS = {"1f1b": 1, "interleaved": 2}
 _OVERLAP = {"1f1b": ("a: 2 dp x 2 pp", "d: 2 dp x 2 pp, all-reduce after"),
             "interleaved": ("e: 2 dp x 2 pp interleaved", "f: 2 dp x 2 pp interleaved, all-reduce after")}
 RTOL, ATOL = 1e-4, 1e-5
-# --quick: a tiny GPT-2 (anything given explicitly on the command line wins).
-_QUICK = ["--steps", "2", "--warmup", "1", "--n-layer", "3", "--n-embd", "32", "--n-head", "2", "--vocab", "64",
-          "--seq", "8", "--batch", "16", "--micro-batch", "2"]
+# --quick: a small MLP, which traces in a fraction of GPT-2's time (anything given explicitly on the command
+# line wins: --quick --model gpt2 runs a tiny GPT-2).
+_QUICK = ["--model", "mlp", "--steps", "2", "--warmup", "1", "--n-layer", "4", "--n-embd", "32", "--n-head", "2",
+          "--vocab", "64", "--seq", "8", "--batch", "16", "--micro-batch", "2"]
 
 
 def _lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # (B, T, V), (B, T)
     return nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
 
 
+def _loss(cfg: dict[str, Any]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    return _lm_loss if cfg["model"] == "gpt2" else nn.functional.mse_loss
+
+
+def _tokens(cfg: dict[str, Any]) -> int:
+    """Tokens per sample: a GPT-2 sequence's length; 1 for the MLP's rows."""
+    return int(cfg["seq"]) if cfg["model"] == "gpt2" else 1
+
+
+def _describe(cfg: dict[str, Any]) -> str:
+    if cfg["model"] == "gpt2":
+        return f"GPT-2 {cfg['n_layer']} layers x {cfg['n_embd']}, vocab {cfg['vocab']}, seq {cfg['seq']}"
+    return f"MLP {cfg['n_layer']} x Linear({cfg['n_embd']}, {cfg['n_embd']}) + GELU"
+
+
 def _model(cfg: dict[str, Any]) -> nn.Module:
     torch.manual_seed(1234)
+    if cfg["model"] == "mlp":
+        return MLPChain((cfg["n_embd"],) * (cfg["n_layer"] + 1))
     model, _ = gpt2(n_layer=cfg["n_layer"], n_embd=cfg["n_embd"], n_head=cfg["n_head"], vocab_size=cfg["vocab"],
                     n_positions=cfg["seq"], batch=cfg["micro_batch"], seq=cfg["seq"])
     return model
@@ -113,6 +132,9 @@ def _model(cfg: dict[str, Any]) -> nn.Module:
 
 def _data(cfg: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(7)  # the same global batch on every rank
+    if cfg["model"] == "mlp":
+        return (torch.randn(cfg["batch"], cfg["n_embd"], generator=gen),
+                torch.randn(cfg["batch"], cfg["n_embd"], generator=gen))
     x = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=gen)
     y = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=gen)
     return x, y
@@ -122,10 +144,10 @@ def _trainer(
     model: nn.Module, cfg: dict[str, Any], dp: int, pp: int, overlap: bool, schedule: str
 ) -> PipelineTrainer:
     m = cfg["batch"] // (dp * cfg["micro_batch"])  # micro-batches per replica
-    example = (torch.zeros(cfg["micro_batch"], cfg["seq"], dtype=torch.long),)
+    example = (_data({**cfg, "batch": cfg["micro_batch"]})[0],)
     # A copy per configuration: the stages share the parameters of the model they were cut from.
     plan = partition(copy.deepcopy(model), example, pp * _CHUNKS[schedule], microbatches=m, schedule=schedule)
-    return PipelineTrainer(plan, _lm_loss, lambda ps: torch.optim.SGD(ps, lr=1e-3), schedule=schedule,
+    return PipelineTrainer(plan, _loss(cfg), lambda ps: torch.optim.SGD(ps, lr=1e-3), schedule=schedule,
                            transport="dist", data_parallel=dp, overlap_grad_reduce=overlap)
 
 
@@ -178,7 +200,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     model = _model(cfg)
     x, y = _data(cfg)
     ref = copy.deepcopy(model)
-    want_loss = _lm_loss(ref(x), y)
+    want_loss = _loss(cfg)(ref(x), y)
     want_loss.backward()
     want = {n: p.grad.clone() for n, p in ref.named_parameters(remove_duplicate=False) if p.grad is not None}
     want_loss = want_loss.detach()
@@ -230,7 +252,7 @@ def _summary(times: dict[str, list[float]], cfg: dict[str, Any]) -> dict[str, di
                      "microbatches_per_replica": cfg["batch"] // (dp * cfg["micro_batch"]),
                      "median_ms": med * 1e3, "p25_ms": q[0] * 1e3, "p75_ms": q[2] * 1e3, "min_ms": min(ts) * 1e3,
                      "n": len(ts), "steps_per_s": 1.0 / med, "samples_per_s": cfg["batch"] / med,
-                     "tokens_per_s": cfg["batch"] * cfg["seq"] / med}
+                     "tokens_per_s": cfg["batch"] * _tokens(cfg) / med}
     base = out.get(BASELINE)
     for row in out.values():
         row["throughput_vs_b"] = row["samples_per_s"] / base["samples_per_s"] if base else None
@@ -273,7 +295,7 @@ def _print(cfg: dict[str, Any], summary: dict[str, dict[str, Any]], ratios: dict
     from rich.console import Console
     from rich.table import Table
 
-    title = (f"GPT-2 {cfg['n_layer']} layers x {cfg['n_embd']}, vocab {cfg['vocab']}, seq {cfg['seq']}; "
+    title = (f"{_describe(cfg)}; "
              f"{PROCESSES} gloo processes x 1 thread on {os.cpu_count()} CPUs; 1F1B unless named, SGD; every "
              f"configuration: global batch {cfg['batch']} = micro-batches of {cfg['micro_batch']} rows "
              f"(same matmul sizes); median of {cfg['steps']} steps after {cfg['warmup']} warm-up")
@@ -303,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=20, help="timed steps per configuration (median over these)")
     ap.add_argument("--warmup", type=int, default=4, help="untimed rounds first")
+    ap.add_argument("--model", choices=("gpt2", "mlp"), default="gpt2",
+                    help="partitioner.zoo's gpt2, or an MLPChain of n-layer x Linear(n-embd, n-embd)")
     ap.add_argument("--n-layer", type=int, default=4)
     ap.add_argument("--n-embd", type=int, default=256)
     ap.add_argument("--n-head", type=int, default=4)
@@ -318,10 +342,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(cli)
     if args.quick:
         args = ap.parse_args(_QUICK + cli)
-    cfg = {k: getattr(args, k) for k in ("steps", "warmup", "n_layer", "n_embd", "n_head", "vocab", "seq", "batch",
-                                         "micro_batch", "only")}
-    if cfg["steps"] < 1 or cfg["n_layer"] < 3 or cfg["batch"] % (PROCESSES * cfg["micro_batch"]):
-        ap.error(f"need --steps >= 1, --n-layer >= 3 (a 4-stage plan) and --batch divisible by "
+    keys = ("model", "steps", "warmup", "n_layer", "n_embd", "n_head", "vocab", "seq", "batch", "micro_batch", "only")
+    cfg = {k: getattr(args, k) for k in keys}
+    if cfg["steps"] < 1 or cfg["n_layer"] < 4 or cfg["batch"] % (PROCESSES * cfg["micro_batch"]):
+        ap.error(f"need --steps >= 1, --n-layer >= 4 (a 4-stage plan) and --batch divisible by "
                  f"{PROCESSES} x --micro-batch (every configuration runs whole micro-batches)")
 
     t0 = time.time()
@@ -342,8 +366,10 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "hybrid",
         "command": shlex.join(["python", "benchmarks/hybrid.py", *cli]),
         "config": {**cfg, "processes": PROCESSES, "threads_per_process": 1,
-                   "model": "partitioner.zoo.gpt2 (tied embedding)", "loss": "cross_entropy",
-                   "optimizer": "SGD(lr=1e-3)", "tokens_per_step": cfg["batch"] * cfg["seq"],
+                   "model_description": _describe(cfg) + (" (partitioner.zoo.gpt2, tied embedding)"
+                                                          if cfg["model"] == "gpt2" else " (partitioner.zoo.MLPChain)"),
+                   "loss": "cross_entropy" if cfg["model"] == "gpt2" else "mse",
+                   "optimizer": "SGD(lr=1e-3)", "tokens_per_step": cfg["batch"] * _tokens(cfg),
                    "configurations": {k: {"dp": v[0], "pp": v[1], "overlap_grad_reduce": v[2], "schedule": v[3]}
                                       for k, v in CONFIGS.items() if k in summary}},
         "env": {"torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),

@@ -1,0 +1,47 @@
+"""The data x pipeline benchmark runs end to end on a small MLP (--quick) and writes its figures."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.multiprocess
+def test_hybrid_quick(tmp_path: Path) -> None:
+    # A subprocess, as users run it: its spawned ranks re-import the script as __main__.
+    out = tmp_path / "hybrid.json"
+    argv = ["--quick", "--timeout", "300", "--out", str(out)]
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "hybrid.py"), *argv], capture_output=True,
+                         text=True, timeout=400, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["benchmark"] == "hybrid"
+    assert data["command"] == "python benchmarks/hybrid.py " + " ".join(argv)
+    res = data["results"]
+    want = {"a: 2 dp x 2 pp": (2, 2, 4), "b: 1 dp x 4 pp": (1, 4, 8), "c: 4 dp x 1 pp": (4, 1, 2),
+            "d: 2 dp x 2 pp, all-reduce after": (2, 2, 4), "e: 2 dp x 2 pp interleaved": (2, 2, 4),
+            "f: 2 dp x 2 pp interleaved, all-reduce after": (2, 2, 4)}
+    assert {k: (v["dp"], v["pp"], v["microbatches_per_replica"]) for k, v in res.items()} == want
+    for row in res.values():
+        assert row["median_ms"] > 0 and row["samples_per_s"] > 0 and row["n"] == 2
+    assert res["b: 1 dp x 4 pp"]["throughput_vs_b"] == 1.0
+    assert {"1f1b overlap: step time without / with (d / a)", "interleaved overlap: step time without / with (f / e)"} \
+        <= data["ratios"].keys()
+    # Every configuration trained as the plain model; a replica all-reduces what it holds, 1 x 4 nothing.
+    losses = {round(c[k]["loss"], 5) for c in data["checks"].values() for k in c}
+    assert len(losses) == 1
+    grads = data["grad_allreduce_bytes_per_rank"]
+    assert grads["b: 1 dp x 4 pp"] == [0, 0, 0, 0]
+    assert len(set(grads["c: 4 dp x 1 pp"])) == 1 and grads["c: 4 dp x 1 pp"][0] > 0
+    assert grads["a: 2 dp x 2 pp"] == grads["d: 2 dp x 2 pp, all-reduce after"]
+    assert grads["e: 2 dp x 2 pp interleaved"] == grads["f: 2 dp x 2 pp interleaved, all-reduce after"]
+    # The two pipeline ranks of 2 x 2 hold the model between them (the MLP ties no weights).
+    whole = grads["c: 4 dp x 1 pp"][0]
+    assert sum(grads["a: 2 dp x 2 pp"][:2]) == whole == sum(grads["e: 2 dp x 2 pp interleaved"][:2])

@@ -202,7 +202,7 @@ class GradAverager:
         comm_device: where the buckets are reduced (the rank's GPU on NCCL, else the CPU).
         bucket_bytes: the target bucket size.
         overlap: start each stage's reduction when it is done; ``False`` waits for :meth:`finish`
-            (the all-reduce after the step, for comparison).
+            and for the whole pipeline (the all-reduce after the step, for comparison).
         deferred: ids of parameters reduced in :meth:`finish` only.
         owners: parameter id -> the index in the group of the rank that keeps its gradient.
         group_ranks: the global rank of each index in the group (with ``owners``).
@@ -281,8 +281,16 @@ class GradAverager:
         else:
             self._pending += ready
 
-    def finish(self) -> None:
-        """Send what is left, wait for every bucket, write the averages into ``.grad``."""
+    def finish(self, pipeline: dist.ProcessGroup | None = None) -> None:
+        """Send what is left, wait for every bucket, write the averages into ``.grad``.
+
+        Without overlap, the exchange starts when the whole pipeline has finished (a barrier over
+        the ``pipeline`` group first, when given): the all-reduce after the step, that overlap
+        is measured against. With overlap, a rank's stages leave as soon as they are done, while
+        the ranks behind it still drain.
+        """
+        if not self.overlap and self.size > 1 and dist.is_initialized():
+            dist.barrier(group=pipeline)
         sent = {id(p) for bucket, _, _, _ in self._sent for p in bucket} | {id(p) for p in self._pending}
         left = [p for p in self._all if id(p) not in sent]
         self._send(self._pending + left)

@@ -116,8 +116,8 @@ class PipelineTrainer:
             whole batch gives. Default 1. See ``runtime.data_parallel``.
         mesh: instead, a ``DeviceMesh`` with dimensions ``("dp", "pp")`` to place the replicas.
         overlap_grad_reduce: start each stage's gradient all-reduce right after its last
-            backward action, overlapping the pipeline's drain (default); ``False`` reduces after
-            the whole pipeline has run.
+            backward action, overlapping the pipeline's drain on the ranks behind (default);
+            ``False`` reduces once the whole pipeline has run (the all-reduce after the step).
         grad_bucket_bytes: the size of the flat buckets gradients are all-reduced in.
         shard_optimizer: with ``data_parallel > 1``, ZeRO-style sharding (``runtime.zero``):
             each parameter is owned by one replica, which alone keeps its optimizer state and,
@@ -325,7 +325,7 @@ class PipelineTrainer:
                                 on_stage_done=averager.stage_done if averager is not None else None)
             sum_tied_grads(self._tied, _comm_device, earlier)
             if averager is not None:
-                averager.finish()  # every replica (sharded: each owner) holds the global batch's gradients
+                averager.finish(self.mesh.pp_group)  # every replica (sharded: each owner) holds the averages
         finally:
             if averager is not None:
                 averager.reset()

@@ -148,3 +148,15 @@ def test_trainer_follows_the_plans_choice_by_default() -> None:
     assert PipelineTrainer(plan, c["loss"], transport="local", recompute=False).recompute == frozenset()
     plain = partition(c["model"], c["example"], 2, microbatches=4, schedule="gpipe")
     assert PipelineTrainer(plain, c["loss"], transport="local").recompute == frozenset()
+
+
+def test_measured_timeline_counts_only_inputs_for_recomputing_stages() -> None:
+    c = case("mlp", 2)
+    peaks = {}
+    for recompute in (False, True):
+        trainer = make_trainer(c, 2, "gpipe", transport="sequential", record=True, recompute=recompute)
+        trainer.forward_backward(c["x"], c["y"])
+        peaks[recompute] = trainer.timeline().peak_bytes
+    held = [4 * st.in_bytes for st in trainer.plan.stages]  # GPipe: all 4 micro-batches at once
+    assert peaks[True] == pytest.approx(tuple(held))
+    assert all(a < b for a, b in zip(peaks[True], peaks[False]))

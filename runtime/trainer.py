@@ -544,7 +544,9 @@ class PipelineTrainer:
         self._check_recorded(records)
         act_bytes = None
         if self._example_sized:
-            act_bytes = [float(getattr(st, "act_bytes", 0.0)) for st in self.plan.stages]
+            # A recomputing stage holds only its inputs between F and its backward.
+            act_bytes = [float(getattr(st, "in_bytes" if s in self.recompute else "act_bytes", 0.0))
+                         for s, st in enumerate(self.plan.stages)]
             act_bytes = act_bytes if len(act_bytes) == self.p and any(act_bytes) else None
         timeline = from_records(records, act_bytes)
         return dataclasses.replace(timeline, num_ranks=self.schedule.num_ranks)

@@ -164,3 +164,15 @@ def test_recomputation_under_bf16_autocast_replays_the_same_numbers(schedule: st
     assert torch.equal(loss0, loss1)
     for name in g0:
         assert torch.equal(g0[name], g1[name]), name
+
+
+def test_measured_timeline_counts_only_inputs_for_recomputing_stages() -> None:
+    c = case("mlp", 2)
+    peaks = {}
+    for recompute in (False, True):
+        trainer = make_trainer(c, 2, "gpipe", transport="sequential", record=True, recompute=recompute)
+        trainer.forward_backward(c["x"], c["y"])
+        peaks[recompute] = trainer.timeline().peak_bytes
+    held = [4 * st.in_bytes for st in trainer.plan.stages]  # GPipe: all 4 micro-batches at once
+    assert peaks[True] == pytest.approx(tuple(held))
+    assert all(a < b for a, b in zip(peaks[True], peaks[False]))

@@ -23,13 +23,13 @@ is counted), and run in the same 4 processes, one ``runtime.launch.spawn``:
 * ``b: 1 dp x 4 pp``: a 4-stage plan, one pipeline over the 4 ranks (no all-reduce);
 * ``c: 4 dp x 1 pp``: a 1-stage plan, ``data_parallel=4``: plain data parallelism through the
   trainer (each rank holds the whole model);
-* ``d: 2 dp x 2 pp, all-reduce after``: as ``a`` with ``overlap_grad_reduce=False`` (each rank
-  all-reduces once its part of the pipeline has finished);
+* ``d: 2 dp x 2 pp, all-reduce after``: as ``a`` with ``overlap_grad_reduce=False`` (the
+  exchange starts when the whole pipeline has finished: a barrier over its ranks first);
 * ``e`` / ``f``: ``a`` / ``d`` with the interleaved schedule (a 4-stage plan, two stages per rank).
 
 Why ``e`` and ``f``: with one stage per rank a stage's last backward is its rank's last action, so
-``a`` and ``d`` start the same all-reduce at about the same moment (only the ranks that finish early
-reduce while the others drain, which both do). With two stages per rank, a rank's later stage is
+in ``a`` only the ranks that finish early (the last ones, under 1F1B) reduce while the others
+drain; rank 0 finishes last and its all-reduce stays on the critical path either way. With two stages per rank, a rank's later stage is
 done while its first stage still runs backward, and ``e`` sends that stage's gradients then.
 
 ``data_parallel`` builds a ``DeviceMesh`` (new process groups, a collective), so every rank builds

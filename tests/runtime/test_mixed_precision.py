@@ -77,6 +77,21 @@ def test_bf16_uncast_wire_equals_plain_autocast(name: str, schedule: str) -> Non
     assert all(p.dtype == torch.float32 for p in trainer.parameters())  # parameters stay fp32
 
 
+@pytest.mark.parametrize(("schedule", "precision"), [("interleaved", "bf16"), ("zbv", "fp16")])
+def test_two_stages_per_rank_under_autocast(schedule: str, precision: str) -> None:
+    # Interleaved and ZB-V hand values between two stages of one rank in process: the wire dtype
+    # applies there too, and GPT-2's tied embedding (stages 0 and 3) sums fp32 gradients.
+    c = case("gpt2", 4)
+    ref = copy.deepcopy(c["model"])
+    trainer = make_trainer(c, 4, schedule, precision=MixedPrecision(precision, cast_activations=False))
+    loss = trainer.forward_backward(c["x"], c["y"])
+    scale = trainer.scaler.scale if trainer.scaler is not None else 1.0
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    want_loss, want = _accumulated(ref, c["loss"], c["x"], c["y"], trainer.m, dtype, scale)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-7)
+    assert _rel_err(trainer, want) < TIGHT
+
+
 @pytest.mark.parametrize("name", ["mlp", "gpt2"])
 @pytest.mark.parametrize("schedule", ["1f1b", "zbh1", "gpipe"])
 def test_bf16_cast_wire_within_stated_tolerance(name: str, schedule: str) -> None:

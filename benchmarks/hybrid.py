@@ -29,8 +29,9 @@ is counted), and run in the same 4 processes, one ``runtime.launch.spawn``:
 
 Why ``e`` and ``f``: with one stage per rank a stage's last backward is its rank's last action, so
 in ``a`` only the ranks that finish early (the last ones, under 1F1B) reduce while the others
-drain; rank 0 finishes last and its all-reduce stays on the critical path either way. With two stages per rank, a rank's later stage is
-done while its first stage still runs backward, and ``e`` sends that stage's gradients then.
+drain; rank 0 finishes last and its all-reduce stays on the critical path either way. With two
+stages per rank, a rank's later stage is done while its first stage still runs backward, and
+``e`` sends that stage's gradients then.
 
 ``data_parallel`` builds a ``DeviceMesh`` (new process groups, a collective), so every rank builds
 the trainers in the same order, and every rank takes part in every configuration. Rounds are

@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--recompute", default="auto", choices=("auto", "on", "off"),
                       help="activation recomputation: 'auto' (only the stages that do not fit memory otherwise; "
                       "default), 'on' (every stage) or 'off'")
+    plan.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
+                      help="mixed precision the plan is costed for (autocast over fp32 weights; default fp32)")
     plan.add_argument("--state-bytes", type=float, default=16.0, help="training-state bytes per parameter")
     plan.add_argument("--link-bandwidth", type=float, default=None, help="bytes/s between neighbouring devices")
     plan.add_argument("--json", dest="json_path", default=None, help="write the plan as JSON here")
@@ -92,7 +94,7 @@ def _plan(args: argparse.Namespace) -> int:
         model, inputs, args.stages, cluster=cluster, microbatches=args.microbatches,
         schedule=args.schedule, method=args.method, refine=not args.no_refine, split_points=split,
         granularity=args.granularity, state_bytes_per_param=args.state_bytes,
-        recompute=_RECOMPUTE[args.recompute],
+        recompute=_RECOMPUTE[args.recompute], precision=args.precision,
     )
     print(plan, end="")
     if args.json_path:

@@ -79,3 +79,12 @@ def test_plan_command_recompute_flag(capsys: pytest.CaptureFixture[str]) -> None
     assert "recompute" in out and "activation recomputation on 2 of 2 stages (0-1)" in out
     assert main(["plan", "mlp", "--stages", "2", "--device", "cpu"]) == 0
     assert "activation recomputation" not in capsys.readouterr().out  # memory does not bind
+
+
+def test_plan_command_precision_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "gpt2-tiny", "--stages", "2", "--precision", "bf16"]) == 0
+    bf16 = capsys.readouterr().out
+    assert main(["plan", "gpt2-tiny", "--stages", "2"]) == 0
+    fp32 = capsys.readouterr().out
+    assert "precision bf16" in bf16.splitlines()[0] and "precision fp32" in fp32.splitlines()[0]
+    assert bf16 != fp32  # 16-bit matmuls and halved activations change the times and memory

@@ -78,6 +78,18 @@ def _dp_case(name: str, schedule: str, dp: int, pp: int, tmp: str | None, overla
             load_model(plain, Path(tmp) / "ckpt")
             for n, prm in plain.named_parameters():
                 torch.testing.assert_close(prm, ref_params[n].detach(), **TOL)
+        if shard:  # a sharded save resumes unsharded: every rank gets every parameter's momentum
+            full = make_trainer(case(name, pp), pp, schedule, transport="dist", optimizer=opt, data_parallel=dp)
+            full.load(Path(tmp) / "ckpt")
+            assert full.optimizer is not None and trainer.optimizer is not None
+            mine = {id(p): n for n, p in trainer.named_parameters()}
+            theirs = dict(full.named_parameters())
+            assert len(full.optimizer.state) == len(list(full.parameters()))
+            for p, st in trainer.optimizer.state.items():
+                loaded = full.optimizer.state[theirs[mine[id(p)]]]["momentum_buffer"]
+                torch.testing.assert_close(loaded, st["momentum_buffer"], rtol=0, atol=0)
+            for n, p in theirs.items():
+                torch.testing.assert_close(p.detach(), ref_params[n].detach(), **TOL)
     return out
 
 

@@ -109,3 +109,71 @@ def test_fused_weight_gradient_on_cuda(dtype: torch.dtype) -> None:
     tol = GPU_TOL if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
     assert w.grad is not None and w.grad.dtype == torch.float32
     torch.testing.assert_close(w.grad, ref.grad, **tol)
+
+
+def test_bf16_autocast_on_cuda_equals_the_plain_model_under_it() -> None:
+    """Stages on the GPU under bf16 autocast, values kept in autocast's dtypes on the wire:
+    the plain model on the same GPU under the same autocast, micro-batch by micro-batch."""
+    from runtime.precision import MixedPrecision
+
+    c = case("gpt2", 2)
+    ref = copy.deepcopy(c["model"]).cuda()
+    plan = partition(c["model"], c["example"], 2, microbatches=4)
+    trainer = PipelineTrainer(plan, c["loss"], transport="local", devices=["cuda:0", "cuda:0"],
+                              precision=MixedPrecision("bf16", cast_activations=False))
+    gen = torch.Generator().manual_seed(5)
+    x, y = (_like(c[k], gen) for k in ("x", "y"))
+    loss = trainer.forward_backward(x, y)
+    total = torch.zeros((), device="cuda")
+    for xc, yc in zip(x.cuda().chunk(4), y.cuda().chunk(4)):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            part = c["loss"](ref(xc), yc) / 4
+        part.backward()
+        total += part.detach().float()
+    torch.testing.assert_close(loss.cpu(), total.cpu(), rtol=1e-4, atol=1e-5)
+    want = {n: p.grad for n, p in ref.named_parameters(remove_duplicate=False)}
+    for name, prm in trainer.named_parameters():
+        assert prm.grad is not None and prm.grad.dtype == torch.float32, name
+        err = (prm.grad - want[name]).abs().max() / want[name].abs().max()
+        assert err < 1e-3, (name, float(err))
+
+
+def test_recomputation_replays_cuda_dropout() -> None:
+    """A recomputing stage on the GPU draws the same dropout masks in its replay (the CUDA RNG
+    state is saved at F): its gradients equal those of the run that kept its activations."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Dropout(0.5), nn.Linear(64, 64), nn.Dropout(0.5),
+                          nn.Linear(64, 8))
+    x, y = torch.randn(16, 32), torch.randn(16, 8)
+    grads = []
+    for recompute in (False, True):
+        plan = partition(copy.deepcopy(model), (x[:4],), 2, microbatches=4)
+        trainer = PipelineTrainer(plan, nn.functional.mse_loss, transport="sequential",
+                                  devices=["cuda:0", "cuda:0"], recompute=recompute)
+        torch.manual_seed(7)
+        trainer.forward_backward(x, y)
+        grads.append({n: p.grad.detach().cpu().clone() for n, p in trainer.named_parameters()})
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=0, atol=0)
+
+
+def _nccl_dp_worker(rank: int, world: int) -> int:
+    os.environ["LOCAL_RANK"] = str(rank)
+    torch.cuda.set_device(rank)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    c = case("gpt2", 2)
+    ref = copy.deepcopy(c["model"])
+    plan = partition(c["model"], c["example"], 2, microbatches=4)
+    trainer = PipelineTrainer(plan, c["loss"], transport="dist", data_parallel=2)
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randint(0, 64, (16, 8), generator=gen)
+    y = torch.randint(0, 64, (16, 8), generator=gen)
+    loss = trainer.forward_backward(*trainer.local_batch(x, y))
+    want_loss, want = reference_grads(c, ref, x, y)
+    return _check(trainer, loss, want_loss, want)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs four GPUs")
+def test_nccl_two_replicas_of_two_stages_match_reference() -> None:
+    assert all(n > 0 for n in spawn(_nccl_dp_worker, 4, backend="nccl", timeout=300))

@@ -25,8 +25,10 @@ Example (4 processes)::
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -205,8 +207,10 @@ class GradAverager:
             and for the whole pipeline (the all-reduce after the step, for comparison).
         deferred: ids of parameters reduced in :meth:`finish` only.
         owners: parameter id -> the index in the group of the rank that keeps its gradient.
-        group_ranks: the global rank of each index in the group (with ``owners``).
+        group_ranks: the global rank of each index in the group.
         index: this process's index in the group (with ``owners``).
+        timeout: seconds a bucket's exchange may take; a failed replica raises ``PeerFailed``
+            (quoting the first failing rank's error), a late one ``TransportTimeout``.
 
     Example:
         >>> w = nn.Parameter(torch.ones(3)); w.grad = torch.full((3,), 4.0)
@@ -228,8 +232,10 @@ class GradAverager:
         owners: Mapping[int, int] | None = None,
         group_ranks: Sequence[int] = (),
         index: int = 0,
+        timeout: float = 300.0,
     ) -> None:
         self.group = group
+        self.timeout = timeout
         self.size = size
         self.bucket_bytes = bucket_bytes
         self.overlap = overlap
@@ -296,7 +302,7 @@ class GradAverager:
         self._send(self._pending + left)
         for params, flat, work, owner in self._sent:
             if work is not None:
-                work.wait()
+                self._wait(work)
             keep = owner is None or owner == self.index
             if keep:
                 flat.div_(self.size)
@@ -317,6 +323,28 @@ class GradAverager:
                 p.grad = before
         self._earlier = {}
         self.reset()
+
+    def _wait(self, work: Any) -> None:
+        """Wait for one bucket, at most ``timeout`` s; a failed or late replica raises, naming it."""
+        from .transport import PeerFailed, TransportTimeout, announced_failure
+
+        me = dist.get_rank()
+        start = time.monotonic()
+        try:
+            ok = work.wait(timedelta(seconds=self.timeout))
+        except RuntimeError as e:
+            first = announced_failure(me)
+            raise PeerFailed(
+                f"rank {me}: the data-parallel exchange of gradients with ranks {list(self.group_ranks)} "
+                f"failed after {time.monotonic() - start:.1f} s ({str(e).strip().splitlines()[0][:200]}); "
+                "a rank of another replica failed or exited, and its own error is the cause to read"
+                + (f"\n  The first rank to fail reported: {first}" if first else "")
+            ) from e
+        if ok is False:
+            raise TransportTimeout(
+                f"rank {me}: the data-parallel exchange of gradients with ranks {list(self.group_ranks)} did "
+                f"not complete within {self.timeout:g} s (the timeout); a replica is stuck or slow"
+            )
 
     def _send(self, params: Sequence[nn.Parameter]) -> None:
         # Backward produces the last layers' gradients first: send in that order. A bucket holds
@@ -358,7 +386,7 @@ class Replicas:
         tied: ids of parameters whose gradients are summed over the pipeline after the run
             (tied weights): they are exchanged after that sum.
         shard: ZeRO-style sharding (``runtime.zero``): each parameter is stepped by one owner.
-        overlap, bucket_bytes, comm_device: as for :class:`GradAverager`.
+        overlap, bucket_bytes, comm_device, timeout: as for :class:`GradAverager`.
     """
 
     def __init__(
@@ -371,6 +399,7 @@ class Replicas:
         overlap: bool = True,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         comm_device: Callable[[], torch.device] | None = None,
+        timeout: float = 300.0,
     ) -> None:
         from .zero import assign_owners
 
@@ -385,6 +414,7 @@ class Replicas:
         self.averager = GradAverager(
             stage_params, mesh.dp_group, mesh.dp, comm_device=comm_device, bucket_bytes=bucket_bytes,
             overlap=overlap, deferred=tied, owners=self.owners, group_ranks=self.group_ranks, index=mesh.dp_rank,
+            timeout=timeout,
         ) if mesh.dp > 1 else None
 
     @property

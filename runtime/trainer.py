@@ -237,7 +237,7 @@ class PipelineTrainer:
         self._replicas = Replicas(
             self.mesh, {s: list(st.module.parameters()) for s, st in self.stages.items()},
             {id(prm) for copies, _ in self._tied for prm in copies}, shard=shard_optimizer,
-            overlap=overlap_grad_reduce, bucket_bytes=grad_bucket_bytes, comm_device=_comm_device,
+            overlap=overlap_grad_reduce, bucket_bytes=grad_bucket_bytes, comm_device=_comm_device, timeout=timeout,
         )
         params = self._replicas.owned  # sharded: this replica's share
         self._trains = optimizer is not None

@@ -40,6 +40,7 @@ from partitioner.errors import PipecutError
 
 __all__ = [
     "Key", "TensorMeta", "Transport", "LocalTransport", "DistTransport", "TransportTimeout", "PeerFailed",
+    "announced_failure",
 ]
 
 log = logging.getLogger(__name__)
@@ -456,16 +457,7 @@ class DistTransport(Transport):
 
     def _announced(self) -> str:
         """What the first failing rank recorded (see ``announce``), or ``''``."""
-        store = _store()
-        if store is None:
-            return ""
-        try:
-            if not store.check([_FAILURE_KEY]):
-                return ""
-            text = store.get(_FAILURE_KEY).decode(errors="replace")
-        except Exception:
-            return ""
-        return "" if text.startswith(f"rank {self._me} failed") else text
+        return announced_failure(self._me)
 
     def close(self) -> None:
         self._sends.clear()
@@ -478,6 +470,21 @@ class DistTransport(Transport):
 # The store key a failing rank records its error under, and how much of the error it keeps.
 _FAILURE_KEY = "pipecut/first-failure"
 _ANNOUNCED_CHARS = 1500
+
+
+def announced_failure(me: int) -> str:
+    """What the first rank to fail recorded in the job's store (``DistTransport.announce``), or
+    ``''`` when none did or that rank is ``me``."""
+    store = _store()
+    if store is None:
+        return ""
+    try:
+        if not store.check([_FAILURE_KEY]):
+            return ""
+        text = store.get(_FAILURE_KEY).decode(errors="replace")
+    except Exception:
+        return ""
+    return "" if text.startswith(f"rank {me} failed") else text
 
 
 def _store() -> Any:

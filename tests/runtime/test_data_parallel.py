@@ -244,3 +244,30 @@ def test_data_parallel_with_recomputation_sharding_and_mixed_precision() -> None
     for errors in results:
         assert errors[0] < 1e-5  # fp32
         assert errors[1] < 1e-5 and errors[2] < 1e-5  # wire in the autocast dtypes: round-off only
+
+
+def _one_replica_fails(rank: int, world: int) -> dict[str, str]:
+    c = case("mlp", 2)
+    trainer = make_trainer(c, 2, "1f1b", transport="dist", data_parallel=2, timeout=60)
+    x, y = torch.randn(16, 16), torch.randn(16, 8)
+    x, y = trainer.local_batch(x, y)
+    if rank == 3:  # replica 1's last stage: targets of the wrong width fail in its loss
+        y = y[:, :3]
+    try:
+        trainer.forward_backward(x, y)
+    except Exception as e:
+        return {"type": type(e).__name__, "message": str(e)}
+    return {"type": "", "message": ""}
+
+
+@pytest.mark.multiprocess
+def test_a_failing_replica_is_named_by_every_other_rank() -> None:
+    # Rank 3 fails; rank 2 (its pipeline) stops waiting for its gradients, and the first replica's
+    # ranks stop waiting in the gradient exchange: all say so and quote rank 3's error, none hangs.
+    results = spawn(_one_replica_fails, 4, timeout=180)
+    assert results[3]["type"] == "StageError", results[3]
+    quoted = "The first rank to fail reported: rank 3 failed: StageError"
+    for rank in (0, 1, 2):
+        assert results[rank]["type"] == "PeerFailed", (rank, results[rank])
+        assert quoted in results[rank]["message"], (rank, results[rank]["message"])
+    assert "data-parallel exchange" in results[1]["message"]

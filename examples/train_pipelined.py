@@ -18,6 +18,11 @@ Two nodes (run on each, with the first node's address)::
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
         examples/train_pipelined.py --layers 16
 
+bf16 autocast, every stage recomputing its activations, optimizer state sharded over replicas::
+
+    torchrun --standalone --nproc-per-node 4 examples/train_pipelined.py --dp 2 --pp 2 \
+        --precision bf16 --recompute --shard-optimizer
+
 Zero-bubble V schedule, two stages per process, and the last step's trace for Perfetto::
 
     torchrun --standalone --nproc-per-node 2 examples/train_pipelined.py --schedule zbv --trace zbv.json
@@ -70,6 +75,12 @@ def main(argv: list[str] | None = None) -> float:
     parser.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe", "zbh1", "interleaved", "zbv"))
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--max-norm", type=float, default=1.0, help="clip gradients to this total norm")
+    parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
+                        help="autocast over fp32 weights (fp16 with loss scaling); activations cross stages in it")
+    parser.add_argument("--recompute", action="store_true",
+                        help="every stage recomputes its forward in backward (default: where the plan says)")
+    parser.add_argument("--shard-optimizer", action="store_true",
+                        help="with --dp > 1: each replica keeps the optimizer state of its share of the parameters")
     parser.add_argument("--progress", action="store_true", help="a progress bar instead of a line every 5 steps")
     parser.add_argument("--trace", default="", help="write the last step as a Chrome/Perfetto trace here")
     args = parser.parse_args(argv)
@@ -89,13 +100,14 @@ def main(argv: list[str] | None = None) -> float:
     device = "H100-80GB" if torch.cuda.is_available() else "cpu"
     ranks = max(1, args.stages // per_rank)
     plan = partition(model, (example,), args.stages, cluster=Cluster.uniform(ranks, device),
-                     microbatches=args.microbatches, schedule=args.schedule)
+                     microbatches=args.microbatches, schedule=args.schedule, precision=args.precision)
     warmup = max(1, args.steps // 5)
     schedule = lambda opt: torch.optim.lr_scheduler.LambdaLR(  # noqa: E731
         opt, lambda i: min(1.0, (i + 1) / warmup) * max(0.1, 1 - i / args.steps))
     trainer = PipelineTrainer(plan, lm_loss, lambda ps: torch.optim.AdamW(ps, lr=args.lr),
                               schedule=args.schedule, record=bool(args.trace), lr_scheduler=schedule,
-                              data_parallel=args.dp if launched else None)
+                              data_parallel=args.dp if launched else None, recompute=True if args.recompute else None,
+                              shard_optimizer=args.shard_optimizer and launched)
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
         print(plan)

@@ -47,6 +47,10 @@ def test_train_pipelined_in_one_process() -> None:
         sys.path.pop(0)
     first = main(["--stages", "2", "--steps", "1"])
     assert first == first  # not NaN
+    # The first step's loss is the initial model's: under bf16 autocast with recomputation, the
+    # same to bf16's rounding.
+    mixed = main(["--stages", "2", "--steps", "1", "--precision", "bf16", "--recompute"])
+    assert mixed == pytest.approx(first, rel=2e-2) and mixed != first
 
 
 def test_train_pipelined_zbv_writes_its_trace(tmp_path: Path) -> None:

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import os
+import platform
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
+
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,3 +29,42 @@ def git_state(paths: tuple[str, ...] = ("partitioner", "runtime")) -> dict[str, 
 def int_list(text: str) -> list[int]:
     """``'4,8,16' -> [4, 8, 16]`` for comma-separated command-line values."""
     return [int(x) for x in text.split(",") if x.strip()]
+
+
+def load_before(what: str) -> tuple[float, float, float]:
+    """The load average now; prints a note when other work already competes with ``what``."""
+    load = os.getloadavg()
+    if load[0] > (os.cpu_count() or 1):
+        print(f"note: load average {load[0]:.1f} on {os.cpu_count()} CPUs; other work competes with {what}")
+    return load
+
+
+def run_env(load: tuple[float, float, float], started: float, *, git: bool = True) -> dict[str, Any]:
+    """Where and how a multi-process benchmark ran: versions, CPUs, load before and after, wall time."""
+    env: dict[str, Any] = {
+        "torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
+        "load_avg_before": load, "load_avg_after": os.getloadavg(), "machine": platform.machine(),
+        "wall_s": time.time() - started,
+    }
+    if git:
+        env["git"] = git_state()
+    return env
+
+
+def write_result(path: str | Path, result: dict[str, Any]) -> Path:
+    """Write ``result`` as JSON at ``path`` (folders made) and say so."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out}")
+    return out
+
+
+def step_times(per_rank: list[dict[str, list[tuple[float, float]]]]) -> dict[str, list[float]]:
+    """Per configuration and round, from each rank's ``(start, end)`` spans: the last rank's end
+    minus the first rank's start (one ``perf_counter`` clock for the machine)."""
+    out: dict[str, list[float]] = {}
+    for name in per_rank[0]:
+        rounds = zip(*(spans[name] for spans in per_rank))
+        out[name] = [max(e for _, e in r) - min(s for s, _ in r) for r in rounds]
+    return out

@@ -52,9 +52,7 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
-import json
 import os
-import platform
 import shlex
 import statistics
 import sys
@@ -72,7 +70,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
-from _common import git_state  # noqa: E402
+from _common import load_before, run_env, step_times, write_result  # noqa: E402
 from partitioner import partition  # noqa: E402
 from partitioner.zoo import MLPChain, gpt2  # noqa: E402
 from runtime import PipelineTrainer  # noqa: E402
@@ -234,15 +232,6 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             "phases_s": {k: b - a for k, a, b in zip(list(phases)[1:], marks, marks[1:])}}
 
 
-def _step_times(per_rank: list[dict[str, list[tuple[float, float]]]]) -> dict[str, list[float]]:
-    """Per configuration and round: the last rank's end minus the first rank's start."""
-    out: dict[str, list[float]] = {}
-    for name in per_rank[0]:
-        rounds = zip(*(spans[name] for spans in per_rank))
-        out[name] = [max(e for _, e in r) - min(s for s, _ in r) for r in rounds]
-    return out
-
-
 def _summary(times: dict[str, list[float]], cfg: dict[str, Any]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for name, ts in times.items():
@@ -350,13 +339,10 @@ def main(argv: list[str] | None = None) -> int:
                  f"{PROCESSES} x --micro-batch (every configuration runs whole micro-batches)")
 
     t0 = time.time()
-    load_before = os.getloadavg()
-    if load_before[0] > (os.cpu_count() or 1):
-        print(f"note: load average {load_before[0]:.1f} on {os.cpu_count()} CPUs; other work competes with "
-              f"the {PROCESSES} processes")
+    load = load_before(f"the {PROCESSES} processes")
     ranks = spawn(_worker, PROCESSES, cfg, timeout=args.timeout, threads=1)
     print("phases (s, rank 0): " + ", ".join(f"{k} {v:.1f}" for k, v in ranks[0]["phases_s"].items()))
-    times = _step_times([r["spans"] for r in ranks])
+    times = step_times([r["spans"] for r in ranks])
     summary = _summary(times, cfg)
     ratios = _ratios(summary)
     paired = _paired(times)
@@ -373,9 +359,7 @@ def main(argv: list[str] | None = None) -> int:
                    "optimizer": "SGD(lr=1e-3)", "tokens_per_step": cfg["batch"] * _tokens(cfg),
                    "configurations": {k: {"dp": v[0], "pp": v[1], "overlap_grad_reduce": v[2], "schedule": v[3]}
                                       for k, v in CONFIGS.items() if k in summary}},
-        "env": {"torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
-                "load_avg_before": load_before, "load_avg_after": os.getloadavg(), "machine": platform.machine(),
-                "wall_s": time.time() - t0, "git": git_state()},
+        "env": run_env(load, t0),
         "results": summary,
         "ratios": ratios,
         "paired_ratios": paired,
@@ -384,10 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         "phases_s": {f"rank {r}": res["phases_s"] for r, res in enumerate(ranks)},
         "times_ms": {k: [round(t * 1e3, 3) for t in v] for k, v in times.items()},
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {out}")
+    write_result(args.out, result)
     return 0
 
 

@@ -42,9 +42,6 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
-import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -56,6 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from _common import load_before, run_env, step_times, write_result
 from partitioner import partition
 from partitioner.zoo import MLPChain
 from runtime.launch import spawn
@@ -205,15 +203,6 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
     return {"spans": spans, "checks": checks}
 
 
-def _step_times(per_rank: list[dict[str, list[tuple[float, float]]]]) -> dict[str, list[float]]:
-    """Per configuration and round: the last rank's end minus the first rank's start."""
-    out: dict[str, list[float]] = {}
-    for name in per_rank[0]:
-        rounds = zip(*(spans[name] for spans in per_rank))
-        out[name] = [max(e for _, e in r) - min(s for s, _ in r) for r in rounds]
-    return out
-
-
 def _check(
     rank: int, configs: dict[str, tuple[bool, Callable[[], torch.Tensor | None], Callable[[], Any]]],
     single: nn.Module, run_single_full: Callable[[], torch.Tensor],
@@ -321,12 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = {k: getattr(args, k) for k in ("steps", "warmup", "width", "layers", "batch", "microbatches", "only")}
 
     t0 = time.time()
-    load_before = os.getloadavg()
-    if load_before[0] > (os.cpu_count() or 1):
-        print(f"note: load average {load_before[0]:.1f} on {os.cpu_count()} CPUs; other work competes with "
-              "the two pipeline processes, which slows the pipelined configurations most")
+    load = load_before("the two pipeline processes, which slows the pipelined configurations most")
     ranks = spawn(_worker, 2, cfg, timeout=args.timeout, threads=1)
-    times = _step_times([r["spans"] for r in ranks])
+    times = step_times([r["spans"] for r in ranks])
     summary = _summary(times)
     ratios = _ratios({k: v["median_ms"] for k, v in summary.items()})
     paired = _paired(times)
@@ -337,19 +323,14 @@ def main(argv: list[str] | None = None) -> int:
         "config": {**cfg, "micro_batch_size": cfg["batch"] // cfg["microbatches"],
                    "split_at": f"layers.{cfg['layers'] // 2}",
                    "processes": 2, "threads_per_process": 1, "loss": "mse", "optimizer": None},
-        "env": {"torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
-                "load_avg_before": load_before, "load_avg_after": os.getloadavg(), "machine": platform.machine(),
-                "wall_s": time.time() - t0},
+        "env": run_env(load, t0),
         "results": summary,
         "ratios": ratios,
         "paired_ratios": paired,
         "checks": {f"rank {r}": res["checks"] for r, res in enumerate(ranks)},
         "times_ms": {k: [round(t * 1e3, 3) for t in v] for k, v in times.items()},
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {out}")
+    write_result(args.out, result)
     return 0
 
 

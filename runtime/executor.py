@@ -45,7 +45,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from partitioner.split import StageIO, ValueSpec, decode_value
+from partitioner.split import StageIO, decode_value
 
 from .errors import LossError, StageError, describe_value
 from .precision import MixedPrecision
@@ -53,6 +53,7 @@ from .recompute import Replay, forward_again, forward_without_graph
 from .split_backward import PendingWeights, backward_input, backward_weight
 from .transport import Key, TensorMeta, Transport, TransportTimeout
 from .wgrad_fusion import fused_params
+from .wiring import dtype_of, message_values, on_wire, wire
 
 __all__ = ["ActionLike", "StageRuntime", "Executor", "StepState", "RunResult", "ActionRecord", "message_values"]
 
@@ -120,15 +121,6 @@ class RunResult:
     busy: float = 0.0
 
 
-def message_values(ios: Sequence[StageIO], src: int, dst: int) -> list[ValueSpec]:
-    """The values stage ``src`` sends stage ``dst`` for one micro-batch, in wire order."""
-    return [v for v in ios[src].outputs if dst in v.consumers and v.producer == src]
-
-
-def _is_float(v: ValueSpec) -> bool:
-    return v.kind == "tensor" and any(k in v.dtype for k in ("float", "bfloat", "complex"))
-
-
 @dataclass
 class _Stash:
     """What a forward keeps for its backward."""
@@ -163,42 +155,6 @@ class StepState:
     last_backward: dict[int, int] = field(default_factory=dict)
     on_stage_done: Callable[[int], None] | None = None
     executed: int = 0
-
-
-@dataclass(frozen=True)
-class _Wiring:
-    """One stage's messages, derived once from the plan (a step only looks them up)."""
-
-    producers: tuple[int, ...]  # stages sending this one activations, ascending
-    consumers: tuple[int, ...]  # stages reading this one's outputs, ascending
-    recv_vals: dict[int, tuple[ValueSpec, ...]]  # per producer: the message's values, wire order
-    recv_grad: dict[int, tuple[bool, ...]]  # per producer: which of them get a gradient back
-    send_idx: dict[int, tuple[int, ...]]  # per consumer: output positions, wire order
-    grad_vals: dict[int, tuple[ValueSpec, ...]]  # per consumer: the values whose gradient returns
-    grad_mask: dict[int, tuple[bool, ...]]  # per consumer: which of the message's values those are
-    grad_args: dict[int, tuple[int, ...]]  # per producer: input positions of the gradients sent back
-    args: tuple[tuple[str, bool], ...]  # per input: (name, is a graph input)
-
-
-def _wire(ios: Sequence[StageIO], s: int) -> _Wiring:
-    io = ios[s]
-    producers = tuple(sorted({v.producer for v in io.inputs if v.producer >= 0}))
-    consumers = tuple(sorted({c for v in io.outputs if v.producer == s for c in v.consumers}))
-    out_pos = {v.name: i for i, v in enumerate(io.outputs)}
-    in_pos = {v.name: i for i, v in enumerate(io.inputs)}
-    recv_vals = {q: tuple(message_values(ios, q, s)) for q in producers}
-    sent = {c: tuple(message_values(ios, s, c)) for c in consumers}
-    return _Wiring(
-        producers=producers,
-        consumers=consumers,
-        recv_vals=recv_vals,
-        recv_grad={q: tuple(_is_float(v) for v in vals) for q, vals in recv_vals.items()},
-        send_idx={c: tuple(out_pos[v.name] for v in vals) for c, vals in sent.items()},
-        grad_vals={c: tuple(v for v in vals if _is_float(v)) for c, vals in sent.items()},
-        grad_mask={c: tuple(_is_float(v) for v in vals) for c, vals in sent.items()},
-        grad_args={q: tuple(in_pos[v.name] for v in vals if _is_float(v)) for q, vals in recv_vals.items()},
-        args=tuple((v.name, v.producer < 0) for v in io.inputs),
-    )
 
 
 class Executor:
@@ -263,10 +219,10 @@ class Executor:
         self.rank = rank
         self.record = record
         self._waited = 0.0  # seconds the current action spent in receives
-        self._wiring = {s: _wire(self.ios, s) for s in self.stages}
-        wire = dict(wire_dtypes or {})
+        self._wiring = {s: wire(self.ios, s) for s in self.stages}
+        on_the_wire = dict(wire_dtypes or {})
         self._metas = {
-            (a, b): [TensorMeta(v.shape, wire[v.name] if v.name in wire else _dtype(v.dtype))
+            (a, b): [TensorMeta(v.shape, on_the_wire.get(v.name) or dtype_of(v.dtype))
                      for v in message_values(self.ios, a, b)]
             for s in self.stages
             for a, b in [(q, s) for q in range(self.p)] + [(s, c) for c in range(self.p)]
@@ -498,7 +454,7 @@ class Executor:
                     outputs = stage.module(*args)
         for c in w.consumers:
             sent = [outputs[i] for i in w.send_idx[c]]
-            self.transport.send(Key(s, c, "act", mb), _on_wire(sent, self._metas[(s, c)]))
+            self.transport.send(Key(s, c, "act", mb), on_wire(sent, self._metas[(s, c)]))
         # A recomputing stage keeps its inputs only; the backward rebuilds the outputs.
         st = _Stash(args, outputs if replay is None else (), replay=replay)
         if s == self.p - 1:
@@ -621,7 +577,7 @@ class Executor:
                 g = a.grad if isinstance(a, torch.Tensor) else None
                 out.append(g if g is not None else torch.zeros_like(a))
             metas = [mt for mt, f in zip(self._metas[(q, s)], w.recv_grad[q]) if f]
-            self.transport.send(Key(s, q, "grad", mb), _on_wire(out, metas))
+            self.transport.send(Key(s, q, "grad", mb), on_wire(out, metas))
 
     def _shaped(
         self, src: int, dst: int, mb: int, mb_shapes: Mapping[int, Mapping[str, tuple[int, ...]]] | None
@@ -673,15 +629,3 @@ def _tracks_grad(module: nn.Module, args: Sequence[Any]) -> bool:
     return any(p.requires_grad for p in module.parameters()) or any(
         isinstance(a, torch.Tensor) and a.requires_grad for a in args
     )
-
-
-def _on_wire(tensors: Sequence[torch.Tensor], metas: Sequence[TensorMeta]) -> list[torch.Tensor]:
-    """``tensors`` in their message's dtypes (the receiver allocates those: ``runtime.precision``)."""
-    return [t if t.dtype == mt.dtype else t.to(mt.dtype) for t, mt in zip(tensors, metas)]
-
-
-def _dtype(name: str) -> torch.dtype:
-    dt = getattr(torch, name.replace("torch.", ""), None)
-    if not isinstance(dt, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r} in the plan")
-    return dt

@@ -184,14 +184,14 @@ def _from_device_mesh(mesh: Any, pp: int, data_parallel: int | None, world: int)
 class GradAverager:
     """Averages this process's gradients over its data-parallel group, a stage at a time.
 
-    Call :meth:`begin` before a step's backward passes and :meth:`stage_done` when a stage's
-    last backward action of the step has run: the gradients of parameters no other unfinished
-    stage of this process still adds into leave then (``overlap=True``), packed into flat
-    buckets of about ``bucket_bytes``, in asynchronous collectives. :meth:`finish` sends what is
-    left (and the ``deferred`` parameters, whose gradients are complete only then: tied weights
-    summed over the pipeline first), waits, and writes the averages back. Every rank of the
-    group must report the same stages in the same order (ranks holding the same stages run the
-    same action list, so they do).
+    Call :meth:`stage_done` when a stage's last backward action of the step has run (with only
+    this step's gradients in ``.grad``: ``runtime.accumulation`` sets earlier ones aside): the
+    gradients of parameters no other unfinished stage of this process still adds into leave then
+    (``overlap=True``), packed into flat buckets of about ``bucket_bytes``, in asynchronous
+    collectives. :meth:`finish` sends what is left (and the ``deferred`` parameters, whose
+    gradients are complete only then: tied weights summed over the pipeline first), waits, and
+    writes the averages back. Every rank of the group must report the same stages in the same
+    order (ranks holding the same stages run the same action list, so they do).
 
     With ``owners`` (ZeRO-1/2, ``runtime.zero``), each parameter's gradient is reduced to its
     owner only: the owner keeps the average, the other ranks drop theirs (``.grad = None``).
@@ -215,7 +215,7 @@ class GradAverager:
     Example:
         >>> w = nn.Parameter(torch.ones(3)); w.grad = torch.full((3,), 4.0)
         >>> avg = GradAverager({0: [w]}, group=None, size=1)  # one replica: nothing to exchange
-        >>> avg.begin(); avg.stage_done(0); avg.finish(); w.grad.tolist()
+        >>> avg.stage_done(0); avg.finish(); w.grad.tolist()
         [4.0, 4.0, 4.0]
     """
 
@@ -256,7 +256,6 @@ class GradAverager:
         self._left: dict[int, int] = {}
         self._sent: list[tuple[list[nn.Parameter], torch.Tensor, Any, int | None]] = []
         self._pending: list[nn.Parameter] = []  # without overlap: ready, sent at finish()
-        self._earlier: dict[int, torch.Tensor] = {}
         self.reset()
 
     def reset(self) -> None:
@@ -264,16 +263,6 @@ class GradAverager:
         self._left = dict(self._holders)
         self._sent = []
         self._pending = []
-
-    def begin(self) -> None:
-        """Set aside gradients accumulated by earlier calls (averaged already): only this
-        call's are exchanged, and :meth:`finish` adds the earlier ones back."""
-        self.reset()
-        self._earlier = {}
-        for p in self._all:
-            if p.grad is not None:
-                self._earlier[id(p)] = p.grad
-                p.grad = None
 
     def stage_done(self, s: int) -> None:
         """Stage ``s`` will add no more gradient this step: send what only it was still adding to."""
@@ -315,13 +304,6 @@ class GradAverager:
                 else:
                     p.grad = None  # its owner holds the average; this rank will not step it
                 offset += n
-        for p in self._all:
-            before = self._earlier.get(id(p))
-            if before is not None and p.grad is not None:
-                p.grad.add_(before)
-            elif before is not None and (self.owners is None or self.owners[id(p)] == self.index):
-                p.grad = before
-        self._earlier = {}
         self.reset()
 
     def _wait(self, work: Any) -> None:

@@ -269,22 +269,6 @@ class LossScaler:
             self.scale *= self.growth_factor
             self.good_steps = 0
 
-    @staticmethod
-    def set_aside(params: Iterable[torch.nn.Parameter]) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
-        """Take the gradients already accumulated (unscaled) off ``params``, for :meth:`restore`."""
-        aside = []
-        for prm in params:
-            if prm.grad is not None:
-                aside.append((prm, prm.grad))
-                prm.grad = None
-        return aside
-
-    @staticmethod
-    def restore(aside: Iterable[tuple[torch.nn.Parameter, torch.Tensor]]) -> None:
-        """Add the gradients :meth:`set_aside` took back to the (unscaled) new ones."""
-        for prm, grad in aside:
-            prm.grad = grad if prm.grad is None else grad.add_(prm.grad)
-
     def state_dict(self) -> dict[str, float]:
         """The scale and the good-step count (to resume exactly)."""
         return {"scale": self.scale, "good_steps": float(self.good_steps)}

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["TiedGroup", "tie_copies", "take_tied_grads", "sum_tied_grads", "copy_tied_values", "second_copies"]
+__all__ = ["TiedGroup", "tie_copies", "sum_tied_grads", "copy_tied_values", "second_copies"]
 
 # The copies of one tied parameter this process holds, and the process group of the ranks that
 # hold one (``None``: all copies are in this process, on different devices).
@@ -71,36 +71,8 @@ def tie_copies(
     return groups
 
 
-def take_tied_grads(groups: Sequence[TiedGroup]) -> list[torch.Tensor | None]:
-    """Take the copies' gradients out before another backward adds into them (gradient
-    accumulation over several ``forward_backward`` calls); give them to :func:`sum_tied_grads`.
-
-    They were summed already, so every copy holds the same one: summing them again with the new
-    contributions would count the earlier ones once per copy.
-    """
-    taken = []
-    for copies, _ in groups:
-        taken.append(copies[0].grad)
-        for c in copies:
-            c.grad = None
-    return taken
-
-
-def sum_tied_grads(
-    groups: Sequence[TiedGroup], comm_device: Callable[[], torch.device],
-    earlier: Sequence[torch.Tensor | None] | None = None,
-) -> None:
-    """Give every copy of each tied parameter the sum of all copies' gradients (plus the
-    ``earlier`` sums :func:`take_tied_grads` took out, when given)."""
-    _sum_new(groups, comm_device)
-    for (copies, _), before in zip(groups, earlier or ()):
-        if before is None:
-            continue
-        for c in copies:
-            c.grad = before.to(c.device) if c.grad is None else c.grad + before.to(c.device)
-
-
-def _sum_new(groups: Sequence[TiedGroup], comm_device: Callable[[], torch.device]) -> None:
+def sum_tied_grads(groups: Sequence[TiedGroup], comm_device: Callable[[], torch.device]) -> None:
+    """Give every copy of each tied parameter the sum of all copies' gradients."""
     for copies, group in groups:
         if group is not None:
             prm = copies[0]

@@ -27,6 +27,7 @@ from torch import nn
 from partitioner.plan import Plan
 
 from . import checkpoint
+from .accumulation import add_back, set_aside
 from .clipping import clip_grad_norm_
 from .data_parallel import DEFAULT_BUCKET_BYTES, Replicas, job_mesh, one_process_mesh
 from .executor import ActionRecord, Executor, RunResult, StageRuntime
@@ -43,7 +44,7 @@ from .process_group import default_device, ensure_process_group, resolve_mode
 from .recompute import stages_to_recompute
 from .schedules import Schedule
 from .shapes import wire_shapes
-from .tied import copy_tied_values, second_copies, sum_tied_grads, take_tied_grads, tie_copies
+from .tied import copy_tied_values, second_copies, sum_tied_grads, tie_copies
 from .timeline import Timeline, from_records, save_chrome_trace
 from .transport import DistTransport, LocalTransport, PeerFailed, Transport
 from .validation import validate
@@ -311,19 +312,16 @@ class PipelineTrainer:
         Under fp16 the gradients it adds are unscaled before it returns; ``last_found_inf``
         says whether any rank's had an inf or NaN."""
         ins = self._micro_inputs(inputs)
-        # fp16: gradients from an earlier call are set aside, so that only this call's are unscaled.
-        aside = self.scaler.set_aside(self.parameters()) if self.scaler is not None else []
         check_targets(self.plan.traced, inputs if isinstance(inputs, (tuple, list)) else (inputs,), targets)
         tgts = split_microbatches(targets, self.m, "targets")
         averager = self._replicas.averager
-        # Gradients of earlier calls are set aside (summed and averaged already) and added back.
-        earlier = take_tied_grads(self._tied) if averager is None else None
-        if averager is not None:
-            averager.begin()
+        # Gradients of earlier calls were summed, averaged and unscaled already: only this call's
+        # are, and the earlier ones are added back (runtime.accumulation).
+        aside = set_aside(self.parameters())
         try:
             results = self._run(self.schedule, ins, tgts, train=True,
                                 on_stage_done=averager.stage_done if averager is not None else None)
-            sum_tied_grads(self._tied, _comm_device, earlier)
+            sum_tied_grads(self._tied, _comm_device)
             if averager is not None:
                 averager.finish(self.mesh.pp_group)  # every replica (sharded: each owner) holds the averages
         finally:
@@ -332,7 +330,7 @@ class PipelineTrainer:
         if self.scaler is not None:
             self.last_found_inf = self.scaler.unscale_(self.parameters(), distributed=self.mode == "dist",
                                                        comm_device=_comm_device, group=self._replicas.norm_group)
-            self.scaler.restore(aside)
+        add_back(aside)
         loss = torch.zeros((), dtype=torch.float32)
         for res in results:
             for v in res.losses.values():

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from runtime.accumulation import add_back, set_aside
 from runtime.data_parallel import GradAverager
 from runtime.launch import spawn
 from runtime.placement import PlacementError
@@ -162,7 +163,7 @@ def test_averager_waits_for_every_holder_and_buckets_by_size(overlap: bool) -> N
     a, b, shared = (nn.Parameter(torch.ones(n)) for n in (4, 300, 2))
     a.grad = torch.full_like(a, 10.0)  # from an earlier forward_backward: set aside, added back
     avg = GradAverager({0: [a, shared], 1: [b, shared]}, None, 1, bucket_bytes=64 * 4, overlap=overlap)
-    avg.begin()
+    aside = set_aside([a, b, shared])  # what the trainer does around every call
     assert a.grad is None
     for prm, g in ((a, 2.0), (b, 3.0), (shared, 5.0)):
         prm.grad = torch.full_like(prm, g)
@@ -171,6 +172,7 @@ def test_averager_waits_for_every_holder_and_buckets_by_size(overlap: bool) -> N
     avg.stage_done(1)
     assert len(avg._sent) == (3 if overlap else 0)  # b alone exceeds the bucket
     avg.finish()
+    add_back(aside)
     assert a.grad.tolist() == [12.0] * 4 and b.grad.eq(3.0).all() and shared.grad.tolist() == [5.0, 5.0]
     assert avg._sent == [] and avg._left == {id(a): 1, id(shared): 2, id(b): 1}  # ready for the next step
 

@@ -15,7 +15,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def git_state(paths: tuple[str, ...] = ("partitioner", "runtime")) -> dict[str, Any]:
+def git_state(paths: tuple[str, ...] = ("partitioner", "runtime", "pipecut")) -> dict[str, Any]:
     """The commit the library was at and its uncommitted files under ``paths`` ({} outside git)."""
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from runtime.timeline import Timeline, save_chrome_trace
+from partitioner.schedule.timeline import Timeline, save_chrome_trace
 
 
 def _ms(x: float | None, digits: int = 1) -> str:

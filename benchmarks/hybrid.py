@@ -16,7 +16,7 @@ them less efficient, and comparing a 4-row micro-batch with a 2-row one would me
 the parallelism. A replica of ``dp`` runs ``batch / (dp * micro_batch)`` micro-batches. All
 configurations use ``PipelineTrainer(transport='dist')``, 1F1B unless named, and one SGD step per step
 (``trainer.step(*trainer.local_batch(x, y))``, so the optimizer's work, repeated by every replica,
-is counted), and run in the same 4 processes, one ``runtime.launch.spawn``:
+is counted), and run in the same 4 processes, one ``runtime.transport.launch.spawn``:
 
 * ``a: 2 dp x 2 pp``: a 2-stage plan, ``data_parallel=2``, gradients all-reduced stage by stage
   as each stage's last backward ran (``overlap_grad_reduce=True``, the default);
@@ -74,7 +74,7 @@ from _common import load_before, run_env, step_times, write_result  # noqa: E402
 from partitioner import partition  # noqa: E402
 from partitioner.zoo import MLPChain, gpt2  # noqa: E402
 from runtime import PipelineTrainer  # noqa: E402
-from runtime.launch import spawn  # noqa: E402
+from runtime.transport.launch import spawn  # noqa: E402
 
 __all__ = ["CONFIGS", "main"]
 

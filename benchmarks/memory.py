@@ -10,7 +10,7 @@ of free memory and 7 GB of disk; writes ``benchmarks/results/memory.json``)::
 
 The model is ``layers`` x ``Linear(width, width)`` (96 x 64 MiB = 6 GiB in fp32 by default), built
 under ``runtime.empty_weights()`` (parameters on ``meta``) by the script and by every rank. In order,
-each step in a fresh process (``runtime.launch.spawn``), so that each VmHWM is that step's own:
+each step in a fresh process (``runtime.transport.launch.spawn``), so that each VmHWM is that step's own:
 
 1. the checkpoint: sharded safetensors written layer group by layer group, values drawn per layer
    from ``--seed``, so the writer holds one shard at a time, never the model;
@@ -72,11 +72,11 @@ from torch import nn  # noqa: E402
 
 from _common import git_state  # noqa: E402
 from partitioner import partition  # noqa: E402
-from partitioner.plan import Plan  # noqa: E402
+from partitioner.plan.plan import Plan  # noqa: E402
 from runtime import PipelineTrainer  # noqa: E402
-from runtime.launch import spawn  # noqa: E402
-from runtime.materialize import empty_weights  # noqa: E402
-from runtime.weights import LoadReport  # noqa: E402
+from runtime.state.materialize import empty_weights  # noqa: E402
+from runtime.state.weights import LoadReport  # noqa: E402
+from runtime.transport.launch import spawn  # noqa: E402
 
 __all__ = ["Config", "main", "run"]
 
@@ -196,7 +196,7 @@ def _mem_available() -> int:
 
 
 class _LoadReports(logging.Handler):
-    """Keeps the LoadReport that ``runtime.weights`` logs: the trainer loads inside its constructor."""
+    """Keeps the LoadReport that ``runtime.state.weights`` logs: the trainer loads inside its constructor."""
 
     def __init__(self) -> None:
         super().__init__(logging.INFO)
@@ -261,7 +261,7 @@ def _train_rank(rank: int, world: int, cfg: Config) -> dict[str, Any]:
     planned = _status()
     t1 = time.perf_counter()
     reports = _LoadReports()
-    wlog = logging.getLogger("runtime.weights")
+    wlog = logging.getLogger("runtime.state.weights")
     wlog.addHandler(reports)
     wlog.setLevel(logging.INFO)
     trainer = PipelineTrainer(

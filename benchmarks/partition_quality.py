@@ -59,13 +59,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling _common 
 from _common import git_state, int_list
 from partitioner import Cluster, partition
 from partitioner import algorithms as alg
-from partitioner.cost import cost_graph
-from partitioner.devices import DeviceSpec
+from partitioner.cost.costs import cost_graph
+from partitioner.cost.devices import DeviceSpec
+from partitioner.cost.graph import build_graph, group_units, to_problem
 from partitioner.errors import InfeasibleMemoryError, PartitionError
-from partitioner.graph import build_graph, group_units, to_problem
-from partitioner.predict import stage_inflight
-from partitioner.split import split_graph
-from partitioner.trace import trace
+from partitioner.plan.predict import stage_inflight
+from partitioner.plan.split import split_graph
+from partitioner.tracing.trace import trace
 from partitioner.zoo import MLPChain, ResidualCNN, UNet, gpt2
 
 __all__ = ["BASELINES", "METHODS", "MODELS", "main"]

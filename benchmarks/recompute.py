@@ -11,7 +11,7 @@ so the plan's times are this machine's) and trained with ``PipelineTrainer(trans
 'sequential', schedule='gpipe', record=True)``, once with ``recompute=False`` and once with
 ``recompute=True``, ``--repeat`` steps each after one warm-up step. Per stage:
 
-* memory: bytes saved for backward by one micro-batch's forward (``runtime.saved_memory.
+* memory: bytes saved for backward by one micro-batch's forward (``runtime.execute.saved_memory.
   SavedBytes`` around the stage module's call, parameters excluded), and the bytes of the
   inputs a recomputing stage keeps instead (its tensor arguments). Saved per micro-batch in
   flight = plain forward's saved bytes - inputs; predicted = ``act_bytes - in_bytes``.
@@ -44,10 +44,10 @@ from torch import nn  # noqa: E402
 
 from _common import git_state  # noqa: E402
 from partitioner import partition  # noqa: E402
-from partitioner.render import fmt_bytes, fmt_time  # noqa: E402
+from partitioner.plan.render import fmt_bytes, fmt_time  # noqa: E402
 from partitioner.zoo import gpt2  # noqa: E402
 from runtime import PipelineTrainer  # noqa: E402
-from runtime.saved_memory import SavedBytes  # noqa: E402
+from runtime.execute.saved_memory import SavedBytes  # noqa: E402
 
 
 def _lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ processes, interleaved round by round (the order rotates each round), so a noisy
 them alike:
 
 * ``pipecut <schedule> dist``: ``PipelineTrainer(transport='dist')``, one stage per process,
-  with its defaults (weight-gradient accumulation fusion on: ``runtime.wgrad_fusion``);
+  with its defaults (weight-gradient accumulation fusion on: ``runtime.execute.wgrad_fusion``);
 * ``pipecut <schedule> dist unfused``: the same with ``fuse_wgrad=False`` (plain autograd, as
   torch and the single-process baselines use);
 * ``torch <schedule>``: ``torch.distributed.pipelining`` ``ScheduleGPipe`` / ``Schedule1F1B``
@@ -56,8 +56,8 @@ from torch import nn
 from _common import load_before, run_env, step_times, write_result
 from partitioner import partition
 from partitioner.zoo import MLPChain
-from runtime.launch import spawn
 from runtime.trainer import PipelineTrainer
+from runtime.transport.launch import spawn
 
 SCHEDULES = ("gpipe", "1f1b")
 TOL = {"rtol": 1e-4, "atol": 1e-6}

@@ -19,7 +19,7 @@ not what the shared machine allows. A sleep in a Function returns 0.2-0.5 ms lat
 machine (its overshoot, and code running on a CPU gone cold); each process first measures that
 on a block run alone and shortens every sleep by it (``--no-calibrate`` to keep the nominal
 sleeps; the JSON records the excess before and after). The split backward
-(``runtime.split_backward``) finds the ``+`` as the branch node: ``I`` runs ``sleep_F``'s
+(``runtime.execute.split_backward``) finds the ``+`` as the branch node: ``I`` runs ``sleep_F``'s
 backward (``B_in``), ``W`` runs ``sleep_W``'s (``W``), and a fused ``B`` both. The batch requires
 grad, so stage 0 also computes an input gradient in ``I`` as every other stage does (otherwise
 the executor would leave all of stage 0's backward to ``W``). ``F = B_in = W = --cost-ms`` per
@@ -27,7 +27,7 @@ rank (40 ms by default: a two-chunk schedule's chunks sleep 20 ms each). Each bl
 module for tracing, and ``split_points`` put exactly one block in each stage.
 
 The trainer runs in-process (``transport='local'``, one thread per rank) and, with ``dist`` in
-``--transports``, over ``p`` gloo processes (``runtime.launch.spawn``). Per ``(schedule, m)``:
+``--transports``, over ``p`` gloo processes (``runtime.transport.launch.spawn``). Per ``(schedule, m)``:
 
 * **simulated**: ``simulate(get_schedule(...), StageCosts.uniform(S, F/v, B_in/v, W/v))``, free
   links (hand-overs in one process cost microseconds). ``sim (measured actions)`` is the same
@@ -40,11 +40,11 @@ The trainer runs in-process (``transport='local'``, one thread per rank) and, wi
 * **bubble**: from the recorded actions (``trainer.last_records``). A recorded action includes
   the time its receive waited for a message, which is idle time, so each action's start is
   moved to when its input was produced (the producer's recorded end, on another rank) before
-  ``runtime.timeline.from_records`` computes ``busy``, ``bubble`` and the idle time per rank
+  ``partitioner.schedule.timeline.from_records`` computes ``busy``, ``bubble`` and the idle time per rank
   (``step - busy``). Transfer time after the producer's end still counts as busy.
 * **peak held**: per rank, the most (stage, micro-batch) activations held at once, from ``F``
   to its ``B``/``W`` (``Timeline.peak_inflight``), against the schedule's own count
-  (``runtime.validation.peak_inflight_per_rank``). A chunk holds ``1/v`` of a rank's layers, so
+  (``partitioner.schedule.validation.peak_inflight_per_rank``). A chunk holds ``1/v`` of a rank's layers, so
   memory in whole-stage units is ``peak / v``.
 * **ZB vs 1F1B**: idle time per rank (mean over ranks; the paper's statement: ZB-H1 idles
   ``(p - 1)(F + B - W)`` against 1F1B's ``(p - 1)(F + B + W)``, a third) and bubble fractions
@@ -84,13 +84,13 @@ from _fixed_cost import ROWS, WIDTH, SleepBlock, calibrate
 from _schedules_report import print_report, save_traces
 from partitioner import Cluster, Plan, partition
 from partitioner.errors import PipecutError
+from partitioner.schedule.registry import get_schedule
+from partitioner.schedule.simulate import StageCosts, simulate
+from partitioner.schedule.timeline import Timeline, from_records
+from partitioner.schedule.validation import peak_inflight_per_rank
 from partitioner.zoo import gpt2
-from runtime.launch import LaunchError, spawn
-from runtime.schedules import get_schedule
-from runtime.simulate import StageCosts, simulate
-from runtime.timeline import Timeline, from_records
 from runtime.trainer import PipelineTrainer
-from runtime.validation import peak_inflight_per_rank
+from runtime.transport.launch import LaunchError, spawn
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1", "zbv")
 CHUNKS = {"interleaved": 2, "zbv": 2}  # stages per rank; 1 for the others

@@ -11,13 +11,13 @@ Per round, three fresh forwards, each followed by one way of doing its backward,
 order so a noisy machine slows them alike:
 
 * ``fused``: ``torch.autograd.backward(outputs, grads)``, what a ``B`` action runs;
-* ``split``: ``runtime.split_backward``: ``backward_input`` (``I``: input gradients, capturing
+* ``split``: ``runtime.execute.split_backward``: ``backward_input`` (``I``: input gradients, capturing
   the gradient at each weight's branch node) then ``backward_weight`` (``W``: autograd from the
   branch nodes to the weights only);
 * ``rewalk``: the naive split: ``I`` as ``autograd.grad(outputs, inputs, retain_graph=True)``,
   ``W`` as ``autograd.grad(outputs, params)``, which walks the activation gradients again;
 * ``fused+wgrad`` / ``split+wgrad``: ``fused`` and ``split`` on the same stage rewritten by
-  ``runtime.wgrad_fusion`` (what the trainer runs by default): each Linear adds its weight
+  ``runtime.execute.wgrad_fusion`` (what the trainer runs by default): each Linear adds its weight
   gradient into ``.grad`` with ``addmm_``, and under split backward ``I`` only records that GEMM
   for ``W`` to run.
 
@@ -41,8 +41,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from runtime.split_backward import backward_input, backward_weight
-from runtime.wgrad_fusion import fuse_weight_grad_accumulation, fused_params
+from runtime.execute.split_backward import backward_input, backward_weight
+from runtime.execute.wgrad_fusion import fuse_weight_grad_accumulation, fused_params
 
 
 def _stage(layers: int, width: int) -> nn.Module:

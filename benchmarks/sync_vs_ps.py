@@ -4,7 +4,7 @@ Measures, on N gloo processes over loopback, the time to average a gradient of G
 the N replicas two ways, side by side in one run:
 
 * **all-reduce**: ``dist.all_reduce`` (gloo's ring/halving-doubling), what pipecut's data
-  parallelism does (``runtime/data_parallel.py``);
+  parallelism does (``runtime/parallel/data_parallel.py``);
 * **parameter server**: every worker sends its gradient to rank 0 (the server), which sums them
   and sends the average back to each (point-to-point ``isend``/``irecv``), the classic
   one-server scheme.
@@ -39,7 +39,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from benchmarks._common import git_state, int_list  # noqa: E402
-from runtime.launch import spawn  # noqa: E402
+from runtime.transport.launch import spawn  # noqa: E402
 
 
 def _parameter_server(grad: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from partitioner import partition
-from partitioner.trace import CausalLMLogits
+from partitioner.tracing.trace import CausalLMLogits
 from runtime import PipelineTrainer, Weights, empty_weights, save_safetensors
 
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from .api import METHODS, partition
-from .devices import DEVICE_PRESETS, Cluster, DeviceSpec
-from .errors import (
+from partitioner.api import METHODS, partition
+from partitioner.cost.devices import DEVICE_PRESETS, Cluster, DeviceSpec
+from partitioner.errors import (
     InfeasibleMemoryError,
     InputError,
     InputShapeError,
@@ -17,9 +17,9 @@ from .errors import (
     TraceError,
     UnknownDeviceError,
 )
-from .plan import Plan, Prediction, StagePlan
-from .split import StagedModel, StageIO, ValueSpec
-from .trace import TracedModel, trace
+from partitioner.plan.plan import Plan, Prediction, StagePlan
+from partitioner.plan.split import StagedModel, StageIO, ValueSpec
+from partitioner.tracing.trace import TracedModel, trace
 
 __all__ = [
     "partition",

@@ -12,20 +12,35 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import algorithms as alg
-from .choose import choose, microbatch_candidates
-from .cost import cost_graph, node_time, weight_share
-from .devices import Cluster
-from .errors import InfeasibleMemoryError, SplitPointError, TooManyStagesError
-from .globalstate import preserved
-from .graph import Unit, build_graph, canonical_names, group_units, layer_depth, module_range, to_problem
-from .plan import Plan, StagePlan, binding
-from .precision import check_precision, with_precision
-from .predict import TRAINING_SCHEDULES, chunks_of, predict, schedule_for, stage_inflight
-from .recompute import check_option, choose_recompute, cut_recomputing, recomputing_problem, stage_input_bytes
-from .split import split_graph
-from .trace import Method as TraceMethod
-from .trace import trace
+from partitioner import algorithms as alg
+from partitioner.cost.costs import cost_graph, node_time, weight_share
+from partitioner.cost.devices import Cluster
+from partitioner.cost.graph import (
+    Unit,
+    build_graph,
+    canonical_names,
+    group_units,
+    layer_depth,
+    module_range,
+    to_problem,
+)
+from partitioner.cost.precision import check_precision, with_precision
+from partitioner.cost.recompute import (
+    check_option,
+    choose_recompute,
+    cut_recomputing,
+    recomputing_problem,
+    stage_input_bytes,
+)
+from partitioner.errors import InfeasibleMemoryError, SplitPointError, TooManyStagesError
+from partitioner.plan.choose import choose, microbatch_candidates
+from partitioner.plan.plan import Plan, StagePlan, binding
+from partitioner.plan.predict import predict, stage_inflight
+from partitioner.plan.split import split_graph
+from partitioner.schedule.registry import TRAINING_SCHEDULES, stage_schedule, stages_per_rank
+from partitioner.tracing.globalstate import preserved
+from partitioner.tracing.trace import Method as TraceMethod
+from partitioner.tracing.trace import trace
 
 __all__ = ["partition", "METHODS"]
 
@@ -93,9 +108,9 @@ def partition(
             ``microbatches``).
         precision: the mixed-precision policy the plan is costed for (and trains with by
             default): ``'fp32'``, ``'bf16'`` or ``'fp16'`` (autocast, fp32 master weights; see
-            ``partitioner.precision``): low-precision matmuls at the 16-bit peak, activations
+            ``partitioner.cost.precision``): low-precision matmuls at the 16-bit peak, activations
             saved and sent in half the bytes, training state unchanged.
-        recompute: activation recomputation per stage (``runtime.recompute``; the plan records
+        recompute: activation recomputation per stage (``runtime.execute.recompute``; the plan records
             it in ``StagePlan.recompute`` and the trainer follows it). ``'auto'`` (default):
             only when memory binds, i.e. no cut fits the devices with every micro-batch's
             activations held, cut for recomputing stages and turn it on for the stages that do
@@ -212,7 +227,7 @@ def _partition(
         stages = num_stages
     else:
         assert devices is not None  # checked above: num_stages or a cluster
-        stages = devices * chunks_of(schedule)
+        stages = devices * stages_per_rank(schedule)
     return ctx.plan(_stage_cluster(cluster, stages, schedule), schedule, microbatches, split=True)
 
 
@@ -329,7 +344,7 @@ def _stage_cluster(cluster: Cluster | None, stages: int, schedule: str) -> Clust
     With several stages per device (interleaved, ZB-V), stage ``s`` runs on the device of its
     rank; consecutive stages on one device get a free link; others the slower of the links.
     """
-    v = chunks_of(schedule)
+    v = stages_per_rank(schedule)
     if stages % v:
         raise ValueError(
             f"schedule {schedule!r} places {v} stages on every device: ask for a multiple of {v} "
@@ -346,7 +361,7 @@ def _stage_cluster(cluster: Cluster | None, stages: int, schedule: str) -> Clust
     cluster = cluster.with_devices(ranks)
     if v == 1:
         return cluster
-    to_rank = schedule_for(schedule, stages, max(ranks, 1)).stage_to_rank
+    to_rank = stage_schedule(schedule, stages, max(ranks, 1)).stage_to_rank
     slow_bw = min(cluster.link_bandwidth, default=float("inf"))
     slow_lat = max(cluster.link_latency, default=0.0)
     bws, lats = [], []
@@ -366,7 +381,7 @@ def _stage_cluster(cluster: Cluster | None, stages: int, schedule: str) -> Clust
 
 def _per_stage_capacity(cluster: Cluster, schedule: str) -> Cluster:
     """The cluster the Problem sees: with ``v`` stages per device each gets 1/v of its memory."""
-    v = chunks_of(schedule)
+    v = stages_per_rank(schedule)
     if v == 1:
         return cluster
     devices = tuple(replace(d, memory=d.memory / v) for d in cluster.devices)
@@ -433,7 +448,7 @@ def _make_plan(
     bound = alg.lower_bound(recomputing_problem(problem, forward) if everywhere else problem)
     # The plan's schedule first, then every other schedule with the same placement (one stage
     # per device); a two-chunk placement's links are its own, so it is predicted alone.
-    same = [k for k in TRAINING_SCHEDULES if k != schedule and chunks_of(k) == 1 == chunks_of(schedule)]
+    same = [k for k in TRAINING_SCHEDULES if k != schedule and stages_per_rank(k) == 1 == stages_per_rank(schedule)]
     preds = tuple(predict(stages, cluster, k, microbatches) for k in (schedule, *same))
     return Plan(
         stages=tuple(stages),

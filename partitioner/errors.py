@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+# The root is defined at the bottom of the import graph, in the pure schedule layer.
+from partitioner.schedule.errors import PipecutError as PipecutError
+
 __all__ = [
     "PipecutError",
     "TraceError",
@@ -15,10 +18,6 @@ __all__ = [
     "UnknownDeviceError",
     "SplitPointError",
 ]
-
-
-class PipecutError(Exception):
-    """Base class of every error pipecut raises on purpose."""
 
 
 class TraceError(PipecutError, RuntimeError):

@@ -127,7 +127,7 @@ def gpt2(
             "the gpt2 models need Hugging Face transformers: pip install 'pipecut[dev]' "
             "(or pip install transformers)"
         ) from e
-    from .trace import CausalLMLogits
+    from partitioner.tracing.trace import CausalLMLogits
 
     cfg = GPT2Config(
         n_layer=n_layer, n_embd=n_embd, n_head=n_head, vocab_size=vocab_size, n_positions=n_positions,

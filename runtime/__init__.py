@@ -2,50 +2,39 @@
 
 from __future__ import annotations
 
-from .comm import Op, Recv, Send, comm_plan, needs_early_receives
-from .data_parallel import GradAverager, PipelineMesh, pipeline_mesh
-from .errors import LossError, StageError
-from .executor import ActionRecord, Executor, RunResult, StageRuntime
-from .generators import forward_only, gpipe, interleaved, one_f_one_b
-from .launch import LaunchError, spawn
-from .materialize import MaterializeError, empty_weights, initialize, materialize
-from .metrics import TrainingProgress, step_metrics
-from .placement import PlacementError
-from .recompute import RecomputeOptionError
-from .saved_memory import SavedBytes
-from .schedules import (
-    Action,
-    Kind,
-    Schedule,
+from partitioner.schedule.actions import Action, Kind
+from partitioner.schedule.comm import Op, Recv, Send, comm_plan, needs_early_receives
+from partitioner.schedule.errors import (
     ScheduleError,
     ScheduleFormatError,
+    SimulationError,
+    TimelineError,
     UnknownScheduleError,
-    get_schedule,
-    schedule_names,
 )
-from .simulate import Link, Simulation, SimulationError, StageCosts, simulate
-from .timeline import (
+from partitioner.schedule.generators import forward_only, gpipe, interleaved, one_f_one_b
+from partitioner.schedule.grid import format_grid
+from partitioner.schedule.ir import Schedule
+from partitioner.schedule.registry import get_schedule, schedule_names
+from partitioner.schedule.simulate import Link, Simulation, StageCosts, simulate
+from partitioner.schedule.timeline import (
     Message,
     Span,
     Timeline,
-    TimelineError,
     from_records,
     save_chrome_trace,
     save_gantt_png,
     to_chrome_trace,
 )
-from .trainer import MicrobatchError, PipelineTrainer, split_microbatches
-from .transport import (
-    DistTransport,
-    Key,
-    LocalTransport,
-    PeerFailed,
-    TensorMeta,
-    Transport,
-    TransportTimeout,
-)
-from .validation import format_grid, peak_inflight, peak_inflight_per_rank, validate
-from .weight_errors import (
+from partitioner.schedule.validation import peak_inflight, peak_inflight_per_rank, validate
+from partitioner.schedule.zero_bubble import zbh1, zbv
+from runtime.errors import LossError, StageError
+from runtime.execute.executor import ActionRecord, Executor, RunResult, StageRuntime
+from runtime.execute.recompute import RecomputeOptionError
+from runtime.execute.saved_memory import SavedBytes
+from runtime.metrics import TrainingProgress, step_metrics
+from runtime.parallel.data_parallel import GradAverager, PipelineMesh, pipeline_mesh
+from runtime.state.materialize import MaterializeError, empty_weights, initialize, materialize
+from runtime.state.weight_errors import (
     AmbiguousPrefixError,
     MissingWeightsError,
     PartialLoadError,
@@ -57,8 +46,8 @@ from .weight_errors import (
     WeightShapeError,
     WeightsSourceError,
 )
-from .weight_export import SaveReport, save_safetensors
-from .weights import (
+from runtime.state.weight_export import SaveReport, save_safetensors
+from runtime.state.weights import (
     LoadReport,
     PrefixMap,
     TensorInfo,
@@ -67,7 +56,18 @@ from .weights import (
     detect_prefix,
     load_weights,
 )
-from .zero_bubble import zbh1, zbv
+from runtime.trainer import MicrobatchError, PipelineTrainer, split_microbatches
+from runtime.transport.launch import LaunchError, spawn
+from runtime.transport.p2p import (
+    DistTransport,
+    Key,
+    LocalTransport,
+    PeerFailed,
+    TensorMeta,
+    Transport,
+    TransportTimeout,
+)
+from runtime.transport.placement import PlacementError
 
 __all__ = [
     "PipelineTrainer",

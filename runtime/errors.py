@@ -23,7 +23,7 @@ import torch
 from torch import fx, nn
 
 from partitioner.errors import PipecutError
-from partitioner.trace import node_module_path
+from partitioner.tracing.trace import node_module_path
 
 __all__ = ["StageError", "LossError", "NodeInfo", "failing_node", "describe_value"]
 
@@ -32,7 +32,7 @@ PHASES = {"F": "forward", "B": "backward", "I": "input-gradient backward", "W": 
 
 # Frames of the tracing machinery, not the user's model, in a node's recorded stack.
 _TORCH_DIR = str(Path(torch.__file__).resolve().parent)
-_TRACERS = tuple(str(Path(__file__).resolve().parents[1] / "partitioner" / f) for f in (
+_TRACERS = tuple(str(Path(__file__).resolve().parents[1] / "partitioner" / "tracing" / f) for f in (
     "fx_trace.py", "export_trace.py", "trace.py", "hops.py"))
 
 

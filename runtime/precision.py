@@ -19,7 +19,7 @@ fp16 needs loss scaling (its smallest normal is ~6e-5, small gradients underflow
 own :class:`LossScaler` rather than use ``torch.amp.GradScaler`` because the inf/NaN check must
 see every stage: each rank holds only its own stages' gradients, and GradScaler decides per
 process with no hook for a process group. Ours reduces the found-inf flag over the pipeline's
-ranks (as ``runtime.clipping`` reduces the norm) and otherwise follows GradScaler: initial scale
+ranks (as ``runtime.parallel.clipping`` reduces the norm) and otherwise follows GradScaler: initial scale
 2**16, x2 after 2000 steps without inf/NaN, x0.5 and the step skipped when one is found.
 """
 
@@ -37,8 +37,8 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from partitioner.errors import PipecutError
-from partitioner.split import StageIO
-from partitioner.trace import InputMeta
+from partitioner.plan.split import StageIO
+from partitioner.tracing.trace import InputMeta
 
 __all__ = ["MixedPrecision", "LossScaler", "PrecisionError", "PRECISIONS", "resolve_precision", "wire_dtypes"]
 

@@ -24,32 +24,31 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from partitioner.plan import Plan
-
-from . import checkpoint
-from .accumulation import add_back, set_aside
-from .clipping import clip_grad_norm_
-from .data_parallel import DEFAULT_BUCKET_BYTES, Replicas, job_mesh, one_process_mesh
-from .executor import ActionRecord, Executor, RunResult, StageRuntime
-from .generators import forward_only
-from .inputs import check_inputs, check_sizes, check_targets, shape_key
-from .local_run import RankThreads, run_interleaved, run_threads
-from .materialize import InitFn, materialize_stages
-from .metrics import step_metrics
-from .microbatch import MicrobatchError, split_microbatches
-from .placement import check_backend, placed_schedule, stage_devices
-from .precision import LossScaler, MixedPrecision, resolve_precision, wire_dtypes
-from .process_group import comm_device as _comm_device
-from .process_group import default_device, ensure_process_group, resolve_mode
-from .recompute import stages_to_recompute
-from .schedules import Schedule
-from .shapes import wire_shapes
-from .tied import copy_tied_values, second_copies, sum_tied_grads, tie_copies
-from .timeline import Timeline, from_records, save_chrome_trace
-from .transport import DistTransport, LocalTransport, PeerFailed, Transport
-from .validation import validate
-from .weights import LoadReport, Weights, load_weights, stage_tensors
-from .wgrad_fusion import fuse_weight_grad_accumulation
+from partitioner.plan.plan import Plan
+from partitioner.schedule.generators import forward_only
+from partitioner.schedule.ir import Schedule
+from partitioner.schedule.timeline import Timeline, from_records, save_chrome_trace
+from partitioner.schedule.validation import validate
+from runtime.execute.accumulation import add_back, set_aside
+from runtime.execute.executor import ActionRecord, Executor, RunResult, StageRuntime
+from runtime.execute.inputs import check_inputs, check_sizes, check_targets, shape_key
+from runtime.execute.local_run import RankThreads, run_interleaved, run_threads
+from runtime.execute.microbatch import MicrobatchError, split_microbatches
+from runtime.execute.recompute import stages_to_recompute
+from runtime.execute.shapes import wire_shapes
+from runtime.execute.wgrad_fusion import fuse_weight_grad_accumulation
+from runtime.metrics import step_metrics
+from runtime.parallel.clipping import clip_grad_norm_
+from runtime.parallel.data_parallel import DEFAULT_BUCKET_BYTES, Replicas, job_mesh, one_process_mesh
+from runtime.parallel.tied import copy_tied_values, second_copies, sum_tied_grads, tie_copies
+from runtime.precision import LossScaler, MixedPrecision, resolve_precision, wire_dtypes
+from runtime.state import checkpoint
+from runtime.state.materialize import InitFn, materialize_stages
+from runtime.state.weights import LoadReport, Weights, load_weights, stage_tensors
+from runtime.transport.p2p import DistTransport, LocalTransport, PeerFailed, Transport
+from runtime.transport.placement import check_backend, placed_schedule, stage_devices
+from runtime.transport.process_group import comm_device as _comm_device
+from runtime.transport.process_group import default_device, ensure_process_group, resolve_mode
 
 __all__ = ["PipelineTrainer", "MicrobatchError", "split_microbatches"]
 
@@ -85,10 +84,10 @@ class PipelineTrainer:
         record: keep when each action ran (``last_records``), for :meth:`timeline` and
             :meth:`save_trace`.
         fuse_wgrad: let large linear layers add weight gradients into ``.grad`` in place
-            (``runtime.wgrad_fusion``; under split backward ``I`` records that GEMM and ``W``
+            (``runtime.execute.wgrad_fusion``; under split backward ``I`` records that GEMM and ``W``
             runs it). Hooks on those parameters then do not fire: pass ``False`` if you rely
             on them.
-        recompute: activation recomputation (``runtime.recompute``): a recomputing stage's
+        recompute: activation recomputation (``runtime.execute.recompute``): a recomputing stage's
             forward keeps only its inputs and its backward runs the forward again first, so it
             holds its input bytes per micro-batch in flight instead of its saved activations,
             for one more forward per backward. ``None`` (default): the stages the plan chose
@@ -99,14 +98,14 @@ class PipelineTrainer:
             tensors this process's stages hold, ``init_fn(name, module)`` per module of the
             original model that owns some (default: the Hugging Face model's ``_init_weights``,
             else the module's ``reset_parameters()``). Only this process's stages are allocated,
-            on their devices; see ``runtime.materialize``.
+            on their devices; see ``runtime.state.materialize``.
         lr_scheduler: called with the optimizer, e.g. ``lambda opt: LambdaLR(opt, warmup)``;
             stepped after every optimizer step (``None`` on a rank without parameters).
         weights: a checkpoint to load this process's stages from (a path, or
-            ``runtime.weights.Weights(path, prefix=..., cast=...)``); see :meth:`load_weights`.
+            ``runtime.state.weights.Weights(path, prefix=..., cast=...)``); see :meth:`load_weights`.
             With a meta model, only tensors the checkpoint does not hold are initialised.
         seed: base seed of that initialisation; values depend on it and the module names only,
-            not on the plan or the rank (``runtime.materialize.initialize`` gives a real model the
+            not on the plan or the rank (``runtime.state.materialize.initialize`` gives a real model the
             same weights).
         check_finite: raise ``LossError`` as soon as a micro-batch's loss is NaN or infinite,
             before any optimizer step (costs one device sync per micro-batch). Off by default:
@@ -114,13 +113,13 @@ class PipelineTrainer:
         data_parallel: ``dp``, the pipeline's replicas under torch.distributed (world size
             ``dp * p``): each trains on its share of the global batch (:meth:`local_batch`) and
             their gradients are averaged before every step, so every replica takes the step the
-            whole batch gives. Default 1. See ``runtime.data_parallel``.
+            whole batch gives. Default 1. See ``runtime.parallel.data_parallel``.
         mesh: instead, a ``DeviceMesh`` with dimensions ``("dp", "pp")`` to place the replicas.
         overlap_grad_reduce: start each stage's gradient all-reduce right after its last
             backward action, overlapping the pipeline's drain on the ranks behind (default);
             ``False`` reduces once the whole pipeline has run (the all-reduce after the step).
         grad_bucket_bytes: the size of the flat buckets gradients are all-reduced in.
-        shard_optimizer: with ``data_parallel > 1``, ZeRO-style sharding (``runtime.zero``):
+        shard_optimizer: with ``data_parallel > 1``, ZeRO-style sharding (``runtime.parallel.zero``):
             each parameter is owned by one replica, which alone keeps its optimizer state and,
             after the reduction, its gradient; the optimizer factory is called with this
             process's share; the owners broadcast the new values after each step.
@@ -316,7 +315,7 @@ class PipelineTrainer:
         tgts = split_microbatches(targets, self.m, "targets")
         averager = self._replicas.averager
         # Gradients of earlier calls were summed, averaged and unscaled already: only this call's
-        # are, and the earlier ones are added back (runtime.accumulation).
+        # are, and the earlier ones are added back (runtime.execute.accumulation).
         aside = set_aside(self.parameters())
         try:
             results = self._run(self.schedule, ins, tgts, train=True,
@@ -421,9 +420,9 @@ class PipelineTrainer:
 
         A torch.distributed.checkpoint directory keyed by the original model's names, so it
         loads under any plan, schedule or world size, and into the plain model
-        (``runtime.checkpoint.load_model``). Written beside ``directory`` and renamed into place
+        (``runtime.state.checkpoint.load_model``). Written beside ``directory`` and renamed into place
         when every rank is done: a crash midway never leaves something that loads as a whole
-        checkpoint. Collective under torch.distributed. See ``runtime.checkpoint``.
+        checkpoint. Collective under torch.distributed. See ``runtime.state.checkpoint``.
         """
         return checkpoint.save(self, directory)
 
@@ -449,13 +448,13 @@ class PipelineTrainer:
 
         ``weights`` is a path (a ``.safetensors`` file, a sharded Hugging Face directory or its
         ``model.safetensors.index.json``, a ``torch.save`` file, or a torch.distributed.checkpoint
-        directory) or a :class:`~runtime.weights.Weights` with options (name prefix, ``cast``,
+        directory) or a :class:`~runtime.state.weights.Weights` with options (name prefix, ``cast``,
         ``strict``). Names are the original model's; a tied weight may be stored under any of
         its names. Every name, shape and dtype is checked before any data is copied.
 
         Raises:
             WeightsError: a missing or unexpected key, a shape or dtype mismatch (typed
-                subclasses name the key, the stage and the fix); see ``runtime.weights``.
+                subclasses name the key, the stage and the fix); see ``runtime.state.weights``.
         """
         spec = weights if isinstance(weights, Weights) else Weights(weights)
         into, stage_of = stage_tensors({s: st.module for s, st in self.stages.items()})
@@ -473,9 +472,9 @@ class PipelineTrainer:
         copy_tied_values(self._tied, self.optimizer)
 
     def timeline(self) -> Timeline:
-        """The last run as measured in this process: a :class:`~runtime.timeline.Timeline`.
+        """The last run as measured in this process: a :class:`~partitioner.schedule.timeline.Timeline`.
 
-        Built by :func:`~runtime.timeline.from_records` from ``last_records`` (``perf_counter``
+        Built by :func:`~partitioner.schedule.timeline.from_records` from ``last_records`` (``perf_counter``
         times, shifted to start at 0; messages between ranks inferred from the hand-overs), so
         ``bubble``, ``peak_inflight``, ``memory`` and traces read it as they read a simulated
         one. Activation bytes per stage are the plan's when the micro-batches had the plan's
@@ -502,7 +501,7 @@ class PipelineTrainer:
     def save_trace(self, path: str | Path) -> Path | None:
         """Write the last run as Chrome trace JSON (open in https://ui.perfetto.dev).
 
-        The same format as simulated timelines (``runtime.timeline.save_chrome_trace``): a
+        The same format as simulated timelines (``partitioner.schedule.timeline.save_chrome_trace``): a
         track per rank, an event per action named like ``1F3``, flow arrows for the messages
         between ranks, activation counters. Needs ``record=True``.
 
@@ -553,7 +552,7 @@ class PipelineTrainer:
         return shape_key(mb_inputs) == tuple(tuple(meta.shape) for meta in self.plan.traced.example_inputs)
 
     def _micro_inputs(self, inputs: Any) -> list[dict[str, Any]]:
-        """The batch cut into micro-batches, checked against the plan first (``runtime.inputs``)."""
+        """The batch cut into micro-batches, checked against the plan first (``runtime.execute.inputs``)."""
         flat = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
         names = self.plan.input_names
         check_inputs(self.plan.traced, flat)

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from partitioner import Plan, partition
-from partitioner.trace import CausalLMLogits
+from partitioner.tracing.trace import CausalLMLogits
 from runtime import PipelineTrainer
 
 # The runtime tests' shared tolerance; importing parity also makes every linear layer, however

@@ -33,7 +33,7 @@ from families import (
 )
 from partitioner import Plan
 from runtime import PipelineTrainer
-from runtime.launch import spawn
+from runtime.transport.launch import spawn
 
 STAGES = (2, 4)
 SCHEDULES = ("1f1b", "zbh1")

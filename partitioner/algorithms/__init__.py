@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .baselines import balanced_params, equal_count, equal_size
-from .evaluate import Evaluation, check_assignment, evaluate, lower_bound
-from .exact import exact
-from .manual import manual
-from .problem import Partition, Problem, Tensor
-from .refine import refine
+from partitioner.algorithms.baselines import balanced_params, equal_count, equal_size
+from partitioner.algorithms.evaluate import Evaluation, check_assignment, evaluate, lower_bound
+from partitioner.algorithms.exact import exact
+from partitioner.algorithms.manual import manual
+from partitioner.algorithms.problem import Partition, Problem, Tensor
+from partitioner.algorithms.refine import refine
 
 __all__ = [
     "Problem",

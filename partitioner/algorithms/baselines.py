@@ -16,9 +16,9 @@ from itertools import accumulate
 
 import numpy as np
 
-from ..errors import TooManyStagesError
-from .exact import _Instance  # the threshold search of `exact`, reused on plain prefix sums
-from .problem import Partition, Problem
+from partitioner.algorithms.exact import _Instance  # the threshold search of `exact`, reused on plain prefix sums
+from partitioner.algorithms.problem import Partition, Problem
+from partitioner.errors import TooManyStagesError
 
 __all__ = ["equal_count", "balanced_params", "equal_size"]
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import PartitionError
-from .problem import Partition, Problem
+from partitioner.algorithms.problem import Partition, Problem
+from partitioner.errors import PartitionError
 
 __all__ = ["Evaluation", "evaluate", "lower_bound", "check_assignment", "link_time"]
 

@@ -47,9 +47,9 @@ import math
 import numpy as np
 from numpy.typing import NDArray
 
-from ..errors import InfeasibleMemoryError, PartitionError, TooManyStagesError
-from .evaluate import lower_bound
-from .problem import Partition, Problem
+from partitioner.algorithms.evaluate import lower_bound
+from partitioner.algorithms.problem import Partition, Problem
+from partitioner.errors import InfeasibleMemoryError, PartitionError, TooManyStagesError
 
 __all__ = ["exact"]
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from ..errors import SplitPointError
-from .problem import Partition, Problem
+from partitioner.algorithms.problem import Partition, Problem
+from partitioner.errors import SplitPointError
 
 __all__ = ["manual"]
 

@@ -30,8 +30,8 @@ from __future__ import annotations
 import logging
 import math
 
-from .evaluate import check_assignment, evaluate, link_time
-from .problem import Partition, Problem
+from partitioner.algorithms.evaluate import check_assignment, evaluate, link_time
+from partitioner.algorithms.problem import Partition, Problem
 
 __all__ = ["refine"]
 

@@ -9,7 +9,7 @@ from types import ModuleType
 
 import pytest
 
-from runtime.executor import ActionRecord
+from runtime.execute.executor import ActionRecord
 
 ROOT = Path(__file__).resolve().parents[2]
 

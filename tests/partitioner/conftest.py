@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from gpt2_case import gpt2_config
-from partitioner.trace import CausalLMLogits, TracedModel, trace
+from partitioner.tracing.trace import CausalLMLogits, TracedModel, trace
 
 
 @pytest.fixture(scope="module")

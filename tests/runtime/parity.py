@@ -14,12 +14,12 @@ import torch
 from torch import nn
 
 from partitioner import partition
+from partitioner.schedule.validation import peak_inflight
 from partitioner.zoo import MLPChain, gpt2
-from runtime import wgrad_fusion
-from runtime.placement import PlacementError
+from runtime.execute import wgrad_fusion
 from runtime.trainer import PipelineTrainer
-from runtime.transport import DistTransport
-from runtime.validation import peak_inflight
+from runtime.transport.p2p import DistTransport
+from runtime.transport.placement import PlacementError
 
 TOL = {"rtol": 2e-5, "atol": 2e-6}
 # Fuse weight-gradient accumulation into every linear layer, however small, so that the parity

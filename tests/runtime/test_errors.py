@@ -19,7 +19,7 @@ from partitioner import InputError, InputShapeError, partition
 from partitioner.zoo import MLPChain
 from runtime import LossError, PipelineTrainer, StageError
 from runtime.errors import failing_node
-from runtime.launch import LaunchError, spawn
+from runtime.transport.launch import LaunchError, spawn
 
 CPU = torch.device("cpu")
 

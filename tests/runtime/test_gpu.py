@@ -17,8 +17,8 @@ from torch import nn
 from parity import case, reference_grads
 from partitioner import partition
 from runtime import PipelineTrainer
-from runtime.launch import spawn
-from runtime.wgrad_fusion import linear_accumulate
+from runtime.execute.wgrad_fusion import linear_accumulate
+from runtime.transport.launch import spawn
 
 pytestmark = [
     pytest.mark.gpu,

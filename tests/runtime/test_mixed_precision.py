@@ -32,7 +32,7 @@ from torch import nn
 
 from parity import case, make_trainer
 from runtime.precision import LossScaler, MixedPrecision, PrecisionError, wire_dtypes
-from runtime.transport import LocalTransport, TensorMeta
+from runtime.transport.p2p import LocalTransport, TensorMeta
 
 # Relative to the largest reference gradient (see the module docstring for the measurements).
 TIGHT = 1e-6
@@ -259,7 +259,7 @@ def _fp16_rank(rank: int, world: int, precision: str) -> dict[str, Any]:
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision_over_gloo_ranks(precision: str) -> None:
-    from runtime.launch import spawn
+    from runtime.transport.launch import spawn
 
     results = spawn(_fp16_rank, 2, precision, timeout=240)
     assert all(r["err"] < TIGHT for r in results), results

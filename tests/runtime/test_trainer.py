@@ -12,11 +12,11 @@ import torch
 from torch import nn
 
 from parity import _fresh, _fresh_y, case, check_case, check_grads, dist_worker, make_trainer, stages_for
+from partitioner.schedule.registry import get_schedule
+from partitioner.schedule.validation import peak_inflight
 from runtime.errors import StageError
-from runtime.launch import spawn
-from runtime.schedules import get_schedule
 from runtime.trainer import MicrobatchError, PipelineTrainer, split_microbatches
-from runtime.validation import peak_inflight
+from runtime.transport.launch import spawn
 
 MODELS = ["mlp", "gpt2", "skip"]
 SCHEDULES = ["gpipe", "1f1b"]
@@ -108,8 +108,8 @@ def test_gloo_processes_match_reference(world: int, tmp_path: Path) -> None:
 def test_grouped_messages_match_reference(world: int) -> None:
     """The program NCCL runs (each action's sends posted with the next one's receives, as one
     ``batch_isend_irecv``), run over gloo: exact for the schedules NCCL accepts."""
-    from runtime.comm import needs_early_receives
-    from runtime.schedules import get_schedule
+    from partitioner.schedule.comm import needs_early_receives
+    from partitioner.schedule.registry import get_schedule
 
     # The skip model's stem feeds the last stage: over 4 ranks 1F1B's and ZB-H1's grouped
     # programs could wait in a circle, and NCCL refuses them (test_placement); GPipe's finishes.
@@ -128,7 +128,7 @@ def test_export_graph_runs_other_micro_batch_sizes_and_names_fixed_ones() -> Non
     from partitioner import partition
     from partitioner.errors import PlanMismatchError
     from rotary_case import RotaryNet
-    from runtime.shapes import wire_shapes
+    from runtime.execute.shapes import wire_shapes
 
     c = case("gpt2", 2)
     trainer = make_trainer(c, 2, "gpipe")
@@ -217,7 +217,7 @@ def test_state_dict_uses_original_names() -> None:
 
 
 def test_stage_count_that_does_not_fit_the_placement_is_a_clear_error() -> None:
-    from runtime.placement import PlacementError
+    from runtime.transport.placement import PlacementError
 
     c = case("skip", 3)
     plan = make_trainer(c, 3, "1f1b").plan
@@ -233,7 +233,7 @@ def test_stage_count_that_does_not_fit_the_placement_is_a_clear_error() -> None:
 
 
 def test_stages_of_one_rank_must_share_a_device() -> None:
-    from runtime.placement import PlacementError
+    from runtime.transport.placement import PlacementError
 
     c = case("mlp", 4)
     plan = make_trainer(c, 4, "zbv").plan
@@ -257,8 +257,8 @@ def test_predict_runs_on_the_schedules_placement(schedule: str) -> None:
 
 
 def test_measured_timeline_and_trace_match_the_schedule(tmp_path: Path) -> None:
-    from runtime.timeline import Timeline, to_chrome_trace
-    from runtime.validation import peak_inflight_per_rank
+    from partitioner.schedule.timeline import Timeline, to_chrome_trace
+    from partitioner.schedule.validation import peak_inflight_per_rank
 
     c = case("mlp", 4)
     trainer = make_trainer(c, 4, "zbv", record=True)

@@ -1,0 +1,1 @@
+"""What each node costs: FLOPs, bytes and time per node, devices and clusters, precision and recomputation."""

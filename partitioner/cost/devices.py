@@ -1,0 +1,161 @@
+"""Device and cluster descriptions: peak speed, memory bandwidth, capacity, and the links between stages."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+
+from partitioner.errors import UnknownDeviceError
+
+__all__ = ["DeviceSpec", "Cluster", "DEVICE_PRESETS"]
+
+_GB = 1e9
+_GIB = 2**30
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """What the cost model needs to know about one accelerator.
+
+    Args:
+        name: a label shown in plans.
+        peak_flops: dense 16-bit (bf16/fp16) peak FLOP/s.
+        peak_flops_fp32: dense fp32 peak FLOP/s (TF32 disabled).
+        mem_bandwidth: device memory bandwidth, bytes/s.
+        memory: usable memory capacity, bytes.
+        link_bandwidth: default bandwidth of the link to the next device, bytes/s.
+        link_latency: default latency of one transfer over that link, seconds.
+        op_overhead: fixed cost per operator launch, seconds.
+
+    Example:
+        >>> DeviceSpec.preset("A100-80GB").memory / 2**30
+        80.0
+    """
+
+    name: str
+    peak_flops: float
+    peak_flops_fp32: float
+    mem_bandwidth: float
+    memory: float
+    link_bandwidth: float = 100 * _GB
+    link_latency: float = 10e-6
+    op_overhead: float = 4e-6
+
+    @staticmethod
+    def preset(name: str) -> DeviceSpec:
+        """Return a copy of a named preset (see ``DEVICE_PRESETS``); names are case-insensitive."""
+        for key, spec in DEVICE_PRESETS.items():
+            if key.lower() == name.lower():
+                return spec
+        raise UnknownDeviceError(
+            f"unknown device preset {name!r}; known presets: {', '.join(DEVICE_PRESETS)}. "
+            "Or describe the device yourself: DeviceSpec(name=..., peak_flops=..., "
+            "peak_flops_fp32=..., mem_bandwidth=..., memory=...)"
+        )
+
+    def flops_for(self, dtype_name: str) -> float:
+        """Peak FLOP/s for arithmetic in ``dtype_name`` (e.g. 'torch.float32')."""
+        if "float32" in dtype_name or "float64" in dtype_name:
+            return self.peak_flops_fp32
+        return self.peak_flops
+
+
+def _cpu_memory() -> float:
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):  # not POSIX: assume a small machine
+        return 16.0 * _GIB
+
+
+# Vendor datasheet figures (dense, no sparsity). Link bandwidth is per direction between
+# neighbouring devices of one node (NVLink for SXM parts); latency is a typical P2P send.
+DEVICE_PRESETS: dict[str, DeviceSpec] = {
+    "V100-32GB": DeviceSpec("V100-32GB", 125e12, 15.7e12, 900 * _GB, 32 * _GIB, 150 * _GB, 10e-6),
+    "A100-40GB": DeviceSpec("A100-40GB", 312e12, 19.5e12, 1555 * _GB, 40 * _GIB, 300 * _GB, 10e-6),
+    "A100-80GB": DeviceSpec("A100-80GB", 312e12, 19.5e12, 2039 * _GB, 80 * _GIB, 300 * _GB, 10e-6),
+    "H100-80GB": DeviceSpec("H100-80GB", 989e12, 67e12, 3350 * _GB, 80 * _GIB, 450 * _GB, 8e-6),
+    "H200-141GB": DeviceSpec("H200-141GB", 989e12, 67e12, 4800 * _GB, 141 * _GIB, 450 * _GB, 8e-6),
+    "L4-24GB": DeviceSpec("L4-24GB", 121e12, 30.3e12, 300 * _GB, 24 * _GIB, 32 * _GB, 15e-6),
+    # One CPU core running fp32 matmuls; gloo over loopback between processes.
+    "cpu": DeviceSpec("cpu", 50e9, 50e9, 10 * _GB, _cpu_memory(), 2 * _GB, 50e-6, 2e-6),
+}
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The devices the stages run on, in pipeline order, and the links between neighbours.
+
+    ``devices[s]`` runs stage ``s``; ``link_bandwidth[s]`` and ``link_latency[s]`` describe the
+    link from stage ``s`` to stage ``s + 1`` (so both have ``len(devices) - 1`` entries).
+
+    Example:
+        >>> c = Cluster.uniform(4, "H100-80GB")
+        >>> len(c), c.devices[0].name, len(c.link_bandwidth)
+        (4, 'H100-80GB', 3)
+    """
+
+    devices: tuple[DeviceSpec, ...]
+    link_bandwidth: tuple[float, ...] = field(default=())
+    link_latency: tuple[float, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if not self.devices:
+            raise ValueError("a Cluster needs at least one device")
+        n_links = len(self.devices) - 1
+        if not self.link_bandwidth:
+            object.__setattr__(
+                self, "link_bandwidth", tuple(d.link_bandwidth for d in self.devices[:-1])
+            )
+        if not self.link_latency:
+            object.__setattr__(
+                self, "link_latency", tuple(d.link_latency for d in self.devices[:-1])
+            )
+        for label, seq in (("link_bandwidth", self.link_bandwidth), ("link_latency", self.link_latency)):
+            if len(seq) != n_links:
+                raise ValueError(
+                    f"{label} has {len(seq)} entries but a cluster of {len(self.devices)} devices "
+                    f"has {n_links} links (one between each pair of neighbouring stages)"
+                )
+        if any(b <= 0 for b in self.link_bandwidth):
+            raise ValueError(f"link bandwidths must be positive, got {self.link_bandwidth}")
+
+    def __len__(self) -> int:
+        return len(self.devices)
+
+    @staticmethod
+    def uniform(
+        num_devices: int,
+        device: str | DeviceSpec = "A100-80GB",
+        *,
+        link_bandwidth: float | None = None,
+        link_latency: float | None = None,
+    ) -> Cluster:
+        """``num_devices`` identical devices in a chain with identical links.
+
+        Args:
+            num_devices: how many devices (one stage each).
+            device: a preset name (see ``DEVICE_PRESETS``) or a ``DeviceSpec``.
+            link_bandwidth: bytes/s between neighbours; defaults to the device's preset link.
+            link_latency: seconds per transfer; defaults to the device's preset latency.
+        """
+        if num_devices < 1:
+            raise ValueError(f"num_devices must be at least 1, got {num_devices}")
+        spec = DeviceSpec.preset(device) if isinstance(device, str) else device
+        bw = spec.link_bandwidth if link_bandwidth is None else link_bandwidth
+        lat = spec.link_latency if link_latency is None else link_latency
+        return Cluster(
+            devices=(spec,) * num_devices,
+            link_bandwidth=(bw,) * (num_devices - 1),
+            link_latency=(lat,) * (num_devices - 1),
+        )
+
+    def with_devices(self, num_devices: int) -> Cluster:
+        """The first ``num_devices`` devices of this cluster (for planning fewer stages)."""
+        if not 1 <= num_devices <= len(self.devices):
+            raise ValueError(f"cluster has {len(self.devices)} devices, asked for {num_devices}")
+        return replace(
+            self,
+            devices=self.devices[:num_devices],
+            link_bandwidth=self.link_bandwidth[: num_devices - 1],
+            link_latency=self.link_latency[: num_devices - 1],
+        )

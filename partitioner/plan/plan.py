@@ -1,0 +1,548 @@
+"""The Plan: a frozen, printable, serialisable description of how a model is cut into stages.
+
+Legend: ``p`` stages, ``s`` a stage index, ``m`` micro-batches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Collection, Sequence
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from partitioner.cost.devices import Cluster, DeviceSpec
+from partitioner.cost.precision import check_precision
+from partitioner.errors import PlanFormatError, PlanMismatchError
+from partitioner.plan.split import GRAPH_INPUT, StagedModel, StageIO, ValueSpec, split_graph
+
+if TYPE_CHECKING:
+    import torch
+
+    from partitioner.tracing.trace import TracedModel
+
+__all__ = ["FORMAT_VERSION", "StagePlan", "Prediction", "Candidate", "Plan"]
+
+FORMAT = "pipecut-plan"
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One stage of a plan, with its estimated costs for one micro-batch.
+
+    Attributes:
+        index: the stage index ``s``.
+        device: the device's preset name.
+        nodes: the fx node names the stage computes, in graph order.
+        modules: a short reading of the module range (``'transformer.h.0 … transformer.h.5'``).
+        params: parameter elements the stage holds (a tied parameter counts in every holder).
+        fwd_flops: forward FLOPs.
+        bwd_flops: backward FLOPs.
+        memory: estimated peak bytes: training state of its parameters and buffers plus saved
+            activations times the micro-batches in flight; with ``recompute``, input bytes times
+            the micro-batches in flight plus one micro-batch's activations (rebuilt in backward).
+        capacity: the device's memory in bytes.
+        inflight: micro-batches whose activations the stage holds at its peak.
+        fwd_time: forward compute seconds.
+        bwd_time: backward compute seconds.
+        comm_in_time: seconds receiving from the previous stage.
+        comm_out_time: seconds sending to the next stage.
+        send_bytes: bytes crossing the boundary to the next stage (0 for the last stage).
+        wgrad_time: the part of ``bwd_time`` that computes weight gradients (what zero-bubble
+            schedules run as ``W``).
+        act_bytes: activation bytes saved for backward per micro-batch.
+        state_bytes: bytes of training state of its parameters and buffers.
+        in_bytes: bytes of the stage's inputs per micro-batch (what crosses its incoming cuts,
+            and the graph inputs it reads): all it keeps per micro-batch when it recomputes.
+        recompute: whether the stage recomputes its activations (``runtime.execute.recompute``): its
+            forward keeps only its inputs, its backward runs the forward again first, so its
+            backward costs ``fwd_time`` more (``recompute_time``).
+    """
+
+    index: int
+    device: str
+    nodes: tuple[str, ...]
+    modules: str
+    params: int
+    fwd_flops: float
+    bwd_flops: float
+    memory: float
+    capacity: float
+    inflight: int
+    fwd_time: float
+    bwd_time: float
+    comm_in_time: float
+    comm_out_time: float
+    send_bytes: float
+    wgrad_time: float = 0.0
+    act_bytes: float = 0.0
+    state_bytes: float = 0.0
+    in_bytes: float = 0.0
+    recompute: bool = False
+
+    @property
+    def recompute_time(self) -> float:
+        """Seconds the backward spends running the forward again: ``fwd_time`` if it recomputes."""
+        return self.fwd_time if self.recompute else 0.0
+
+    @property
+    def held_bytes(self) -> float:
+        """Bytes one micro-batch in flight holds between its forward and backward."""
+        return self.in_bytes if self.recompute else self.act_bytes
+
+    @property
+    def time(self) -> float:
+        """Forward + backward (+ recomputation) + transfer seconds: what the partitioner balances."""
+        return self.fwd_time + self.bwd_time + self.recompute_time + self.comm_in_time + self.comm_out_time
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One schedule's predicted step, from the event simulator (``partitioner.schedule.simulate``).
+
+    Attributes:
+        schedule: the schedule's name.
+        microbatches: ``m``.
+        step_time: seconds for one step of ``m`` micro-batches (without the optimizer update).
+        bubble: fraction of device-time idle during the step.
+        memory: the fullest device's peak bytes: training state plus the activations it holds.
+        chunks: stages per device (2 for interleaved and ZB-V, else 1).
+    """
+
+    schedule: str
+    microbatches: int
+    step_time: float
+    bubble: float
+    memory: float = 0.0
+    chunks: int = 1
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One (schedule, micro-batch count) tried by ``schedule='auto'`` / ``microbatches='auto'``.
+
+    Attributes:
+        schedule: the schedule's name.
+        microbatches: ``m``.
+        stages: stages cut (devices x chunks per device).
+        step_time: simulated seconds per step.
+        time_per_microbatch: ``step_time / m``, the objective.
+        bubble: idle fraction of the step.
+        memory: the fullest device's simulated peak bytes.
+        capacity: the smallest device's memory.
+        fits: whether the candidate fits every device.
+        note: why it does not fit, if it does not.
+    """
+
+    schedule: str
+    microbatches: int
+    stages: int
+    step_time: float
+    time_per_microbatch: float
+    bubble: float
+    memory: float
+    capacity: float
+    fits: bool
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a model is cut into pipeline stages, with the costs that justify it.
+
+    ``print(plan)`` shows the stage table; ``plan.save(path)`` / ``Plan.load(path)`` round-trip
+    through JSON; ``plan.build_stages()`` returns one ``nn.Module`` per stage.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from partitioner import partition, Cluster
+        >>> model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16), nn.ReLU())
+        >>> plan = partition(model, (torch.randn(4, 16),), num_stages=2,
+        ...                  cluster=Cluster.uniform(2, "cpu"), microbatches=4)
+        >>> len(plan.stages), plan.method
+        (2, 'exact')
+        >>> staged = plan.build_stages()
+        >>> x = torch.randn(4, 16)
+        >>> torch.allclose(staged(x)[0], model(x))
+        True
+    """
+
+    stages: tuple[StagePlan, ...]
+    method: str
+    schedule: str
+    microbatches: int
+    granularity: str
+    bottleneck: float
+    lower_bound: float
+    predictions: tuple[Prediction, ...]
+    cluster: Cluster
+    state_bytes_per_param: float
+    fingerprint: str
+    trace_method: str
+    input_names: tuple[str, ...]
+    io: tuple[StageIO, ...]
+    shared_params: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    param_aliases: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    candidates: tuple[Candidate, ...] = ()
+    choice: str = ""
+    precision: str = "fp32"
+    _binding: _Binding | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def bottleneck_stage(self) -> int:
+        return max(range(len(self.stages)), key=lambda s: self.stages[s].time)
+
+    def prediction(self, schedule: str) -> Prediction:
+        """The prediction for ``schedule`` (``'gpipe'`` or ``'1f1b'``)."""
+        for pr in self.predictions:
+            if pr.schedule == schedule:
+                return pr
+        known = ", ".join(pr.schedule for pr in self.predictions)
+        raise KeyError(f"no prediction for schedule {schedule!r}; the plan has: {known}")
+
+    @property
+    def microbatch_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shape of one micro-batch of each graph input the stages read: what the costs are for."""
+        return {
+            v.name: v.shape for io in self.io for v in io.inputs if v.producer == GRAPH_INPUT and v.kind == "tensor"
+        }
+
+    @property
+    def microbatch_size(self) -> int | None:
+        """Rows (dimension 0) of the micro-batch the plan is costed for; ``None`` if no input says."""
+        sizes = [shape[0] for shape in self.microbatch_shapes.values() if shape]
+        return sizes[0] if sizes else None
+
+    def stage_of(self) -> dict[str, int]:
+        """Stage of every compute node, by node name."""
+        return {v: st.index for st in self.stages for v in st.nodes}
+
+    def __str__(self) -> str:
+        from partitioner.plan.render import render_text
+
+        return render_text(self)
+
+    # -- stages ---------------------------------------------------------------------------
+
+    @property
+    def is_bound(self) -> bool:
+        """Whether the plan holds the traced graph it was made from (``build_stages`` needs it)."""
+        return self._binding is not None
+
+    @property
+    def traced(self) -> TracedModel:
+        """The traced graph the plan was made from or bound to.
+
+        Raises:
+            PlanMismatchError: the plan was loaded from a file and not bound yet.
+        """
+        if self._binding is None:
+            raise PlanMismatchError(
+                "this plan holds no model: it was loaded from a file. Call "
+                "plan = plan.bind(model, example_inputs) first."
+            )
+        return self._binding.traced
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The model the plan was made from or bound to (its stages hold that model's tensors).
+
+        Raises:
+            PlanMismatchError: the plan was loaded from a file and not bound yet.
+        """
+        self.traced  # noqa: B018 - raises the unbound plan's error
+        assert self._binding is not None
+        return self._binding.model
+
+    def refresh_binding(self) -> None:
+        """Re-read the bound model's tensors after some were replaced (a meta model made real),
+        so that later ``build_stages()`` calls hold the new ones."""
+        b = self._binding
+        if b is not None:
+            b.state.clear()
+            b.state.update(b.model.state_dict(keep_vars=True))
+
+    def bind(self, model: torch.nn.Module, example_inputs: Sequence[Any], **trace_kwargs: Any) -> Plan:
+        """Attach a model to a loaded plan, checking it is the model the plan was made for.
+
+        Args:
+            model: the model (on any device, ``meta`` included).
+            example_inputs: one micro-batch of inputs, or the whole batch of the plan's
+                ``microbatches`` (told apart by the micro-batch size the plan records).
+            trace_kwargs: forwarded to ``partitioner.tracing.trace.trace`` (``leaf_modules``...).
+
+        Raises:
+            PlanMismatchError: the model's traced graph differs from the plan's.
+        """
+        from partitioner.tracing.trace import trace
+
+        trace_kwargs.setdefault("example_microbatches", self._microbatches_in(example_inputs))
+        traced = trace(model, tuple(example_inputs), **trace_kwargs)
+        got = traced.fingerprint()
+        if got != self.fingerprint:
+            raise PlanMismatchError(
+                f"this plan was made for a different graph (plan fingerprint {self.fingerprint[:12]}, "
+                f"model fingerprint {got[:12]}): the model, its example input shapes or dtypes, or "
+                "the trace options changed. Re-plan with partitioner.partition(model, ...)."
+            )
+        return replace(self, _binding=binding(traced, model))
+
+    def _microbatches_in(self, example_inputs: Sequence[Any]) -> int:
+        """1 for a micro-batch example; ``microbatches`` for a whole-batch one."""
+        size, m = self.microbatch_size, self.microbatches
+        rows = [int(x.shape[0]) for x in example_inputs if hasattr(x, "shape") and len(x.shape)]
+        if size and m > 1 and rows and all(r == size * m for r in rows):
+            return m
+        return 1
+
+    def build_stages(self) -> StagedModel:
+        """One ``fx.GraphModule`` per stage, named with the original model's parameter names.
+
+        The stages share parameters with the model the plan was made from (or bound to), so
+        training the stages trains that model.
+
+        Raises:
+            PlanMismatchError: the plan was loaded from a file and not bound to a model yet.
+        """
+        traced = self.traced
+        assert self._binding is not None
+        return split_graph(
+            traced.gm,
+            self.stage_of(),
+            self.num_stages,
+            param_aliases=dict(self.param_aliases),
+            persistent_buffers=self._binding.persistent,
+            model_state=self._binding.state,
+        )
+
+    # -- files ----------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict; ``Plan.from_dict`` reads it back."""
+        body = {
+            "format": FORMAT,
+            "version": FORMAT_VERSION,
+            "fingerprint": self.fingerprint,
+            "trace_method": self.trace_method,
+            "method": self.method,
+            "schedule": self.schedule,
+            "microbatches": self.microbatches,
+            "granularity": self.granularity,
+            "bottleneck": self.bottleneck,
+            "lower_bound": self.lower_bound,
+            "state_bytes_per_param": self.state_bytes_per_param,
+            "input_names": list(self.input_names),
+            "cluster": {
+                "devices": [asdict(d) for d in self.cluster.devices],
+                "link_bandwidth": list(self.cluster.link_bandwidth),
+                "link_latency": list(self.cluster.link_latency),
+            },
+            "stages": [_finite(asdict(st)) for st in self.stages],
+            "predictions": [asdict(pr) for pr in self.predictions],
+            "io": [
+                {"stage": io.stage, "inputs": [asdict(v) for v in io.inputs],
+                 "outputs": [asdict(v) for v in io.outputs]}
+                for io in self.io
+            ],
+            "shared_params": {k: list(v) for k, v in self.shared_params},
+            "param_aliases": {k: list(v) for k, v in self.param_aliases},
+            "candidates": [_finite(asdict(c)) for c in self.candidates],
+            "choice": self.choice,
+        }
+        if self.precision != "fp32":  # plans saved before mixed precision (fp32) keep their bytes
+            body["precision"] = self.precision
+        body["checksum"] = _checksum(body)
+        return body
+
+    @staticmethod
+    def from_dict(data: Any) -> Plan:
+        """Rebuild a plan from ``to_dict`` output, validating every field.
+
+        Raises:
+            PlanFormatError: a field is missing, of the wrong type, inconsistent, or the checksum
+                does not match (the file was edited after it was saved).
+        """
+        return _parse(data)
+
+    def save(self, path: str | Path) -> None:
+        """Write the plan as JSON (format version ``FORMAT_VERSION``, with a checksum)."""
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+    @staticmethod
+    def load(
+        path: str | Path,
+        model: torch.nn.Module | None = None,
+        example_inputs: Sequence[Any] | None = None,
+        **trace_kwargs: Any,
+    ) -> Plan:
+        """Read a plan saved with ``save``; with ``model`` and ``example_inputs``, bind it too.
+
+        Raises:
+            PlanFormatError: the file is not UTF-8 text, not valid JSON, not a JSON object, or
+                not a valid plan.
+            OSError: the file cannot be read (missing, a directory, no permission).
+            PlanMismatchError: ``model`` is not the model the plan was made for.
+        """
+        fix = "re-create it with plan.save(...) or `pipecut plan ... --json`"
+        raw = Path(path).read_bytes()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise PlanFormatError(
+                f"{path} is not a text file (byte 0x{raw[e.start]:02x} at offset {e.start} is not UTF-8), "
+                f"so not a saved plan; {fix}"
+            ) from e
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            where = f"line {e.lineno}, column {e.colno}"
+            raise PlanFormatError(f"{path} is not valid JSON ({e.msg} at {where}); {fix}") from e
+        except RecursionError as e:  # nested deeper than the parser goes: not something save() writes
+            raise PlanFormatError(f"{path} nests JSON too deeply to be a saved plan; {fix}") from e
+        plan = _parse(data, str(path))
+        if model is not None:
+            if example_inputs is None:
+                raise TypeError("Plan.load(path, model, example_inputs): example_inputs is needed with model")
+            plan = plan.bind(model, example_inputs, **trace_kwargs)
+        return plan
+
+    def to_dot(self, path: str | Path | None = None) -> str:
+        """Graphviz DOT of the stage graph (and of the nodes in each stage when bound)."""
+        from partitioner.plan.render import render_dot
+
+        text = render_dot(self)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+
+@dataclass(frozen=True)
+class _Binding:
+    traced: TracedModel
+    persistent: set[str]
+    state: dict[str, torch.Tensor]  # the model's state_dict(keep_vars=True): tensors, not copies
+    model: torch.nn.Module
+
+
+def binding(traced: TracedModel, model: torch.nn.Module) -> _Binding:
+    """What a plan needs of the model it runs: the traced graph, the model and its state."""
+    state = model.state_dict(keep_vars=True)
+    return _Binding(traced, set(state), state, model)
+
+
+# StagePlan fields added after format version 1 was first written; older files may lack them.
+_LATER_STAGE_FIELDS = frozenset({"in_bytes", "recompute"})
+
+
+def _finite(d: dict[str, Any]) -> dict[str, Any]:
+    # JSON has no infinity: an unlimited capacity is written as null.
+    return {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in d.items()}
+
+
+def _infinite(d: dict[str, Any], keys: Collection[str] | None = None) -> dict[str, Any]:
+    # The inverse of _finite: null read back as infinity (in ``keys`` only, if given).
+    return {k: (math.inf if v is None and (keys is None or k in keys) else v) for k, v in d.items()}
+
+
+def _checksum(body: dict[str, Any]) -> str:
+    blob = json.dumps({k: v for k, v in body.items() if k != "checksum"}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _parse(data: Any, where: str = "plan") -> Plan:
+    def fail(msg: str) -> PlanFormatError:
+        return PlanFormatError(
+            f"{where}: {msg}. The file is corrupt or was edited by hand; re-create it with "
+            "plan.save(...) or `pipecut plan ... --json`."
+        )
+
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise fail(f"not a pipecut plan (expected 'format': {FORMAT!r})")
+    if data.get("version") != FORMAT_VERSION:
+        raise PlanFormatError(
+            f"{where}: plan format version {data.get('version')!r} is not supported by this pipecut "
+            f"(it reads version {FORMAT_VERSION}); re-create the plan with this version"
+        )
+    if data.get("checksum") != _checksum(data):
+        raise fail("checksum mismatch: the content changed after the plan was saved")
+    try:
+        cluster = Cluster(
+            devices=tuple(DeviceSpec(**d) for d in data["cluster"]["devices"]),
+            link_bandwidth=tuple(float(x) for x in data["cluster"]["link_bandwidth"]),
+            link_latency=tuple(float(x) for x in data["cluster"]["link_latency"]),
+        )
+        names = {f.name for f in fields(StagePlan)}
+        stages = []
+        for raw in data["stages"]:
+            # Files written before recomputation was modelled lack its fields: the defaults hold.
+            if not names - _LATER_STAGE_FIELDS <= set(raw) <= names:
+                raise fail(f"stage fields {sorted(set(raw) ^ names)} are missing or unknown")
+            st = _infinite(raw, ("capacity",))
+            st["nodes"] = tuple(st["nodes"])
+            stages.append(StagePlan(**st))
+        io = tuple(
+            StageIO(int(r["stage"]), tuple(_value(v) for v in r["inputs"]), tuple(_value(v) for v in r["outputs"]))
+            for r in data["io"]
+        )
+        plan = Plan(
+            stages=tuple(stages),
+            method=str(data["method"]),
+            schedule=str(data["schedule"]),
+            microbatches=int(data["microbatches"]),
+            granularity=str(data["granularity"]),
+            bottleneck=float(data["bottleneck"]),
+            lower_bound=float(data["lower_bound"]),
+            predictions=tuple(Prediction(**pr) for pr in data["predictions"]),
+            cluster=cluster,
+            state_bytes_per_param=float(data["state_bytes_per_param"]),
+            fingerprint=str(data["fingerprint"]),
+            trace_method=str(data["trace_method"]),
+            input_names=tuple(data["input_names"]),
+            io=io,
+            shared_params=tuple((k, tuple(v)) for k, v in data["shared_params"].items()),
+            param_aliases=tuple((k, tuple(v)) for k, v in data["param_aliases"].items()),
+            candidates=tuple(Candidate(**_infinite(c)) for c in data["candidates"]),
+            choice=str(data["choice"]),
+            precision=check_precision(str(data.get("precision", "fp32"))),
+        )
+    except PlanFormatError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise fail(f"bad or missing field ({type(e).__name__}: {e})") from e
+    _check_consistent(plan, fail)
+    return plan
+
+
+def _value(raw: dict[str, Any]) -> ValueSpec:
+    return ValueSpec(
+        name=str(raw["name"]), producer=int(raw["producer"]), consumers=tuple(raw["consumers"]),
+        kind=str(raw["kind"]), shape=tuple(raw["shape"]), dtype=str(raw["dtype"]),
+    )
+
+
+def _check_consistent(plan: Plan, fail: Any) -> None:
+    p = len(plan.stages)
+    if p == 0:
+        raise fail("the plan has no stages")
+    if [st.index for st in plan.stages] != list(range(p)):
+        raise fail(f"stage indices {[st.index for st in plan.stages]} are not 0..{p - 1}")
+    if len(plan.cluster) != p or len(plan.io) != p:
+        raise fail(f"{p} stages but {len(plan.cluster)} devices and {len(plan.io)} stage wirings")
+    seen: dict[str, int] = {}
+    for st in plan.stages:
+        if not st.nodes:
+            raise fail(f"stage {st.index} has no nodes")
+        for v in st.nodes:
+            if v in seen:
+                raise fail(f"node {v!r} is in stage {seen[v]} and stage {st.index}")
+            seen[v] = st.index
+    if plan.microbatches < 1:
+        raise fail(f"microbatches must be at least 1, got {plan.microbatches}")

@@ -1,0 +1,195 @@
+"""Human-readable forms of a Plan: the stage table (rich) and a Graphviz DOT picture."""
+
+from __future__ import annotations
+
+import io
+import math
+from typing import TYPE_CHECKING
+
+from rich import box
+from rich.console import Console, JustifyMethod
+from rich.table import Table
+
+from partitioner.schedule.registry import stages_per_rank
+
+if TYPE_CHECKING:
+    from partitioner.plan.plan import Plan
+
+__all__ = ["render_text", "render_dot", "fmt_bytes", "fmt_time", "fmt_flops", "fmt_count"]
+
+
+def fmt_bytes(n: float) -> str:
+    """``1536 -> '1.5 KiB'``; infinity reads as 'unlimited'."""
+    if math.isinf(n):
+        return "unlimited"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # unreachable: the loop returns at TiB
+
+
+def fmt_time(seconds: float) -> str:
+    """``0.0123 -> '12.3 ms'``."""
+    if seconds >= 1:
+        return f"{seconds:.2f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds * 1e6:.1f} µs"
+
+
+def fmt_flops(n: float) -> str:
+    """``2.5e12 -> '2.50 T'``."""
+    for unit, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f}"
+
+
+def fmt_count(n: float) -> str:
+    """``124_000_000 -> '124.0M'``."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return f"{n:.0f}"
+
+
+def render_text(plan: Plan, width: int = 160) -> str:
+    """The stage table with the summary lines under it, as plain text."""
+    worst = plan.bottleneck_stage
+    names = {st.device for st in plan.stages}
+    uniform = len(names) == 1
+    v = stages_per_rank(plan.schedule)
+    ndev = plan.num_stages // v
+    where = f"{ndev} x {next(iter(names))}" if uniform else f"{ndev} devices"
+    if v > 1:
+        where += f" ({v} stages per device)"
+    # The costs are for one micro-batch of this many rows, whatever example the plan was made from.
+    size = f" of {plan.microbatch_size}" if plan.microbatch_size else ""
+    table = Table(
+        title=(
+            f"pipecut plan: {plan.num_stages} stages on {where}, method {plan.method}, "
+            f"{plan.microbatches} micro-batches{size}, schedule {plan.schedule}, precision {plan.precision}"
+        ),
+        box=box.SIMPLE_HEAD,
+        title_justify="left",
+    )
+    columns: list[tuple[str, JustifyMethod]] = [
+        ("stage", "right"), ("device", "left"), ("modules", "left"), ("nodes", "right"),
+        ("params", "right"), ("fwd FLOPs", "right"), ("bwd FLOPs", "right"),
+        ("memory / capacity", "right"), ("F", "right"), ("B", "right"), ("comm", "right"),
+        ("time", "right"), ("sends", "right"),
+    ]
+    recomputing = [st.index for st in plan.stages if st.recompute]
+    if recomputing:  # a column only when some stage recomputes: the plain table stays as it was
+        columns.insert(columns.index(("F", "right")), ("recompute", "left"))
+    if uniform:
+        columns.pop(1)
+    for col, justify in columns:
+        wraps = col == "modules"
+        table.add_column(col, justify=justify, no_wrap=not wraps, min_width=24 if wraps else None)
+    for st in plan.stages:
+        over = st.memory > st.capacity
+        mem = f"{fmt_bytes(st.memory)} / {fmt_bytes(st.capacity)}" + (" OVER" if over else "")
+        row = [
+            f"{st.index}{'*' if st.index == worst else ''}",
+            st.device,
+            st.modules,
+            str(len(st.nodes)),
+            fmt_count(st.params),
+            fmt_flops(st.fwd_flops),
+            fmt_flops(st.bwd_flops),
+            mem,
+            *(["yes" if st.recompute else "-"] if recomputing else []),
+            fmt_time(st.fwd_time),
+            fmt_time(st.bwd_time),
+            fmt_time(st.comm_in_time + st.comm_out_time),
+            fmt_time(st.time),
+            fmt_bytes(st.send_bytes) if st.index < plan.num_stages - 1 else "-",
+        ]
+        if uniform:
+            row.pop(1)
+        table.add_row(*row)
+    lines = [
+        f"bottleneck: {fmt_time(plan.bottleneck)} (stage {worst}, marked *)   "
+        f"lower bound: {fmt_time(plan.lower_bound)}   "
+        f"bottleneck / lower bound: {plan.bottleneck / plan.lower_bound:.3f}"
+        if plan.lower_bound > 0
+        else f"bottleneck: {fmt_time(plan.bottleneck)} (stage {worst})",
+        f"predicted step of {plan.microbatches} micro-batches (event simulator): "
+        + "   ".join(
+            f"{pr.schedule} {fmt_time(pr.step_time)} (bubble {pr.bubble:.1%})" for pr in plan.predictions
+        ),
+    ]
+    if recomputing:
+        lines.append(
+            f"activation recomputation on {len(recomputing)} of {plan.num_stages} stages ({_ranges(recomputing)}): "
+            "they keep only their inputs per micro-batch in flight, and B runs their forward again (time includes it)"
+        )
+    if plan.shared_params:
+        shared = ", ".join(f"{name} (stages {', '.join(map(str, ss))})" for name, ss in plan.shared_params)
+        lines.append(f"shared parameters, gradients summed across holders: {shared}")
+    buf = io.StringIO()
+    console = Console(file=buf, width=width, no_color=True, highlight=False, soft_wrap=False)
+    console.print(table)
+    for line in lines:
+        console.print(line, soft_wrap=True)
+    if plan.candidates:
+        console.print(_candidates_table(plan))
+        console.print(f"chose {plan.choice}", soft_wrap=True)
+    return buf.getvalue().rstrip() + "\n"
+
+
+def _ranges(values: list[int]) -> str:
+    """``[0, 1, 2, 5] -> '0-2, 5'``."""
+    out: list[str] = []
+    start = prev = values[0]
+    for v in [*values[1:], None]:
+        if v is not None and v == prev + 1:
+            prev = v
+            continue
+        out.append(f"{start}-{prev}" if prev > start else str(start))
+        if v is not None:
+            start = prev = v
+    return ", ".join(out)
+
+
+def _candidates_table(plan: Plan) -> Table:
+    table = Table(title="schedule choice (every candidate cut and simulated)", box=box.SIMPLE_HEAD,
+                  title_justify="left")
+    for col in ("schedule", "m", "stages", "step", "per micro-batch", "bubble", "peak memory", "fits"):
+        table.add_column(col, justify="left" if col in ("schedule", "fits") else "right", no_wrap=True)
+    rows = sorted(plan.candidates, key=lambda c: (not c.fits, c.time_per_microbatch, c.microbatches))
+    for c in rows:
+        won = c.schedule == plan.schedule and c.microbatches == plan.microbatches
+        table.add_row(
+            f"{c.schedule}{' <- chosen' if won else ''}", str(c.microbatches), str(c.stages),
+            fmt_time(c.step_time) if c.fits or c.step_time else "-",
+            fmt_time(c.time_per_microbatch) if c.time_per_microbatch else "-",
+            f"{c.bubble:.1%}" if c.step_time else "-",
+            f"{fmt_bytes(c.memory)} / {fmt_bytes(c.capacity)}" if c.memory else "-",
+            ("yes" + (f" ({c.note})" if c.note else "")) if c.fits else f"no: {c.note}",
+        )
+    return table
+
+
+def render_dot(plan: Plan) -> str:
+    """A DOT digraph: one cluster per stage (its nodes listed when few), edges with bytes."""
+    out = ["digraph pipecut_plan {", "  rankdir=LR;", '  node [shape=box, fontname="Helvetica"];']
+    for st in plan.stages:
+        label = (
+            f"stage {st.index} ({st.device})\\n{st.modules}\\n{len(st.nodes)} nodes, "
+            f"{fmt_count(st.params)} params\\ntime {fmt_time(st.time)}, mem {fmt_bytes(st.memory)}"
+        )
+        out.append(f'  s{st.index} [label="{_esc(label)}"];')
+    for io_ in plan.io:
+        for v in io_.outputs:
+            for c in v.consumers:
+                if c != io_.stage:
+                    out.append(f'  s{io_.stage} -> s{c} [label="{_esc(v.name)}\\n{fmt_bytes(v.nbytes)}"];')
+    out.append("}")
+    return "\n".join(out) + "\n"
+
+
+def _esc(s: str) -> str:
+    return s.replace('"', '\\"')

@@ -1,0 +1,1 @@
+"""Pipeline schedules as pure data: the IR, the registry, generators, validation, comm, simulation, timelines."""

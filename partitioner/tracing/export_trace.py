@@ -1,0 +1,184 @@
+"""The export tracer: ``torch.export.export(strict=False)``, made into a plain flat GraphModule.
+
+It copes with Hugging Face models and most Python control flow on shapes; every module is
+inlined into ATen ops. The exported program is unlifted, stripped of its guard and assert nodes
+and of the non-tensor inputs export specialised, and given back the model's own tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.export import Dim
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+from torch.utils import _pytree as pytree
+
+from partitioner.tracing.capture import (
+    Capture,
+    cpu_fake,
+    cpu_fake_state,
+    drop_asserts,
+    fill_output_val,
+    on_meta,
+)
+from partitioner.tracing.failures import first_line
+from partitioner.tracing.fxutil import named_tensors, owner_of
+from partitioner.tracing.hops import replace_mode_ops
+
+__all__ = ["trace_export"]
+
+log = logging.getLogger(__name__)
+
+
+def trace_export(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    shape_args: tuple[Any, ...] | None = None,
+    shape_kwargs: dict[str, Any] | None = None,
+    dynamic: bool = True,
+) -> Capture:
+    """Capture ``model`` with ``torch.export.export(strict=False)`` as a flat ATen graph.
+
+    The graph holds the model's own parameter and buffer objects (not export's copies), and
+    non-tensor inputs export specialised are dropped from its placeholders.
+
+    With ``dynamic``, every tensor input's first dimension (the batch) and the second dimension of
+    integer inputs (token ids and masks: the sequence) are exported as ``Dim.AUTO``: dynamic where
+    the model allows it, specialised where it does not (``Capture.dynamic_dims`` says which). An
+    example batch of 1 is exported as a batch of 2 (repeated rows), since export specialises sizes
+    of 1. The recorded shapes (``meta['val']``) are then those of ``shape_args``/``shape_kwargs``
+    (default: the example): one micro-batch.
+
+    Raises:
+        TypeError: a non-tensor input is still read by the graph.
+        Exception: whatever ``torch.export`` raised.
+    """
+    if shape_args is None:
+        shape_args, shape_kwargs = args, kwargs
+    shape_kwargs = dict(shape_kwargs or {})
+    if dynamic:
+        args, kwargs = _widen_unit_batch(args, kwargs)
+    specs = _dynamic_specs(args, kwargs) if dynamic else None
+    try:
+        ep = _export(model, args, kwargs, specs)
+    except Exception as e:
+        if specs is None:
+            raise
+        log.info("export with a dynamic batch failed (%s); exporting with static shapes", first_line(e))
+        args, kwargs = shape_args, shape_kwargs
+        ep = _export(model, args, kwargs, None)
+    unlifted = ep.module()
+    graph = unlifted.graph
+    out_spec = graph._codegen.pytree_info.out_spec
+    # Plain calling convention: flat positional inputs in, flat tuple out (output args already are).
+    graph._codegen = fx.graph.CodeGen()
+    for node in list(graph.nodes):
+        if node.op == "call_module" and str(node.target) == "_guards_fn":
+            graph.erase_node(node)
+    drop_asserts(graph)
+    flat_inputs = pytree.tree_leaves((shape_args, shape_kwargs))
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    kept: list[torch.Tensor] = []
+    dynamic_dims: list[tuple[int, ...]] = []
+    for node, value in zip(placeholders, flat_inputs):
+        if isinstance(value, torch.Tensor):
+            kept.append(value)
+            traced = node.meta.get("val")
+            shape = tuple(traced.shape) if isinstance(traced, torch.Tensor) else ()
+            dynamic_dims.append(tuple(i for i, d in enumerate(shape) if not isinstance(d, int)))
+        elif not node.users:  # a scalar export specialised into the graph
+            graph.erase_node(node)
+        else:
+            raise TypeError(f"non-tensor input {node.name!r} = {value!r} is read by the graph")
+    for node in list(graph.nodes):
+        if node.op == "get_attr" and not node.users:
+            graph.erase_node(node)
+    flat_out = graph.output_node().args[0]
+    if not isinstance(flat_out, (tuple, list)):
+        graph.output_node().args = ((flat_out,),)
+    gm = fx.GraphModule(unlifted, graph, type(model).__name__)
+    _restore_originals(gm, model)
+    # no_grad / autocast regions: torch's ops leave the mode changed when their body raises.
+    replace_mode_ops(gm)
+    missing = [n.name for n in gm.graph.nodes if n.op != "output" and "val" not in n.meta]
+    if missing or any(dynamic_dims):
+        # Symbolic sizes (or none) on the nodes: record the shapes of one micro-batch, which is
+        # what the cost model and the wire specs describe.
+        log.debug("propagating fake tensors of the micro-batch shapes (%d nodes had no 'val')", len(missing))
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with cpu_fake_state(gm, mode):
+            FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*[cpu_fake(mode, t) for t in kept])
+    fill_output_val(gm.graph)
+    return Capture(gm, out_spec, kept, tuple(dynamic_dims))
+
+
+def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], specs: Any) -> Any:
+    if on_meta(model) or any(t.is_meta for t in _tensors((args, kwargs))):
+        # On 'meta' some kernels report other strides than on a real device (attention outputs,
+        # so Hugging Face's .contiguous() becomes a copy node): capture a meta model as if it
+        # lived on the CPU, so that its graph -- node names and fingerprint included -- is the
+        # graph of the same model with real weights, and a plan made on meta binds to it.
+        mode = FakeTensorMode()
+        fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, lambda t: cpu_fake(mode, t), (args, kwargs))
+        with cpu_fake_state(model, mode):
+            return torch.export.export(model, fake_args, fake_kwargs, dynamic_shapes=specs, strict=False)
+    return torch.export.export(model, args, kwargs, dynamic_shapes=specs, strict=False)
+
+
+def _dynamic_specs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """``dynamic_shapes`` for export: positional specs, then keyword specs in order."""
+
+    def spec(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            return None
+        dims = {0: Dim.AUTO}
+        if t.dim() >= 2 and not (t.is_floating_point() or t.is_complex()):
+            dims[1] = Dim.AUTO  # token ids, attention masks: (batch, sequence)
+        return dims
+
+    return tuple(pytree.tree_map(spec, a) for a in (*args, *kwargs.values()))
+
+
+def _widen_unit_batch(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The example with a batch of 2 (rows repeated) when every batched input has a batch of 1."""
+    batched = [t for t in _tensors((args, kwargs)) if t.dim() >= 1]
+    if not batched or any(t.shape[0] != 1 for t in batched):
+        return args, kwargs
+
+    def widen(t: torch.Tensor) -> torch.Tensor:
+        return t.repeat(2, *([1] * (t.dim() - 1))) if t.dim() >= 1 else t
+
+    widened: tuple[tuple[Any, ...], dict[str, Any]] = pytree.tree_map_only(torch.Tensor, widen, (args, kwargs))
+    return widened
+
+
+def _restore_originals(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Point ``gm``'s attributes at the model's own tensors, whatever export held them as."""
+    originals = named_tensors(model)
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        name = str(node.target)
+        owner, leaf = owner_of(gm, name)
+        current = getattr(owner, leaf)
+        if name in originals and current is not originals[name]:
+            original = originals[name]
+            if isinstance(original, nn.Parameter):
+                owner._parameters[leaf] = original
+            else:
+                owner._buffers[leaf] = original
+        elif name not in originals and isinstance(current, FakeTensor):
+            # A tensor constant made inside forward while tracing a meta model: no data either way.
+            empty = torch.empty_strided(current.shape, current.stride(), dtype=current.dtype, device="meta")
+            setattr(owner, leaf, empty)
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]

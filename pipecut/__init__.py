@@ -1,0 +1,27 @@
+"""pipecut: cut a PyTorch model into pipeline stages, show the plan, and train it as a pipeline.
+
+The distribution's own name for the public API of its two packages: ``partitioner`` (trace, cost,
+cut, schedule and plan) and ``runtime`` (the executor, transports, data parallelism, weights and
+checkpoints). Both stay importable on their own; this package only re-exports them.
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> import pipecut
+    >>> model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    >>> plan = pipecut.partition(model, (torch.randn(2, 8),), stages=2)
+    >>> plan.num_stages
+    2
+    >>> pipecut.PipelineTrainer is pipecut.runtime.PipelineTrainer
+    True
+"""
+
+from __future__ import annotations
+
+import partitioner as partitioner
+import runtime as runtime
+from partitioner import *  # noqa: F403  (the public API, listed in partitioner.__all__)
+from runtime import *  # noqa: F403  (the public API, listed in runtime.__all__)
+
+__all__ = list(partitioner.__all__)
+__all__ += [name for name in runtime.__all__ if name not in __all__]

@@ -1,0 +1,1 @@
+"""Data parallelism around the pipeline: replica gradient averaging, optimizer sharding, tied weights, clipping."""

@@ -1,0 +1,366 @@
+"""Training checkpoints of a pipeline: save, resume exactly, reshard to any plan, export.
+
+Legend: ``s`` a stage, ``r`` a rank, *name* a tensor's fully qualified name in the original
+model (what ``model.state_dict()`` calls it).
+
+A checkpoint is a torch.distributed.checkpoint (DCP) directory holding one flat state:
+
+* ``model.<name>``: every tensor of the model's ``state_dict``, each rank writing its stages'
+  (a tied weight under each of its names; DCP writes a key several ranks hold once);
+* ``optim.state.<name>.<key>`` and ``optim.group.<name>.<key>``: the optimizer's per-parameter
+  state (``exp_avg``, ``step``...) and its group settings (``lr``...), by parameter name, so
+  that any plan, schedule or world size, and the plain model, can read them;
+* ``trainer.step``, ``trainer.scheduler`` (the LR scheduler's ``state_dict``), and
+  ``rng.rank<r>.cpu`` / ``.cuda``: each rank's RNG states (restored where the world size is
+  the same).
+
+Names, not stage or rank numbers, key everything, so a checkpoint saved under a 2-stage plan
+loads into a 4-stage plan, another schedule, or the unpartitioned model (:func:`load_model`).
+
+Crash safety: the state is written to a sibling folder ``.<dir>.partial-step<N>`` and renamed
+to ``dir`` only after every rank has finished (DCP writes its ``.metadata`` last); an existing
+``dir`` is replaced only then. A save that dies midway leaves the previous checkpoint in place
+and a partial folder that is not at ``dir``, so it never loads as a whole checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from partitioner.errors import PipecutError
+
+if TYPE_CHECKING:
+    from runtime.trainer import PipelineTrainer
+
+__all__ = ["CheckpointError", "save", "load", "load_model", "export_safetensors"]
+
+log = logging.getLogger(__name__)
+
+PathLike = str | os.PathLike[str]
+
+
+class CheckpointError(PipecutError, RuntimeError):
+    """A checkpoint cannot be written or read as asked (not a checkpoint, missing entries)."""
+
+
+def save(trainer: PipelineTrainer, directory: PathLike) -> Path:
+    """Write ``trainer``'s model, optimizer, step, scheduler and RNG states to ``directory``.
+
+    Collective under torch.distributed: every rank calls it. Returns the directory.
+    """
+    target = Path(directory)
+    partial = target.parent / f".{target.name}.partial-step{trainer.step_count}"
+    leader = _rank() == 0
+    if leader:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)  # a save of this step that died before
+    _barrier()
+    state = _state(trainer, for_load=False)
+    with _single_process_quiet():
+        _dcp().save(state, checkpoint_id=str(partial), no_dist=not _distributed())
+    _barrier()  # every rank's files are written, and the metadata
+    if leader:
+        _commit(partial, target)
+    _barrier()
+    log.info("saved step %d to %s", trainer.step_count, target)
+    return target
+
+
+def load(trainer: PipelineTrainer, directory: PathLike, *, optimizer: bool = True) -> None:
+    """Read a checkpoint written by :func:`save` (under any plan) into ``trainer``, in place.
+
+    Args:
+        trainer: a trainer whose stages and optimizer are built (its parameters are
+            overwritten; a meta model is materialised first by the trainer).
+        directory: the checkpoint.
+        optimizer: also load the optimizer's state and the scheduler's (``False``: weights and
+            step only, e.g. to fine-tune with a fresh optimizer).
+
+    Raises:
+        CheckpointError: ``directory`` is not a checkpoint, or lacks an entry this trainer needs.
+    """
+    path = Path(directory)
+    if not (path / ".metadata").is_file():
+        raise CheckpointError(
+            f"{path} is not a pipecut checkpoint (no .metadata): pass the directory trainer.save() "
+            "wrote; a folder named .<dir>.partial-* is a save that did not finish"
+        )
+    if optimizer and trainer.optimizer is not None:
+        _init_optimizer_state(trainer.optimizer)
+    state = _state(trainer, for_load=True, optimizer=optimizer)
+    present = _keys(path)
+    world = dist.get_world_size() if _distributed() else 1
+    rng = [k for k in _rng_keys() if k in present] if f"trainer.world{world}" in present else []
+    for key in rng:  # the same world size: this rank continues its own random streams
+        state[key] = torch.empty_like(torch.get_rng_state() if key.endswith(".cpu") else torch.cuda.get_rng_state())
+    # DCP flattens nested values (a scheduler's state_dict) into dotted keys below theirs.
+    missing = sorted(k for k in state if k not in present and not any(p.startswith(k + ".") for p in present))
+    if "trainer.loss_scaler" in missing:  # saved without fp16: the scale starts afresh
+        missing.remove("trainer.loss_scaler")
+        del state["trainer.loss_scaler"]
+    if missing:
+        raise CheckpointError(
+            f"{path} lacks {len(missing)} entries this trainer needs, e.g. {missing[:4]}; it was saved "
+            "from another model, or without an optimizer (load(..., optimizer=False) reads weights only)"
+        )
+    with _single_process_quiet():
+        _dcp().load(state, checkpoint_id=str(path), no_dist=not _distributed())
+    _apply(trainer, state, optimizer=optimizer)
+    for key in rng:
+        if key.endswith(".cpu"):
+            torch.set_rng_state(state[key])
+        else:
+            torch.cuda.set_rng_state(state[key])
+    log.info("loaded %s at step %d", path, trainer.step_count)
+
+
+def load_model(model: nn.Module, directory: PathLike, *, strict: bool = True) -> list[str]:
+    """Load a checkpoint's weights into a plain (unpartitioned) model, in place.
+
+    Returns the names loaded. With ``strict``, every entry of ``model.state_dict()`` must be in
+    the checkpoint.
+
+    Example:
+        ``trainer.save("ckpt")`` under any plan, then ``load_model(MyModel(), "ckpt")``.
+    """
+    path = Path(directory)
+    present = _keys(path)
+    state = model.state_dict()
+    wanted = {f"model.{k}": v for k, v in state.items() if (not strict and f"model.{k}" in present) or strict}
+    missing = [k for k in wanted if k not in present]
+    if missing:
+        raise CheckpointError(
+            f"{path} lacks {len(missing)} of the model's tensors, e.g. {[k[6:] for k in missing[:4]]}; "
+            "it was saved from another model (or pass strict=False)"
+        )
+    with _single_process_quiet():
+        _dcp().load(wanted, checkpoint_id=str(path), no_dist=True)
+    model.load_state_dict({k[len("model."):]: v for k, v in wanted.items()}, strict=strict)
+    return [k[len("model."):] for k in wanted]
+
+
+def export_safetensors(trainer: PipelineTrainer, directory: PathLike, *, prefix: str = "") -> Path:
+    """Write the model's weights as a Hugging Face safetensors checkpoint (shards and an index).
+
+    Each rank writes one shard with its stages' tensors (a tied weight once, by its lowest
+    rank; with data parallelism, only the first replica's ranks), rank 0 writes
+    ``model.safetensors.index.json`` naming every key's shard, and the folder is committed
+    with renames only after all have finished. ``prefix`` is removed from the names
+    (``"model."`` for a model wrapped in ``CausalLMLogits``), so the folder, with the model's
+    ``config.json`` beside it, loads with ``from_pretrained``. Collective under torch.distributed.
+    """
+    from safetensors.torch import save_file
+
+    target = Path(directory)
+    rank = _rank()
+    partial = target.parent / f".{target.name}.partial-export"
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    _barrier()
+    mine = _owned_tensors(trainer)
+    # A tensor several ranks hold (a tied weight) is written by the lowest one; aliases are
+    # dropped (save_pretrained stores a tied weight once too).
+    keys = {name: _hf_name(name, prefix) for name in mine}
+    held = _gather([(name, keys[name]) for name in mine])
+    first_rank: dict[str, int] = {}
+    for r, items in enumerate(held):
+        for name, _ in items:
+            first_rank.setdefault(name, r)
+    aliases = _alias_groups(trainer)
+    written: set[str] = set()
+    shard = {}
+    for name, t in mine.items():
+        group = aliases.get(name, (name,))
+        if first_rank[name] != rank or any(a in written for a in group):
+            continue
+        written.add(name)
+        shard[keys[name]] = t.detach().to("cpu").contiguous()
+    # Only ranks with something to write get a file (data-parallel replicas hold copies of the
+    # first replica's tensors), numbered among the writers.
+    sizes = _gather((sorted(shard), sum(int(t.numel() * t.element_size()) for t in shard.values())))
+    writers = [r for r, (ks, _) in enumerate(sizes) if ks] or [0]
+    files = {r: f"model-{i + 1:05d}-of-{len(writers):05d}.safetensors" for i, r in enumerate(writers)}
+    if rank in files:
+        save_file(shard, str(partial / files[rank]), metadata={"format": "pt"})
+    if rank == 0:
+        weight_map = {key: files[r] for r, (ks, _) in enumerate(sizes) for key in ks}
+        total = sum(nbytes for _, nbytes in sizes)
+        body = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (partial / "model.safetensors.index.json").write_text(json.dumps(body, indent=2) + "\n")
+    _barrier()
+    if rank == 0:
+        _commit(partial, target)
+    _barrier()
+    return target
+
+
+def _commit(partial: Path, target: Path) -> None:
+    """Put the finished ``partial`` folder at ``target``, replacing an older one only now."""
+    old = target.parent / f".{target.name}.old"
+    shutil.rmtree(old, ignore_errors=True)
+    if target.exists():
+        target.rename(old)
+    partial.rename(target)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# -- the state ---------------------------------------------------------------------------------
+
+
+def _state(trainer: PipelineTrainer, *, for_load: bool, optimizer: bool = True) -> dict[str, Any]:
+    """The flat state this rank writes or reads (tensors are the live ones: loads land in place)."""
+    # Detached views: DCP loads into them in place, which a parameter that requires grad refuses.
+    state: dict[str, Any] = {f"model.{name}": t.detach() for name, t in _owned_tensors(trainer).items()}
+    names = {id(p): n for n, p in trainer.named_parameters()}
+    opt = trainer.optimizer
+    if opt is not None and optimizer:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                name = names[id(p)]
+                # setdefault: a tied weight's copy on another device repeats the first's name.
+                for key, value in opt.state.get(p, {}).items():
+                    state.setdefault(f"optim.state.{name}.{key}",
+                                     value.detach() if isinstance(value, torch.Tensor) else value)
+                for key, value in group.items():
+                    if key != "params":
+                        state.setdefault(f"optim.group.{name}.{key}", value)
+        if trainer.scheduler is not None:
+            state["trainer.scheduler"] = trainer.scheduler.state_dict()
+    if trainer.scaler is not None:  # fp16: resume with the scale reached (absent from older saves)
+        state["trainer.loss_scaler"] = trainer.scaler.state_dict()
+    state["trainer.step"] = trainer.step_count
+    if not for_load:
+        world = dist.get_world_size() if _distributed() else 1
+        state[f"trainer.world{world}"] = world  # RNG states continue only under the same world size
+        for key in _rng_keys():
+            state[key] = torch.get_rng_state() if key.endswith(".cpu") else torch.cuda.get_rng_state()
+    return state
+
+
+def _rng_keys() -> list[str]:
+    """This rank's RNG entries: the CPU generator's, and the current CUDA device's when in use."""
+    keys = [f"rng.rank{_rank()}.cpu"]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        keys.append(f"rng.rank{_rank()}.cuda")
+    return keys
+
+
+def _apply(trainer: PipelineTrainer, state: Mapping[str, Any], *, optimizer: bool) -> None:
+    """Write back what DCP loaded by replacement (non-tensor values), and the RNG states."""
+    trainer.step_count = int(state["trainer.step"])
+    opt = trainer.optimizer
+    if opt is not None and optimizer:
+        names = {id(p): n for n, p in trainer.named_parameters()}
+        for group in opt.param_groups:
+            first = names[id(group["params"][0])]
+            for key in list(group):
+                if key != "params" and f"optim.group.{first}.{key}" in state:
+                    group[key] = state[f"optim.group.{first}.{key}"]
+            for p in group["params"]:
+                for key in list(opt.state.get(p, {})):
+                    value = state[f"optim.state.{names[id(p)]}.{key}"]
+                    if not isinstance(value, torch.Tensor):
+                        opt.state[p][key] = value
+        if trainer.scheduler is not None and "trainer.scheduler" in state:
+            trainer.scheduler.load_state_dict(state["trainer.scheduler"])
+    if trainer.scaler is not None and "trainer.loss_scaler" in state:
+        trainer.scaler.load_state_dict(state["trainer.loss_scaler"])
+    trainer.sync_tied_copies()
+
+
+def _owned_tensors(trainer: PipelineTrainer) -> dict[str, torch.Tensor]:
+    """This process's stages' state_dict tensors by every name (a copy on another device: the first's)."""
+    from runtime.state.weights import stage_tensors
+
+    return stage_tensors({s: st.module for s, st in trainer.stages.items()})[0]
+
+
+def _alias_groups(trainer: PipelineTrainer) -> dict[str, tuple[str, ...]]:
+    groups: dict[str, tuple[str, ...]] = {}
+    for _name, names in trainer.plan.param_aliases:
+        for n in names:
+            groups[n] = tuple(names)
+    return groups
+
+
+def _hf_name(name: str, prefix: str) -> str:
+    return name[len(prefix):] if prefix and name.startswith(prefix) else name
+
+
+def _init_optimizer_state(opt: torch.optim.Optimizer) -> None:
+    """Create the optimizer's per-parameter state (a step with zero gradients and lr 0), so a
+    load has tensors of the right shapes to read into. Gradients are left as they were."""
+    if opt.state:
+        return
+    params = [p for g in opt.param_groups for p in g["params"]]
+    grads = [p.grad for p in params]
+    lrs = [g.get("lr") for g in opt.param_groups]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    for g in opt.param_groups:
+        if "lr" in g:
+            g["lr"] = torch.zeros_like(g["lr"]) if isinstance(g["lr"], torch.Tensor) else 0.0
+    before = [p.detach().clone() for p in params]
+    opt.step()
+    with torch.no_grad():
+        for p, b in zip(params, before):
+            p.copy_(b)  # weight decay with lr 0 changes nothing, but some optimizers might
+    for g, lr in zip(opt.param_groups, lrs):
+        if lr is not None:
+            g["lr"] = lr
+    for p, grad in zip(params, grads):
+        p.grad = grad
+
+
+def _keys(path: Path) -> set[str]:
+    meta = _dcp().FileSystemReader(str(path)).read_metadata()
+    return set(meta.state_dict_metadata)
+
+
+@contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    # DCP warns that it "assumes the intent is to save in a single process" even when told so.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def _dcp() -> Any:
+    """torch.distributed.checkpoint, imported on first use (it takes seconds to import)."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+def _barrier() -> None:
+    if _distributed():
+        dist.barrier()
+
+
+def _gather(obj: Any) -> list[Any]:
+    if not _distributed():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out

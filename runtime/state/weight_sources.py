@@ -1,0 +1,382 @@
+"""Checkpoint readers: list keys and read shapes and dtypes from headers alone, then copy chosen
+tensors one at a time, opening only the files that hold them.
+
+Four layouts: a safetensors file, safetensors shards with ``model.safetensors.index.json``, a
+torch state-dict file (``torch.save``), and a torch.distributed.checkpoint directory (DCP).
+
+Why ``safetensors.safe_open`` and not DCP's ``HuggingFaceStorageReader``: torch 2.13's reader
+builds its metadata by opening every ``*.safetensors`` file of the directory (the index is not
+read), so each rank would open every shard; it takes no single-file path; and it validates
+sizes only while copying, after earlier tensors were written. ``safe_open`` maps one file and
+reads its header (names, shapes, dtypes) without touching data, and ``get_tensor`` reads one
+tensor, which is what "each rank reads only its stages, all checked before any copy" needs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors import safe_open
+
+from runtime.state.weight_errors import WeightsSourceError
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self from Python 3.11
+
+__all__ = ["INDEX_FILE", "SINGLE_FILE", "Source", "TensorInfo", "open_source"]
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_DCP_METADATA = ".metadata"
+
+# safetensors' dtype codes (its format spec); torch names the float8 ones only in recent versions.
+_ST_DTYPES: dict[str, str] = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+    "U16": "uint16", "U32": "uint32", "U64": "uint64", "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "C64": "complex64",
+}
+
+# Copies every tensor of ``plan`` (key -> its destinations); calls back with each key done.
+Done = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """A checkpoint tensor as its header describes it; no data is read to know it.
+
+    Attributes:
+        shape: its size.
+        dtype: a torch dtype, or the file's own code when torch has none for it.
+        files: the files holding it (one, except for a DCP tensor saved in chunks by several ranks).
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype | str
+    files: tuple[str, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its data (0 for a dtype torch does not know)."""
+        if not isinstance(self.dtype, torch.dtype):
+            return 0
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * self.dtype.itemsize
+
+
+class Source:
+    """An open checkpoint. Use as a context manager; ``touched`` lists the files opened so far."""
+
+    kind = ""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.touched: list[str] = []
+        self._stack = ExitStack()
+
+    def keys(self) -> Sequence[str]:
+        """Every tensor key, from the index, header or metadata alone."""
+        raise NotImplementedError
+
+    def file_of(self, key: str) -> str:
+        """The file holding ``key``, without opening it."""
+        raise NotImplementedError
+
+    def info(self, keys: Iterable[str]) -> dict[str, TensorInfo]:
+        """Shapes and dtypes of ``keys``, opening only the files that hold them."""
+        raise NotImplementedError
+
+    def read(self, plan: Mapping[str, Sequence[torch.Tensor]], done: Done) -> int:
+        """Copy each key's tensor into its destinations, one tensor in memory at a time.
+
+        Returns:
+            Bytes read from the checkpoint.
+        """
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        """``/ckpt (safetensors shards, 4 files, 291 keys)``: the source for messages."""
+        files = {self.file_of(k) for k in self.keys()}
+        return f"{self.path} ({self.kind}, {len(files)} file{'s' * (len(files) != 1)}, {len(self.keys())} keys)"
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+
+def open_source(source: str | os.PathLike[str]) -> Source:
+    """The reader for ``source``: a file (``.safetensors``, ``*.index.json``, else a torch file)
+    or a directory (``.metadata`` -> DCP, ``model.safetensors``, ``model.safetensors.index.json``).
+
+    Raises:
+        WeightsSourceError: no such path, or a directory holding none of those layouts.
+    """
+    path = Path(source)
+    if path.is_dir():
+        if (path / _DCP_METADATA).is_file():
+            return _DcpSource(path)
+        # transformers' order: a single file wins over an index.
+        if (path / SINGLE_FILE).is_file():
+            return _SafetensorsSource.single(path / SINGLE_FILE)
+        if (path / INDEX_FILE).is_file():
+            return _SafetensorsSource.sharded(path / INDEX_FILE)
+        shards = sorted(p.name for p in path.glob("*.safetensors"))
+        hint = (
+            f" It holds {len(shards)} .safetensors file(s) ({', '.join(shards[:3])}) but no index: an "
+            "interrupted export never writes its index, so re-export, or pass one file's path to load it."
+            if shards else ""
+        )
+        raise WeightsSourceError(
+            f"{path} is a directory with no checkpoint pipecut reads: expected {SINGLE_FILE}, "
+            f"{INDEX_FILE} with its shards, or a torch.distributed.checkpoint '.metadata' file.{hint}",
+            source=str(path),
+        )
+    if not path.is_file():
+        raise WeightsSourceError(
+            f"checkpoint {path} does not exist; give a safetensors file or directory, a "
+            "model.safetensors.index.json, a torch.save file, or a torch.distributed.checkpoint directory",
+            source=str(path),
+        )
+    if path.name.endswith(".index.json"):
+        return _SafetensorsSource.sharded(path)
+    if path.suffix == ".safetensors":
+        return _SafetensorsSource.single(path)
+    return _TorchFileSource(path)
+
+
+class _SafetensorsSource(Source):
+    """One safetensors file or shards: key -> file from the index (or the one header)."""
+
+    def __init__(self, path: Path, weight_map: dict[str, str], kind: str) -> None:
+        super().__init__(path)
+        self.kind = kind
+        self._map = weight_map
+        self._handles: dict[str, Any] = {}
+
+    @classmethod
+    def single(cls, file: Path) -> _SafetensorsSource:
+        source = cls(file, {}, "safetensors")
+        source._map = dict.fromkeys(source._open(str(file)).keys(), str(file))
+        return source
+
+    @classmethod
+    def sharded(cls, index: Path) -> _SafetensorsSource:
+        try:
+            data = json.loads(index.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise WeightsSourceError(
+                f"cannot read the safetensors index {index}: {e}; re-export the checkpoint "
+                "(save_safetensors or save_pretrained) or restore the file",
+                source=str(index),
+            ) from e
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
+            raise WeightsSourceError(
+                f"{index} has no 'weight_map' object of key -> shard file name, so it is not a "
+                "safetensors index; re-export the checkpoint or pass the directory that holds it",
+                source=str(index),
+            )
+        folder = index.parent
+        return cls(index, {k: str(folder / v) for k, v in weight_map.items()}, "safetensors shards")
+
+    def _open(self, file: str) -> Any:
+        if file not in self._handles:
+            try:
+                self._handles[file] = self._stack.enter_context(safe_open(file, framework="pt"))
+            except Exception as e:  # safetensors raises its own SafetensorError for a bad header
+                exists = "does not exist" if not os.path.exists(file) else f"is not a safetensors file ({e})"
+                raise WeightsSourceError(
+                    f"checkpoint file {file} {exists}; "
+                    + ("the index names it: restore the shard or re-export" if self.kind.endswith("shards")
+                       else "re-export it"),
+                    source=str(self.path),
+                ) from e
+            self.touched.append(file)
+        return self._handles[file]
+
+    def keys(self) -> Sequence[str]:
+        return list(self._map)
+
+    def file_of(self, key: str) -> str:
+        return self._map[key]
+
+    def info(self, keys: Iterable[str]) -> dict[str, TensorInfo]:
+        out: dict[str, TensorInfo] = {}
+        for key in keys:
+            file = self._map[key]
+            handle = self._open(file)
+            try:
+                sl = handle.get_slice(key)
+            except Exception as e:
+                raise WeightsSourceError(
+                    f"the index {self.path} puts key {key!r} in {file}, which does not hold it; the "
+                    "index is stale: re-export the checkpoint",
+                    source=str(self.path),
+                ) from e
+            code = sl.get_dtype()
+            dtype = getattr(torch, _ST_DTYPES.get(code, ""), code)
+            out[key] = TensorInfo(tuple(sl.get_shape()), dtype, (file,))
+        return out
+
+    def read(self, plan: Mapping[str, Sequence[torch.Tensor]], done: Done) -> int:
+        nbytes = 0
+        by_file: dict[str, list[str]] = {}
+        for key in sorted(plan):
+            by_file.setdefault(self._map[key], []).append(key)
+        # File by file, each through a handle of its own that is closed once its keys are copied:
+        # pages read through a mapping count in the process's RSS for as long as it is mapped.
+        for file, keys in sorted(by_file.items()):
+            self._open(file)  # the header, and the error for a missing or broken shard
+            with safe_open(file, framework="pt") as handle:
+                for key in keys:
+                    tensor = handle.get_tensor(key)  # this tensor only, on CPU
+                    nbytes += tensor.numel() * tensor.element_size()
+                    for dest in plan[key]:
+                        dest.copy_(tensor)
+                    del tensor
+                    done(key)
+        return nbytes
+
+
+class _TorchFileSource(Source):
+    """A ``torch.save`` file, memory-mapped: shapes are known at once, pages read on copy."""
+
+    kind = "torch file"
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        try:
+            loaded = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        except Exception as e:
+            raise WeightsSourceError(
+                f"cannot read {path} as a torch state dict with torch.load(mmap=True, "
+                f"weights_only=True): {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. "
+                "Re-save it as a plain state dict: torch.save(model.state_dict(), path) (the zip "
+                "format of torch >= 1.6, no pickled modules), or convert it to safetensors",
+                source=str(path),
+            ) from e
+        if not isinstance(loaded, Mapping):
+            raise WeightsSourceError(
+                f"{path} holds a {type(loaded).__name__}, not a state dict (a mapping of names to "
+                "tensors); save model.state_dict() instead",
+                source=str(path),
+            )
+        self.touched.append(str(path))
+        self._tensors = _flatten(loaded)
+
+    def keys(self) -> Sequence[str]:
+        return list(self._tensors)
+
+    def file_of(self, key: str) -> str:
+        return str(self.path)
+
+    def info(self, keys: Iterable[str]) -> dict[str, TensorInfo]:
+        file = (str(self.path),)
+        return {k: TensorInfo(tuple(self._tensors[k].shape), self._tensors[k].dtype, file) for k in keys}
+
+    def read(self, plan: Mapping[str, Sequence[torch.Tensor]], done: Done) -> int:
+        nbytes = 0
+        for key, dests in plan.items():
+            tensor = self._tensors[key]
+            nbytes += tensor.numel() * tensor.element_size()
+            for dest in dests:
+                dest.copy_(tensor)
+            done(key)
+        return nbytes
+
+
+def _flatten(tree: Mapping[Any, Any], prefix: str = "") -> dict[str, torch.Tensor]:
+    """Tensors of nested mappings under dotted keys, as DCP flattens them; other values dropped."""
+    out: dict[str, torch.Tensor] = {}
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, torch.Tensor):
+            out[key] = v
+        elif isinstance(v, Mapping):
+            out.update(_flatten(v, key + "."))
+    return out
+
+
+class _DcpSource(Source):
+    """A torch.distributed.checkpoint directory: shapes and dtypes from its ``.metadata``."""
+
+    kind = "torch.distributed.checkpoint"
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        # Imported here: torch.distributed.checkpoint takes seconds to import, and most runs never read one.
+        from torch.distributed.checkpoint.filesystem import FileSystemReader
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        try:
+            metadata = FileSystemReader(str(path)).read_metadata()
+        except Exception as e:
+            raise WeightsSourceError(
+                f"cannot read the torch.distributed.checkpoint metadata of {path}: {type(e).__name__}: {e}; "
+                "the save was interrupted or the directory is damaged: save it again",
+                source=str(path),
+            ) from e
+        self.touched.append(str(path / _DCP_METADATA))
+        self._meta = {
+            k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)
+        }
+        files: dict[str, set[str]] = {}
+        for index, storage in (metadata.storage_data or {}).items():
+            files.setdefault(index.fqn, set()).add(str(path / storage.relative_path))
+        self._files = {k: tuple(sorted(files.get(k, ()))) for k in self._meta}
+
+    def keys(self) -> Sequence[str]:
+        return list(self._meta)
+
+    def file_of(self, key: str) -> str:
+        return ", ".join(self._files[key]) or str(self.path)
+
+    def info(self, keys: Iterable[str]) -> dict[str, TensorInfo]:
+        return {
+            k: TensorInfo(tuple(self._meta[k].size), self._meta[k].properties.dtype, self._files[k])
+            for k in keys
+        }
+
+    def read(self, plan: Mapping[str, Sequence[torch.Tensor]], done: Done) -> int:
+        from torch.distributed.checkpoint.filesystem import FileSystemReader
+        from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+        nbytes = 0
+        groups: dict[tuple[str, ...], list[str]] = {}
+        for key in plan:
+            groups.setdefault(self._files[key], []).append(key)
+        # One load per group of files, so a failure names the keys already in place. no_dist=True
+        # even under an initialised process group: DCP's collective load expects every rank to ask
+        # for the same keys at the same time, and a pipeline's ranks hold different stages.
+        for files, keys in sorted(groups.items()):
+            state = {k: plan[k][0] for k in keys}
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp_load(
+                    state, checkpoint_id=str(self.path),
+                    storage_reader=FileSystemReader(str(self.path)), no_dist=True,
+                )
+            self.touched.extend(f for f in files if f not in self.touched)
+            for k in keys:
+                first, *others = plan[k]
+                if state[k] is not first:  # DCP copies in place into plain tensors; say so if not
+                    first.copy_(state[k])
+                for dest in others:
+                    dest.copy_(first)
+                nbytes += TensorInfo(tuple(self._meta[k].size), self._meta[k].properties.dtype, ()).nbytes
+                done(k)
+        return nbytes

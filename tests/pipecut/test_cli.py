@@ -1,0 +1,90 @@
+"""The pipecut command line: prints the plan table, writes JSON and DOT, fails with a clear message."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from partitioner import Plan
+from pipecut.cli import main
+
+
+def test_plan_command_prints_and_writes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    js, dot = tmp_path / "plan.json", tmp_path / "plan.dot"
+    code = main(["plan", "mlp", "--stages", "3", "--device", "cpu", "--json", str(js), "--dot", str(dot)])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "pipecut plan: 3 stages" in out and "bottleneck:" in out
+    assert Plan.load(js).num_stages == 3
+    assert dot.read_text().startswith("digraph")
+
+
+def test_gpt2_tiny_by_name(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "gpt2-tiny", "--stages", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "transformer.h" in out and "shared parameters" in out
+
+
+def test_factory_from_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = tmp_path / "mymodel.py"
+    src.write_text(
+        "import torch\n"
+        "def build():\n"
+        "    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))\n"
+        "    return m, (torch.randn(3, 4),)\n"
+    )
+    assert main(["plan", f"{src}:build", "--stages", "2", "--device", "cpu", "--method", "equal_count"]) == 0
+    assert "method equal_count" in capsys.readouterr().out
+
+
+def test_errors_are_one_line_with_a_fix(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "no-such-model", "--stages", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown model 'no-such-model'" in err and "path/to/file.py:factory" in err
+    assert main(["plan", "mlp", "--stages", "99"]) == 2
+    assert "ask for at most" in capsys.readouterr().err
+
+
+def test_simulate_command_prints_per_rank_and_writes_a_trace(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    js, trace = tmp_path / "plan.json", tmp_path / "trace.json"
+    assert main(["plan", "mlp", "--stages", "4", "--device", "cpu", "--json", str(js)]) == 0
+    capsys.readouterr()
+    assert main(["simulate", str(js), "--schedule", "zbv", "--microbatches", "16", "--trace", str(trace)]) == 0
+    out = capsys.readouterr().out
+    assert "4 stages on 2 ranks, schedule zbv, 16 micro-batches" in out
+    assert "0,3" in out and "1,2" in out  # the V placement
+    events = json.loads(trace.read_text())["traceEvents"]
+    spans = [e for e in events if e.get("ph") == "X"]
+    assert len(spans) == 4 * 16 * 3  # F, I and W of every stage and micro-batch
+    assert main(["simulate", str(js)]) == 0  # the plan's own schedule by default
+
+
+def test_plan_command_with_auto_schedule(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "mlp", "--stages", "2", "--schedule", "auto", "--microbatches", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "schedule choice" in out and "<- chosen" in out and "chose " in out
+    with pytest.raises(SystemExit):  # argparse rejects it with a usage message
+        main(["plan", "mlp", "--stages", "2", "--microbatches", "0"])
+    assert "expected a positive integer or 'auto'" in capsys.readouterr().err
+
+
+def test_plan_command_recompute_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "mlp", "--stages", "2", "--device", "cpu", "--recompute", "on"]) == 0
+    out = capsys.readouterr().out
+    assert "recompute" in out and "activation recomputation on 2 of 2 stages (0-1)" in out
+    assert main(["plan", "mlp", "--stages", "2", "--device", "cpu"]) == 0
+    assert "activation recomputation" not in capsys.readouterr().out  # memory does not bind
+
+
+def test_plan_command_precision_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "gpt2-tiny", "--stages", "2", "--precision", "bf16"]) == 0
+    bf16 = capsys.readouterr().out
+    assert main(["plan", "gpt2-tiny", "--stages", "2"]) == 0
+    fp32 = capsys.readouterr().out
+    assert "precision bf16" in bf16.splitlines()[0] and "precision fp32" in fp32.splitlines()[0]
+    assert bf16 != fp32  # 16-bit matmuls and halved activations change the times and memory

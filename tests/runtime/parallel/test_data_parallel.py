@@ -1,0 +1,275 @@
+"""Data x pipeline parallelism: 2 replicas of a 2-rank pipeline on 4 gloo processes train exactly
+as the unpartitioned model on the global batch (loss, every gradient, clipped steps, checkpoints)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from runtime.execute.accumulation import add_back, set_aside
+from runtime.parallel.data_parallel import GradAverager
+from runtime.transport.launch import spawn
+from runtime.transport.placement import PlacementError
+from tests.runtime.parity import TOL, _fresh, _fresh_y, case, check_grads, make_trainer, reference_grads
+
+SCHEDULES = ["gpipe", "1f1b", "zbh1"]
+
+
+def _dp_case(name: str, schedule: str, dp: int, pp: int, tmp: str | None, overlap: bool,
+             shard: bool = False) -> dict[str, Any]:
+    """One (model, schedule) on this rank: forward_backward, then 2 clipped SGD steps, then a
+    checkpoint loaded into the plain model; each compared with the unpartitioned model."""
+    import torch.distributed as dist
+
+    c = case(name, pp)
+    ref = copy.deepcopy(c["model"])
+    opt = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)  # noqa: E731
+    trainer = make_trainer(c, pp, schedule, transport="dist", optimizer=opt, data_parallel=dp,
+                           overlap_grad_reduce=overlap, record=True, shard_optimizer=shard)
+    gen = torch.Generator().manual_seed(7)  # the same global batch on every rank
+    rows = dp * c["x"].shape[0]
+    fresh = lambda: (_fresh({"x": c["x"].new_empty(rows, *c["x"].shape[1:])}, gen),  # noqa: E731
+                     _fresh_y({"y": c["y"].new_empty(rows, *c["y"].shape[1:])}, gen))
+    x, y = fresh()
+    loss = trainer.forward_backward(*trainer.local_batch(x, y))
+    want_loss, want = reference_grads(c, ref, x, y)
+    torch.testing.assert_close(loss, want_loss, **TOL)
+    if shard:  # each parameter's gradient is kept by its owner only
+        owned = {id(p) for p in trainer._replicas.owned}
+        held = {n for n, p in trainer.named_parameters() if p.grad is not None}
+        assert held == {n for n, p in trainer.named_parameters() if id(p) in owned}
+        checked = sorted(held)
+        for n in checked:
+            torch.testing.assert_close(dict(trainer.named_parameters())[n].grad, want[n], **TOL)
+    else:
+        checked = check_grads(trainer, want)
+
+    ref_opt = opt(list(ref.parameters()))
+    norms = []
+    for _ in range(2):
+        x, y = fresh()
+        trainer.step(*trainer.local_batch(x, y), max_norm=0.5)
+        ref_opt.zero_grad()
+        c["loss"](ref(x), y).backward()
+        norms.append((float(trainer.last_grad_norm), float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5))))
+        ref_opt.step()
+    ref_params = dict(ref.named_parameters(remove_duplicate=False))
+    for pname, prm in trainer.named_parameters():
+        torch.testing.assert_close(prm.detach(), ref_params[pname].detach(), **TOL,
+                                   msg=lambda m, pname=pname: f"{pname}: {m}")
+    state = sum(t.numel() for st in trainer.optimizer.state.values() for t in st.values()
+                if isinstance(t, torch.Tensor)) if trainer.optimizer is not None else 0
+    out: dict[str, Any] = {"checked": checked, "loss": float(loss), "norms": norms, "state": state,
+                           "params": sum(p.numel() for p in trainer.parameters()),
+                           "dp_rank": trainer.mesh.dp_rank, "pp_rank": trainer.mesh.pp_rank,
+                           "tied_groups": len(trainer._tied)}
+    if tmp is not None:
+        trainer.save(Path(tmp) / "ckpt")
+        trainer.export_safetensors(Path(tmp) / "hf")
+        out["trace"] = trainer.save_trace(Path(tmp) / "trace.json") is not None
+        if dist.get_rank() == 0:
+            from runtime.state.checkpoint import load_model
+
+            plain = copy.deepcopy(c["model"])
+            load_model(plain, Path(tmp) / "ckpt")
+            for n, prm in plain.named_parameters():
+                torch.testing.assert_close(prm, ref_params[n].detach(), **TOL)
+        if shard:  # a sharded save resumes unsharded: every rank gets every parameter's momentum
+            full = make_trainer(case(name, pp), pp, schedule, transport="dist", optimizer=opt, data_parallel=dp)
+            full.load(Path(tmp) / "ckpt")
+            assert full.optimizer is not None and trainer.optimizer is not None
+            mine = {id(p): n for n, p in trainer.named_parameters()}
+            theirs = dict(full.named_parameters())
+            assert len(full.optimizer.state) == len(list(full.parameters()))
+            for p, st in trainer.optimizer.state.items():
+                loaded = full.optimizer.state[theirs[mine[id(p)]]]["momentum_buffer"]
+                torch.testing.assert_close(loaded, st["momentum_buffer"], rtol=0, atol=0)
+            for n, p in theirs.items():
+                torch.testing.assert_close(p.detach(), ref_params[n].detach(), **TOL)
+    return out
+
+
+def _dp_worker(
+    rank: int, world: int, cases: list[tuple[str, str]], tmp: str, overlap: bool, shard: bool = False
+) -> dict[str, Any]:
+    out = {}
+    for i, (name, schedule) in enumerate(cases):
+        out[f"{name}/{schedule}"] = _dp_case(name, schedule, 2, world // 2, tmp if i == 0 else None, overlap, shard)
+    try:
+        make_trainer(case("mlp", 2), 2, "1f1b", transport="dist", data_parallel=3)
+        out["refused"] = ""
+    except PlacementError as e:
+        out["refused"] = str(e)
+    return out
+
+
+@pytest.mark.multiprocess
+def test_two_replicas_of_a_two_rank_pipeline_equal_the_plain_model(tmp_path: Path) -> None:
+    cases = [("gpt2", s) for s in SCHEDULES] + [("mlp", "1f1b")]
+    results = spawn(_dp_worker, 4, cases, str(tmp_path), True, timeout=600)
+    assert [(r["gpt2/1f1b"]["dp_rank"], r["gpt2/1f1b"]["pp_rank"]) for r in results] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for key in results[0]:
+        if key == "refused":
+            continue
+        # The same loss and norms everywhere; both ranks of each replica checked their stages.
+        assert len({round(r[key]["loss"], 6) for r in results}) == 1, key
+        for r in results:
+            for got, want in r[key]["norms"]:
+                assert got == pytest.approx(want, rel=1e-5), key
+        assert set(results[0][key]["checked"]) | set(results[1][key]["checked"]) == \
+            set(results[2][key]["checked"]) | set(results[3][key]["checked"])
+    # GPT-2's tied embedding spans both ranks of each replica: one group per process.
+    assert [r["gpt2/gpipe"]["tied_groups"] for r in results] == [1, 1, 1, 1]
+    assert [r["gpt2/gpipe"]["trace"] for r in results] == [True, False, False, False]
+    assert (tmp_path / "trace.json").is_file() and (tmp_path / "ckpt" / ".metadata").is_file()
+    # The first replica's two ranks write the export; the copies in the second are not written again.
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [
+        "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
+    assert "--nproc-per-node 6" in results[0]["refused"] and "4 processes" in results[0]["refused"]
+
+
+@pytest.mark.multiprocess
+def test_all_reduce_after_the_step_gives_the_same_gradients(tmp_path: Path) -> None:
+    results = spawn(_dp_worker, 4, [("gpt2", "1f1b")], str(tmp_path), False, timeout=300)
+    assert len({round(r["gpt2/1f1b"]["loss"], 6) for r in results}) == 1
+
+
+@pytest.mark.multiprocess
+def test_sharded_optimizer_state_steps_exactly_and_halves_the_state(tmp_path: Path) -> None:
+    # ZeRO-style: the two replicas' ranks of each stage split its parameters; each keeps the
+    # momentum of its share, the gradients of its share, and broadcasts its new values.
+    results = spawn(_dp_worker, 4, [("gpt2", "zbh1")], str(tmp_path), True, True, timeout=300)
+    r = [res["gpt2/zbh1"] for res in results]
+    for pp in (0, 1):  # ranks pp and 2 + pp hold the same stages
+        a, b = r[pp], r[2 + pp]
+        assert a["params"] == b["params"] and a["state"] + b["state"] == a["params"]
+        assert max(a["state"], b["state"]) <= 0.75 * a["params"]
+        assert not set(a["checked"]) & set(b["checked"])  # each gradient kept by one owner
+
+
+def test_data_parallel_in_one_process_is_refused_with_the_equivalent() -> None:
+    with pytest.raises(PlacementError, match="microbatches=8"):
+        make_trainer(case("mlp", 2), 2, "1f1b", data_parallel=2)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_averager_waits_for_every_holder_and_buckets_by_size(overlap: bool) -> None:
+    # One replica: the bucketing, the order and the accumulation are what is tested.
+    a, b, shared = (nn.Parameter(torch.ones(n)) for n in (4, 300, 2))
+    a.grad = torch.full_like(a, 10.0)  # from an earlier forward_backward: set aside, added back
+    avg = GradAverager({0: [a, shared], 1: [b, shared]}, None, 1, bucket_bytes=64 * 4, overlap=overlap)
+    aside = set_aside([a, b, shared])  # what the trainer does around every call
+    assert a.grad is None
+    for prm, g in ((a, 2.0), (b, 3.0), (shared, 5.0)):
+        prm.grad = torch.full_like(prm, g)
+    avg.stage_done(0)  # the shared weight waits for stage 1
+    assert [p for bucket, _, _, _ in avg._sent for p in bucket] == ([a] if overlap else [])
+    avg.stage_done(1)
+    assert len(avg._sent) == (3 if overlap else 0)  # b alone exceeds the bucket
+    avg.finish()
+    add_back(aside)
+    assert a.grad.tolist() == [12.0] * 4 and b.grad.eq(3.0).all() and shared.grad.tolist() == [5.0, 5.0]
+    assert avg._sent == [] and avg._left == {id(a): 1, id(shared): 2, id(b): 1}  # ready for the next step
+
+
+def test_owners_are_balanced_and_the_same_everywhere() -> None:
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    from runtime.parallel.zero import assign_owners
+
+    @given(st.lists(st.integers(1, 1000), max_size=40), st.integers(1, 6))
+    def check(sizes: list[int], dp: int) -> None:
+        owners = assign_owners(sizes, dp)
+        assert owners == assign_owners(list(sizes), dp) and all(0 <= d < dp for d in owners)
+        loads = [sum(n for n, d in zip(sizes, owners) if d == k) for k in range(dp)]
+        if sizes:  # longest-processing-time-first: no load exceeds the mean by more than the largest
+            assert max(loads) <= sum(sizes) / dp + max(sizes)
+
+    check()
+
+
+# Every feature combined with data parallelism: (schedule, trainer options, autocast dtype).
+COMBINED = [
+    ("zbv", {"recompute": True, "shard_optimizer": True}, None),
+    ("interleaved", {"recompute": True, "precision": "bf16-uncast"}, torch.bfloat16),
+    ("1f1b", {"shard_optimizer": True, "precision": "fp16-uncast"}, torch.float16),
+]
+
+
+def _combined_worker(rank: int, world: int) -> list[float]:
+    from runtime.precision import MixedPrecision
+    from test_mixed_precision import _accumulated
+
+    errors = []
+    for schedule, opts, dtype in COMBINED:
+        kw = dict(opts)
+        if str(kw.get("precision", "")).endswith("-uncast"):  # the wire keeps autocast's dtypes
+            kw["precision"] = MixedPrecision(kw["precision"].split("-")[0], cast_activations=False)
+        pp = world // 2
+        c = case("gpt2", 2 * pp if schedule in ("zbv", "interleaved") else pp)
+        ref = copy.deepcopy(c["model"])
+        stages = 2 * pp if schedule in ("zbv", "interleaved") else pp
+        trainer = make_trainer(c, stages, schedule, transport="dist", data_parallel=2,
+                               optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), **kw)
+        gen = torch.Generator().manual_seed(11)
+        x = _fresh({"x": c["x"].new_empty(16, 8)}, gen)
+        y = _fresh_y({"y": c["y"].new_empty(16, 8)}, gen)
+        loss = trainer.forward_backward(*trainer.local_batch(x, y))
+        if dtype is None:
+            want_loss, want = reference_grads(c, ref, x, y)
+        else:
+            scale = trainer.scaler.scale if trainer.scaler is not None else 1.0
+            want_loss, want = _accumulated(ref, c["loss"], x, y, 2 * trainer.m, dtype, scale)
+        assert not trainer.last_found_inf
+        torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+        worst = 0.0
+        held = [(n, p) for n, p in trainer.named_parameters() if p.grad is not None]
+        assert held, "this rank kept no gradient"
+        for n, p in held:
+            worst = max(worst, float((p.grad - want[n]).abs().max() / want[n].abs().max()))
+        errors.append(worst)
+    return errors
+
+
+@pytest.mark.multiprocess
+def test_data_parallel_with_recomputation_sharding_and_mixed_precision() -> None:
+    # ZB-V and interleaved (two stages per rank) with recomputation, sharded optimizer state, bf16
+    # and fp16 with loss scaling: each rank's kept gradients equal the plain model's (under the
+    # same autocast, over the same micro-batches) on the global batch.
+    results = spawn(_combined_worker, 4, timeout=300)
+    for errors in results:
+        assert errors[0] < 1e-5  # fp32
+        assert errors[1] < 1e-5 and errors[2] < 1e-5  # wire in the autocast dtypes: round-off only
+
+
+def _one_replica_fails(rank: int, world: int) -> dict[str, str]:
+    c = case("mlp", 2)
+    trainer = make_trainer(c, 2, "1f1b", transport="dist", data_parallel=2, timeout=60)
+    x, y = torch.randn(16, 16), torch.randn(16, 8)
+    x, y = trainer.local_batch(x, y)
+    if rank == 3:  # replica 1's last stage: targets of the wrong width fail in its loss
+        y = y[:, :3]
+    try:
+        trainer.forward_backward(x, y)
+    except Exception as e:
+        return {"type": type(e).__name__, "message": str(e)}
+    return {"type": "", "message": ""}
+
+
+@pytest.mark.multiprocess
+def test_a_failing_replica_is_named_by_every_other_rank() -> None:
+    # Rank 3 fails; rank 2 (its pipeline) stops waiting for its gradients, and the first replica's
+    # ranks stop waiting in the gradient exchange: all say so and quote rank 3's error, none hangs.
+    results = spawn(_one_replica_fails, 4, timeout=180)
+    assert results[3]["type"] == "StageError", results[3]
+    quoted = "The first rank to fail reported: rank 3 failed: StageError"
+    for rank in (0, 1, 2):
+        assert results[rank]["type"] == "PeerFailed", (rank, results[rank])
+        assert quoted in results[rank]["message"], (rank, results[rank]["message"])
+    assert "data-parallel exchange" in results[1]["message"]

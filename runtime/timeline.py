@@ -299,6 +299,61 @@ class RecordLike(Protocol):
     def end(self) -> float: ...
 
 
+def _spans_of(rows: list[RecordLike]) -> list[Span]:
+    """The records as spans, with times shifted so that the earliest start is 0."""
+    origin = min((x.start for x in rows), default=0.0)
+    spans = []
+    for x in rows:
+        try:
+            kind = Kind(x.kind)
+        except ValueError:
+            raise TimelineError(
+                f"record {x!r} has kind {x.kind!r}; use one of F, B, I, W"
+            ) from None
+        spans.append(Span(x.rank, x.stage, kind, x.mb, x.start - origin, x.end - origin))
+    return spans
+
+
+def _hand_overs(spans: list[Span]) -> list[Message]:
+    """A message per hand-over between ranks, from the producer's end to the consumer's start."""
+    messages: list[Message] = []
+    by_action = {(x.stage, x.kind, x.mb): x for x in spans}
+    for x in spans:
+        if x.kind is F:
+            nxt = by_action.get((x.stage + 1, F, x.mb))
+            if nxt is not None and nxt.rank != x.rank:
+                messages.append(
+                    Message(
+                        x.rank,
+                        nxt.rank,
+                        x.end,
+                        max(x.end, nxt.start),
+                        x.stage,
+                        nxt.stage,
+                        F,
+                        x.mb,
+                    )
+                )
+        elif x.kind in (B, I) and x.stage > 0:
+            prev = by_action.get((x.stage - 1, I, x.mb)) or by_action.get(
+                (x.stage - 1, B, x.mb)
+            )
+            if prev is not None and prev.rank != x.rank:
+                messages.append(
+                    Message(
+                        x.rank,
+                        prev.rank,
+                        x.end,
+                        max(x.end, prev.start),
+                        x.stage,
+                        prev.stage,
+                        x.kind,
+                        x.mb,
+                    )
+                )
+    return messages
+
+
 def from_records(
     records: Iterable[RecordLike],
     act_bytes: Iterable[float] | None = None,
@@ -329,53 +384,8 @@ def from_records(
         >>> t.step_time, [(m.src, m.dst, m.send, m.recv) for m in t.messages]
         (2.0, [(0, 1, 1.0, 1.5)])
     """
-    rows = list(records)
-    origin = min((x.start for x in rows), default=0.0)
-    spans = []
-    for x in rows:
-        try:
-            kind = Kind(x.kind)
-        except ValueError:
-            raise TimelineError(
-                f"record {x!r} has kind {x.kind!r}; use one of F, B, I, W"
-            ) from None
-        spans.append(Span(x.rank, x.stage, kind, x.mb, x.start - origin, x.end - origin))
-    messages: list[Message] = []
-    if infer_messages:
-        by_action = {(x.stage, x.kind, x.mb): x for x in spans}
-        for x in spans:
-            if x.kind is F:
-                nxt = by_action.get((x.stage + 1, F, x.mb))
-                if nxt is not None and nxt.rank != x.rank:
-                    messages.append(
-                        Message(
-                            x.rank,
-                            nxt.rank,
-                            x.end,
-                            max(x.end, nxt.start),
-                            x.stage,
-                            nxt.stage,
-                            F,
-                            x.mb,
-                        )
-                    )
-            elif x.kind in (B, I) and x.stage > 0:
-                prev = by_action.get((x.stage - 1, I, x.mb)) or by_action.get(
-                    (x.stage - 1, B, x.mb)
-                )
-                if prev is not None and prev.rank != x.rank:
-                    messages.append(
-                        Message(
-                            x.rank,
-                            prev.rank,
-                            x.end,
-                            max(x.end, prev.start),
-                            x.stage,
-                            prev.stage,
-                            x.kind,
-                            x.mb,
-                        )
-                    )
+    spans = _spans_of(list(records))
+    messages = _hand_overs(spans) if infer_messages else []
     return Timeline(
         tuple(spans),
         tuple(messages),

@@ -322,34 +322,12 @@ def _hand_overs(spans: list[Span]) -> list[Message]:
         if x.kind is F:
             nxt = by_action.get((x.stage + 1, F, x.mb))
             if nxt is not None and nxt.rank != x.rank:
-                messages.append(
-                    Message(
-                        x.rank,
-                        nxt.rank,
-                        x.end,
-                        max(x.end, nxt.start),
-                        x.stage,
-                        nxt.stage,
-                        F,
-                        x.mb,
-                    )
-                )
+                messages.append(Message(x.rank, nxt.rank, x.end, max(x.end, nxt.start), x.stage, nxt.stage, F, x.mb))
         elif x.kind in (B, I) and x.stage > 0:
-            prev = by_action.get((x.stage - 1, I, x.mb)) or by_action.get(
-                (x.stage - 1, B, x.mb)
-            )
+            prev = by_action.get((x.stage - 1, I, x.mb)) or by_action.get((x.stage - 1, B, x.mb))
             if prev is not None and prev.rank != x.rank:
                 messages.append(
-                    Message(
-                        x.rank,
-                        prev.rank,
-                        x.end,
-                        max(x.end, prev.start),
-                        x.stage,
-                        prev.stage,
-                        x.kind,
-                        x.mb,
-                    )
+                    Message(x.rank, prev.rank, x.end, max(x.end, prev.start), x.stage, prev.stage, x.kind, x.mb)
                 )
     return messages
 

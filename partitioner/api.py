@@ -388,27 +388,30 @@ def _per_stage_capacity(cluster: Cluster, schedule: str) -> Cluster:
     return replace(cluster, devices=devices)
 
 
-def _make_plan(
-    *, traced: Any, model: nn.Module, g: Any, units: Sequence[Unit], problem: alg.Problem,
-    assignment: Sequence[int], method: str, cluster: Cluster, schedule: str, microbatches: int,
-    held: Sequence[int], granularity: str, numel: Mapping[str, int], state_bytes_per_param: float,
-    staged_io: tuple[Any, ...], shared: Mapping[str, tuple[int, ...]], precision: str = "fp32",
-    recompute: bool | str = False, forward: Sequence[Sequence[float]] = (),
-) -> Plan:
+def _stage_nodes(g: Any, units: Sequence[Unit], assignment: Sequence[int], p: int) -> list[list[str]]:
+    """Every stage's nodes in graph order, in one pass over the units (not one per stage: p x n at scale)."""
+    by_stage: list[list[str]] = [[] for _ in range(p)]
+    for u in units:
+        by_stage[assignment[u.index]].extend(u.nodes)
+    for nodes in by_stage:
+        nodes.sort(key=lambda v: g.nodes[v]["order"])
+    return by_stage
+
+
+def _stage_plans(
+    *, traced: Any, g: Any, units: Sequence[Unit], problem: alg.Problem, assignment: Sequence[int],
+    cluster: Cluster, held: Sequence[int], numel: Mapping[str, int], state_bytes_per_param: float,
+    recompute: bool | str,
+) -> list[StagePlan]:
+    """Per stage of the cut: its nodes and modules, summed costs, transfers, memory and whether it recomputes."""
     p = len(cluster)
     ev = alg.evaluate(problem, tuple(assignment))
     ins = stage_input_bytes(problem, assignment)
     # layer_depth only looks at distinct paths; a 175B GPT-2 has ~4k nodes but ~1k paths.
     depth = layer_depth(list(dict.fromkeys(g.nodes[v]["module"] for v in g.nodes)))
-    # Every stage's nodes in one pass over the units (not one pass per stage: p x n at scale).
     canon = canonical_names(traced.param_aliases)
-    by_stage: list[list[str]] = [[] for _ in range(p)]
-    for u in units:
-        by_stage[assignment[u.index]].extend(u.nodes)
     stages: list[StagePlan] = []
-    for s in range(p):
-        nodes = by_stage[s]
-        nodes.sort(key=lambda v: g.nodes[v]["order"])
+    for s, nodes in enumerate(_stage_nodes(g, units, assignment, p)):
         dev = cluster.devices[s]
         costs = [g.nodes[v]["cost"] for v in nodes]
         names = {canon.get(name, name) for c in costs for name in c.param_names}
@@ -441,6 +444,21 @@ def _make_plan(
                 recompute=rc,
             )
         )
+    return stages
+
+
+def _make_plan(
+    *, traced: Any, model: nn.Module, g: Any, units: Sequence[Unit], problem: alg.Problem,
+    assignment: Sequence[int], method: str, cluster: Cluster, schedule: str, microbatches: int,
+    held: Sequence[int], granularity: str, numel: Mapping[str, int], state_bytes_per_param: float,
+    staged_io: tuple[Any, ...], shared: Mapping[str, tuple[int, ...]], precision: str = "fp32",
+    recompute: bool | str = False, forward: Sequence[Sequence[float]] = (),
+) -> Plan:
+    """The Plan of a cut: its stages, the bound and predictions, and what it takes to build the stages again."""
+    stages = _stage_plans(
+        traced=traced, g=g, units=units, problem=problem, assignment=assignment, cluster=cluster, held=held,
+        numel=numel, state_bytes_per_param=state_bytes_per_param, recompute=recompute,
+    )
     if any(st.recompute for st in stages):
         log.info("partition: stages %s recompute their activations", [st.index for st in stages if st.recompute])
     # With every stage recomputing, each unit's forward runs twice: the bound counts it too.

@@ -13,7 +13,7 @@ from rich.table import Table
 from partitioner.schedule.registry import stages_per_rank
 
 if TYPE_CHECKING:
-    from partitioner.plan.plan import Plan
+    from partitioner.plan.plan import Plan, StagePlan
 
 __all__ = ["render_text", "render_dot", "fmt_bytes", "fmt_time", "fmt_flops", "fmt_count"]
 
@@ -54,33 +54,55 @@ def fmt_count(n: float) -> str:
     return f"{n:.0f}"
 
 
-def render_text(plan: Plan, width: int = 160) -> str:
-    """The stage table with the summary lines under it, as plain text."""
-    worst = plan.bottleneck_stage
+def _title(plan: Plan) -> str:
+    """The table's title: stages, devices, method, micro-batches, schedule and precision."""
     names = {st.device for st in plan.stages}
-    uniform = len(names) == 1
     v = stages_per_rank(plan.schedule)
     ndev = plan.num_stages // v
-    where = f"{ndev} x {next(iter(names))}" if uniform else f"{ndev} devices"
+    where = f"{ndev} x {next(iter(names))}" if len(names) == 1 else f"{ndev} devices"
     if v > 1:
         where += f" ({v} stages per device)"
     # The costs are for one micro-batch of this many rows, whatever example the plan was made from.
     size = f" of {plan.microbatch_size}" if plan.microbatch_size else ""
-    table = Table(
-        title=(
-            f"pipecut plan: {plan.num_stages} stages on {where}, method {plan.method}, "
-            f"{plan.microbatches} micro-batches{size}, schedule {plan.schedule}, precision {plan.precision}"
-        ),
-        box=box.SIMPLE_HEAD,
-        title_justify="left",
+    return (
+        f"pipecut plan: {plan.num_stages} stages on {where}, method {plan.method}, "
+        f"{plan.microbatches} micro-batches{size}, schedule {plan.schedule}, precision {plan.precision}"
     )
+
+
+def _stage_row(plan: Plan, st: StagePlan, *, worst: int, recompute_column: bool) -> list[str]:
+    """One stage's cells, the bottleneck's index marked ``*``, over-capacity memory marked ``OVER``."""
+    over = st.memory > st.capacity
+    mem = f"{fmt_bytes(st.memory)} / {fmt_bytes(st.capacity)}" + (" OVER" if over else "")
+    return [
+        f"{st.index}{'*' if st.index == worst else ''}",
+        st.device,
+        st.modules,
+        str(len(st.nodes)),
+        fmt_count(st.params),
+        fmt_flops(st.fwd_flops),
+        fmt_flops(st.bwd_flops),
+        mem,
+        *(["yes" if st.recompute else "-"] if recompute_column else []),
+        fmt_time(st.fwd_time),
+        fmt_time(st.bwd_time),
+        fmt_time(st.comm_in_time + st.comm_out_time),
+        fmt_time(st.time),
+        fmt_bytes(st.send_bytes) if st.index < plan.num_stages - 1 else "-",
+    ]
+
+
+def _stage_table(plan: Plan) -> Table:
+    """A row per stage; no device column when all stages share one device type."""
+    uniform = len({st.device for st in plan.stages}) == 1
+    table = Table(title=_title(plan), box=box.SIMPLE_HEAD, title_justify="left")
     columns: list[tuple[str, JustifyMethod]] = [
         ("stage", "right"), ("device", "left"), ("modules", "left"), ("nodes", "right"),
         ("params", "right"), ("fwd FLOPs", "right"), ("bwd FLOPs", "right"),
         ("memory / capacity", "right"), ("F", "right"), ("B", "right"), ("comm", "right"),
         ("time", "right"), ("sends", "right"),
     ]
-    recomputing = [st.index for st in plan.stages if st.recompute]
+    recomputing = any(st.recompute for st in plan.stages)
     if recomputing:  # a column only when some stage recomputes: the plain table stays as it was
         columns.insert(columns.index(("F", "right")), ("recompute", "left"))
     if uniform:
@@ -88,28 +110,18 @@ def render_text(plan: Plan, width: int = 160) -> str:
     for col, justify in columns:
         wraps = col == "modules"
         table.add_column(col, justify=justify, no_wrap=not wraps, min_width=24 if wraps else None)
+    worst = plan.bottleneck_stage
     for st in plan.stages:
-        over = st.memory > st.capacity
-        mem = f"{fmt_bytes(st.memory)} / {fmt_bytes(st.capacity)}" + (" OVER" if over else "")
-        row = [
-            f"{st.index}{'*' if st.index == worst else ''}",
-            st.device,
-            st.modules,
-            str(len(st.nodes)),
-            fmt_count(st.params),
-            fmt_flops(st.fwd_flops),
-            fmt_flops(st.bwd_flops),
-            mem,
-            *(["yes" if st.recompute else "-"] if recomputing else []),
-            fmt_time(st.fwd_time),
-            fmt_time(st.bwd_time),
-            fmt_time(st.comm_in_time + st.comm_out_time),
-            fmt_time(st.time),
-            fmt_bytes(st.send_bytes) if st.index < plan.num_stages - 1 else "-",
-        ]
+        row = _stage_row(plan, st, worst=worst, recompute_column=recomputing)
         if uniform:
             row.pop(1)
         table.add_row(*row)
+    return table
+
+
+def _summary_lines(plan: Plan) -> list[str]:
+    """The lines under the table: bottleneck vs lower bound, predicted steps, recomputation, sharing."""
+    worst = plan.bottleneck_stage
     lines = [
         f"bottleneck: {fmt_time(plan.bottleneck)} (stage {worst}, marked *)   "
         f"lower bound: {fmt_time(plan.lower_bound)}   "
@@ -121,6 +133,7 @@ def render_text(plan: Plan, width: int = 160) -> str:
             f"{pr.schedule} {fmt_time(pr.step_time)} (bubble {pr.bubble:.1%})" for pr in plan.predictions
         ),
     ]
+    recomputing = [st.index for st in plan.stages if st.recompute]
     if recomputing:
         lines.append(
             f"activation recomputation on {len(recomputing)} of {plan.num_stages} stages ({_ranges(recomputing)}): "
@@ -129,10 +142,15 @@ def render_text(plan: Plan, width: int = 160) -> str:
     if plan.shared_params:
         shared = ", ".join(f"{name} (stages {', '.join(map(str, ss))})" for name, ss in plan.shared_params)
         lines.append(f"shared parameters, gradients summed across holders: {shared}")
+    return lines
+
+
+def render_text(plan: Plan, width: int = 160) -> str:
+    """The stage table with the summary lines under it, as plain text."""
     buf = io.StringIO()
     console = Console(file=buf, width=width, no_color=True, highlight=False, soft_wrap=False)
-    console.print(table)
-    for line in lines:
+    console.print(_stage_table(plan))
+    for line in _summary_lines(plan):
         console.print(line, soft_wrap=True)
     if plan.candidates:
         console.print(_candidates_table(plan))

@@ -182,6 +182,89 @@ class Simulation:
         return None if self.peak_bytes is None else max(self.peak_bytes, default=0.0)
 
 
+def _boundary_links(
+    schedule: Schedule, costs: StageCosts, links: Link | Sequence[Link] | None
+) -> tuple[Link, ...]:
+    """The link at each boundary, after checking that the costs and links fit the schedule's stages."""
+    S = schedule.num_stages
+    if costs.num_stages != S:
+        raise SimulationError(
+            f"costs are for {costs.num_stages} stages but schedule {schedule.name!r} has {S}; "
+            "build StageCosts with one entry per stage"
+        )
+    if links is None or isinstance(links, Link):
+        return (links or Link(),) * max(S - 1, 0)
+    per_boundary = tuple(links)
+    if len(per_boundary) != S - 1 or not all(isinstance(x, Link) for x in per_boundary):
+        raise SimulationError(
+            f"links has {len(per_boundary)} entries but the schedule has {S - 1} boundaries "
+            "between stages; give one Link per boundary, or a single Link for all"
+        )
+    return per_boundary
+
+
+class _Network:
+    """When each result is there for each stage that reads it, and the messages that carried it."""
+
+    def __init__(
+        self, place: tuple[int, ...], links: tuple[Link, ...], out_bytes: tuple[float, ...]
+    ) -> None:
+        self.place = place  # stage_to_rank
+        self.links, self.out_bytes = links, out_bytes  # per boundary
+        self.ready: dict[tuple[Action, int], float] = {}  # (action, reading stage) -> when it is there
+        self.link_free: dict[tuple[int, int], float] = {}  # (src rank, dst rank) -> when the link is idle
+        self.messages: list[Message] = []
+
+    def deliver(self, a: Action, end: float) -> None:
+        """``a`` ended at ``end``: ready at once on its stage, on arrival at the stage across a link."""
+        S, place = len(self.place), self.place
+        if a.kind is F:
+            readers = [a.stage + 1] if a.stage + 1 < S else []
+        else:
+            readers = [a.stage - 1] if a.kind in (B, I) and a.stage > 0 else []
+        self.ready[(a, a.stage)] = end  # its own later actions (B/I after F, W after I)
+        for dst in readers:
+            src_rank, dst_rank = place[a.stage], place[dst]
+            if src_rank == dst_rank:
+                self.ready[(a, dst)] = end
+                continue
+            boundary = min(a.stage, dst)
+            link, nbytes = self.links[boundary], self.out_bytes[boundary]
+            leave = max(end, self.link_free.get((src_rank, dst_rank), 0.0))
+            self.link_free[(src_rank, dst_rank)] = leave + nbytes / link.bandwidth
+            arrive = leave + link.transfer_time(nbytes)
+            self.ready[(a, dst)] = arrive
+            self.messages.append(
+                Message(src_rank, dst_rank, end, arrive, a.stage, dst, a.kind, a.mb, nbytes)
+            )
+
+
+def _run_lists(schedule: Schedule, costs: StageCosts, network: _Network) -> list[Span]:
+    """Run each rank's list in order, every action once its rank is free and its inputs are there."""
+    p, S = schedule.num_ranks, schedule.num_stages
+    present = {a for row in schedule.actions for a in row}
+    deps = {a: dependencies(a, present, S) for a in present}
+    spans: list[Span] = []
+    pos, free = [0] * p, [0.0] * p
+    moved = True
+    while moved:  # a valid schedule never stalls all ranks, so this ends with every list run
+        moved = False
+        for r, row in enumerate(schedule.actions):
+            while pos[r] < len(row):
+                a = row[pos[r]]
+                times = [network.ready.get((d, a.stage)) for d in deps[a]]
+                if any(t is None for t in times):
+                    break
+                start = max([free[r]] + [t for t in times if t is not None])
+                end = start + costs.duration(a)
+                spans.append(Span(r, a.stage, a.kind, a.mb, start, end))
+                network.deliver(a, end)
+                free[r] = end
+                pos[r] += 1
+                moved = True
+    return spans
+
+
 def simulate(
     schedule: Schedule,
     costs: StageCosts,
@@ -210,69 +293,12 @@ def simulate(
         (22.0, 0.2727)
     """
     validate(schedule)
+    per_boundary = _boundary_links(schedule, costs, links)
     S, p = schedule.num_stages, schedule.num_ranks
-    if costs.num_stages != S:
-        raise SimulationError(
-            f"costs are for {costs.num_stages} stages but schedule {schedule.name!r} has {S}; "
-            "build StageCosts with one entry per stage"
-        )
-    if links is None or isinstance(links, Link):
-        per_boundary = (links or Link(),) * max(S - 1, 0)
-    else:
-        per_boundary = tuple(links)
-        if len(per_boundary) != S - 1 or not all(isinstance(x, Link) for x in per_boundary):
-            raise SimulationError(
-                f"links has {len(per_boundary)} entries but the schedule has {S - 1} boundaries "
-                "between stages; give one Link per boundary, or a single Link for all"
-            )
     out_bytes = costs.output_bytes or (0.0,) * max(S - 1, 0)
-    place = schedule.stage_to_rank
-    present = {a for row in schedule.actions for a in row}
-    deps = {a: dependencies(a, present, S) for a in present}
-    ready: dict[tuple[Action, int], float] = {}  # (action, reading stage) -> when it is there
-    link_free: dict[tuple[int, int], float] = {}  # (src rank, dst rank) -> when the link is idle
-    spans: list[Span] = []
-    messages: list[Message] = []
-    pos, free = [0] * p, [0.0] * p
-
-    def deliver(a: Action, end: float) -> None:
-        if a.kind is F:
-            readers = [a.stage + 1] if a.stage + 1 < S else []
-        else:
-            readers = [a.stage - 1] if a.kind in (B, I) and a.stage > 0 else []
-        ready[(a, a.stage)] = end  # its own later actions (B/I after F, W after I)
-        for dst in readers:
-            src_rank, dst_rank = place[a.stage], place[dst]
-            if src_rank == dst_rank:
-                ready[(a, dst)] = end
-                continue
-            boundary = min(a.stage, dst)
-            link, nbytes = per_boundary[boundary], out_bytes[boundary]
-            leave = max(end, link_free.get((src_rank, dst_rank), 0.0))
-            link_free[(src_rank, dst_rank)] = leave + nbytes / link.bandwidth
-            arrive = leave + link.transfer_time(nbytes)
-            ready[(a, dst)] = arrive
-            messages.append(
-                Message(src_rank, dst_rank, end, arrive, a.stage, dst, a.kind, a.mb, nbytes)
-            )
-
-    moved = True
-    while moved:  # a valid schedule never stalls all ranks, so this ends with every list run
-        moved = False
-        for r, row in enumerate(schedule.actions):
-            while pos[r] < len(row):
-                a = row[pos[r]]
-                times = [ready.get((d, a.stage)) for d in deps[a]]
-                if any(t is None for t in times):
-                    break
-                start = max([free[r]] + [t for t in times if t is not None])
-                end = start + costs.duration(a)
-                spans.append(Span(r, a.stage, a.kind, a.mb, start, end))
-                deliver(a, end)
-                free[r] = end
-                pos[r] += 1
-                moved = True
-    timeline = Timeline(tuple(spans), tuple(messages), p, costs.activation_bytes, costs.replay_bytes)
+    network = _Network(schedule.stage_to_rank, per_boundary, out_bytes)
+    spans = _run_lists(schedule, costs, network)
+    timeline = Timeline(tuple(spans), tuple(network.messages), p, costs.activation_bytes, costs.replay_bytes)
     return Simulation(
         timeline=timeline,
         step_time=timeline.step_time,

@@ -297,6 +297,39 @@ class RecordLike(Protocol):
     def end(self) -> float: ...
 
 
+def _spans_of(rows: list[RecordLike]) -> list[Span]:
+    """The records as spans, with times shifted so that the earliest start is 0."""
+    origin = min((x.start for x in rows), default=0.0)
+    spans = []
+    for x in rows:
+        try:
+            kind = Kind(x.kind)
+        except ValueError:
+            raise TimelineError(
+                f"record {x!r} has kind {x.kind!r}; use one of F, B, I, W"
+            ) from None
+        spans.append(Span(x.rank, x.stage, kind, x.mb, x.start - origin, x.end - origin))
+    return spans
+
+
+def _hand_overs(spans: list[Span]) -> list[Message]:
+    """A message per hand-over between ranks, from the producer's end to the consumer's start."""
+    messages: list[Message] = []
+    by_action = {(x.stage, x.kind, x.mb): x for x in spans}
+    for x in spans:
+        if x.kind is F:
+            nxt = by_action.get((x.stage + 1, F, x.mb))
+            if nxt is not None and nxt.rank != x.rank:
+                messages.append(Message(x.rank, nxt.rank, x.end, max(x.end, nxt.start), x.stage, nxt.stage, F, x.mb))
+        elif x.kind in (B, I) and x.stage > 0:
+            prev = by_action.get((x.stage - 1, I, x.mb)) or by_action.get((x.stage - 1, B, x.mb))
+            if prev is not None and prev.rank != x.rank:
+                messages.append(
+                    Message(x.rank, prev.rank, x.end, max(x.end, prev.start), x.stage, prev.stage, x.kind, x.mb)
+                )
+    return messages
+
+
 def from_records(
     records: Iterable[RecordLike],
     act_bytes: Iterable[float] | None = None,
@@ -327,53 +360,8 @@ def from_records(
         >>> t.step_time, [(m.src, m.dst, m.send, m.recv) for m in t.messages]
         (2.0, [(0, 1, 1.0, 1.5)])
     """
-    rows = list(records)
-    origin = min((x.start for x in rows), default=0.0)
-    spans = []
-    for x in rows:
-        try:
-            kind = Kind(x.kind)
-        except ValueError:
-            raise TimelineError(
-                f"record {x!r} has kind {x.kind!r}; use one of F, B, I, W"
-            ) from None
-        spans.append(Span(x.rank, x.stage, kind, x.mb, x.start - origin, x.end - origin))
-    messages: list[Message] = []
-    if infer_messages:
-        by_action = {(x.stage, x.kind, x.mb): x for x in spans}
-        for x in spans:
-            if x.kind is F:
-                nxt = by_action.get((x.stage + 1, F, x.mb))
-                if nxt is not None and nxt.rank != x.rank:
-                    messages.append(
-                        Message(
-                            x.rank,
-                            nxt.rank,
-                            x.end,
-                            max(x.end, nxt.start),
-                            x.stage,
-                            nxt.stage,
-                            F,
-                            x.mb,
-                        )
-                    )
-            elif x.kind in (B, I) and x.stage > 0:
-                prev = by_action.get((x.stage - 1, I, x.mb)) or by_action.get(
-                    (x.stage - 1, B, x.mb)
-                )
-                if prev is not None and prev.rank != x.rank:
-                    messages.append(
-                        Message(
-                            x.rank,
-                            prev.rank,
-                            x.end,
-                            max(x.end, prev.start),
-                            x.stage,
-                            prev.stage,
-                            x.kind,
-                            x.mb,
-                        )
-                    )
+    spans = _spans_of(list(records))
+    messages = _hand_overs(spans) if infer_messages else []
     return Timeline(
         tuple(spans),
         tuple(messages),
@@ -388,23 +376,8 @@ def _us(t: float) -> float:
     return round(t * 1e6, 3)
 
 
-def to_chrome_trace(timeline: Timeline, *, name: str = "pipecut") -> dict[str, Any]:
-    """The timeline as Chrome trace-event JSON (open in https://ui.perfetto.dev or chrome://tracing).
-
-    One thread track per rank (``tid = rank``) with an ``X`` event per action, named like
-    ``1F3`` and carrying ``stage``, ``mb`` and ``kind``; a flow arrow (``s`` then ``f`` events,
-    one ``id`` each) from the action that sent each message to the action that read it; and a
-    counter track per rank (``C`` events) of the activations held: bytes when the timeline has
-    ``activation_bytes``, else micro-batches. Times are microseconds from the timeline's start.
-
-    Example:
-        >>> spans = (Span(0, 0, "F", 0, 0.0, 1e-3), Span(1, 1, "F", 0, 2e-3, 3e-3))
-        >>> t = Timeline(spans, (Message(0, 1, 1e-3, 2e-3, 0, 1, Kind.FORWARD, 0),))
-        >>> events = to_chrome_trace(t)["traceEvents"]
-        >>> [(e["ph"], e["name"], e["ts"]) for e in events if e["ph"] in "Xsf"]
-        [('X', '0F0', 0.0), ('X', '1F0', 2000.0), ('s', 'act', 999.999), ('f', 'act', 2000.0)]
-    """
-    t0 = timeline.start
+def _track_events(timeline: Timeline, name: str) -> list[dict[str, Any]]:
+    """Metadata events: the process's name, then a named, ordered thread track per rank."""
     events: list[dict[str, Any]] = [
         {"ph": "M", "pid": 0, "name": "process_name", "args": {"name": name}},
     ]
@@ -415,20 +388,32 @@ def to_chrome_trace(timeline: Timeline, *, name: str = "pipecut") -> dict[str, A
         events.append(
             {"ph": "M", "pid": 0, "tid": r, "name": "thread_sort_index", "args": {"sort_index": r}}
         )
+    return events
+
+
+def _span_events(timeline: Timeline) -> list[dict[str, Any]]:
+    """One complete (``X``) event per action, on its rank's track."""
+    t0 = timeline.start
+    return [
+        {
+            "ph": "X",
+            "pid": 0,
+            "tid": x.rank,
+            "name": x.label,
+            "cat": x.kind.value,
+            "ts": _us(x.start - t0),
+            "dur": _us(x.duration),
+            "args": {"stage": x.stage, "mb": x.mb, "kind": x.kind.value},
+        }
+        for x in timeline.spans
+    ]
+
+
+def _flow_events(timeline: Timeline) -> list[dict[str, Any]]:
+    """Per message, a flow arrow (``s`` then ``f``, one ``id``) from the sending to the reading action."""
+    t0 = timeline.start
+    events: list[dict[str, Any]] = []
     spans = {(x.rank, x.stage, x.kind, x.mb): x for x in timeline.spans}
-    for x in timeline.spans:
-        events.append(
-            {
-                "ph": "X",
-                "pid": 0,
-                "tid": x.rank,
-                "name": x.label,
-                "cat": x.kind.value,
-                "ts": _us(x.start - t0),
-                "dur": _us(x.duration),
-                "args": {"stage": x.stage, "mb": x.mb, "kind": x.kind.value},
-            }
-        )
     for i, msg in enumerate(timeline.messages):
         producer = spans.get((msg.src, msg.src_stage, msg.kind, msg.mb))
         readers = (F,) if msg.kind is F else (I, B)
@@ -476,6 +461,13 @@ def to_chrome_trace(timeline: Timeline, *, name: str = "pipecut") -> dict[str, A
                 "args": args,
             }
         )
+    return events
+
+
+def _counter_events(timeline: Timeline) -> list[dict[str, Any]]:
+    """A counter (``C``) track per rank of the activations held: bytes if known, else micro-batches."""
+    t0 = timeline.start
+    events: list[dict[str, Any]] = []
     known = timeline.activation_bytes is not None
     for r in range(timeline.num_ranks):
         track = f"rank {r} activations" + (" (bytes)" if known else " (micro-batches)")
@@ -490,6 +482,29 @@ def to_chrome_trace(timeline: Timeline, *, name: str = "pipecut") -> dict[str, A
                     "args": {"held": nbytes if known else count},
                 }
             )
+    return events
+
+
+def to_chrome_trace(timeline: Timeline, *, name: str = "pipecut") -> dict[str, Any]:
+    """The timeline as Chrome trace-event JSON (open in https://ui.perfetto.dev or chrome://tracing).
+
+    One thread track per rank (``tid = rank``) with an ``X`` event per action, named like
+    ``1F3`` and carrying ``stage``, ``mb`` and ``kind``; a flow arrow (``s`` then ``f`` events,
+    one ``id`` each) from the action that sent each message to the action that read it; and a
+    counter track per rank (``C`` events) of the activations held: bytes when the timeline has
+    ``activation_bytes``, else micro-batches. Times are microseconds from the timeline's start.
+
+    Example:
+        >>> spans = (Span(0, 0, "F", 0, 0.0, 1e-3), Span(1, 1, "F", 0, 2e-3, 3e-3))
+        >>> t = Timeline(spans, (Message(0, 1, 1e-3, 2e-3, 0, 1, Kind.FORWARD, 0),))
+        >>> events = to_chrome_trace(t)["traceEvents"]
+        >>> [(e["ph"], e["name"], e["ts"]) for e in events if e["ph"] in "Xsf"]
+        [('X', '0F0', 0.0), ('X', '1F0', 2000.0), ('s', 'act', 999.999), ('f', 'act', 2000.0)]
+    """
+    events = _track_events(timeline, name)
+    events += _span_events(timeline)
+    events += _flow_events(timeline)
+    events += _counter_events(timeline)
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 

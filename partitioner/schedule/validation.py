@@ -10,11 +10,12 @@ communication is free. The cost-weighted prediction is ``partitioner.schedule.si
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NoReturn
 
 from partitioner.schedule.actions import Action, Kind, dependencies
 from partitioner.schedule.errors import ScheduleError
-from partitioner.schedule.grid import draw_grid, unit_run
+from partitioner.schedule.grid import UnitRun, draw_grid, unit_run
 from partitioner.schedule.ir import Schedule
 
 __all__ = ["peak_inflight", "peak_inflight_per_rank", "validate"]
@@ -23,6 +24,204 @@ F, B, I, W = Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEI
 
 
 # -- validation -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Report:
+    """What :func:`validate`'s errors draw on: the schedule, its unit-time run and its title."""
+
+    schedule: Schedule
+    run: UnitRun
+    title: str
+
+    def fail(
+        self,
+        what: str,
+        fix: str,
+        *,
+        cell: tuple[int, int] | None = None,
+        note: tuple[int, str] | None = None,
+    ) -> NoReturn:
+        """Raise a ScheduleError: the title, what is wrong, the grid with ``cell`` marked, the fix."""
+        schedule, run = self.schedule, self.run
+        marks = {cell} if cell else set()
+        grid = draw_grid(schedule, run, marks, dict([note]) if note else None)
+        rank, action, step = None, None, None
+        if cell:
+            rank, action, step = (
+                cell[0],
+                schedule.actions[cell[0]][cell[1]],
+                run.steps[cell[0]][cell[1]],
+            )
+        raise ScheduleError(
+            f"{self.title}: {what}\n\n{grid}\n\n{fix}", rank=rank, step=step, action=action
+        )
+
+
+def _title(schedule: Schedule) -> str:
+    """The schedule's name and sizes, e.g. ``schedule '1f1b' (2 ranks, 2 stages, 4 micro-batches)``."""
+    p, S, m = schedule.num_ranks, schedule.num_stages, schedule.num_microbatches
+    counts = ", ".join(
+        f"{k} {word if k == 1 else words}"
+        for k, word, words in (
+            (p, "rank", "ranks"),
+            (S, "stage", "stages"),
+            (m, "micro-batch", "micro-batches"),
+        )
+    )
+    return f"schedule {schedule.name!r} ({counts})"
+
+
+def _check_placement(report: _Report) -> None:
+    """Fail unless ``m >= 1`` and every stage sits on a rank ``0..p-1`` and every rank holds one."""
+    schedule, fail = report.schedule, report.fail
+    p, S, m = schedule.num_ranks, schedule.num_stages, schedule.num_microbatches
+    if type(m) is not int or m < 1:
+        fail(f"has num_microbatches={m!r}.", "Use an int >= 1.")
+    if p < 1 or S < 1:
+        fail("is empty.", "Give at least one rank's action list and one stage in stage_to_rank.")
+    for s, r in enumerate(schedule.stage_to_rank):
+        if type(r) is not int or not 0 <= r < p:
+            fail(
+                f"places stage {s} on rank {r!r}, but there are ranks 0..{p - 1}.",
+                f"Fix stage_to_rank={schedule.stage_to_rank} or give {p} action lists.",
+            )
+    for r in range(p):
+        if not schedule.stages_of(r):
+            fail(
+                f"places no stage on rank {r} (stage_to_rank={schedule.stage_to_rank}).",
+                "Place a stage on every rank, or use fewer ranks.",
+            )
+
+
+def _check_actions(report: _Report) -> dict[Action, int]:
+    """Fail on an action out of range, on the wrong rank, repeated, or a backward when forward-only.
+
+    Returns each action's position in its rank's list.
+    """
+    schedule, fail = report.schedule, report.fail
+    S, m = schedule.num_stages, schedule.num_microbatches
+    seen: dict[Action, int] = {}
+    for r, row in enumerate(schedule.actions):
+        for i, a in enumerate(row):
+            where = f"rank {r} runs {a} (position {i} in its list)"
+            if a.stage >= S:
+                fail(
+                    f"{where}, but there are only stages 0..{S - 1}.",
+                    f"Remove {a}, or add stage {a.stage} to stage_to_rank.",
+                    cell=(r, i),
+                )
+            if a.mb >= m:
+                fail(
+                    f"{where}, but there are only micro-batches 0..{m - 1}.",
+                    f"Remove {a}, or raise num_microbatches.",
+                    cell=(r, i),
+                )
+            if schedule.stage_to_rank[a.stage] != r:
+                fail(
+                    f"{where}, but stage {a.stage} is on rank {schedule.stage_to_rank[a.stage]} "
+                    f"(stage_to_rank={schedule.stage_to_rank}).",
+                    f"Move {a} to rank {schedule.stage_to_rank[a.stage]}'s list, or change stage_to_rank.",
+                    cell=(r, i),
+                )
+            if schedule.forward_only and a.kind is not F:
+                fail(
+                    f"{where} in a forward-only schedule.",
+                    f"Remove {a}, or build the schedule with forward_only=False.",
+                    cell=(r, i),
+                )
+            if a in seen:
+                fail(
+                    f"{where} a second time (first at position {seen[a]}); each action runs exactly once.",
+                    f"Remove one of the two {a}.",
+                    cell=(r, i),
+                )
+            seen[a] = i
+    return seen
+
+
+def _check_complete(report: _Report, seen: dict[Action, int]) -> None:
+    """Fail unless every stage and micro-batch runs ``F``, then ``B`` or both ``I`` and ``W``."""
+    schedule, fail = report.schedule, report.fail
+    for s in range(schedule.num_stages):
+        r = schedule.stage_to_rank[s]
+        for mb in range(schedule.num_microbatches):
+            has = {k for k in Kind if Action(s, k, mb) in seen}
+            cell = next(((r, seen[Action(s, k, mb)]) for k in (I, W, B) if k in has), None)
+            if F not in has:
+                fail(
+                    f"never runs {s}F{mb} (stage {s}, micro-batch {mb}).",
+                    f"Add {s}F{mb} to rank {r}'s list.",
+                    note=(r, f"missing {s}F{mb}"),
+                )
+            if schedule.forward_only:
+                continue
+            if B in has and has & {I, W}:
+                fail(
+                    f"runs both {s}B{mb} and a split backward ({s}I{mb}/{s}W{mb}) for stage {s}, micro-batch {mb}.",
+                    f"Keep either {s}B{mb} or both {s}I{mb} and {s}W{mb}.",
+                    cell=cell,
+                )
+            if not has & {B, I, W}:
+                fail(
+                    f"never runs the backward of stage {s}, micro-batch {mb}.",
+                    f"Add {s}B{mb} (or {s}I{mb} then {s}W{mb}) to rank {r}'s list after {s}F{mb}.",
+                    note=(r, f"missing {s}B{mb}"),
+                )
+            if has & {I, W} and has & {I, W} != {I, W}:
+                have, lack = (f"{s}I{mb}", f"{s}W{mb}") if I in has else (f"{s}W{mb}", f"{s}I{mb}")
+                fail(
+                    f"runs {have} but never {lack}: a split backward needs both.",
+                    f"Add {lack} to rank {r}'s list ({s}I{mb} before {s}W{mb}), or use one {s}B{mb}.",
+                    cell=cell,
+                    note=(r, f"missing {lack}"),
+                )
+
+
+def _check_deadlock(report: _Report, present: set[Action]) -> None:
+    """Fail if the run gets stuck; at the first stuck step, say what each rank waits for."""
+    schedule, run = report.schedule, report.run
+    if run.stuck_step is None:
+        return
+    t = run.stuck_step
+    acts = schedule.actions
+    done = {a for r, row in enumerate(acts) for a, u in zip(row, run.steps[r]) if u < t}
+    heads = {r: i for r, i in run.forced if run.steps[r][i] == t}
+    reasons = []
+    for r, i in sorted(heads.items()):
+        a = acts[r][i]
+        for d in dependencies(a, present, schedule.num_stages):
+            if d in done:
+                continue
+            q = schedule.stage_to_rank[d.stage]
+            j = acts[q].index(d)
+            if q == r:
+                reasons.append(
+                    f"  rank {r} waits at {a} (position {i}) for {d}, which comes later "
+                    f"in its own list (position {j}); move {d} before {a}."
+                )
+            elif j == heads[q]:
+                reasons.append(
+                    f"  rank {r} waits at {a} (position {i}) for {d}, rank {q}'s next "
+                    "action, which waits too."
+                )
+            else:
+                reasons.append(
+                    f"  rank {r} waits at {a} (position {i}) for {d}, which rank {q} runs "
+                    f"later (position {j}), behind its own waiting {acts[q][heads[q]]}."
+                )
+    grid = draw_grid(schedule, run, run.forced)
+    raise ScheduleError(
+        f"{report.title}: deadlocks at step {t}: no rank can run its next action.\n"
+        + "\n".join(reasons)
+        + f"\n\n{grid}\n\nCells in [brackets] wait for an input that is never ready; the grid runs "
+        "them anyway to draw the rest. Reorder the lists so that every action's inputs come first "
+        "(an F after the previous stage's F, a B or I after the next stage's backward), e.g. start "
+        "from get_schedule('1f1b', p, m).",
+        rank=min(heads),
+        step=t,
+        action=acts[min(heads)][heads[min(heads)]],
+    )
 
 
 def validate(schedule: Schedule) -> None:
@@ -64,170 +263,11 @@ def validate(schedule: Schedule) -> None:
         Cells in [brackets] wait for an input that is never ready; ...
     """
     run = unit_run(schedule)
-    p, S, m = schedule.num_ranks, schedule.num_stages, schedule.num_microbatches
-    counts = ", ".join(
-        f"{k} {word if k == 1 else words}"
-        for k, word, words in (
-            (p, "rank", "ranks"),
-            (S, "stage", "stages"),
-            (m, "micro-batch", "micro-batches"),
-        )
-    )
-    title = f"schedule {schedule.name!r} ({counts})"
-
-    def fail(
-        what: str,
-        fix: str,
-        *,
-        cell: tuple[int, int] | None = None,
-        note: tuple[int, str] | None = None,
-    ) -> NoReturn:
-        marks = {cell} if cell else set()
-        grid = draw_grid(schedule, run, marks, dict([note]) if note else None)
-        rank, action, step = None, None, None
-        if cell:
-            rank, action, step = (
-                cell[0],
-                schedule.actions[cell[0]][cell[1]],
-                run.steps[cell[0]][cell[1]],
-            )
-        raise ScheduleError(
-            f"{title}: {what}\n\n{grid}\n\n{fix}", rank=rank, step=step, action=action
-        )
-
-    # The placement.
-    if type(m) is not int or m < 1:
-        fail(f"has num_microbatches={m!r}.", "Use an int >= 1.")
-    if p < 1 or S < 1:
-        fail("is empty.", "Give at least one rank's action list and one stage in stage_to_rank.")
-    for s, r in enumerate(schedule.stage_to_rank):
-        if type(r) is not int or not 0 <= r < p:
-            fail(
-                f"places stage {s} on rank {r!r}, but there are ranks 0..{p - 1}.",
-                f"Fix stage_to_rank={schedule.stage_to_rank} or give {p} action lists.",
-            )
-    for r in range(p):
-        if not schedule.stages_of(r):
-            fail(
-                f"places no stage on rank {r} (stage_to_rank={schedule.stage_to_rank}).",
-                "Place a stage on every rank, or use fewer ranks.",
-            )
-
-    # Each action on its own.
-    seen: dict[Action, int] = {}
-    for r, row in enumerate(schedule.actions):
-        for i, a in enumerate(row):
-            where = f"rank {r} runs {a} (position {i} in its list)"
-            if a.stage >= S:
-                fail(
-                    f"{where}, but there are only stages 0..{S - 1}.",
-                    f"Remove {a}, or add stage {a.stage} to stage_to_rank.",
-                    cell=(r, i),
-                )
-            if a.mb >= m:
-                fail(
-                    f"{where}, but there are only micro-batches 0..{m - 1}.",
-                    f"Remove {a}, or raise num_microbatches.",
-                    cell=(r, i),
-                )
-            if schedule.stage_to_rank[a.stage] != r:
-                fail(
-                    f"{where}, but stage {a.stage} is on rank {schedule.stage_to_rank[a.stage]} "
-                    f"(stage_to_rank={schedule.stage_to_rank}).",
-                    f"Move {a} to rank {schedule.stage_to_rank[a.stage]}'s list, or change stage_to_rank.",
-                    cell=(r, i),
-                )
-            if schedule.forward_only and a.kind is not F:
-                fail(
-                    f"{where} in a forward-only schedule.",
-                    f"Remove {a}, or build the schedule with forward_only=False.",
-                    cell=(r, i),
-                )
-            if a in seen:
-                fail(
-                    f"{where} a second time (first at position {seen[a]}); each action runs exactly once.",
-                    f"Remove one of the two {a}.",
-                    cell=(r, i),
-                )
-            seen[a] = i
-
-    # Completeness: F, then B or I and W, for every stage and micro-batch.
-    for s in range(S):
-        r = schedule.stage_to_rank[s]
-        for mb in range(m):
-            has = {k for k in Kind if Action(s, k, mb) in seen}
-            cell = next(((r, seen[Action(s, k, mb)]) for k in (I, W, B) if k in has), None)
-            if F not in has:
-                fail(
-                    f"never runs {s}F{mb} (stage {s}, micro-batch {mb}).",
-                    f"Add {s}F{mb} to rank {r}'s list.",
-                    note=(r, f"missing {s}F{mb}"),
-                )
-            if schedule.forward_only:
-                continue
-            if B in has and has & {I, W}:
-                fail(
-                    f"runs both {s}B{mb} and a split backward ({s}I{mb}/{s}W{mb}) for stage {s}, micro-batch {mb}.",
-                    f"Keep either {s}B{mb} or both {s}I{mb} and {s}W{mb}.",
-                    cell=cell,
-                )
-            if not has & {B, I, W}:
-                fail(
-                    f"never runs the backward of stage {s}, micro-batch {mb}.",
-                    f"Add {s}B{mb} (or {s}I{mb} then {s}W{mb}) to rank {r}'s list after {s}F{mb}.",
-                    note=(r, f"missing {s}B{mb}"),
-                )
-            if has & {I, W} and has & {I, W} != {I, W}:
-                have, lack = (f"{s}I{mb}", f"{s}W{mb}") if I in has else (f"{s}W{mb}", f"{s}I{mb}")
-                fail(
-                    f"runs {have} but never {lack}: a split backward needs both.",
-                    f"Add {lack} to rank {r}'s list ({s}I{mb} before {s}W{mb}), or use one {s}B{mb}.",
-                    cell=cell,
-                    note=(r, f"missing {lack}"),
-                )
-
-    # Deadlock: at the first step where no rank can run, say what each one waits for.
-    if run.stuck_step is not None:
-        t = run.stuck_step
-        acts = schedule.actions
-        done = {a for r, row in enumerate(acts) for a, u in zip(row, run.steps[r]) if u < t}
-        heads = {r: i for r, i in run.forced if run.steps[r][i] == t}
-        present = set(seen)
-        reasons = []
-        for r, i in sorted(heads.items()):
-            a = acts[r][i]
-            for d in dependencies(a, present, S):
-                if d in done:
-                    continue
-                q = schedule.stage_to_rank[d.stage]
-                j = acts[q].index(d)
-                if q == r:
-                    reasons.append(
-                        f"  rank {r} waits at {a} (position {i}) for {d}, which comes later "
-                        f"in its own list (position {j}); move {d} before {a}."
-                    )
-                elif j == heads[q]:
-                    reasons.append(
-                        f"  rank {r} waits at {a} (position {i}) for {d}, rank {q}'s next "
-                        "action, which waits too."
-                    )
-                else:
-                    reasons.append(
-                        f"  rank {r} waits at {a} (position {i}) for {d}, which rank {q} runs "
-                        f"later (position {j}), behind its own waiting {acts[q][heads[q]]}."
-                    )
-        grid = draw_grid(schedule, run, run.forced)
-        raise ScheduleError(
-            f"{title}: deadlocks at step {t}: no rank can run its next action.\n"
-            + "\n".join(reasons)
-            + f"\n\n{grid}\n\nCells in [brackets] wait for an input that is never ready; the grid runs "
-            "them anyway to draw the rest. Reorder the lists so that every action's inputs come first "
-            "(an F after the previous stage's F, a B or I after the next stage's backward), e.g. start "
-            "from get_schedule('1f1b', p, m).",
-            rank=min(heads),
-            step=t,
-            action=acts[min(heads)][heads[min(heads)]],
-        )
+    report = _Report(schedule, run, _title(schedule))
+    _check_placement(report)
+    seen = _check_actions(report)
+    _check_complete(report, seen)
+    _check_deadlock(report, set(seen))
 
 
 def peak_inflight(schedule: Schedule) -> tuple[int, ...]:

@@ -63,27 +63,68 @@ def trace_export(
     if shape_args is None:
         shape_args, shape_kwargs = args, kwargs
     shape_kwargs = dict(shape_kwargs or {})
+    ep = _export_dynamic_or_static(model, args, kwargs, shape_args, shape_kwargs, dynamic=dynamic)
+    unlifted = ep.module()
+    graph = unlifted.graph
+    out_spec = _plain_graph(graph)
+    kept, dynamic_dims = _tensor_inputs(graph, pytree.tree_leaves((shape_args, shape_kwargs)))
+    gm = fx.GraphModule(unlifted, graph, type(model).__name__)
+    _restore_originals(gm, model)
+    # no_grad / autocast regions: torch's ops leave the mode changed when their body raises.
+    replace_mode_ops(gm)
+    _record_shapes(gm, kept, dynamic_dims)
+    return Capture(gm, out_spec, kept, tuple(dynamic_dims))
+
+
+def _export_dynamic_or_static(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    shape_args: tuple[Any, ...],
+    shape_kwargs: dict[str, Any],
+    *,
+    dynamic: bool,
+) -> Any:
+    """Export with a dynamic batch (and sequence); if that fails, with the static micro-batch shapes."""
     if dynamic:
         args, kwargs = _widen_unit_batch(args, kwargs)
     specs = _dynamic_specs(args, kwargs) if dynamic else None
     try:
-        ep = _export(model, args, kwargs, specs)
+        return _export(model, args, kwargs, specs)
     except Exception as e:
         if specs is None:
             raise
         log.info("export with a dynamic batch failed (%s); exporting with static shapes", first_line(e))
-        args, kwargs = shape_args, shape_kwargs
-        ep = _export(model, args, kwargs, None)
-    unlifted = ep.module()
-    graph = unlifted.graph
-    out_spec = graph._codegen.pytree_info.out_spec
+        return _export(model, shape_args, shape_kwargs, None)
+
+
+def _plain_graph(graph: fx.Graph) -> Any:
+    """Strip export's guard, assert and unused attribute nodes, and use the plain calling convention.
+
+    Returns the output's pytree spec, which the plain convention no longer applies.
+    """
+    # An exported graph's codegen is a _PyTreeCodeGen (typed as the base CodeGen): it has pytree_info.
+    out_spec = graph._codegen.pytree_info.out_spec  # type: ignore[attr-defined]
     # Plain calling convention: flat positional inputs in, flat tuple out (output args already are).
     graph._codegen = fx.graph.CodeGen()
     for node in list(graph.nodes):
         if node.op == "call_module" and str(node.target) == "_guards_fn":
             graph.erase_node(node)
     drop_asserts(graph)
-    flat_inputs = pytree.tree_leaves((shape_args, shape_kwargs))
+    for node in list(graph.nodes):
+        if node.op == "get_attr" and not node.users:
+            graph.erase_node(node)
+    flat_out = graph.output_node().args[0]
+    if not isinstance(flat_out, (tuple, list)):
+        graph.output_node().args = ((flat_out,),)
+    return out_spec
+
+
+def _tensor_inputs(graph: fx.Graph, flat_inputs: list[Any]) -> tuple[list[torch.Tensor], list[tuple[int, ...]]]:
+    """Keep the tensor inputs' placeholders and drop the scalars export specialised.
+
+    Returns the tensor inputs and, for each, the dimensions export left dynamic.
+    """
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     kept: list[torch.Tensor] = []
     dynamic_dims: list[tuple[int, ...]] = []
@@ -97,16 +138,11 @@ def trace_export(
             graph.erase_node(node)
         else:
             raise TypeError(f"non-tensor input {node.name!r} = {value!r} is read by the graph")
-    for node in list(graph.nodes):
-        if node.op == "get_attr" and not node.users:
-            graph.erase_node(node)
-    flat_out = graph.output_node().args[0]
-    if not isinstance(flat_out, (tuple, list)):
-        graph.output_node().args = ((flat_out,),)
-    gm = fx.GraphModule(unlifted, graph, type(model).__name__)
-    _restore_originals(gm, model)
-    # no_grad / autocast regions: torch's ops leave the mode changed when their body raises.
-    replace_mode_ops(gm)
+    return kept, dynamic_dims
+
+
+def _record_shapes(gm: fx.GraphModule, kept: list[torch.Tensor], dynamic_dims: list[tuple[int, ...]]) -> None:
+    """Give every node ``meta['val']`` of the micro-batch's shapes where export left none or symbolic ones."""
     missing = [n.name for n in gm.graph.nodes if n.op != "output" and "val" not in n.meta]
     if missing or any(dynamic_dims):
         # Symbolic sizes (or none) on the nodes: record the shapes of one micro-batch, which is
@@ -116,7 +152,6 @@ def trace_export(
         with cpu_fake_state(gm, mode):
             FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*[cpu_fake(mode, t) for t in kept])
     fill_output_val(gm.graph)
-    return Capture(gm, out_spec, kept, tuple(dynamic_dims))
 
 
 def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], specs: Any) -> Any:

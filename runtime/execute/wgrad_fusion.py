@@ -255,6 +255,83 @@ def _uses(gm: fx.GraphModule) -> dict[int, int]:
     return count
 
 
+class _Eligible:
+    """Which parameters a rewritten layer may take over: read by that node alone and not in ``skip``."""
+
+    def __init__(self, gm: fx.GraphModule, skip: Collection[nn.Parameter], least: int) -> None:
+        self.skip_ids = {id(p) for p in skip}
+        self.uses = _uses(gm)
+        self.least = least
+
+    def own(self, prm: nn.Parameter | None) -> bool:
+        """A bias the layer may add the gradient of itself."""
+        return prm is not None and prm.requires_grad and id(prm) not in self.skip_ids and self.uses.get(id(prm), 0) == 1
+
+    def weight(self, prm: nn.Parameter | None) -> bool:
+        """A weight worth fusing: owned, 2-D and of at least ``least`` elements."""
+        return (
+            prm is not None and prm.requires_grad and id(prm) not in self.skip_ids
+            and self.uses.get(id(prm), 0) == 1 and prm.numel() >= self.least and prm.dim() == 2
+        )
+
+
+def _fuse_linear_module(gm: fx.GraphModule, node: fx.Node, ok: _Eligible) -> tuple[nn.Parameter, ...] | None:
+    """Replace a ``call_module`` of an ``nn.Linear`` by :func:`linear_accumulate` on its parameters."""
+    graph = gm.graph
+    mod = gm.get_submodule(str(node.target))
+    if type(mod) is not nn.Linear:
+        return None
+    # torch types Linear.weight as a plain Tensor and .bias as never None; they are
+    # Parameters, and bias is None for Linear(..., bias=False).
+    weight, mod_bias = cast(nn.Parameter, mod.weight), cast("nn.Parameter | None", mod.bias)
+    if not ok.weight(weight):
+        return None
+    bias = mod_bias if ok.own(mod_bias) else None
+    with graph.inserting_before(node):
+        w = graph.get_attr(f"{node.target}.weight")
+        b = graph.get_attr(f"{node.target}.bias") if mod_bias is not None else None
+        new = graph.call_function(linear_accumulate, (node.args[0], w, b, bias is not None))
+    new.meta = dict(node.meta)
+    node.replace_all_uses_with(new)
+    graph.erase_node(node)
+    return tuple(p for p in (weight, bias) if p is not None)
+
+
+def _fuse_linear_call(gm: fx.GraphModule, node: fx.Node, ok: _Eligible) -> tuple[nn.Parameter, ...] | None:
+    """Retarget ``F.linear(x, weight, bias)`` / ``aten.linear`` to :func:`linear_accumulate`."""
+    if not ok.weight(weight := _param(gm, node.args[1])):
+        return None
+    bias = _param(gm, node.args[2]) if len(node.args) > 2 else None
+    bias = bias if ok.own(bias) else None
+    node.target = linear_accumulate
+    node.args = (*node.args, *(None,) * (3 - len(node.args)), bias is not None)
+    return tuple(p for p in (weight, bias) if p is not None)
+
+
+def _fuse_addmm(gm: fx.GraphModule, node: fx.Node, ok: _Eligible) -> tuple[nn.Parameter, ...] | None:
+    """Retarget ``addmm(bias, x, weight)`` (Hugging Face's ``Conv1D``) to :func:`addmm_accumulate`."""
+    if not ok.weight(weight := _param(gm, node.args[2])):
+        return None
+    bias = _param(gm, node.args[0])
+    bias = bias if ok.own(bias) else None
+    node.target = addmm_accumulate
+    node.args = (*node.args, bias is not None)
+    return tuple(p for p in (weight, bias) if p is not None)
+
+
+def _fuse_node(gm: fx.GraphModule, node: fx.Node, ok: _Eligible) -> tuple[nn.Parameter, ...] | None:
+    """Rewrite ``node`` if it is an eligible linear layer; the parameters it took over, else None."""
+    if node.kwargs:
+        return None
+    if node.op == "call_module" and len(node.args) == 1:
+        return _fuse_linear_module(gm, node, ok)
+    if node.op == "call_function" and node.target in _LINEAR_TARGETS and len(node.args) >= 2:
+        return _fuse_linear_call(gm, node, ok)
+    if node.op == "call_function" and node.target in _ADDMM_TARGETS and len(node.args) == 3:
+        return _fuse_addmm(gm, node, ok)
+    return None
+
+
 def fuse_weight_grad_accumulation(
     gm: fx.GraphModule, *, skip: Collection[nn.Parameter] = (), min_numel: int | None = None
 ) -> int:
@@ -278,65 +355,18 @@ def fuse_weight_grad_accumulation(
         >>> [p.shape for p in fused_params(gm)]
         [torch.Size([512, 512]), torch.Size([512])]
     """
-    least = DEFAULT_MIN_NUMEL if min_numel is None else min_numel
-    skip_ids = {id(p) for p in skip}
-    uses = _uses(gm)
-
-    def eligible(prm: nn.Parameter | None) -> bool:
-        return (
-            prm is not None and prm.requires_grad and id(prm) not in skip_ids
-            and uses.get(id(prm), 0) == 1 and prm.numel() >= least and prm.dim() == 2
-        )
-
-    def own(prm: nn.Parameter | None) -> bool:  # a bias the layer may add the gradient of itself
-        return prm is not None and prm.requires_grad and id(prm) not in skip_ids and uses.get(id(prm), 0) == 1
-
-    graph = gm.graph
+    ok = _Eligible(gm, skip, DEFAULT_MIN_NUMEL if min_numel is None else min_numel)
     fused: list[nn.Parameter] = []
-    weight: nn.Parameter | None
-    bias: nn.Parameter | None
     n = 0
-    for node in list(graph.nodes):
-        if node.kwargs:
+    for node in list(gm.graph.nodes):
+        taken = _fuse_node(gm, node, ok)
+        if taken is None:
             continue
-        if node.op == "call_module" and len(node.args) == 1:
-            mod = gm.get_submodule(str(node.target))
-            if type(mod) is not nn.Linear:
-                continue
-            # torch types Linear.weight as a plain Tensor and .bias as never None; they are
-            # Parameters, and bias is None for Linear(..., bias=False).
-            weight, mod_bias = cast(nn.Parameter, mod.weight), cast("nn.Parameter | None", mod.bias)
-            if not eligible(weight):
-                continue
-            bias = mod_bias if own(mod_bias) else None
-            with graph.inserting_before(node):
-                w = graph.get_attr(f"{node.target}.weight")
-                b = graph.get_attr(f"{node.target}.bias") if mod_bias is not None else None
-                new = graph.call_function(linear_accumulate, (node.args[0], w, b, bias is not None))
-            new.meta = dict(node.meta)
-            node.replace_all_uses_with(new)
-            graph.erase_node(node)
-        elif node.op == "call_function" and node.target in _LINEAR_TARGETS and len(node.args) >= 2:
-            if not eligible(weight := _param(gm, node.args[1])):
-                continue
-            bias = _param(gm, node.args[2]) if len(node.args) > 2 else None
-            bias = bias if own(bias) else None
-            node.target = linear_accumulate
-            node.args = (*node.args, *(None,) * (3 - len(node.args)), bias is not None)
-        elif node.op == "call_function" and node.target in _ADDMM_TARGETS and len(node.args) == 3:
-            if not eligible(weight := _param(gm, node.args[2])):
-                continue
-            bias = _param(gm, node.args[0])
-            bias = bias if own(bias) else None
-            node.target = addmm_accumulate
-            node.args = (*node.args, bias is not None)
-        else:
-            continue
-        fused += [p for p in (weight, bias) if p is not None]
+        fused += taken
         n += 1
     if n == 0:
         return 0
-    graph.lint()
+    gm.graph.lint()
     gm.recompile()
     # torch types Module.__setattr__'s value as a Tensor or Module; a plain attribute is fine at runtime.
     gm.pipecut_fused_params = fused_params(gm) + tuple(fused)  # type: ignore[assignment]

@@ -34,8 +34,9 @@ from partitioner.cost.recompute import (
 )
 from partitioner.errors import InfeasibleMemoryError, SplitPointError, TooManyStagesError
 from partitioner.plan.choose import choose, microbatch_candidates
-from partitioner.plan.plan import Plan, StagePlan, binding
+from partitioner.plan.plan import Plan
 from partitioner.plan.predict import predict, stage_inflight
+from partitioner.plan.records import StagePlan, binding
 from partitioner.plan.split import split_graph
 from partitioner.schedule.registry import TRAINING_SCHEDULES, stage_schedule, stages_per_rank
 from partitioner.tracing.globalstate import preserved

@@ -16,8 +16,7 @@ import torch.fx as fx
 from partitioner.algorithms.problem import GRAPH_INPUT, Problem, Tensor
 from partitioner.cost.costs import NodeCost, node_time
 from partitioner.cost.devices import Cluster, DeviceSpec
-from partitioner.plan.split import wire_form
-from partitioner.tracing.fxutil import COMPUTE_OPS, flat_outputs
+from partitioner.tracing.fxutil import COMPUTE_OPS, flat_outputs, wire_form
 
 __all__ = ["Unit", "build_graph", "layer_depth", "group_units", "to_problem", "module_range", "canonical_names"]
 

@@ -10,16 +10,13 @@ The schedules and their placement come from ``partitioner.schedule.registry``; t
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from partitioner.cost.devices import Cluster
+from partitioner.plan.records import Prediction, StagePlan
 from partitioner.schedule.ir import Schedule
 from partitioner.schedule.registry import stage_schedule, stages_per_rank
 from partitioner.schedule.simulate import Link, Simulation, StageCosts, simulate
 from partitioner.schedule.validation import peak_inflight
-
-if TYPE_CHECKING:
-    from partitioner.plan.plan import Prediction, StagePlan
 
 __all__ = ["stage_inflight", "predict", "simulate_stages"]
 
@@ -48,15 +45,13 @@ def predict(stages: Sequence[StagePlan], cluster: Cluster, schedule: str, m: int
         the activations it holds at its peak).
 
     Example:
-        >>> from partitioner.plan.plan import StagePlan
+        >>> from partitioner.plan.records import StagePlan
         >>> st = [StagePlan(s, "cpu", ("n",), "", 0, 0.0, 0.0, 0.0, 1e9, 1, 1.0, 2.0, 0.0, 0.0, 0.0,
         ...                 wgrad_time=1.0) for s in range(4)]
         >>> pr = predict(st, Cluster.uniform(4, "cpu", link_latency=0.0), "1f1b", 8)
         >>> pr.step_time, round(pr.bubble, 4)    # (m + p - 1)(F + B), (p - 1) / (m + p - 1)
         (33.0, 0.2727)
     """
-    from partitioner.plan.plan import Prediction
-
     sched, sim = simulate_stages(stages, cluster, schedule, m)
     state = [0.0] * sched.num_ranks
     for s, r in enumerate(sched.stage_to_rank):

@@ -13,7 +13,7 @@ from rich.table import Table
 from partitioner.schedule.registry import stages_per_rank
 
 if TYPE_CHECKING:
-    from partitioner.plan.plan import Plan, StagePlan
+    from partitioner.plan.records import PlanRecord, StagePlan
 
 __all__ = ["render_text", "render_dot", "fmt_bytes", "fmt_time", "fmt_flops", "fmt_count"]
 
@@ -54,7 +54,7 @@ def fmt_count(n: float) -> str:
     return f"{n:.0f}"
 
 
-def _title(plan: Plan) -> str:
+def _title(plan: PlanRecord) -> str:
     """The table's title: stages, devices, method, micro-batches, schedule and precision."""
     names = {st.device for st in plan.stages}
     v = stages_per_rank(plan.schedule)
@@ -70,7 +70,7 @@ def _title(plan: Plan) -> str:
     )
 
 
-def _stage_row(plan: Plan, st: StagePlan, *, worst: int, recompute_column: bool) -> list[str]:
+def _stage_row(plan: PlanRecord, st: StagePlan, *, worst: int, recompute_column: bool) -> list[str]:
     """One stage's cells, the bottleneck's index marked ``*``, over-capacity memory marked ``OVER``."""
     over = st.memory > st.capacity
     mem = f"{fmt_bytes(st.memory)} / {fmt_bytes(st.capacity)}" + (" OVER" if over else "")
@@ -92,7 +92,7 @@ def _stage_row(plan: Plan, st: StagePlan, *, worst: int, recompute_column: bool)
     ]
 
 
-def _stage_table(plan: Plan) -> Table:
+def _stage_table(plan: PlanRecord) -> Table:
     """A row per stage; no device column when all stages share one device type."""
     uniform = len({st.device for st in plan.stages}) == 1
     table = Table(title=_title(plan), box=box.SIMPLE_HEAD, title_justify="left")
@@ -119,7 +119,7 @@ def _stage_table(plan: Plan) -> Table:
     return table
 
 
-def _summary_lines(plan: Plan) -> list[str]:
+def _summary_lines(plan: PlanRecord) -> list[str]:
     """The lines under the table: bottleneck vs lower bound, predicted steps, recomputation, sharing."""
     worst = plan.bottleneck_stage
     lines = [
@@ -145,7 +145,7 @@ def _summary_lines(plan: Plan) -> list[str]:
     return lines
 
 
-def render_text(plan: Plan, width: int = 160) -> str:
+def render_text(plan: PlanRecord, width: int = 160) -> str:
     """The stage table with the summary lines under it, as plain text."""
     buf = io.StringIO()
     console = Console(file=buf, width=width, no_color=True, highlight=False, soft_wrap=False)
@@ -172,7 +172,7 @@ def _ranges(values: list[int]) -> str:
     return ", ".join(out)
 
 
-def _candidates_table(plan: Plan) -> Table:
+def _candidates_table(plan: PlanRecord) -> Table:
     table = Table(title="schedule choice (every candidate cut and simulated)", box=box.SIMPLE_HEAD,
                   title_justify="left")
     for col in ("schedule", "m", "stages", "step", "per micro-batch", "bubble", "peak memory", "fits"):
@@ -191,7 +191,7 @@ def _candidates_table(plan: Plan) -> Table:
     return table
 
 
-def render_dot(plan: Plan) -> str:
+def render_dot(plan: PlanRecord) -> str:
     """A DOT digraph: one cluster per stage (its nodes listed when few), edges with bytes."""
     out = ["digraph pipecut_plan {", "  rankdir=LR;", '  node [shape=box, fontname="Helvetica"];']
     for st in plan.stages:

@@ -21,10 +21,10 @@ import torch.fx as fx
 from torch import nn
 
 from partitioner.errors import PartitionError
-from partitioner.tracing.fxutil import compute_nodes, flat_outputs, named_tensors, owner_of
+from partitioner.tracing.fxutil import compute_nodes, flat_outputs, named_tensors, owner_of, wire_form
 from partitioner.tracing.globalstate import preserved
 
-__all__ = ["ValueSpec", "StageIO", "StagedModel", "split_graph", "decode_value", "wire_form"]
+__all__ = ["ValueSpec", "StageIO", "StagedModel", "split_graph", "decode_value"]
 
 log = logging.getLogger(__name__)
 
@@ -362,33 +362,6 @@ def _output_spec(o: Any, specs: dict[fx.Node, ValueSpec], p: int) -> ValueSpec:
         f"the model returns a constant ({o!r}) rather than a computed value; "
         "return only tensors from the model being partitioned"
     )
-
-
-def wire_form(node: fx.Node) -> tuple[str, tuple[int, ...], str] | None:
-    """How ``node``'s value travels between stages: ``(kind, shape, dtype)``, or ``None`` if it cannot.
-
-    Tensors travel as themselves; Python scalars and shapes as small tensors (kinds ``'int'``,
-    ``'float'``, ``'bool'``, ``'ints'``). Anything else (a list of tensors from ``split``, ``None``)
-    cannot cross a cut, so the partitioner never cuts between its producer and its readers.
-    """
-    val = node.meta.get("val", node.meta.get("example_value"))
-    tm = node.meta.get("tensor_meta")
-    if isinstance(val, torch.Tensor):
-        return "tensor", tuple(int(d) for d in val.shape), str(val.dtype)
-    if tm is not None and hasattr(tm, "shape"):
-        return "tensor", tuple(int(d) for d in tm.shape), str(tm.dtype)
-    if isinstance(val, bool):
-        return "bool", (), "torch.int64"
-    if isinstance(val, (int, torch.SymInt)):
-        return "int", (), "torch.int64"
-    if isinstance(val, (float, torch.SymFloat)):
-        return "float", (), "torch.float64"
-    if isinstance(val, (tuple, list, torch.Size)) and all(isinstance(d, (int, torch.SymInt)) for d in val):
-        return "ints", (len(val),), "torch.int64"
-    if val is None and tm is None and "val" not in node.meta:
-        # No shape information at all: assume a tensor; shapes are then learned at run time.
-        return "tensor", (), "torch.float32"
-    return None
 
 
 def _value_spec(n: fx.Node, producer: int, consumers: tuple[int, ...]) -> ValueSpec:

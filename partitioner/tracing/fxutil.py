@@ -8,7 +8,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-__all__ = ["COMPUTE_OPS", "compute_nodes", "flat_outputs", "named_tensors", "owner_of"]
+__all__ = ["COMPUTE_OPS", "compute_nodes", "flat_outputs", "named_tensors", "owner_of", "wire_form"]
 
 # Nodes that do work and get a stage; placeholders are fed, get_attr copied, output gathered.
 COMPUTE_OPS = ("call_function", "call_method", "call_module")
@@ -64,3 +64,30 @@ def owner_of(root: nn.Module, name: str) -> tuple[nn.Module, str]:
     """
     owner_name, _, leaf = name.rpartition(".")
     return (root.get_submodule(owner_name) if owner_name else root), leaf
+
+
+def wire_form(node: fx.Node) -> tuple[str, tuple[int, ...], str] | None:
+    """How ``node``'s value travels between stages: ``(kind, shape, dtype)``, or ``None`` if it cannot.
+
+    Tensors travel as themselves; Python scalars and shapes as small tensors (kinds ``'int'``,
+    ``'float'``, ``'bool'``, ``'ints'``). Anything else (a list of tensors from ``split``, ``None``)
+    cannot cross a cut, so the partitioner never cuts between its producer and its readers.
+    """
+    val = node.meta.get("val", node.meta.get("example_value"))
+    tm = node.meta.get("tensor_meta")
+    if isinstance(val, torch.Tensor):
+        return "tensor", tuple(int(d) for d in val.shape), str(val.dtype)
+    if tm is not None and hasattr(tm, "shape"):
+        return "tensor", tuple(int(d) for d in tm.shape), str(tm.dtype)
+    if isinstance(val, bool):
+        return "bool", (), "torch.int64"
+    if isinstance(val, (int, torch.SymInt)):
+        return "int", (), "torch.int64"
+    if isinstance(val, (float, torch.SymFloat)):
+        return "float", (), "torch.float64"
+    if isinstance(val, (tuple, list, torch.Size)) and all(isinstance(d, (int, torch.SymInt)) for d in val):
+        return "ints", (len(val),), "torch.int64"
+    if val is None and tm is None and "val" not in node.meta:
+        # No shape information at all: assume a tensor; shapes are then learned at run time.
+        return "tensor", (), "torch.float32"
+    return None

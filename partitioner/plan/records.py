@@ -1,0 +1,216 @@
+"""The records a Plan is made of: its stages, predictions and candidates, and the Plan's own fields.
+
+Legend: ``p`` stages, ``s`` a stage index, ``m`` micro-batches.
+
+Plain frozen data with the properties that read it; rendering (``render``) and prediction
+(``predict``) read these records, and ``plan.Plan`` adds what needs the model or a file: binding,
+building the stage modules, saving and loading, printing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from partitioner.cost.devices import Cluster
+from partitioner.plan.split import GRAPH_INPUT, StageIO
+
+if TYPE_CHECKING:
+    import torch
+
+    from partitioner.tracing.trace import TracedModel
+
+__all__ = ["StagePlan", "Prediction", "Candidate", "PlanRecord", "binding"]
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One stage of a plan, with its estimated costs for one micro-batch.
+
+    Attributes:
+        index: the stage index ``s``.
+        device: the device's preset name.
+        nodes: the fx node names the stage computes, in graph order.
+        modules: a short reading of the module range (``'transformer.h.0 … transformer.h.5'``).
+        params: parameter elements the stage holds (a tied parameter counts in every holder).
+        fwd_flops: forward FLOPs.
+        bwd_flops: backward FLOPs.
+        memory: estimated peak bytes: training state of its parameters and buffers plus saved
+            activations times the micro-batches in flight; with ``recompute``, input bytes times
+            the micro-batches in flight plus one micro-batch's activations (rebuilt in backward).
+        capacity: the device's memory in bytes.
+        inflight: micro-batches whose activations the stage holds at its peak.
+        fwd_time: forward compute seconds.
+        bwd_time: backward compute seconds.
+        comm_in_time: seconds receiving from the previous stage.
+        comm_out_time: seconds sending to the next stage.
+        send_bytes: bytes crossing the boundary to the next stage (0 for the last stage).
+        wgrad_time: the part of ``bwd_time`` that computes weight gradients (what zero-bubble
+            schedules run as ``W``).
+        act_bytes: activation bytes saved for backward per micro-batch.
+        state_bytes: bytes of training state of its parameters and buffers.
+        in_bytes: bytes of the stage's inputs per micro-batch (what crosses its incoming cuts,
+            and the graph inputs it reads): all it keeps per micro-batch when it recomputes.
+        recompute: whether the stage recomputes its activations (``runtime.execute.recompute``): its
+            forward keeps only its inputs, its backward runs the forward again first, so its
+            backward costs ``fwd_time`` more (``recompute_time``).
+    """
+
+    index: int
+    device: str
+    nodes: tuple[str, ...]
+    modules: str
+    params: int
+    fwd_flops: float
+    bwd_flops: float
+    memory: float
+    capacity: float
+    inflight: int
+    fwd_time: float
+    bwd_time: float
+    comm_in_time: float
+    comm_out_time: float
+    send_bytes: float
+    wgrad_time: float = 0.0
+    act_bytes: float = 0.0
+    state_bytes: float = 0.0
+    in_bytes: float = 0.0
+    recompute: bool = False
+
+    @property
+    def recompute_time(self) -> float:
+        """Seconds the backward spends running the forward again: ``fwd_time`` if it recomputes."""
+        return self.fwd_time if self.recompute else 0.0
+
+    @property
+    def held_bytes(self) -> float:
+        """Bytes one micro-batch in flight holds between its forward and backward."""
+        return self.in_bytes if self.recompute else self.act_bytes
+
+    @property
+    def time(self) -> float:
+        """Forward + backward (+ recomputation) + transfer seconds: what the partitioner balances."""
+        return self.fwd_time + self.bwd_time + self.recompute_time + self.comm_in_time + self.comm_out_time
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One schedule's predicted step, from the event simulator (``partitioner.schedule.simulate``).
+
+    Attributes:
+        schedule: the schedule's name.
+        microbatches: ``m``.
+        step_time: seconds for one step of ``m`` micro-batches (without the optimizer update).
+        bubble: fraction of device-time idle during the step.
+        memory: the fullest device's peak bytes: training state plus the activations it holds.
+        chunks: stages per device (2 for interleaved and ZB-V, else 1).
+    """
+
+    schedule: str
+    microbatches: int
+    step_time: float
+    bubble: float
+    memory: float = 0.0
+    chunks: int = 1
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One (schedule, micro-batch count) tried by ``schedule='auto'`` / ``microbatches='auto'``.
+
+    Attributes:
+        schedule: the schedule's name.
+        microbatches: ``m``.
+        stages: stages cut (devices x chunks per device).
+        step_time: simulated seconds per step.
+        time_per_microbatch: ``step_time / m``, the objective.
+        bubble: idle fraction of the step.
+        memory: the fullest device's simulated peak bytes.
+        capacity: the smallest device's memory.
+        fits: whether the candidate fits every device.
+        note: why it does not fit, if it does not.
+    """
+
+    schedule: str
+    microbatches: int
+    stages: int
+    step_time: float
+    time_per_microbatch: float
+    bubble: float
+    memory: float
+    capacity: float
+    fits: bool
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class _Binding:
+    traced: TracedModel
+    persistent: set[str]
+    state: dict[str, torch.Tensor]  # the model's state_dict(keep_vars=True): tensors, not copies
+    model: torch.nn.Module
+
+
+def binding(traced: TracedModel, model: torch.nn.Module) -> _Binding:
+    """What a plan needs of the model it runs: the traced graph, the model and its state."""
+    state = model.state_dict(keep_vars=True)
+    return _Binding(traced, set(state), state, model)
+
+
+@dataclass(frozen=True)
+class PlanRecord:
+    """Every field of a :class:`partitioner.plan.plan.Plan`, and what can be read off them alone."""
+
+    stages: tuple[StagePlan, ...]
+    method: str
+    schedule: str
+    microbatches: int
+    granularity: str
+    bottleneck: float
+    lower_bound: float
+    predictions: tuple[Prediction, ...]
+    cluster: Cluster
+    state_bytes_per_param: float
+    fingerprint: str
+    trace_method: str
+    input_names: tuple[str, ...]
+    io: tuple[StageIO, ...]
+    shared_params: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    param_aliases: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    candidates: tuple[Candidate, ...] = ()
+    choice: str = ""
+    precision: str = "fp32"
+    _binding: _Binding | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def bottleneck_stage(self) -> int:
+        return max(range(len(self.stages)), key=lambda s: self.stages[s].time)
+
+    def prediction(self, schedule: str) -> Prediction:
+        """The prediction for ``schedule`` (``'gpipe'`` or ``'1f1b'``)."""
+        for pr in self.predictions:
+            if pr.schedule == schedule:
+                return pr
+        known = ", ".join(pr.schedule for pr in self.predictions)
+        raise KeyError(f"no prediction for schedule {schedule!r}; the plan has: {known}")
+
+    @property
+    def microbatch_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shape of one micro-batch of each graph input the stages read: what the costs are for."""
+        return {
+            v.name: v.shape for io in self.io for v in io.inputs if v.producer == GRAPH_INPUT and v.kind == "tensor"
+        }
+
+    @property
+    def microbatch_size(self) -> int | None:
+        """Rows (dimension 0) of the micro-batch the plan is costed for; ``None`` if no input says."""
+        sizes = [shape[0] for shape in self.microbatch_shapes.values() if shape]
+        return sizes[0] if sizes else None
+
+    def stage_of(self) -> dict[str, int]:
+        """Stage of every compute node, by node name."""
+        return {v: st.index for st in self.stages for v in st.nodes}

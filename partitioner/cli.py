@@ -17,9 +17,10 @@ import sys
 import time
 from collections.abc import Sequence
 
+from partitioner.errors import CliArgumentError, PipecutError
+
 from .api import METHODS, partition
 from .devices import DEVICE_PRESETS, Cluster
-from .errors import PipecutError
 from .plan import Plan
 from .predict import TRAINING_SCHEDULES, predict, simulate_stages
 from .render import fmt_bytes, fmt_time
@@ -113,9 +114,9 @@ def _count_or_auto(text: str) -> int | str:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {text!r}") from None
+        raise CliArgumentError(f"expected a positive integer or 'auto', got {text!r}") from None
     if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {value}")
+        raise CliArgumentError(f"expected a positive integer or 'auto', got {value}")
     return value
 
 

@@ -31,6 +31,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from partitioner.errors import CostOptionError
+
 from .analytic import Coster
 from .globalstate import preserved
 from .nodecost import NodeCost, node_time, weight_share
@@ -74,7 +76,7 @@ def cost_graph(
     """
     gm = traced.gm if isinstance(traced, TracedModel) else traced
     if repeat < 1 or warmup < 0:
-        raise ValueError(f"need repeat >= 1 and warmup >= 0, got repeat={repeat}, warmup={warmup}")
+        raise CostOptionError(f"need repeat >= 1 and warmup >= 0, got repeat={repeat}, warmup={warmup}")
     # Every node runs again here (random data for the profiler, regions that switch grad mode):
     # none of it may outlive the call.
     with preserved(what="cost_graph()"):

@@ -18,6 +18,8 @@ from torch.export import Dim
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
 
+from partitioner.errors import TraceInputError
+
 from .capture import (
     Capture,
     cpu_fake,
@@ -96,7 +98,7 @@ def trace_export(
         elif not node.users:  # a scalar export specialised into the graph
             graph.erase_node(node)
         else:
-            raise TypeError(f"non-tensor input {node.name!r} = {value!r} is read by the graph")
+            raise TraceInputError(f"non-tensor input {node.name!r} = {value!r} is read by the graph")
     for node in list(graph.nodes):
         if node.op == "get_attr" and not node.users:
             graph.erase_node(node)

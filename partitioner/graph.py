@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import networkx as nx
 import torch.fx as fx
 
+from partitioner.errors import PartitionOptionError
+
 from .algorithms.problem import GRAPH_INPUT, Problem, Tensor
 from .cost import NodeCost, node_time
 from .devices import Cluster, DeviceSpec
@@ -124,7 +126,7 @@ def group_units(
     if granularity == "node":
         return [Unit(i, (v,), g.nodes[v]["module"]) for i, v in enumerate(names)]
     if granularity != "module":
-        raise ValueError(f"granularity must be 'node' or 'module', got {granularity!r}")
+        raise PartitionOptionError(f"granularity must be 'node' or 'module', got {granularity!r}")
     depth = module_depth or layer_depth([g.nodes[v]["module"] for v in names])
     units: list[Unit] = []
     run: list[str] = []

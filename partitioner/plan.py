@@ -13,8 +13,9 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from partitioner.errors import MissingArgumentError, MissingPredictionError, PlanFormatError, PlanMismatchError
+
 from .devices import Cluster, DeviceSpec
-from .errors import PlanFormatError, PlanMismatchError
 from .precision import check_precision
 from .split import GRAPH_INPUT, StagedModel, StageIO, ValueSpec, split_graph
 
@@ -206,7 +207,7 @@ class Plan:
             if pr.schedule == schedule:
                 return pr
         known = ", ".join(pr.schedule for pr in self.predictions)
-        raise KeyError(f"no prediction for schedule {schedule!r}; the plan has: {known}")
+        raise MissingPredictionError(f"no prediction for schedule {schedule!r}; the plan has: {known}")
 
     @property
     def microbatch_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -410,7 +411,9 @@ class Plan:
         plan = _parse(data, str(path))
         if model is not None:
             if example_inputs is None:
-                raise TypeError("Plan.load(path, model, example_inputs): example_inputs is needed with model")
+                raise MissingArgumentError(
+                    "Plan.load(path, model, example_inputs): example_inputs is needed with model"
+                )
             plan = plan.bind(model, example_inputs, **trace_kwargs)
         return plan
 

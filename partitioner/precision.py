@@ -25,6 +25,8 @@ from dataclasses import replace
 
 import torch.fx as fx
 
+from partitioner.errors import PartitionOptionError
+
 from .nodecost import NodeCost
 
 __all__ = ["PRECISIONS", "check_precision", "low_precision_nodes", "with_precision"]
@@ -46,7 +48,7 @@ def check_precision(precision: str) -> str:
         ValueError: another name; the message lists the known ones.
     """
     if precision not in PRECISIONS:
-        raise ValueError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+        raise PartitionOptionError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
     return precision
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from partitioner.errors import PartitionOptionError
+
 from .devices import Cluster
 
 if TYPE_CHECKING:
@@ -50,7 +52,7 @@ def schedule_for(schedule: str, num_stages: int, m: int) -> Any:
 
     v = chunks_of(schedule)
     if num_stages % v:
-        raise ValueError(
+        raise PartitionOptionError(
             f"schedule {schedule!r} places {v} stages per device, but the plan has {num_stages} "
             f"stages; plan a multiple of {v} stages"
         )

@@ -27,8 +27,9 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
+from partitioner.errors import InfeasibleMemoryError, PartitionOptionError
+
 from .algorithms.problem import GRAPH_INPUT, Partition, Problem
-from .errors import InfeasibleMemoryError
 
 __all__ = [
     "RECOMPUTE_OPTIONS", "check_option", "choose_recompute", "cut_recomputing", "recomputing_problem",
@@ -52,7 +53,7 @@ def check_option(recompute: object) -> bool | str:
         return recompute
     if recompute == "auto":
         return "auto"
-    raise ValueError(
+    raise PartitionOptionError(
         f"recompute={recompute!r}: use 'auto' (recompute the stages that do not fit memory otherwise), "
         "True (every stage) or False (none)"
     )

@@ -20,7 +20,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from .errors import PartitionError
+from partitioner.errors import InputCountError, PartitionError, StageIndexError
+
 from .fxutil import compute_nodes, flat_outputs, named_tensors, owner_of
 from .globalstate import preserved
 
@@ -143,7 +144,7 @@ class StagedModel(Sequence[fx.GraphModule]):
             return self.stages[index]
         except IndexError:
             p = len(self.stages)
-            raise IndexError(
+            raise StageIndexError(
                 f"stage index {index} is out of range: this model has {p} stages "
                 f"(0..{p - 1}, or -{p}..-1 from the end)"
             ) from None
@@ -151,7 +152,7 @@ class StagedModel(Sequence[fx.GraphModule]):
     def __call__(self, *inputs: Any) -> tuple[Any, ...]:
         """Run all stages one after another on full inputs; returns the flat model outputs."""
         if len(inputs) != len(self.input_names):
-            raise TypeError(
+            raise InputCountError(
                 f"the model takes {len(self.input_names)} inputs {list(self.input_names)}, "
                 f"got {len(inputs)}"
             )

@@ -46,8 +46,16 @@ import torch
 from torch import nn
 
 from partitioner.split import StageIO, decode_value
+from runtime.errors import (
+    ActionError,
+    InconsistentScheduleError,
+    LossError,
+    MissingInputError,
+    StageError,
+    TrainerStateError,
+    describe_value,
+)
 
-from .errors import LossError, StageError, describe_value
 from .precision import MixedPrecision
 from .recompute import Replay, forward_again, forward_without_graph
 from .split_backward import PendingWeights, backward_input, backward_weight
@@ -346,7 +354,7 @@ class Executor:
         kind = _kind(act)
         s, mb = act.stage, act.mb
         if s not in self.stages:
-            raise ValueError(f"rank {self.rank} was given action {s}{kind}{mb} for stage {s}, which it does not hold")
+            raise ActionError(f"rank {self.rank} was given action {s}{kind}{mb} for stage {s}, which it does not hold")
         t0 = time.perf_counter()
         self._waited = 0.0
         try:
@@ -394,14 +402,14 @@ class Executor:
             self._weights(state.stash.pop((s, mb)))
             state.held[s] -= 1
         else:
-            raise ValueError(f"unknown action kind {kind!r} (known: F, B, I, W)")
+            raise ActionError(f"unknown action kind {kind!r} (known: F, B, I, W)")
 
     def finish(self, state: StepState) -> RunResult:
         """End a step: check nothing is left stashed and wait for outstanding sends."""
         if state.stash:
             left = sorted(state.stash)
             state.stash.clear()
-            raise RuntimeError(
+            raise InconsistentScheduleError(
                 f"rank {self.rank}: activations of (stage, micro-batch) {left[:6]} were never "
                 "backpropagated; the schedule lacks their backward actions"
             )
@@ -438,7 +446,7 @@ class Executor:
         for name, graph_input in w.args:
             if graph_input:
                 if name not in inputs:
-                    raise KeyError(f"stage {s} reads graph input {name!r}, which was not given")
+                    raise MissingInputError(f"stage {s} reads graph input {name!r}, which was not given")
                 x = inputs[name]
                 args.append(x.to(stage.device) if isinstance(x, torch.Tensor) else x)
             else:
@@ -534,7 +542,7 @@ class Executor:
         grads: list[torch.Tensor | None] = []
         if s == self.p - 1:
             if st.loss is None:
-                raise RuntimeError("the last stage has no loss to backpropagate: give the trainer a loss_fn")
+                raise TrainerStateError("the last stage has no loss to backpropagate: give the trainer a loss_fn")
             roots, grads = [st.loss], [None]
         else:
             w = self._wiring[s]

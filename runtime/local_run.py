@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from runtime.errors import InconsistentScheduleError
+
 from .executor import Executor, RunResult
 from .schedules import Schedule
 from .transport import LocalTransport
@@ -108,5 +110,5 @@ def run_interleaved(
                 progressed = True
         if not progressed:
             stuck = {r: str(lists[r][pos[r]]) for r in exs if pos[r] < len(lists[r])}
-            raise RuntimeError(f"the schedule cannot progress; next actions per rank: {stuck}")
+            raise InconsistentScheduleError(f"the schedule cannot progress; next actions per rank: {stuck}")
     return [exs[r].finish(states[r]) for r in sorted(exs)]

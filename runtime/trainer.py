@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from partitioner.plan import Plan
+from runtime.errors import TrainerStateError
 
 from . import checkpoint
 from .accumulation import add_back, set_aside
@@ -284,7 +285,7 @@ class PipelineTrainer:
                 peer failed first (its message quotes that rank's error).
         """
         if not self._trains:
-            raise RuntimeError("this trainer has no optimizer: pass optimizer=lambda params: ... to step")
+            raise TrainerStateError("this trainer has no optimizer: pass optimizer=lambda params: ... to step")
         start = time.perf_counter()
         self.zero_grad()
         loss = self.forward_backward(inputs, targets)
@@ -531,12 +532,12 @@ class PipelineTrainer:
 
     def _check_recorded(self, records: Sequence[ActionRecord]) -> None:
         if not self.record:
-            raise RuntimeError(
+            raise TrainerStateError(
                 "this trainer does not record its actions: build it with "
                 "PipelineTrainer(..., record=True) to get timelines and traces"
             )
         if not records:
-            raise RuntimeError("nothing was recorded yet: run step(), forward_backward() or predict() first")
+            raise TrainerStateError("nothing was recorded yet: run step(), forward_backward() or predict() first")
 
     def _timeline(self, records: Sequence[ActionRecord]) -> Timeline:
         self._check_recorded(records)

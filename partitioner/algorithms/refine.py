@@ -30,6 +30,8 @@ from __future__ import annotations
 import logging
 import math
 
+from partitioner.errors import AlgorithmInputError
+
 from .evaluate import check_assignment, evaluate, link_time
 from .problem import Partition, Problem
 
@@ -72,7 +74,7 @@ def refine(problem: Problem, partition: Partition, *, max_rounds: int = 100) -> 
     """
     check_assignment(problem, partition)
     if max_rounds < 0:
-        raise ValueError(f"max_rounds must be >= 0, got {max_rounds}")
+        raise AlgorithmInputError(f"max_rounds must be >= 0, got {max_rounds}")
     method = partition.method + "+refine"
     if problem.p == 1:
         return Partition(partition.assignment, method)

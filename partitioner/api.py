@@ -112,6 +112,9 @@ def partition(
         TooManyStagesError: more stages than units.
         InfeasibleMemoryError: no cut fits the devices' memory.
         SplitPointError: a split point names no module, or they are out of order.
+        PartitionOptionError: an argument has a value ``partition`` does not take (an unknown method,
+            schedule, granularity, precision or recompute option; a stage count that is not positive
+            or does not fit the schedule); a ``ValueError``.
 
     Example:
         >>> import torch

@@ -59,7 +59,7 @@ def trace_export(
     (default: the example): one micro-batch.
 
     Raises:
-        TypeError: a non-tensor input is still read by the graph.
+        TraceInputError: a non-tensor input is still read by the graph (a ``TypeError``).
         Exception: whatever ``torch.export`` raised.
     """
     if shape_args is None:

@@ -86,8 +86,9 @@ def trace_fx(
     Shapes come from fake-tensor propagation (a leaf fake tensors cannot run runs for real).
 
     Raises:
-        TypeError: ``forward`` takes ``*args``/``**kwargs``, nests tensors in an argument, or
-            still reads an argument that was specialised.
+        TraceInputError: ``forward`` takes ``*args``/``**kwargs``, nests tensors in an argument, or
+            still reads an argument that was specialised (a ``TypeError``).
+        ModeRegionError: ``forward`` enters a ``torch.no_grad()`` or ``torch.autocast`` region.
         Exception: whatever ``symbolic_trace`` or shape propagation raised.
     """
     sig = inspect.signature(model.forward)

@@ -202,7 +202,11 @@ class Plan:
         return max(range(len(self.stages)), key=lambda s: self.stages[s].time)
 
     def prediction(self, schedule: str) -> Prediction:
-        """The prediction for ``schedule`` (``'gpipe'`` or ``'1f1b'``)."""
+        """The prediction for ``schedule`` (``'gpipe'`` or ``'1f1b'``).
+
+        Raises:
+            MissingPredictionError: the plan has none for ``schedule`` (a ``KeyError``).
+        """
         for pr in self.predictions:
             if pr.schedule == schedule:
                 return pr
@@ -391,6 +395,7 @@ class Plan:
                 not a valid plan.
             OSError: the file cannot be read (missing, a directory, no permission).
             PlanMismatchError: ``model`` is not the model the plan was made for.
+            MissingArgumentError: ``model`` without ``example_inputs`` (a ``TypeError``).
         """
         fix = "re-create it with plan.save(...) or `pipecut plan ... --json`"
         raw = Path(path).read_bytes()

@@ -45,7 +45,7 @@ def check_precision(precision: str) -> str:
     """``precision`` if it is one of ``PRECISIONS``.
 
     Raises:
-        ValueError: another name; the message lists the known ones.
+        PartitionOptionError: another name (a ``ValueError``); the message lists the known ones.
     """
     if precision not in PRECISIONS:
         raise PartitionOptionError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
@@ -95,7 +95,7 @@ def with_precision(gm: fx.GraphModule, costs: Mapping[str, NodeCost], precision:
     """The fp32 ``costs`` of ``gm``'s nodes rewritten for ``precision`` (see the module docstring).
 
     Raises:
-        ValueError: an unknown precision.
+        PartitionOptionError: an unknown precision (a ``ValueError``).
 
     Example:
         >>> import torch

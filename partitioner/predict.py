@@ -41,7 +41,7 @@ def schedule_for(schedule: str, num_stages: int, m: int) -> Any:
     """The ``runtime`` schedule that runs ``num_stages`` stages with ``m`` micro-batches.
 
     Raises:
-        ValueError: ``num_stages`` is not a multiple of the schedule's chunks per device.
+        PartitionOptionError: ``num_stages`` is not a multiple of the schedule's chunks per device.
 
     Example:
         >>> s = schedule_for("zbv", 4, 4)

@@ -47,7 +47,7 @@ def check_option(recompute: object) -> bool | str:
     """``partition(recompute=...)``: ``'auto'``, ``True`` or ``False``.
 
     Raises:
-        ValueError: anything else.
+        PartitionOptionError: anything else (a ``ValueError``).
     """
     if isinstance(recompute, bool):
         return recompute

@@ -114,8 +114,8 @@ class StagedModel(Sequence[fx.GraphModule]):
         >>> staged[2]
         Traceback (most recent call last):
         ...
-        IndexError: stage index 2 is out of range: this model has 2 stages (0..1, or -2..-1 from the end)
-    """
+        partitioner.errors.StageIndexError: stage index 2 is out of range: this model has 2 stages (0..1, or -2..-1 from the end)
+    """  # noqa: E501 - the error message above is one line, as the doctest compares it
 
     stages: list[fx.GraphModule]
     io: list[StageIO]
@@ -138,7 +138,7 @@ class StagedModel(Sequence[fx.GraphModule]):
         """Stage ``index``'s module, or a ``list`` of the modules of a slice of stages.
 
         Raises:
-            IndexError: ``index`` is outside ``-p..p-1`` for ``p`` stages.
+            StageIndexError: ``index`` is outside ``-p..p-1`` for ``p`` stages (an ``IndexError``).
         """
         try:
             return self.stages[index]

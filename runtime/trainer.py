@@ -283,6 +283,7 @@ class PipelineTrainer:
                 grad, or (``check_finite``) a non-finite loss.
             TransportTimeout: a peer sent nothing in time; its subclass ``PeerFailed`` when a
                 peer failed first (its message quotes that rank's error).
+            TrainerStateError: the trainer was built without an optimizer.
         """
         if not self._trains:
             raise TrainerStateError("this trainer has no optimizer: pass optimizer=lambda params: ... to step")
@@ -484,7 +485,8 @@ class PipelineTrainer:
         this rank's actions only; :meth:`save_trace` gathers every rank's.
 
         Raises:
-            RuntimeError: the trainer was built without ``record=True``, or nothing ran yet.
+            TrainerStateError: the trainer was built without ``record=True``, or nothing ran yet (a
+                ``RuntimeError``).
 
         Example:
             >>> import torch
@@ -514,7 +516,8 @@ class PipelineTrainer:
         hosts.
 
         Raises:
-            RuntimeError: the trainer was built without ``record=True``, or nothing ran yet.
+            TrainerStateError: the trainer was built without ``record=True``, or nothing ran yet (a
+                ``RuntimeError``).
         """
         name = f"pipecut {self.schedule.name} (measured)"
         if self.mode != "dist":

@@ -32,7 +32,7 @@ from partitioner.cost.recompute import (
     recomputing_problem,
     stage_input_bytes,
 )
-from partitioner.errors import InfeasibleMemoryError, SplitPointError, TooManyStagesError
+from partitioner.errors import InfeasibleMemoryError, PartitionOptionError, SplitPointError, TooManyStagesError
 from partitioner.plan.choose import choose, microbatch_candidates
 from partitioner.plan.plan import Plan
 from partitioner.plan.predict import predict, stage_inflight
@@ -127,6 +127,9 @@ def partition(
         TooManyStagesError: more stages than units.
         InfeasibleMemoryError: no cut fits the devices' memory.
         SplitPointError: a split point names no module, or they are out of order.
+        PartitionOptionError: an argument has a value ``partition`` does not take (an unknown method,
+            schedule, granularity, precision or recompute option; a stage count that is not positive
+            or does not fit the schedule); a ``ValueError``.
 
     Example:
         >>> import torch
@@ -178,19 +181,19 @@ def _partition(
     if split_points is not None:
         method = "manual"
     if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+        raise PartitionOptionError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     if method == "manual" and split_points is None:
         raise SplitPointError("method='manual' needs split_points=[module names where stages begin]")
     auto = schedule == "auto" or microbatches == "auto"
     if not auto:
         _check_schedule(schedule)
         if not isinstance(microbatches, int) or microbatches < 1:
-            raise ValueError(f"microbatches must be a positive int or 'auto', got {microbatches!r}")
+            raise PartitionOptionError(f"microbatches must be a positive int or 'auto', got {microbatches!r}")
     devices = len(cluster) if cluster is not None else None
     if num_stages is None and devices is None:
-        raise ValueError("give num_stages or a cluster (one device per stage)")
+        raise PartitionOptionError("give num_stages or a cluster (one device per stage)")
     if num_stages is not None and num_stages < 1:
-        raise ValueError(f"num_stages must be at least 1, got {num_stages}")
+        raise PartitionOptionError(f"num_stages must be at least 1, got {num_stages}")
 
     t0 = time.perf_counter()
     traced = trace(
@@ -323,9 +326,9 @@ def _example_microbatches(example_is: str, microbatches: int | str) -> int:
     if example_is == "microbatch":
         return 1
     if example_is != "batch":
-        raise ValueError(f"example_is must be 'microbatch' or 'batch', got {example_is!r}")
+        raise PartitionOptionError(f"example_is must be 'microbatch' or 'batch', got {example_is!r}")
     if not isinstance(microbatches, int):
-        raise ValueError(
+        raise PartitionOptionError(
             "example_is='batch' needs microbatches as an int, to know the micro-batch size the "
             f"costs are for (got microbatches={microbatches!r}); or pass one micro-batch as the example"
         )
@@ -334,7 +337,7 @@ def _example_microbatches(example_is: str, microbatches: int | str) -> int:
 
 def _check_schedule(schedule: str) -> None:
     if schedule not in TRAINING_SCHEDULES:
-        raise ValueError(
+        raise PartitionOptionError(
             f"unknown schedule {schedule!r}; choose one of {', '.join(TRAINING_SCHEDULES)} or 'auto'"
         )
 
@@ -347,7 +350,7 @@ def _stage_cluster(cluster: Cluster | None, stages: int, schedule: str) -> Clust
     """
     v = stages_per_rank(schedule)
     if stages % v:
-        raise ValueError(
+        raise PartitionOptionError(
             f"schedule {schedule!r} places {v} stages on every device: ask for a multiple of {v} "
             f"stages (got {stages})"
         )
@@ -355,7 +358,7 @@ def _stage_cluster(cluster: Cluster | None, stages: int, schedule: str) -> Clust
     if cluster is None:
         cluster = Cluster.uniform(ranks, "cpu")
     if len(cluster) < ranks:
-        raise ValueError(
+        raise PartitionOptionError(
             f"the cluster has {len(cluster)} devices but {stages} stages need {ranks} "
             f"({v} per device for {schedule!r}); give one device per rank"
         )

@@ -1,8 +1,16 @@
-"""Typed errors of pipecut: each carries the offending values and says how to fix the problem."""
+"""Typed errors of pipecut: each carries the offending values and says how to fix the problem.
+
+Every error pipecut raises on purpose derives from :class:`PipecutError` and from the builtin a
+caller would expect (``ValueError`` for a bad argument, ``TypeError`` for a wrong call, ...), so
+``except PipecutError`` catches them all and ``except ValueError`` keeps working.
+"""
 
 from __future__ import annotations
 
+import argparse
+
 # The root is defined at the bottom of the import graph, in the pure schedule layer.
+from partitioner.schedule.errors import MissingDependencyError as MissingDependencyError
 from partitioner.schedule.errors import PipecutError as PipecutError
 
 __all__ = [
@@ -17,6 +25,24 @@ __all__ = [
     "PlanFormatError",
     "UnknownDeviceError",
     "SplitPointError",
+    "PartitionOptionError",
+    "TraceOptionError",
+    "TraceInputError",
+    "ModeRegionError",
+    "ClusterError",
+    "CostOptionError",
+    "AlgorithmInputError",
+    "StageIndexError",
+    "InputCountError",
+    "MissingPredictionError",
+    "MissingArgumentError",
+    "MissingDependencyError",
+    "ModelSpecError",
+    "ModelFileNotFoundError",
+    "ModelImportError",
+    "ModelFactoryNotFoundError",
+    "ModelFactoryError",
+    "CliArgumentError",
 ]
 
 
@@ -91,6 +117,83 @@ class UnknownDeviceError(PipecutError, ValueError):
 
 class SplitPointError(PartitionError):
     """A manual split point does not name a module of the traced graph, or splits are out of order."""
+
+
+class PartitionOptionError(PipecutError, ValueError):
+    """An argument of ``partition()`` (or of the planning helpers it calls) has a value it does not
+    take: an unknown method, schedule, granularity, precision or recompute option, a stage count
+    that is not positive or not a multiple of the schedule's stages per device, or a cluster with
+    fewer devices than the stages need."""
+
+
+class TraceOptionError(PipecutError, ValueError):
+    """An argument of ``trace()`` has a value it does not take (the method, the number of
+    micro-batches in the example)."""
+
+
+class TraceInputError(PipecutError, TypeError):
+    """A tracer cannot take the model's inputs as given: ``forward`` takes ``*args``/``**kwargs``,
+    an argument nests tensors, or the graph still reads a non-tensor argument it specialised.
+    ``trace()`` reports it, with the other tracers' errors, in a :class:`TraceError`."""
+
+
+class ModeRegionError(PipecutError, RuntimeError):
+    """torch.fx met a ``torch.no_grad()`` or ``torch.autocast`` region inside ``forward``, which it
+    would silently drop; ``trace(method='auto')`` then takes torch.export, which keeps it."""
+
+
+class ClusterError(PipecutError, ValueError):
+    """A ``Cluster`` is inconsistent (no devices, a link count that does not match the devices, a
+    bandwidth that is not positive) or is asked for more devices than it has."""
+
+
+class CostOptionError(PipecutError, ValueError):
+    """An argument of the cost model has a value it does not take (profiling repeats, warm-up)."""
+
+
+class AlgorithmInputError(PipecutError, ValueError):
+    """A partitioning algorithm was given inconsistent input: a ``Problem`` whose tables disagree
+    in length, cut positions out of range, or an option out of range."""
+
+
+class StageIndexError(PipecutError, IndexError):
+    """A stage index is outside ``-p..p-1`` for a model cut into ``p`` stages."""
+
+
+class InputCountError(InputError, TypeError):
+    """A staged model was called with another number of inputs than the traced model takes."""
+
+
+class MissingPredictionError(PipecutError, KeyError):
+    """A plan holds no prediction for the schedule asked about."""
+
+
+class MissingArgumentError(PipecutError, TypeError):
+    """A call lacks an argument that another one it was given needs."""
+
+
+class ModelSpecError(PipecutError, ValueError):
+    """A model spec (``--model``) is neither a built-in model name nor ``path/to/file.py:factory``."""
+
+
+class ModelFileNotFoundError(PipecutError, FileNotFoundError):
+    """The file a model spec names does not exist."""
+
+
+class ModelImportError(PipecutError, ImportError):
+    """The file a model spec names cannot be imported as a Python module."""
+
+
+class ModelFactoryNotFoundError(PipecutError, AttributeError):
+    """The file a model spec names has no callable of the factory's name."""
+
+
+class ModelFactoryError(PipecutError, TypeError):
+    """A model factory returned something other than ``(model, example_inputs)``."""
+
+
+class CliArgumentError(PipecutError, argparse.ArgumentTypeError):
+    """A command-line value cannot be converted; argparse reports it as a usage error."""
 
 
 def _gib(nbytes: float) -> str:

@@ -16,6 +16,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from partitioner.errors import (
+    MissingDependencyError,
+    ModelFactoryError,
+    ModelFactoryNotFoundError,
+    ModelFileNotFoundError,
+    ModelImportError,
+    ModelSpecError,
+)
+
 __all__ = ["MODELS", "load_model", "MLPChain", "ResidualCNN", "UNet", "gpt2"]
 
 Factory = Callable[[], tuple[nn.Module, tuple[Any, ...]]]
@@ -123,7 +132,7 @@ def gpt2(
     try:
         from transformers import GPT2Config, GPT2LMHeadModel
     except ImportError as e:  # transformers is a dev/example dependency, not a runtime one
-        raise ImportError(
+        raise MissingDependencyError(
             "the gpt2 models need Hugging Face transformers: pip install 'pipecut[dev]' "
             "(or pip install transformers)"
         ) from e
@@ -166,25 +175,25 @@ def load_model(spec: str) -> tuple[nn.Module, tuple[Any, ...]]:
         return MODELS[spec]()
     path, sep, name = spec.rpartition(":")
     if not sep or not path.endswith(".py"):
-        raise ValueError(
+        raise ModelSpecError(
             f"unknown model {spec!r}: use a built-in name ({', '.join(MODELS)}) or "
             "path/to/file.py:factory where factory() returns (model, example_inputs)"
         )
     file = Path(path)
     if not file.is_file():
-        raise FileNotFoundError(f"model file {file} does not exist (from {spec!r})")
+        raise ModelFileNotFoundError(f"model file {file} does not exist (from {spec!r})")
     mod_name = f"pipecut_user_{file.stem}"
     loader = importlib.util.spec_from_file_location(mod_name, file)
     if loader is None or loader.loader is None:
-        raise ImportError(f"cannot import {file}")
+        raise ModelImportError(f"cannot import {file}")
     module = importlib.util.module_from_spec(loader)
     sys.modules[mod_name] = module
     loader.loader.exec_module(module)
     factory = getattr(module, name, None)
     if not callable(factory):
-        raise AttributeError(f"{file} has no callable {name!r}")
+        raise ModelFactoryNotFoundError(f"{file} has no callable {name!r}")
     result = factory()
     if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], nn.Module)):
-        raise TypeError(f"{spec}: the factory must return (model, example_inputs), got {type(result).__name__}")
+        raise ModelFactoryError(f"{spec}: the factory must return (model, example_inputs), got {type(result).__name__}")
     model, inputs = result
     return model, tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)

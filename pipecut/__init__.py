@@ -9,7 +9,7 @@ Example:
     >>> from torch import nn
     >>> import pipecut
     >>> model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-    >>> plan = pipecut.partition(model, (torch.randn(2, 8),), stages=2)
+    >>> plan = pipecut.partition(model, (torch.randn(2, 8),), num_stages=2)
     >>> plan.num_stages
     2
     >>> pipecut.PipelineTrainer is pipecut.runtime.PipelineTrainer

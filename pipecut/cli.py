@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from partitioner.api import METHODS, partition
 from partitioner.cost.devices import DEVICE_PRESETS, Cluster
-from partitioner.errors import PipecutError
+from partitioner.errors import CliArgumentError, PipecutError
 from partitioner.plan.plan import Plan
 from partitioner.plan.predict import predict, simulate_stages
 from partitioner.plan.render import fmt_bytes, fmt_time
@@ -114,9 +114,9 @@ def _count_or_auto(text: str) -> int | str:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {text!r}") from None
+        raise CliArgumentError(f"expected a positive integer or 'auto', got {text!r}") from None
     if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {value}")
+        raise CliArgumentError(f"expected a positive integer or 'auto', got {value}")
     return value
 
 

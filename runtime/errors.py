@@ -10,6 +10,9 @@ whose generated ``forward`` has one line per node, so the innermost frame in tha
 the node, and the node's trace metadata names its module (``model.layers.3.mlp``) and its
 source line. A backward runs in autograd's engine, outside that code, so there the node is
 not known; the message says how to find it.
+
+The other errors here name a misuse of the runtime: a trainer asked for what it was not built
+for, a schedule that turns out inconsistent while it runs, an option it does not take.
 """
 
 from __future__ import annotations
@@ -22,10 +25,14 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from partitioner.errors import PipecutError
+from partitioner.errors import InputError, PipecutError
 from partitioner.tracing.trace import node_module_path
 
-__all__ = ["StageError", "LossError", "NodeInfo", "failing_node", "describe_value"]
+__all__ = [
+    "StageError", "LossError", "InconsistentScheduleError", "ActionError", "MissingInputError",
+    "TrainerStateError", "ProcessGroupError", "TransportOptionError", "NodeInfo", "failing_node",
+    "describe_value",
+]
 
 # What each action kind does, for messages.
 PHASES = {"F": "forward", "B": "backward", "I": "input-gradient backward", "W": "weight-gradient backward"}
@@ -104,6 +111,36 @@ class StageError(PipecutError, RuntimeError):
 
 class LossError(PipecutError, ValueError):
     """``loss_fn`` broke its contract (a scalar tensor), or an opt-in finite check failed."""
+
+
+class InconsistentScheduleError(PipecutError, RuntimeError):
+    """A schedule turned out inconsistent while it ran: a message sent or its receive posted
+    twice, read before the action that makes it, actions that cannot progress, or activations
+    never backpropagated. ``partitioner.schedule.validation.validate`` finds these before a step; a
+    hand-built schedule that skipped it meets them here."""
+
+
+class ActionError(PipecutError, ValueError):
+    """An executor was given an action it cannot run: of an unknown kind, or for a stage its
+    rank does not hold."""
+
+
+class MissingInputError(InputError, KeyError):
+    """A stage reads a graph input that the step was not given."""
+
+
+class TrainerStateError(PipecutError, RuntimeError):
+    """A trainer was asked for what it was not built for, or has not done yet: a step without an
+    optimizer, a backward without a ``loss_fn``, a timeline without ``record=True`` or before
+    any step."""
+
+
+class ProcessGroupError(PipecutError, RuntimeError):
+    """torch.distributed is not set up as a distributed pipeline needs (no process group)."""
+
+
+class TransportOptionError(PipecutError, ValueError):
+    """``transport=`` names no transport (``'auto'``, ``'local'``, ``'sequential'``, ``'dist'``)."""
 
 
 def failing_node(error: BaseException, module: nn.Module) -> NodeInfo | None:

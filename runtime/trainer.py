@@ -29,6 +29,7 @@ from partitioner.schedule.generators import forward_only
 from partitioner.schedule.ir import Schedule
 from partitioner.schedule.timeline import Timeline, from_records, save_chrome_trace
 from partitioner.schedule.validation import validate
+from runtime.errors import TrainerStateError
 from runtime.execute.accumulation import add_back, set_aside
 from runtime.execute.executor import ActionRecord, Executor, RunResult, StageRuntime
 from runtime.execute.inputs import check_inputs, check_sizes, check_targets, shape_key
@@ -281,9 +282,10 @@ class PipelineTrainer:
                 grad, or (``check_finite``) a non-finite loss.
             TransportTimeout: a peer sent nothing in time; its subclass ``PeerFailed`` when a
                 peer failed first (its message quotes that rank's error).
+            TrainerStateError: the trainer was built without an optimizer.
         """
         if not self._trains:
-            raise RuntimeError("this trainer has no optimizer: pass optimizer=lambda params: ... to step")
+            raise TrainerStateError("this trainer has no optimizer: pass optimizer=lambda params: ... to step")
         start = time.perf_counter()
         self.zero_grad()
         loss = self.forward_backward(inputs, targets)
@@ -482,7 +484,8 @@ class PipelineTrainer:
         this rank's actions only; :meth:`save_trace` gathers every rank's.
 
         Raises:
-            RuntimeError: the trainer was built without ``record=True``, or nothing ran yet.
+            TrainerStateError: the trainer was built without ``record=True``, or nothing ran yet (a
+                ``RuntimeError``).
 
         Example:
             >>> import torch
@@ -512,7 +515,8 @@ class PipelineTrainer:
         hosts.
 
         Raises:
-            RuntimeError: the trainer was built without ``record=True``, or nothing ran yet.
+            TrainerStateError: the trainer was built without ``record=True``, or nothing ran yet (a
+                ``RuntimeError``).
         """
         name = f"pipecut {self.schedule.name} (measured)"
         if self.mode != "dist":
@@ -530,12 +534,12 @@ class PipelineTrainer:
 
     def _check_recorded(self, records: Sequence[ActionRecord]) -> None:
         if not self.record:
-            raise RuntimeError(
+            raise TrainerStateError(
                 "this trainer does not record its actions: build it with "
                 "PipelineTrainer(..., record=True) to get timelines and traces"
             )
         if not records:
-            raise RuntimeError("nothing was recorded yet: run step(), forward_backward() or predict() first")
+            raise TrainerStateError("nothing was recorded yet: run step(), forward_backward() or predict() first")
 
     def _timeline(self, records: Sequence[ActionRecord]) -> Timeline:
         self._check_recorded(records)

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from partitioner.errors import AlgorithmInputError
+
 __all__ = ["Tensor", "Problem", "Partition"]
 
 GRAPH_INPUT = -1
@@ -90,19 +92,19 @@ class Problem:
     def __post_init__(self) -> None:
         n, p = self.n, self.p
         if p < 1:
-            raise ValueError("a Problem needs at least one stage")
+            raise AlgorithmInputError("a Problem needs at least one stage")
         if len(self.compute) != p or any(len(row) != n for row in self.compute):
-            raise ValueError(f"compute must be {p} rows of {n} floats")
+            raise AlgorithmInputError(f"compute must be {p} rows of {n} floats")
         if len(self.act_bytes) != n:
-            raise ValueError(f"act_bytes has {len(self.act_bytes)} entries, expected {n}")
+            raise AlgorithmInputError(f"act_bytes has {len(self.act_bytes)} entries, expected {n}")
         if len(self.inflight) != p:
-            raise ValueError(f"inflight has {len(self.inflight)} entries, expected {p}")
+            raise AlgorithmInputError(f"inflight has {len(self.inflight)} entries, expected {p}")
         if len(self.link_bandwidth) != p - 1 or len(self.link_latency) != p - 1:
-            raise ValueError(f"link_bandwidth and link_latency need {p - 1} entries")
+            raise AlgorithmInputError(f"link_bandwidth and link_latency need {p - 1} entries")
         if self.cuts is not None and any(not 1 <= k <= n - 1 for k in self.cuts):
-            raise ValueError(f"cut positions must lie in 1..{n - 1}")
+            raise AlgorithmInputError(f"cut positions must lie in 1..{n - 1}")
         if self.param_counts is not None and len(self.param_counts) != n:
-            raise ValueError(f"param_counts has {len(self.param_counts)} entries, expected {n}")
+            raise AlgorithmInputError(f"param_counts has {len(self.param_counts)} entries, expected {n}")
 
     def allowed_cuts(self) -> tuple[int, ...]:
         """Sorted cut positions an algorithm may use."""

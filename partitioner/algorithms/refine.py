@@ -32,6 +32,7 @@ import math
 
 from partitioner.algorithms.evaluate import check_assignment, evaluate, link_time
 from partitioner.algorithms.problem import Partition, Problem
+from partitioner.errors import AlgorithmInputError
 
 __all__ = ["refine"]
 
@@ -72,7 +73,7 @@ def refine(problem: Problem, partition: Partition, *, max_rounds: int = 100) -> 
     """
     check_assignment(problem, partition)
     if max_rounds < 0:
-        raise ValueError(f"max_rounds must be >= 0, got {max_rounds}")
+        raise AlgorithmInputError(f"max_rounds must be >= 0, got {max_rounds}")
     method = partition.method + "+refine"
     if problem.p == 1:
         return Partition(partition.assignment, method)

@@ -34,6 +34,7 @@ import torch.fx as fx
 from partitioner.cost.analytic import Coster
 from partitioner.cost.nodecost import NodeCost, node_time, weight_share
 from partitioner.cost.profiler import default_device, profile_costs
+from partitioner.errors import CostOptionError
 from partitioner.tracing.globalstate import preserved
 from partitioner.tracing.trace import TracedModel
 
@@ -74,7 +75,7 @@ def cost_graph(
     """
     gm = traced.gm if isinstance(traced, TracedModel) else traced
     if repeat < 1 or warmup < 0:
-        raise ValueError(f"need repeat >= 1 and warmup >= 0, got repeat={repeat}, warmup={warmup}")
+        raise CostOptionError(f"need repeat >= 1 and warmup >= 0, got repeat={repeat}, warmup={warmup}")
     # Every node runs again here (random data for the profiler, regions that switch grad mode):
     # none of it may outlive the call.
     with preserved(what="cost_graph()"):

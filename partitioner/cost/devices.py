@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 
-from partitioner.errors import UnknownDeviceError
+from partitioner.errors import ClusterError, UnknownDeviceError
 
 __all__ = ["DeviceSpec", "Cluster", "DEVICE_PRESETS"]
 
@@ -100,7 +100,7 @@ class Cluster:
 
     def __post_init__(self) -> None:
         if not self.devices:
-            raise ValueError("a Cluster needs at least one device")
+            raise ClusterError("a Cluster needs at least one device")
         n_links = len(self.devices) - 1
         if not self.link_bandwidth:
             object.__setattr__(
@@ -112,12 +112,12 @@ class Cluster:
             )
         for label, seq in (("link_bandwidth", self.link_bandwidth), ("link_latency", self.link_latency)):
             if len(seq) != n_links:
-                raise ValueError(
+                raise ClusterError(
                     f"{label} has {len(seq)} entries but a cluster of {len(self.devices)} devices "
                     f"has {n_links} links (one between each pair of neighbouring stages)"
                 )
         if any(b <= 0 for b in self.link_bandwidth):
-            raise ValueError(f"link bandwidths must be positive, got {self.link_bandwidth}")
+            raise ClusterError(f"link bandwidths must be positive, got {self.link_bandwidth}")
 
     def __len__(self) -> int:
         return len(self.devices)
@@ -139,7 +139,7 @@ class Cluster:
             link_latency: seconds per transfer; defaults to the device's preset latency.
         """
         if num_devices < 1:
-            raise ValueError(f"num_devices must be at least 1, got {num_devices}")
+            raise ClusterError(f"num_devices must be at least 1, got {num_devices}")
         spec = DeviceSpec.preset(device) if isinstance(device, str) else device
         bw = spec.link_bandwidth if link_bandwidth is None else link_bandwidth
         lat = spec.link_latency if link_latency is None else link_latency
@@ -152,7 +152,7 @@ class Cluster:
     def with_devices(self, num_devices: int) -> Cluster:
         """The first ``num_devices`` devices of this cluster (for planning fewer stages)."""
         if not 1 <= num_devices <= len(self.devices):
-            raise ValueError(f"cluster has {len(self.devices)} devices, asked for {num_devices}")
+            raise ClusterError(f"cluster has {len(self.devices)} devices, asked for {num_devices}")
         return replace(
             self,
             devices=self.devices[:num_devices],

@@ -16,6 +16,7 @@ import torch.fx as fx
 from partitioner.algorithms.problem import GRAPH_INPUT, Problem, Tensor
 from partitioner.cost.costs import NodeCost, node_time
 from partitioner.cost.devices import Cluster, DeviceSpec
+from partitioner.errors import PartitionOptionError
 from partitioner.tracing.fxutil import COMPUTE_OPS, flat_outputs, wire_form
 
 __all__ = ["Unit", "build_graph", "layer_depth", "group_units", "to_problem", "module_range", "canonical_names"]
@@ -123,7 +124,7 @@ def group_units(
     if granularity == "node":
         return [Unit(i, (v,), g.nodes[v]["module"]) for i, v in enumerate(names)]
     if granularity != "module":
-        raise ValueError(f"granularity must be 'node' or 'module', got {granularity!r}")
+        raise PartitionOptionError(f"granularity must be 'node' or 'module', got {granularity!r}")
     depth = module_depth or layer_depth([g.nodes[v]["module"] for v in names])
     units: list[Unit] = []
     run: list[str] = []

@@ -26,6 +26,7 @@ from dataclasses import replace
 import torch.fx as fx
 
 from partitioner.cost.nodecost import NodeCost
+from partitioner.errors import PartitionOptionError
 
 __all__ = ["PRECISIONS", "check_precision", "low_precision_nodes", "with_precision"]
 
@@ -43,10 +44,10 @@ def check_precision(precision: str) -> str:
     """``precision`` if it is one of ``PRECISIONS``.
 
     Raises:
-        ValueError: another name; the message lists the known ones.
+        PartitionOptionError: another name (a ``ValueError``); the message lists the known ones.
     """
     if precision not in PRECISIONS:
-        raise ValueError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+        raise PartitionOptionError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
     return precision
 
 
@@ -93,7 +94,7 @@ def with_precision(gm: fx.GraphModule, costs: Mapping[str, NodeCost], precision:
     """The fp32 ``costs`` of ``gm``'s nodes rewritten for ``precision`` (see the module docstring).
 
     Raises:
-        ValueError: an unknown precision.
+        PartitionOptionError: an unknown precision (a ``ValueError``).
 
     Example:
         >>> import torch

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from partitioner.algorithms.problem import GRAPH_INPUT, Partition, Problem
-from partitioner.errors import InfeasibleMemoryError
+from partitioner.errors import InfeasibleMemoryError, PartitionOptionError
 
 __all__ = [
     "RECOMPUTE_OPTIONS", "check_option", "choose_recompute", "cut_recomputing", "recomputing_problem",
@@ -46,13 +46,13 @@ def check_option(recompute: object) -> bool | str:
     """``partition(recompute=...)``: ``'auto'``, ``True`` or ``False``.
 
     Raises:
-        ValueError: anything else.
+        PartitionOptionError: anything else (a ``ValueError``).
     """
     if isinstance(recompute, bool):
         return recompute
     if recompute == "auto":
         return "auto"
-    raise ValueError(
+    raise PartitionOptionError(
         f"recompute={recompute!r}: use 'auto' (recompute the stages that do not fit memory otherwise), "
         "True (every stage) or False (none)"
     )

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from partitioner.cost.devices import Cluster, DeviceSpec
 from partitioner.cost.precision import check_precision
-from partitioner.errors import PlanFormatError, PlanMismatchError
+from partitioner.errors import MissingArgumentError, PlanFormatError, PlanMismatchError
 from partitioner.plan.records import Candidate as Candidate
 from partitioner.plan.records import PlanRecord, binding
 from partitioner.plan.records import Prediction as Prediction
@@ -221,6 +221,7 @@ class Plan(PlanRecord):
                 not a valid plan.
             OSError: the file cannot be read (missing, a directory, no permission).
             PlanMismatchError: ``model`` is not the model the plan was made for.
+            MissingArgumentError: ``model`` without ``example_inputs`` (a ``TypeError``).
         """
         fix = "re-create it with plan.save(...) or `pipecut plan ... --json`"
         raw = Path(path).read_bytes()
@@ -241,7 +242,9 @@ class Plan(PlanRecord):
         plan = _parse(data, str(path))
         if model is not None:
             if example_inputs is None:
-                raise TypeError("Plan.load(path, model, example_inputs): example_inputs is needed with model")
+                raise MissingArgumentError(
+                    "Plan.load(path, model, example_inputs): example_inputs is needed with model"
+                )
             plan = plan.bind(model, example_inputs, **trace_kwargs)
         return plan
 

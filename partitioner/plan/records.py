@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from partitioner.cost.devices import Cluster
+from partitioner.errors import MissingPredictionError
 from partitioner.plan.split import GRAPH_INPUT, StageIO
 
 if TYPE_CHECKING:
@@ -191,12 +192,16 @@ class PlanRecord:
         return max(range(len(self.stages)), key=lambda s: self.stages[s].time)
 
     def prediction(self, schedule: str) -> Prediction:
-        """The prediction for ``schedule`` (``'gpipe'`` or ``'1f1b'``)."""
+        """The prediction for ``schedule`` (``'gpipe'`` or ``'1f1b'``).
+
+        Raises:
+            MissingPredictionError: the plan has none for ``schedule`` (a ``KeyError``).
+        """
         for pr in self.predictions:
             if pr.schedule == schedule:
                 return pr
         known = ", ".join(pr.schedule for pr in self.predictions)
-        raise KeyError(f"no prediction for schedule {schedule!r}; the plan has: {known}")
+        raise MissingPredictionError(f"no prediction for schedule {schedule!r}; the plan has: {known}")
 
     @property
     def microbatch_shapes(self) -> dict[str, tuple[int, ...]]:

@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from partitioner.errors import PartitionError
+from partitioner.errors import InputCountError, PartitionError, StageIndexError
 from partitioner.tracing.fxutil import compute_nodes, flat_outputs, named_tensors, owner_of, wire_form
 from partitioner.tracing.globalstate import preserved
 
@@ -113,8 +113,8 @@ class StagedModel(Sequence[fx.GraphModule]):
         >>> staged[2]
         Traceback (most recent call last):
         ...
-        IndexError: stage index 2 is out of range: this model has 2 stages (0..1, or -2..-1 from the end)
-    """
+        partitioner.errors.StageIndexError: stage index 2 is out of range: this model has 2 stages (0..1, or -2..-1 from the end)
+    """  # noqa: E501 - the error message above is one line, as the doctest compares it
 
     stages: list[fx.GraphModule]
     io: list[StageIO]
@@ -137,13 +137,13 @@ class StagedModel(Sequence[fx.GraphModule]):
         """Stage ``index``'s module, or a ``list`` of the modules of a slice of stages.
 
         Raises:
-            IndexError: ``index`` is outside ``-p..p-1`` for ``p`` stages.
+            StageIndexError: ``index`` is outside ``-p..p-1`` for ``p`` stages (an ``IndexError``).
         """
         try:
             return self.stages[index]
         except IndexError:
             p = len(self.stages)
-            raise IndexError(
+            raise StageIndexError(
                 f"stage index {index} is out of range: this model has {p} stages "
                 f"(0..{p - 1}, or -{p}..-1 from the end)"
             ) from None
@@ -151,7 +151,7 @@ class StagedModel(Sequence[fx.GraphModule]):
     def __call__(self, *inputs: Any) -> tuple[Any, ...]:
         """Run all stages one after another on full inputs; returns the flat model outputs."""
         if len(inputs) != len(self.input_names):
-            raise TypeError(
+            raise InputCountError(
                 f"the model takes {len(self.input_names)} inputs {list(self.input_names)}, "
                 f"got {len(inputs)}"
             )

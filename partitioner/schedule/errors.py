@@ -11,6 +11,7 @@ from typing import Any
 
 __all__ = [
     "PipecutError",
+    "MissingDependencyError",
     "ScheduleError",
     "ScheduleFormatError",
     "UnknownScheduleError",
@@ -21,6 +22,10 @@ __all__ = [
 
 class PipecutError(Exception):
     """Base class of every error pipecut raises on purpose."""
+
+
+class MissingDependencyError(PipecutError, ImportError):
+    """An optional dependency a feature needs is not installed; the message says what to install."""
 
 
 class ScheduleError(PipecutError, ValueError):

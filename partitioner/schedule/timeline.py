@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from partitioner.schedule.actions import Action, Kind
-from partitioner.schedule.errors import TimelineError
+from partitioner.schedule.errors import MissingDependencyError, TimelineError
 
 __all__ = [
     "Message",
@@ -527,13 +527,14 @@ def save_gantt_png(timeline: Timeline, path: str | Path, *, title: str | None = 
     Needs matplotlib, an optional dependency.
 
     Raises:
-        ImportError: matplotlib is not installed; ``pip install matplotlib``.
+        MissingDependencyError: matplotlib is not installed; ``pip install matplotlib`` (an
+            ``ImportError``).
     """
     try:
         from matplotlib.figure import Figure
         from matplotlib.patches import Patch
     except ImportError as err:
-        raise ImportError(
+        raise MissingDependencyError(
             "save_gantt_png needs matplotlib, an optional dependency: pip install matplotlib "
             "(or export the timeline with save_chrome_trace and open it in ui.perfetto.dev)"
         ) from err

@@ -18,6 +18,7 @@ from torch.export import Dim
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
 
+from partitioner.errors import TraceInputError
 from partitioner.tracing.capture import (
     Capture,
     cpu_fake,
@@ -57,7 +58,7 @@ def trace_export(
     (default: the example): one micro-batch.
 
     Raises:
-        TypeError: a non-tensor input is still read by the graph.
+        TraceInputError: a non-tensor input is still read by the graph (a ``TypeError``).
         Exception: whatever ``torch.export`` raised.
     """
     if shape_args is None:
@@ -137,7 +138,7 @@ def _tensor_inputs(graph: fx.Graph, flat_inputs: list[Any]) -> tuple[list[torch.
         elif not node.users:  # a scalar export specialised into the graph
             graph.erase_node(node)
         else:
-            raise TypeError(f"non-tensor input {node.name!r} = {value!r} is read by the graph")
+            raise TraceInputError(f"non-tensor input {node.name!r} = {value!r} is read by the graph")
     return kept, dynamic_dims
 
 

@@ -20,6 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
 
+from partitioner.errors import ModeRegionError, TraceInputError
 from partitioner.tracing.capture import (
     Capture,
     cpu_fake,
@@ -60,16 +61,12 @@ class _LeafTracer(fx.Tracer):
         # so that trace(method='auto') takes torch.export, which keeps such regions.
         now = _modes()
         if now != self._modes:
-            raise _ModeRegionError(
+            raise ModeRegionError(
                 "the forward changes grad mode or autocast inside (a torch.no_grad() or "
                 f"torch.autocast region: {self._modes} -> {now}), which torch.fx cannot record; "
                 "trace with method='export'"
             )
         return super().create_node(*args, **kwargs)
-
-
-class _ModeRegionError(RuntimeError):
-    """fx met a grad-mode or autocast region it would silently drop."""
 
 
 def _modes() -> tuple[bool, bool, bool]:
@@ -88,13 +85,14 @@ def trace_fx(
     Shapes come from fake-tensor propagation (a leaf fake tensors cannot run runs for real).
 
     Raises:
-        TypeError: ``forward`` takes ``*args``/``**kwargs``, nests tensors in an argument, or
-            still reads an argument that was specialised.
+        TraceInputError: ``forward`` takes ``*args``/``**kwargs``, nests tensors in an argument, or
+            still reads an argument that was specialised (a ``TypeError``).
+        ModeRegionError: ``forward`` enters a ``torch.no_grad()`` or ``torch.autocast`` region.
         Exception: whatever ``symbolic_trace`` or shape propagation raised.
     """
     sig = inspect.signature(model.forward)
     if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in sig.parameters.values()):
-        raise TypeError(f"forward{sig} takes *args/**kwargs, which fx cannot bind to inputs")
+        raise TraceInputError(f"forward{sig} takes *args/**kwargs, which fx cannot bind to inputs")
     bound = sig.bind(*args, **kwargs)
     bound.apply_defaults()
     tensors: dict[str, torch.Tensor] = {}
@@ -103,7 +101,7 @@ def trace_fx(
         if isinstance(value, torch.Tensor):
             tensors[name] = value
         elif any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves(value)):
-            raise TypeError(f"input {name!r} nests tensors in a {type(value).__name__}; fx takes flat tensors")
+            raise TraceInputError(f"input {name!r} nests tensors in a {type(value).__name__}; fx takes flat tensors")
         else:
             concrete[name] = value
 
@@ -126,7 +124,7 @@ def trace_fx(
         if name in tensors:
             inputs.append(tensors[name])
         elif node.users:
-            raise TypeError(f"argument {name!r} was specialised to {concrete[name]!r} but is still read")
+            raise TraceInputError(f"argument {name!r} was specialised to {concrete[name]!r} but is still read")
         else:
             gm.graph.erase_node(node)
     out_spec = flatten_output(gm.graph)

@@ -27,7 +27,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from partitioner.errors import TraceError
+from partitioner.errors import TraceError, TraceOptionError
 from partitioner.tracing import capture, export_trace, fx_trace
 from partitioner.tracing.capture import Capture, on_meta, to_meta
 from partitioner.tracing.failures import first_line, trace_failure_message
@@ -171,7 +171,7 @@ def trace(
         torch.Size([8, 4096])
     """
     if method not in ("auto", "fx", "export"):
-        raise ValueError(f"method must be 'auto', 'fx' or 'export', got {method!r}")
+        raise TraceOptionError(f"method must be 'auto', 'fx' or 'export', got {method!r}")
     with preserved(model, what="trace()"):
         return _trace(model, example_inputs, example_kwargs, leaf_modules, method, example_microbatches)
 
@@ -219,7 +219,7 @@ def first_microbatch(example: Any, k: int) -> Any:
         torch.Size([2, 3])
     """
     if not isinstance(k, int) or k < 1:
-        raise ValueError(f"example_microbatches must be a positive int, got {k!r}")
+        raise TraceOptionError(f"example_microbatches must be a positive int, got {k!r}")
     if k == 1:
         return example
 

@@ -46,7 +46,15 @@ import torch
 from torch import nn
 
 from partitioner.plan.split import StageIO, decode_value
-from runtime.errors import LossError, StageError, describe_value
+from runtime.errors import (
+    ActionError,
+    InconsistentScheduleError,
+    LossError,
+    MissingInputError,
+    StageError,
+    TrainerStateError,
+    describe_value,
+)
 from runtime.execute.recompute import Replay, forward_again, forward_without_graph
 from runtime.execute.split_backward import PendingWeights, backward_input, backward_weight
 from runtime.execute.wgrad_fusion import fused_params
@@ -345,7 +353,7 @@ class Executor:
         kind = _kind(act)
         s, mb = act.stage, act.mb
         if s not in self.stages:
-            raise ValueError(f"rank {self.rank} was given action {s}{kind}{mb} for stage {s}, which it does not hold")
+            raise ActionError(f"rank {self.rank} was given action {s}{kind}{mb} for stage {s}, which it does not hold")
         t0 = time.perf_counter()
         self._waited = 0.0
         try:
@@ -393,14 +401,14 @@ class Executor:
             self._weights(state.stash.pop((s, mb)))
             state.held[s] -= 1
         else:
-            raise ValueError(f"unknown action kind {kind!r} (known: F, B, I, W)")
+            raise ActionError(f"unknown action kind {kind!r} (known: F, B, I, W)")
 
     def finish(self, state: StepState) -> RunResult:
         """End a step: check nothing is left stashed and wait for outstanding sends."""
         if state.stash:
             left = sorted(state.stash)
             state.stash.clear()
-            raise RuntimeError(
+            raise InconsistentScheduleError(
                 f"rank {self.rank}: activations of (stage, micro-batch) {left[:6]} were never "
                 "backpropagated; the schedule lacks their backward actions"
             )
@@ -437,7 +445,7 @@ class Executor:
         for name, graph_input in w.args:
             if graph_input:
                 if name not in inputs:
-                    raise KeyError(f"stage {s} reads graph input {name!r}, which was not given")
+                    raise MissingInputError(f"stage {s} reads graph input {name!r}, which was not given")
                 x = inputs[name]
                 args.append(x.to(stage.device) if isinstance(x, torch.Tensor) else x)
             else:
@@ -533,7 +541,7 @@ class Executor:
         grads: list[torch.Tensor | None] = []
         if s == self.p - 1:
             if st.loss is None:
-                raise RuntimeError("the last stage has no loss to backpropagate: give the trainer a loss_fn")
+                raise TrainerStateError("the last stage has no loss to backpropagate: give the trainer a loss_fn")
             roots, grads = [st.loss], [None]
         else:
             w = self._wiring[s]

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from partitioner.schedule.ir import Schedule
+from runtime.errors import InconsistentScheduleError
 from runtime.execute.executor import Executor, RunResult
 from runtime.transport.p2p import LocalTransport
 
@@ -108,5 +109,5 @@ def run_interleaved(
                 progressed = True
         if not progressed:
             stuck = {r: str(lists[r][pos[r]]) for r in exs if pos[r] < len(lists[r])}
-            raise RuntimeError(f"the schedule cannot progress; next actions per rank: {stuck}")
+            raise InconsistentScheduleError(f"the schedule cannot progress; next actions per rank: {stuck}")
     return [exs[r].finish(states[r]) for r in sorted(exs)]

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from partitioner.errors import PlanFormatError
 from partitioner.plan.split import StageIO, ValueSpec
 from runtime.transport.p2p import TensorMeta
 
@@ -74,5 +75,5 @@ def dtype_of(name: str) -> torch.dtype:
     """The ``torch.dtype`` a plan names (``'torch.float32'`` or ``'float32'``)."""
     dt = getattr(torch, name.replace("torch.", ""), None)
     if not isinstance(dt, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r} in the plan")
+        raise PlanFormatError(f"unknown dtype {name!r} in the plan")
     return dt

@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from runtime.transport.placement import PlacementError
+
 __all__ = ["assign_owners", "broadcast_from_owners"]
 
 
@@ -45,7 +47,7 @@ def assign_owners(sizes: Sequence[int], dp: int) -> list[int]:
         [0, 1, 1, 0, 1]
     """
     if dp < 1:
-        raise ValueError(f"dp must be >= 1, got {dp}")
+        raise PlacementError(f"dp must be >= 1, got {dp}")
     owners = [0] * len(sizes)
     loads = [(0, d) for d in range(dp)]
     heapq.heapify(loads)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -74,8 +75,11 @@ class TensorInfo:
         return n * self.dtype.itemsize
 
 
-class Source:
-    """An open checkpoint. Use as a context manager; ``touched`` lists the files opened so far."""
+class Source(ABC):
+    """An open checkpoint. Use as a context manager; ``touched`` lists the files opened so far.
+
+    Each format implements ``keys``, ``file_of``, ``info`` and ``read``.
+    """
 
     kind = ""
 
@@ -84,25 +88,25 @@ class Source:
         self.touched: list[str] = []
         self._stack = ExitStack()
 
+    @abstractmethod
     def keys(self) -> Sequence[str]:
         """Every tensor key, from the index, header or metadata alone."""
-        raise NotImplementedError
 
+    @abstractmethod
     def file_of(self, key: str) -> str:
         """The file holding ``key``, without opening it."""
-        raise NotImplementedError
 
+    @abstractmethod
     def info(self, keys: Iterable[str]) -> dict[str, TensorInfo]:
         """Shapes and dtypes of ``keys``, opening only the files that hold them."""
-        raise NotImplementedError
 
+    @abstractmethod
     def read(self, plan: Mapping[str, Sequence[torch.Tensor]], done: Done) -> int:
         """Copy each key's tensor into its destinations, one tensor in memory at a time.
 
         Returns:
             Bytes read from the checkpoint.
         """
-        raise NotImplementedError
 
     def describe(self) -> str:
         """``/ckpt (safetensors shards, 4 files, 291 keys)``: the source for messages."""

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from partitioner.errors import PipecutError
+from runtime.errors import InconsistentScheduleError, ProcessGroupError
 
 __all__ = [
     "Key", "TensorMeta", "Transport", "LocalTransport", "DistTransport", "TransportTimeout", "PeerFailed",
@@ -152,7 +153,9 @@ class LocalTransport(Transport):
         moved = [t.detach().to(dev, non_blocking=True) for t in tensors]
         with self._cv:
             if key in self._box:
-                raise RuntimeError(f"{key} was sent twice without being received; the schedule is inconsistent")
+                raise InconsistentScheduleError(
+                    f"{key} was sent twice without being received; the schedule is inconsistent"
+                )
             self._box[key] = moved
             self._cv.notify_all()
 
@@ -230,7 +233,7 @@ class DistTransport(Transport):
         *, grouped: bool | None = None,
     ) -> None:
         if not dist.is_initialized():
-            raise RuntimeError(
+            raise ProcessGroupError(
                 "torch.distributed is not initialised: launch with torchrun (or call "
                 "dist.init_process_group) before building a distributed pipeline"
             )
@@ -262,7 +265,9 @@ class DistTransport(Transport):
         peer = self._peers[key.dst]
         if peer == self._me:
             if key in self._own:
-                raise RuntimeError(f"{key} was sent twice without being received; the schedule is inconsistent")
+                raise InconsistentScheduleError(
+                    f"{key} was sent twice without being received; the schedule is inconsistent"
+                )
             self._own[key] = [t.detach() for t in tensors]
             return
         bufs = [t.detach().contiguous() for t in tensors]
@@ -306,13 +311,13 @@ class DistTransport(Transport):
         if self._peers[key.src] == self._me:
             return
         if key in self._posted:
-            raise RuntimeError(f"the receive of {key} was posted twice; the schedule is inconsistent")
+            raise InconsistentScheduleError(f"the receive of {key} was posted twice; the schedule is inconsistent")
         self._posted[key] = self._post_recv(key, metas, device)
 
     def recv(self, key: Key, metas: Sequence[TensorMeta], device: torch.device) -> list[torch.Tensor]:
         if self._peers[key.src] == self._me:
             if key not in self._own:
-                raise RuntimeError(
+                raise InconsistentScheduleError(
                     f"rank {self.rank} reads {key} before running the action that makes it; "
                     "the schedule's order on this rank is inconsistent"
                 )

@@ -8,6 +8,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from runtime.errors import TransportOptionError
+
 __all__ = ["resolve_mode", "ensure_process_group", "default_device", "comm_device"]
 
 log = logging.getLogger(__name__)
@@ -17,7 +19,7 @@ def resolve_mode(transport: str) -> str:
     """The transport a trainer uses: ``'dist'`` when launched by torchrun (or a process group is
     up), else ``'local'``, for ``transport='auto'``; a named one as is."""
     if transport not in ("auto", "local", "sequential", "dist"):
-        raise ValueError(f"transport must be 'auto', 'local', 'sequential' or 'dist', got {transport!r}")
+        raise TransportOptionError(f"transport must be 'auto', 'local', 'sequential' or 'dist', got {transport!r}")
     if transport != "auto":
         return transport
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1

@@ -46,6 +46,18 @@ def test_errors_are_one_line_with_a_fix(capsys: pytest.CaptureFixture[str]) -> N
     assert "ask for at most" in capsys.readouterr().err
 
 
+def test_a_bad_model_file_is_an_error_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Every error pipecut raises is a PipecutError, so the CLI reports each as one line, no traceback.
+    src = tmp_path / "empty.py"
+    src.write_text("def build():\n    return 3\n")
+    assert main(["plan", f"{src}:nope", "--stages", "2"]) == 2
+    assert f"{src} has no callable 'nope'" in capsys.readouterr().err
+    assert main(["plan", f"{src}:build", "--stages", "2"]) == 2
+    assert "the factory must return (model, example_inputs), got int" in capsys.readouterr().err
+    assert main(["plan", f"{tmp_path / 'missing.py'}:build", "--stages", "2"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
 def test_simulate_command_prints_per_rank_and_writes_a_trace(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -14,7 +14,7 @@ from torch import nn
 from parity import _fresh, _fresh_y, case, check_case, check_grads, dist_worker, make_trainer, stages_for
 from partitioner.schedule.registry import get_schedule
 from partitioner.schedule.validation import peak_inflight
-from runtime.errors import StageError
+from runtime.errors import StageError, TrainerStateError
 from runtime.trainer import MicrobatchError, PipelineTrainer, split_microbatches
 from runtime.transport.launch import spawn
 
@@ -187,8 +187,9 @@ def test_uneven_batch_is_a_clear_error() -> None:
 
 def test_step_without_optimizer_says_how_to_fix() -> None:
     trainer = make_trainer(case("mlp", 2), 2, "gpipe")
-    with pytest.raises(RuntimeError, match="optimizer="):
+    with pytest.raises(RuntimeError, match="optimizer=") as info:
         trainer.step(torch.randn(8, 16), torch.randn(8, 8))
+    assert isinstance(info.value, TrainerStateError)
 
 
 def test_a_failing_stage_stops_the_others_quickly() -> None:
@@ -262,8 +263,9 @@ def test_measured_timeline_and_trace_match_the_schedule(tmp_path: Path) -> None:
 
     c = case("mlp", 4)
     trainer = make_trainer(c, 4, "zbv", record=True)
-    with pytest.raises(RuntimeError, match="run step"):
+    with pytest.raises(RuntimeError, match="run step") as info:
         trainer.timeline()
+    assert isinstance(info.value, TrainerStateError)
     trainer.forward_backward(c["x"], c["y"])
     t = trainer.timeline()
     assert isinstance(t, Timeline) and t.num_ranks == 2
@@ -286,8 +288,9 @@ def test_measured_timeline_and_trace_match_the_schedule(tmp_path: Path) -> None:
 def test_timeline_needs_recording() -> None:
     trainer = make_trainer(case("mlp", 2), 2, "zbh1")
     trainer.forward_backward(torch.randn(8, 16), torch.randn(8, 8))
-    with pytest.raises(RuntimeError, match="record=True"):
+    with pytest.raises(RuntimeError, match="record=True") as info:
         trainer.timeline()
+    assert isinstance(info.value, TrainerStateError)
 
 
 def test_actions_are_labelled_for_the_profiler() -> None:

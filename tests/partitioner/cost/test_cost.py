@@ -12,6 +12,7 @@ from torch import nn
 from gpt2_case import gpt2_config
 from partitioner.cost.costs import NodeCost, cost_graph, node_time
 from partitioner.cost.devices import DeviceSpec
+from partitioner.errors import CostOptionError
 from partitioner.tracing.trace import CausalLMLogits, TracedModel, trace
 
 F32 = 4
@@ -184,5 +185,6 @@ def test_profile_runs_a_meta_trace_on_real_tensors() -> None:
 
 def test_bad_profile_arguments() -> None:
     t = trace(_mlp([4, 4]), (torch.randn(2, 4),))
-    with pytest.raises(ValueError, match="repeat"):
+    with pytest.raises(ValueError, match="repeat") as info:
         cost_graph(t, profile=True, repeat=0)
+    assert isinstance(info.value, CostOptionError)

@@ -14,6 +14,7 @@ from partitioner import Cluster, partition
 from partitioner.cost.costs import cost_graph, node_time
 from partitioner.cost.devices import DeviceSpec
 from partitioner.cost.precision import low_precision_nodes, with_precision
+from partitioner.errors import PartitionOptionError
 from partitioner.plan.plan import Plan
 from partitioner.tracing.trace import trace
 
@@ -100,8 +101,9 @@ def test_plan_records_prints_and_saves_the_precision(tmp_path: object) -> None:
 
 
 def test_unknown_precision_is_refused() -> None:
-    with pytest.raises(ValueError, match="unknown precision 'fp8'; choose one of fp32, bf16, fp16"):
+    with pytest.raises(ValueError, match="unknown precision 'fp8'; choose one of fp32, bf16, fp16") as info:
         partition(_mlp(), (torch.randn(2, 64),), 2, precision="fp8")
+    assert isinstance(info.value, PartitionOptionError)
 
 
 def test_trainer_defaults_to_the_plans_precision() -> None:

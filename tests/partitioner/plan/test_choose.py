@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from partitioner import Cluster, DeviceSpec, InfeasibleMemoryError, Plan, partition
+from partitioner.errors import PartitionOptionError
 from partitioner.plan.choose import TIE, pick
 from partitioner.plan.plan import Candidate
 from partitioner.plan.predict import stage_inflight
@@ -75,14 +76,16 @@ def test_two_chunk_schedules_cut_two_stages_per_device() -> None:
     assert plan.num_stages == 6
     assert "on 3 x A100-80GB (2 stages per device)" in str(plan)
     assert [pr.schedule for pr in plan.predictions] == ["zbv"]
-    with pytest.raises(ValueError, match="multiple of 2"):
+    with pytest.raises(ValueError, match="multiple of 2") as info:
         partition(model, (x,), 5, schedule="interleaved")
+    assert isinstance(info.value, PartitionOptionError)
 
 
 def test_unknown_schedule_lists_the_known_ones() -> None:
     model, x = _model()
-    with pytest.raises(ValueError, match="choose one of 1f1b, zbh1, interleaved, zbv, gpipe or 'auto'"):
+    with pytest.raises(ValueError, match="choose one of 1f1b, zbh1, interleaved, zbv, gpipe or 'auto'") as info:
         partition(model, (x,), 2, schedule="zb-h2")
+    assert isinstance(info.value, PartitionOptionError)
 
 
 def test_stage_zero_backward_is_all_weight_work_in_split_schedules() -> None:

@@ -12,6 +12,7 @@ import torch
 from partitioner import Cluster, DeviceSpec, InfeasibleMemoryError, Plan, partition
 from partitioner.algorithms import Partition, Problem, Tensor, exact
 from partitioner.cost.recompute import choose_recompute, cut_recomputing, stage_input_bytes
+from partitioner.errors import PartitionOptionError
 from partitioner.plan.plan import _checksum
 from partitioner.plan.predict import predict
 from partitioner.zoo import MLPChain
@@ -152,5 +153,6 @@ def test_recompute_flags_round_trip_and_old_files_load(tmp_path: Path) -> None:
 
 def test_bad_recompute_option_says_what_is_accepted() -> None:
     model, x = _model()
-    with pytest.raises(ValueError, match=r"'auto'.*True.*False"):
+    with pytest.raises(ValueError, match=r"'auto'.*True.*False") as info:
         partition(model, (x,), 2, recompute="yes")
+    assert isinstance(info.value, PartitionOptionError)

@@ -11,7 +11,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from partitioner.errors import PartitionError
+from partitioner.errors import InputCountError, PartitionError, PipecutError, StageIndexError
 from partitioner.plan.split import StagedModel, split_graph
 
 
@@ -166,8 +166,15 @@ def test_staged_model_slices_are_lists_of_modules() -> None:
 def test_staged_model_index_out_of_range_says_how_many_stages(index: int) -> None:
     staged = _three_stages()
     want = rf"stage index {index} is out of range: this model has 3 stages \(0\.\.2, or -3\.\.-1 "
-    with pytest.raises(IndexError, match=want):
+    with pytest.raises(IndexError, match=want) as info:
         staged[index]
+    assert isinstance(info.value, StageIndexError)
+
+
+def test_staged_model_counts_its_inputs() -> None:
+    with pytest.raises(TypeError, match=r"the model takes 1 inputs \['input_1'\], got 2") as info:
+        _three_stages()(torch.randn(2, 2), torch.randn(2, 2))
+    assert isinstance(info.value, InputCountError) and isinstance(info.value, PipecutError)
 
 
 def test_staged_model_rejects_a_non_integer_index() -> None:

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from gpt2_case import gpt2_config
-from partitioner.errors import TraceError
+from partitioner.errors import TraceError, TraceOptionError
 from partitioner.tracing.trace import CausalLMLogits, TracedModel, retarget_device, trace
 
 # --- small models --------------------------------------------------------------------------------
@@ -294,8 +294,9 @@ def test_method_fx_only_reports_fx(gpt2: tuple[nn.Module, TracedModel]) -> None:
 
 
 def test_bad_method_is_rejected() -> None:
-    with pytest.raises(ValueError, match="method must be"):
+    with pytest.raises(ValueError, match="method must be") as info:
         trace(Tower(), (torch.randn(2, 16),), method="jit")  # type: ignore[arg-type]
+    assert isinstance(info.value, TraceOptionError)
 
 
 class MakesAConstant(nn.Module):

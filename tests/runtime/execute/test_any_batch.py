@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from partitioner import InputShapeError, Plan, TraceError, partition
+from partitioner.errors import PartitionOptionError
 from partitioner.zoo import gpt2
 from rotary_case import RotaryNet
 from runtime import PipelineTrainer
@@ -99,5 +100,6 @@ def test_whole_batch_examples_must_divide() -> None:
         partition(RotaryNet(), (torch.randn(6, 6, 8),), 2, microbatches=4, example_is="batch")
     with pytest.raises(ValueError, match="needs microbatches as an int"):
         partition(RotaryNet(), (torch.randn(8, 6, 8),), 2, microbatches="auto", example_is="batch")
-    with pytest.raises(ValueError, match="'microbatch' or 'batch'"):
+    with pytest.raises(ValueError, match="'microbatch' or 'batch'") as info:
         partition(RotaryNet(), (torch.randn(8, 6, 8),), 2, example_is="everything")
+    assert isinstance(info.value, PartitionOptionError)

@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+from runtime.errors import InconsistentScheduleError
 from runtime.transport.launch import LaunchError, spawn
 from runtime.transport.p2p import DistTransport, Key, LocalTransport, PeerFailed, TensorMeta, TransportTimeout
 
@@ -66,8 +67,9 @@ def test_local_transport_closed_while_waiting_says_another_stage_failed() -> Non
 def test_local_transport_rejects_a_duplicate_send() -> None:
     tr = LocalTransport({0: CPU, 1: CPU})
     tr.send(Key(0, 1, "act", 0), [torch.zeros(1)])
-    with pytest.raises(RuntimeError, match="sent twice"):
+    with pytest.raises(RuntimeError, match="sent twice") as info:
         tr.send(Key(0, 1, "act", 0), [torch.zeros(1)])
+    assert isinstance(info.value, InconsistentScheduleError)
 
 
 class _FailingWork:

@@ -39,8 +39,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
@@ -55,8 +54,14 @@ from runtime.errors import (
     TrainerStateError,
     describe_value,
 )
-from runtime.execute.recompute import Replay, forward_again, forward_without_graph
-from runtime.execute.split_backward import PendingWeights, backward_input, backward_weight
+from runtime.execute.recompute import forward_again, forward_without_graph
+from runtime.execute.records import ActionLike as ActionLike
+from runtime.execute.records import ActionRecord as ActionRecord
+from runtime.execute.records import RunResult as RunResult
+from runtime.execute.records import StageRuntime as StageRuntime
+from runtime.execute.records import Stash
+from runtime.execute.records import StepState as StepState
+from runtime.execute.split_backward import backward_input, backward_weight
 from runtime.execute.wgrad_fusion import fused_params
 from runtime.execute.wiring import dtype_of, message_values, on_wire, wire
 from runtime.precision import MixedPrecision
@@ -65,103 +70,6 @@ from runtime.transport.p2p import Key, TensorMeta, Transport, TransportTimeout
 __all__ = ["ActionLike", "StageRuntime", "Executor", "StepState", "RunResult", "ActionRecord", "message_values"]
 
 log = logging.getLogger(__name__)
-
-
-class ActionLike(Protocol):
-    """What the executor reads from a schedule action (read-only, as ``Action``'s fields are)."""
-
-    @property
-    def stage(self) -> int: ...
-
-    @property
-    def kind(self) -> Any: ...
-
-    @property
-    def mb(self) -> int: ...
-
-
-@dataclass
-class StageRuntime:
-    """One stage as this rank runs it."""
-
-    index: int
-    module: nn.Module
-    io: StageIO
-    device: torch.device
-
-
-@dataclass(frozen=True)
-class ActionRecord:
-    """When one action ran on this rank (``time.perf_counter`` seconds).
-
-    ``start`` is when its inputs had arrived and its compute began; ``waited`` is how long the
-    rank sat in receives before that (idle time, part of the bubble, not of the action).
-    """
-
-    rank: int
-    stage: int
-    kind: str
-    mb: int
-    start: float
-    end: float
-    waited: float = 0.0
-
-
-@dataclass
-class RunResult:
-    """What one rank's run of a step produced.
-
-    Attributes:
-        losses: per micro-batch, the scaled loss (last stage only), detached.
-        outputs: per micro-batch, the flat model outputs (last stage only, forward-only runs).
-        peak_inflight: per stage of this rank, the most micro-batches whose activations were
-            held at once.
-        records: per action, when it ran (when recording was asked for).
-        busy: seconds this rank's actions ran, not counting their waits for messages (host
-            time: on a GPU, the time to launch the work).
-    """
-
-    losses: dict[int, torch.Tensor] = field(default_factory=dict)
-    outputs: dict[int, tuple[Any, ...]] = field(default_factory=dict)
-    peak_inflight: dict[int, int] = field(default_factory=dict)
-    records: list[ActionRecord] = field(default_factory=list)
-    busy: float = 0.0
-
-
-@dataclass
-class _Stash:
-    """What a forward keeps for its backward."""
-
-    args: list[Any]
-    outputs: tuple[Any, ...]
-    loss: torch.Tensor | None = None
-    # Split backward: what ``W`` needs after ``I`` ran (see ``runtime.execute.split_backward``).
-    pending_w: PendingWeights | None = None
-    # Recomputation: the forward ran without a graph; the backward replays it (and the loss).
-    replay: Replay | None = None
-    target: Any = None
-    scale: float = 1.0
-
-
-@dataclass
-class StepState:
-    """The state of one step on one rank, between ``Executor.start`` and ``Executor.finish``."""
-
-    inputs: Sequence[Mapping[str, Any]]
-    targets: Sequence[Any] | None
-    scales: list[float]
-    train: bool
-    mb_shapes: Mapping[int, Mapping[str, tuple[int, ...]]] | None
-    result: RunResult
-    held: dict[int, int]
-    stash: dict[tuple[int, int], _Stash] = field(default_factory=dict)
-    # Receives to post ahead (``run`` on transports that post receives), in reading order.
-    ahead: list[tuple[Key, list[TensorMeta], torch.device]] = field(default_factory=list)
-    posted: int = 0
-    # ``run(on_stage_done=...)``: the index of each stage's last backward action, and the count run.
-    last_backward: dict[int, int] = field(default_factory=dict)
-    on_stage_done: Callable[[int], None] | None = None
-    executed: int = 0
 
 
 class Executor:
@@ -431,7 +339,7 @@ class Executor:
     def _forward(
         self, s: int, mb: int, inputs: Mapping[str, Any], target: Any, scale: float, train: bool,
         result: RunResult, mb_shapes: Mapping[int, Mapping[str, tuple[int, ...]]] | None,
-    ) -> _Stash:
+    ) -> Stash:
         stage = self.stages[s]
         w = self._wiring[s]
         received: dict[str, Any] = {}
@@ -463,7 +371,7 @@ class Executor:
             sent = [outputs[i] for i in w.send_idx[c]]
             self.transport.send(Key(s, c, "act", mb), on_wire(sent, self._metas[(s, c)]))
         # A recomputing stage keeps its inputs only; the backward rebuilds the outputs.
-        st = _Stash(args, outputs if replay is None else (), replay=replay)
+        st = Stash(args, outputs if replay is None else (), replay=replay)
         if s == self.p - 1:
             if not train:
                 result.outputs[mb] = tuple(decode_value(v, t) for v, t in zip(stage.io.outputs, outputs))
@@ -475,7 +383,7 @@ class Executor:
                 result.losses[mb] = loss.detach()
         return st
 
-    def _stage_loss(self, s: int, mb: int, st: _Stash, outputs: Sequence[Any], *, check_grad: bool) -> torch.Tensor:
+    def _stage_loss(self, s: int, mb: int, st: Stash, outputs: Sequence[Any], *, check_grad: bool) -> torch.Tensor:
         """The last stage's loss of ``outputs`` (under the precision's autocast), scaled by the
         micro-batch's share of the batch."""
         flat = tuple(decode_value(v, t) for v, t in zip(self.stages[s].io.outputs, outputs))
@@ -488,7 +396,7 @@ class Executor:
         """What backward starts from: the loss times the fp16 loss scale (reported losses are not)."""
         return loss * self.loss_scale if self.loss_scale != 1.0 else loss
 
-    def _replay(self, s: int, mb: int, st: _Stash) -> None:
+    def _replay(self, s: int, mb: int, st: Stash) -> None:
         """Recompute a stage's forward (and, on the last stage, its loss) with autograd."""
         assert st.replay is not None
         outputs = forward_again(self.stages[s].module, st.args, st.replay)
@@ -531,7 +439,7 @@ class Executor:
         return loss
 
     def _backward(
-        self, s: int, mb: int, st: _Stash, *, split: bool,
+        self, s: int, mb: int, st: Stash, *, split: bool,
         mb_shapes: Mapping[int, Mapping[str, tuple[int, ...]]] | None,
     ) -> None:
         stage = self.stages[s]
@@ -569,13 +477,13 @@ class Executor:
         # W needs none of these: what it reads is in the pending weight work (and the graph).
         st.args, st.outputs, st.loss, st.target = [], (), None, None
 
-    def _weights(self, st: _Stash) -> None:
+    def _weights(self, st: Stash) -> None:
         if st.pending_w is not None:
             backward_weight(st.pending_w)
         st.pending_w = None
         st.args, st.outputs, st.loss = [], (), None
 
-    def _send_input_grads(self, s: int, mb: int, st: _Stash) -> None:
+    def _send_input_grads(self, s: int, mb: int, st: Stash) -> None:
         w = self._wiring[s]
         for q in w.producers:
             out = []

@@ -25,7 +25,9 @@ from torch import fx, nn
 from partitioner.errors import PipecutError
 from partitioner.trace import node_module_path
 
-__all__ = ["StageError", "LossError", "NodeInfo", "failing_node", "describe_value"]
+__all__ = [
+    "StageError", "LossError", "OptionKeywordError", "TrainerOptionError", "NodeInfo", "failing_node", "describe_value",
+]
 
 # What each action kind does, for messages.
 PHASES = {"F": "forward", "B": "backward", "I": "input-gradient backward", "W": "weight-gradient backward"}
@@ -174,3 +176,13 @@ def _message(error: BaseException, limit: int = 2000) -> str:
     if len(text) > limit:
         text = text[:limit] + " ..."
     return text.replace("\n", "\n    ")
+
+
+class OptionKeywordError(PipecutError, TypeError):
+    """``PipelineTrainer`` got a keyword that is neither its parameter nor a documented shortcut
+    (``runtime.options.SHORTCUTS``); the message suggests the closest name."""
+
+
+class TrainerOptionError(PipecutError, ValueError):
+    """A trainer option was given twice (a shortcut keyword beside the object that holds its
+    field), or an option object is not of its type; the message shows where the value belongs."""

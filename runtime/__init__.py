@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from runtime.options import DataParallel, Execution, Init
+
 from .comm import Op, Recv, Send, comm_plan, needs_early_receives
 from .data_parallel import GradAverager, PipelineMesh, pipeline_mesh
-from .errors import LossError, StageError
+from .errors import LossError, OptionKeywordError, StageError, TrainerOptionError
 from .executor import ActionRecord, Executor, RunResult, StageRuntime
 from .generators import forward_only, gpipe, interleaved, one_f_one_b
 from .launch import LaunchError, spawn
@@ -71,6 +73,11 @@ from .zero_bubble import zbh1, zbv
 
 __all__ = [
     "PipelineTrainer",
+    "Execution",
+    "Init",
+    "DataParallel",
+    "OptionKeywordError",
+    "TrainerOptionError",
     "PipelineMesh",
     "pipeline_mesh",
     "GradAverager",

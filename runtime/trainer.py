@@ -95,6 +95,9 @@ class PipelineTrainer:
             ``microbatches=``, ``weights=``...), kept for one release: each sets its object's
             field (``runtime.options.SHORTCUTS``). Not together with that object.
 
+    The options it runs with, every field resolved, are :attr:`options` (a
+    ``runtime.options.TrainerOptions``).
+
     Raises:
         PlacementError: ``S`` is not a multiple of the schedule's stages per rank, the job's
             world size is not ``dp * p``, stages of one rank are given different devices, or

@@ -168,10 +168,23 @@ _SECTIONS: dict[str, type[Execution] | type[Init] | type[DataParallel]] = {
 # Old keyword -> (trainer parameter, field). Kept for one release, without a warning (the test
 # suite and user scripts spell them; a DeprecationWarning would flood both); then removed.
 SHORTCUTS: dict[str, tuple[str, str]] = {
-    **{f.name: ("execution", f.name) for f in dataclasses.fields(Execution)},
-    **{f.name: ("init", f.name) for f in dataclasses.fields(Init)},
-    "data_parallel": ("data_parallel", "size"),
-    **{f.name: ("data_parallel", f.name) for f in dataclasses.fields(DataParallel) if f.name != "size"},
+    "schedule": ("execution", "schedule"),
+    "microbatches": ("execution", "microbatches"),
+    "chunks_per_rank": ("execution", "chunks_per_rank"),
+    "transport": ("execution", "transport"),
+    "devices": ("execution", "devices"),
+    "timeout": ("execution", "timeout"),
+    "record": ("execution", "record"),
+    "fuse_wgrad": ("execution", "fuse_wgrad"),
+    "check_finite": ("execution", "check_finite"),
+    "init_fn": ("init", "init_fn"),
+    "seed": ("init", "seed"),
+    "weights": ("init", "weights"),
+    "data_parallel": ("data_parallel", "size"),  # also taken as an int by the data_parallel= parameter
+    "mesh": ("data_parallel", "mesh"),
+    "overlap_grad_reduce": ("data_parallel", "overlap_grad_reduce"),
+    "grad_bucket_bytes": ("data_parallel", "grad_bucket_bytes"),
+    "shard_optimizer": ("data_parallel", "shard_optimizer"),
 }
 
 # PipelineTrainer's own keyword parameters, for suggestions (tests check them against its signature).

@@ -73,7 +73,7 @@ from torch import nn  # noqa: E402
 from _common import load_before, run_env, step_times, write_result  # noqa: E402
 from partitioner import partition  # noqa: E402
 from partitioner.zoo import MLPChain, gpt2  # noqa: E402
-from runtime import PipelineTrainer  # noqa: E402
+from runtime import DataParallel, Execution, PipelineTrainer  # noqa: E402
 from runtime.transport.launch import spawn  # noqa: E402
 
 __all__ = ["CONFIGS", "main"]
@@ -146,8 +146,9 @@ def _trainer(
     example = (_data({**cfg, "batch": cfg["micro_batch"]})[0],)
     # A copy per configuration: the stages share the parameters of the model they were cut from.
     plan = partition(copy.deepcopy(model), example, pp * _CHUNKS[schedule], microbatches=m, schedule=schedule)
-    return PipelineTrainer(plan, _loss(cfg), lambda ps: torch.optim.SGD(ps, lr=1e-3), schedule=schedule,
-                           transport="dist", data_parallel=dp, overlap_grad_reduce=overlap)
+    return PipelineTrainer(plan, _loss(cfg), lambda ps: torch.optim.SGD(ps, lr=1e-3),
+                           execution=Execution(schedule=schedule, transport="dist"),
+                           data_parallel=DataParallel(size=dp, overlap_grad_reduce=overlap))
 
 
 @contextmanager

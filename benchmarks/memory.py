@@ -73,7 +73,7 @@ from torch import nn  # noqa: E402
 from _common import git_state  # noqa: E402
 from partitioner import partition  # noqa: E402
 from partitioner.plan.plan import Plan  # noqa: E402
-from runtime import PipelineTrainer  # noqa: E402
+from runtime import Execution, Init, PipelineTrainer  # noqa: E402
 from runtime.state.materialize import empty_weights  # noqa: E402
 from runtime.state.weights import LoadReport  # noqa: E402
 from runtime.transport.launch import spawn  # noqa: E402
@@ -266,7 +266,8 @@ def _train_rank(rank: int, world: int, cfg: Config) -> dict[str, Any]:
     wlog.setLevel(logging.INFO)
     trainer = PipelineTrainer(
         plan, nn.functional.mse_loss, lambda ps: torch.optim.SGD(ps, lr=cfg.lr, momentum=0.0),
-        schedule="1f1b", transport="dist", weights=cfg.checkpoint, seed=cfg.seed, timeout=cfg.timeout,
+        execution=Execution(schedule="1f1b", transport="dist", timeout=cfg.timeout),
+        init=Init(weights=cfg.checkpoint, seed=cfg.seed),
     )
     t2 = time.perf_counter()
     wlog.removeHandler(reports)

@@ -41,7 +41,7 @@ sys.path.append(str(ROOT / "tests"))
 
 from _common import git_state  # noqa: E402
 from families import FAMILIES, ROWS, SEED, TOL, loss_fn, make_plan, reference  # noqa: E402
-from runtime import PipelineTrainer  # noqa: E402
+from runtime import Execution, PipelineTrainer  # noqa: E402
 
 SCHEDULES = ("1f1b", "zbh1")
 
@@ -74,7 +74,7 @@ def measure(name: str, stages: list[int]) -> list[dict[str, Any]]:
         )
         ok = row["grad_mode_kept"]
         for schedule in SCHEDULES:
-            trainer = PipelineTrainer(plan, loss_fn, schedule=schedule, transport="local")
+            trainer = PipelineTrainer(plan, loss_fn, execution=Execution(schedule=schedule, transport="local"))
             trainer.zero_grad()
             loss = trainer.forward_backward(x, y)
             worst = 0.0

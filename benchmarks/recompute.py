@@ -46,7 +46,7 @@ from _common import git_state  # noqa: E402
 from partitioner import partition  # noqa: E402
 from partitioner.plan.render import fmt_bytes, fmt_time  # noqa: E402
 from partitioner.zoo import gpt2  # noqa: E402
-from runtime import PipelineTrainer  # noqa: E402
+from runtime import Execution, PipelineTrainer  # noqa: E402
 from runtime.execute.saved_memory import SavedBytes  # noqa: E402
 
 
@@ -84,8 +84,8 @@ class _Probe:
 
 
 def _run(plan: Any, recompute: bool, batches: list[tuple[torch.Tensor, torch.Tensor]], repeat: int) -> dict[str, Any]:
-    trainer = PipelineTrainer(plan, _lm_loss, transport="sequential", schedule="gpipe", record=True,
-                              recompute=recompute)
+    trainer = PipelineTrainer(plan, _lm_loss, recompute=recompute,
+                              execution=Execution(transport="sequential", schedule="gpipe", record=True))
     x, y = batches[0]
     trainer.zero_grad()  # the stages share the plan's model: the other way's gradients are there
     trainer.forward_backward(x, y)  # warm-up

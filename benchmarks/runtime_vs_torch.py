@@ -56,6 +56,7 @@ from torch import nn
 from _common import load_before, run_env, step_times, write_result
 from partitioner import partition
 from partitioner.zoo import MLPChain
+from runtime.options import Execution
 from runtime.trainer import PipelineTrainer
 from runtime.transport.launch import spawn
 
@@ -99,7 +100,8 @@ def _pipecut(
         copy.deepcopy(model), (torch.randn(mb, cfg["width"]),), 2, microbatches=cfg["microbatches"],
         schedule=schedule, split_points=[f"layers.{cfg['layers'] // 2}"],
     )
-    return PipelineTrainer(plan, nn.functional.mse_loss, None, schedule=schedule, transport=transport, fuse_wgrad=fuse)
+    return PipelineTrainer(plan, nn.functional.mse_loss, None,
+                           execution=Execution(schedule=schedule, transport=transport, fuse_wgrad=fuse))
 
 
 def _torch_schedule(

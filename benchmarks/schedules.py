@@ -89,6 +89,7 @@ from partitioner.schedule.simulate import StageCosts, simulate
 from partitioner.schedule.timeline import Timeline, from_records
 from partitioner.schedule.validation import peak_inflight_per_rank
 from partitioner.zoo import gpt2
+from runtime.options import Execution
 from runtime.trainer import PipelineTrainer
 from runtime.transport.launch import LaunchError, spawn
 
@@ -107,8 +108,8 @@ def _fixed_trainer(schedule: str, p: int, m: int, cost_s: float, transport: str)
     chain = nn.Sequential(*(SleepBlock(c, c, c) for _ in range(S)))  # block s is stage s
     plan = partition(chain, (torch.zeros(ROWS, WIDTH),), S, schedule=schedule, microbatches=m,
                      split_points=[str(s) for s in range(1, S)], leaf_modules=[SleepBlock])
-    return PipelineTrainer(plan, nn.functional.mse_loss, None, schedule=schedule, microbatches=m,
-                           transport=transport, record=True)
+    return PipelineTrainer(plan, nn.functional.mse_loss, None,
+                           execution=Execution(schedule=schedule, microbatches=m, transport=transport, record=True))
 
 
 def _fixed_batch(m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -330,8 +331,8 @@ def _real_worker(rank: int, world: int, plan_path: str, cfg: dict[str, Any],
     """Every schedule's trainer in these 2 processes, timed round by round in rotating order."""
     model, ids = _gpt2(cfg)
     plan = Plan.load(plan_path).bind(model, (ids,))
-    trainers = {s: PipelineTrainer(plan, _lm_loss, None, schedule=s, microbatches=cfg["m"], transport="dist",
-                                   record=True) for s in schedules}
+    run = {"microbatches": cfg["m"], "transport": "dist", "record": True}
+    trainers = {s: PipelineTrainer(plan, _lm_loss, None, execution=Execution(schedule=s, **run)) for s in schedules}
     gen = torch.Generator().manual_seed(1)
     x = torch.randint(0, 1024, (cfg["batch"], cfg["seq"]), generator=gen)
     y = torch.randint(0, 1024, (cfg["batch"], cfg["seq"]), generator=gen)

@@ -19,7 +19,7 @@ from torch import nn
 
 from partitioner import Cluster, partition
 from partitioner.zoo import gpt2
-from runtime import PipelineTrainer
+from runtime import Execution, PipelineTrainer
 
 
 def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -49,7 +49,7 @@ def main() -> None:
     print(f"planned in {time.perf_counter() - t0:.2f} s\n")
 
     trainer = PipelineTrainer(
-        plan, lm_loss, lambda ps: torch.optim.AdamW(ps, lr=1e-2), schedule="1f1b", microbatches=m
+        plan, lm_loss, lambda ps: torch.optim.AdamW(ps, lr=1e-2), execution=Execution(schedule="1f1b", microbatches=m)
     )
     x, y = counting_task(micro * m, seq, vocab, gen)
     loss = trainer.forward_backward(x, y)

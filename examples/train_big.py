@@ -35,7 +35,7 @@ from torch import nn
 
 from partitioner import partition
 from partitioner.tracing.trace import CausalLMLogits
-from runtime import PipelineTrainer, Weights, empty_weights, save_safetensors
+from runtime import Execution, Init, PipelineTrainer, Weights, empty_weights, save_safetensors
 
 
 def config(layers: int) -> object:
@@ -73,9 +73,10 @@ def build_trainer(layers: int, stages: int, pretrained: Path, transport: str) ->
     example = batch(0, rows=2)[0]  # one micro-batch
     plan = partition(model, (example,), stages, microbatches=4, schedule="1f1b")
     return PipelineTrainer(
-        plan, lm_loss, lambda ps: torch.optim.AdamW(ps, lr=1e-3), transport=transport,
-        weights=Weights(pretrained, prefix="model."),  # HF names have no wrapper prefix
+        plan, lm_loss, lambda ps: torch.optim.AdamW(ps, lr=1e-3),
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / 4)),
+        execution=Execution(transport=transport),
+        init=Init(weights=Weights(pretrained, prefix="model.")),  # HF names have no wrapper prefix
     )
 
 

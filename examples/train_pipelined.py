@@ -44,7 +44,7 @@ from torch import nn
 
 from partitioner import Cluster, partition
 from partitioner.zoo import gpt2
-from runtime import PipelineTrainer, TrainingProgress
+from runtime import DataParallel, Execution, PipelineTrainer, TrainingProgress
 from runtime.metrics import describe
 
 
@@ -104,10 +104,13 @@ def main(argv: list[str] | None = None) -> float:
     warmup = max(1, args.steps // 5)
     schedule = lambda opt: torch.optim.lr_scheduler.LambdaLR(  # noqa: E731
         opt, lambda i: min(1.0, (i + 1) / warmup) * max(0.1, 1 - i / args.steps))
-    trainer = PipelineTrainer(plan, lm_loss, lambda ps: torch.optim.AdamW(ps, lr=args.lr),
-                              schedule=args.schedule, record=bool(args.trace), lr_scheduler=schedule,
-                              data_parallel=args.dp if launched else None, recompute=True if args.recompute else None,
-                              shard_optimizer=args.shard_optimizer and launched)
+    trainer = PipelineTrainer(
+        plan, lm_loss, lambda ps: torch.optim.AdamW(ps, lr=args.lr), lr_scheduler=schedule,
+        recompute=True if args.recompute else None,
+        execution=Execution(schedule=args.schedule, record=bool(args.trace)),
+        data_parallel=DataParallel(size=args.dp if launched else None,
+                                   shard_optimizer=args.shard_optimizer and launched),
+    )
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
         print(plan)

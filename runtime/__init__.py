@@ -27,11 +27,12 @@ from partitioner.schedule.timeline import (
 )
 from partitioner.schedule.validation import peak_inflight, peak_inflight_per_rank, validate
 from partitioner.schedule.zero_bubble import zbh1, zbv
-from runtime.errors import LossError, StageError
+from runtime.errors import LossError, OptionKeywordError, StageError, TrainerOptionError
 from runtime.execute.executor import ActionRecord, Executor, RunResult, StageRuntime
 from runtime.execute.recompute import RecomputeOptionError
 from runtime.execute.saved_memory import SavedBytes
 from runtime.metrics import TrainingProgress, step_metrics
+from runtime.options import DataParallel, Execution, Init
 from runtime.parallel.data_parallel import GradAverager, PipelineMesh, pipeline_mesh
 from runtime.state.materialize import MaterializeError, empty_weights, initialize, materialize
 from runtime.state.weight_errors import (
@@ -71,6 +72,11 @@ from runtime.transport.placement import PlacementError
 
 __all__ = [
     "PipelineTrainer",
+    "Execution",
+    "Init",
+    "DataParallel",
+    "OptionKeywordError",
+    "TrainerOptionError",
     "PipelineMesh",
     "pipeline_mesh",
     "GradAverager",

@@ -30,8 +30,8 @@ from partitioner.tracing.trace import node_module_path
 
 __all__ = [
     "StageError", "LossError", "InconsistentScheduleError", "ActionError", "MissingInputError",
-    "TrainerStateError", "ProcessGroupError", "TransportOptionError", "NodeInfo", "failing_node",
-    "describe_value",
+    "TrainerStateError", "ProcessGroupError", "TransportOptionError", "OptionKeywordError", "TrainerOptionError",
+    "NodeInfo", "failing_node", "describe_value",
 ]
 
 # What each action kind does, for messages.
@@ -211,3 +211,13 @@ def _message(error: BaseException, limit: int = 2000) -> str:
     if len(text) > limit:
         text = text[:limit] + " ..."
     return text.replace("\n", "\n    ")
+
+
+class OptionKeywordError(PipecutError, TypeError):
+    """``PipelineTrainer`` got a keyword that is neither its parameter nor a documented shortcut
+    (``runtime.options.SHORTCUTS``); the message suggests the closest name."""
+
+
+class TrainerOptionError(PipecutError, ValueError):
+    """A trainer option was given twice (a shortcut keyword beside the object that holds its
+    field), or an option object is not of its type; the message shows where the value belongs."""

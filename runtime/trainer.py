@@ -16,7 +16,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,27 +29,26 @@ from partitioner.schedule.generators import forward_only
 from partitioner.schedule.ir import Schedule
 from partitioner.schedule.timeline import Timeline, from_records, save_chrome_trace
 from partitioner.schedule.validation import validate
+from runtime.assembly import assemble
 from runtime.errors import TrainerStateError
 from runtime.execute.accumulation import add_back, set_aside
-from runtime.execute.executor import ActionRecord, Executor, RunResult, StageRuntime
+from runtime.execute.executor import ActionRecord, Executor, RunResult
 from runtime.execute.inputs import check_inputs, check_sizes, check_targets, shape_key
 from runtime.execute.local_run import RankThreads, run_interleaved, run_threads
 from runtime.execute.microbatch import MicrobatchError, split_microbatches
-from runtime.execute.recompute import stages_to_recompute
+from runtime.execute.recompute import RecomputeOption, stages_to_recompute
 from runtime.execute.shapes import wire_shapes
-from runtime.execute.wgrad_fusion import fuse_weight_grad_accumulation
 from runtime.metrics import step_metrics
+from runtime.options import DataParallel, Execution, Init, resolve_options
 from runtime.parallel.clipping import clip_grad_norm_
-from runtime.parallel.data_parallel import DEFAULT_BUCKET_BYTES, Replicas, job_mesh, one_process_mesh
-from runtime.parallel.tied import copy_tied_values, second_copies, sum_tied_grads, tie_copies
+from runtime.parallel.tied import copy_tied_values, second_copies, sum_tied_grads
 from runtime.precision import LossScaler, MixedPrecision, resolve_precision, wire_dtypes
 from runtime.state import checkpoint
-from runtime.state.materialize import InitFn, materialize_stages
 from runtime.state.weights import LoadReport, Weights, load_weights, stage_tensors
 from runtime.transport.p2p import DistTransport, LocalTransport, PeerFailed, Transport
-from runtime.transport.placement import check_backend, placed_schedule, stage_devices
+from runtime.transport.placement import placed_schedule
 from runtime.transport.process_group import comm_device as _comm_device
-from runtime.transport.process_group import default_device, ensure_process_group, resolve_mode
+from runtime.transport.process_group import resolve_mode
 
 __all__ = ["PipelineTrainer", "MicrobatchError", "split_microbatches"]
 
@@ -67,63 +66,8 @@ class PipelineTrainer:
         loss_fn: ``loss_fn(output, target) -> scalar`` with mean reduction over the batch;
             ``output`` is the model's output (a tuple when it returns several tensors).
         optimizer: called with this process's parameters; ``None`` to only compute gradients.
-        schedule: ``'gpipe'``, ``'1f1b'``, ``'zbh1'`` (one stage per rank), ``'interleaved'``
-            (``v`` stages per rank, stage ``s`` on rank ``s % p``) or ``'zbv'`` (2 stages per
-            rank in a V: rank ``r`` holds ``r`` and ``2p - 1 - r``); default: the plan's. The
-            plan's ``S`` stages run on ``p = S / v`` ranks.
-        microbatches: ``m`` (default: the plan's). Batches must divide evenly by ``m``.
-        chunks_per_rank: ``v`` for ``'interleaved'`` (default 2); must be 2 (or omitted) for
-            ``'zbv'`` and 1 (or omitted) for the others.
-        transport: ``'auto'`` (distributed when launched by torchrun, else ``'local'``),
-            ``'local'`` (all ranks in this process, one thread per rank running all its
-            stages), ``'sequential'`` (all ranks in this process, one thread: for debugging and
-            as a baseline) or ``'dist'`` (one process per rank over torch.distributed).
-        devices: with the in-process transports, a device per stage (default: all ``cpu``);
-            the stages of one rank run in one thread and must share a device. With ``'dist'``,
-            this rank's device (default ``cuda:LOCAL_RANK`` with NCCL, else cpu).
-        timeout: seconds any wait for a peer may take before failing loudly.
-        record: keep when each action ran (``last_records``), for :meth:`timeline` and
-            :meth:`save_trace`.
-        fuse_wgrad: let large linear layers add weight gradients into ``.grad`` in place
-            (``runtime.execute.wgrad_fusion``; under split backward ``I`` records that GEMM and ``W``
-            runs it). Hooks on those parameters then do not fire: pass ``False`` if you rely
-            on them.
-        recompute: activation recomputation (``runtime.execute.recompute``): a recomputing stage's
-            forward keeps only its inputs and its backward runs the forward again first, so it
-            holds its input bytes per micro-batch in flight instead of its saved activations,
-            for one more forward per backward. ``None`` (default): the stages the plan chose
-            (``StagePlan.recompute``, set by ``partition(..., recompute='auto')`` where memory
-            binds); ``True`` / ``False``: every stage / none; or a collection of stage indices.
-            Dropout replays the same random numbers; gradients are unchanged.
-        init_fn: for a model built on ``meta`` (``runtime.empty_weights()``): initialises the
-            tensors this process's stages hold, ``init_fn(name, module)`` per module of the
-            original model that owns some (default: the Hugging Face model's ``_init_weights``,
-            else the module's ``reset_parameters()``). Only this process's stages are allocated,
-            on their devices; see ``runtime.state.materialize``.
         lr_scheduler: called with the optimizer, e.g. ``lambda opt: LambdaLR(opt, warmup)``;
             stepped after every optimizer step (``None`` on a rank without parameters).
-        weights: a checkpoint to load this process's stages from (a path, or
-            ``runtime.state.weights.Weights(path, prefix=..., cast=...)``); see :meth:`load_weights`.
-            With a meta model, only tensors the checkpoint does not hold are initialised.
-        seed: base seed of that initialisation; values depend on it and the module names only,
-            not on the plan or the rank (``runtime.state.materialize.initialize`` gives a real model the
-            same weights).
-        check_finite: raise ``LossError`` as soon as a micro-batch's loss is NaN or infinite,
-            before any optimizer step (costs one device sync per micro-batch). Off by default:
-            a NaN loss is then returned by ``step`` like any other, and the step is taken.
-        data_parallel: ``dp``, the pipeline's replicas under torch.distributed (world size
-            ``dp * p``): each trains on its share of the global batch (:meth:`local_batch`) and
-            their gradients are averaged before every step, so every replica takes the step the
-            whole batch gives. Default 1. See ``runtime.parallel.data_parallel``.
-        mesh: instead, a ``DeviceMesh`` with dimensions ``("dp", "pp")`` to place the replicas.
-        overlap_grad_reduce: start each stage's gradient all-reduce right after its last
-            backward action, overlapping the pipeline's drain on the ranks behind (default);
-            ``False`` reduces once the whole pipeline has run (the all-reduce after the step).
-        grad_bucket_bytes: the size of the flat buckets gradients are all-reduced in.
-        shard_optimizer: with ``data_parallel > 1``, ZeRO-style sharding (``runtime.parallel.zero``):
-            each parameter is owned by one replica, which alone keeps its optimizer state and,
-            after the reduction, its gradient; the optimizer factory is called with this
-            process's share; the owners broadcast the new values after each step.
         precision: ``'fp32'``, ``'bf16'``, ``'fp16'`` or a ``runtime.precision.MixedPrecision``
             (default: the plan's). Parameters, gradients and optimizer state stay fp32; each
             stage's forward and the loss run under ``torch.autocast`` in the low dtype, and
@@ -131,11 +75,35 @@ class PipelineTrainer:
             keeps the plan's dtype on the wire). fp16 scales the loss (:attr:`scaler`):
             gradients are unscaled in :meth:`forward_backward`, and :meth:`step` skips the
             optimizer when any rank found inf/NaN (``last_found_inf``). See docs/runtime.md.
+        recompute: activation recomputation (``runtime.execute.recompute``): a recomputing stage's
+            forward keeps only its inputs and its backward runs the forward again first, so it
+            holds its input bytes per micro-batch in flight instead of its saved activations,
+            for one more forward per backward. ``None`` (default): the stages the plan chose
+            (``StagePlan.recompute``, set by ``partition(..., recompute='auto')`` where memory
+            binds); ``True`` / ``False``: every stage / none; or a collection of stage indices.
+            Dropout replays the same random numbers; gradients are unchanged.
+        execution: a :class:`~runtime.options.Execution`: the schedule (default: the plan's),
+            micro-batches, transport (``'auto'``, ``'local'``, ``'sequential'``, ``'dist'``),
+            devices, timeout, recording, weight-gradient fusion, loss checks.
+        init: an :class:`~runtime.options.Init`: initialisation of a meta model (``init_fn``,
+            ``seed``) and a checkpoint to load (``weights``, see :meth:`load_weights`).
+        data_parallel: a :class:`~runtime.options.DataParallel`: ``dp`` replicas of the pipeline
+            under torch.distributed (world size ``dp * p``), each training on its share of the
+            global batch (:meth:`local_batch`), gradients averaged before every step; or an int,
+            short for ``DataParallel(size=n)``.
+        **shortcuts: the keywords this trainer took before the option objects (``schedule=``,
+            ``microbatches=``, ``weights=``...), kept for one release: each sets its object's
+            field (``runtime.options.SHORTCUTS``). Not together with that object.
+
+    The options it runs with, every field resolved, are :attr:`options` (a
+    ``runtime.options.TrainerOptions``).
 
     Raises:
         PlacementError: ``S`` is not a multiple of the schedule's stages per rank, the job's
             world size is not ``dp * p``, stages of one rank are given different devices, or
-            ``data_parallel > 1`` in one process.
+            ``dp > 1`` in one process.
+        OptionKeywordError: a keyword that is neither a parameter nor a shortcut.
+        TrainerOptionError: a shortcut given beside the object that holds its field.
 
     Example:
         >>> import torch
@@ -143,11 +111,11 @@ class PipelineTrainer:
         >>> from partitioner import partition
         >>> model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
         >>> plan = partition(model, (torch.randn(2, 8),), 2, microbatches=4)
-        >>> trainer = PipelineTrainer(plan, nn.functional.mse_loss,
-        ...                           lambda ps: torch.optim.SGD(ps, lr=0.1))
+        >>> trainer = PipelineTrainer(plan, nn.functional.mse_loss, lambda ps: torch.optim.SGD(ps, lr=0.1),
+        ...                           execution=Execution(schedule="1f1b", microbatches=2))
         >>> loss = trainer.step(torch.randn(8, 8), torch.randn(8, 4))
-        >>> loss.shape
-        torch.Size([])
+        >>> loss.shape, trainer.m
+        (torch.Size([]), 2)
     """
 
     def __init__(
@@ -156,110 +124,59 @@ class PipelineTrainer:
         loss_fn: Callable[[Any, Any], torch.Tensor] | None,
         optimizer: OptimizerFactory | None = None,
         *,
-        schedule: str | None = None,
-        microbatches: int | None = None,
-        chunks_per_rank: int | None = None,
-        transport: str = "auto",
-        devices: Sequence[str | torch.device] | str | torch.device | None = None,
-        timeout: float = 300.0,
-        record: bool = False,
-        fuse_wgrad: bool = True,
-        check_finite: bool = False,
-        recompute: bool | Collection[int] | None = None,
-        init_fn: InitFn | None = None,
-        seed: int = 0,
-        weights: str | os.PathLike[str] | Weights | None = None,
         lr_scheduler: SchedulerFactory | None = None,
-        data_parallel: int | None = None,
-        mesh: Any = None,
-        overlap_grad_reduce: bool = True,
-        grad_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        shard_optimizer: bool = False,
         precision: str | MixedPrecision | None = None,
+        recompute: RecomputeOption = None,
+        execution: Execution | None = None,
+        init: Init | None = None,
+        data_parallel: DataParallel | int | None = None,
+        **shortcuts: Any,
     ) -> None:
-        self.plan = plan
-        self.precision = resolve_precision(precision, getattr(plan, "precision", "fp32"))
-        mp = self.precision
+        self.options = resolve_options(execution, init, data_parallel, **shortcuts)
+        ex = self.options.execution
+        self.plan, self.loss_fn = plan, loss_fn
+        self.precision = mp = resolve_precision(precision, getattr(plan, "precision", "fp32"))
         self.scaler = LossScaler(mp.init_scale, growth_interval=mp.growth_interval) if mp.scales_loss else None
-        self.last_found_inf = False  # fp16: whether the last forward_backward's gradients had inf/NaN
-        self.loss_fn = loss_fn
         self.p = plan.num_stages  # S, the stages; the ranks are self.schedule.num_ranks
-        self.m = microbatches or plan.microbatches
-        self.schedule_name = schedule or plan.schedule
-        self.schedule: Schedule = placed_schedule(self.schedule_name, self.p, self.m, chunks_per_rank)
+        self.m = ex.microbatches or plan.microbatches
+        self.schedule_name = ex.schedule or plan.schedule
+        self.schedule: Schedule = placed_schedule(self.schedule_name, self.p, self.m, ex.chunks_per_rank)
         validate(self.schedule)
-        self.timeout = timeout
-        self.record = record
-        self.check_finite = check_finite
+        self.timeout, self.record, self.check_finite = ex.timeout, ex.record, ex.check_finite
         self.recompute = stages_to_recompute(recompute, [getattr(st, "recompute", False) for st in plan.stages])
-        self.mode = resolve_mode(transport)
-        self.last_peak_inflight: dict[int, int] = {}
-        self.last_records: list[ActionRecord] = []
-        self._example_sized = False
-        staged = plan.build_stages()
-        ios = list(staged.io)
-
-        if self.mode == "dist":
-            ensure_process_group()
-            check_backend(self.schedule, ios)
-            device = torch.device(devices) if isinstance(devices, (str, torch.device)) else default_device()
-            self.mesh = job_mesh(self.schedule, self.p, data_parallel, mesh, device.type)
-            self.rank = self.mesh.pp_rank
-            self._ranks = [self.rank]
-            own = self.schedule.stages_of(self.rank)
-            self.devices = dict.fromkeys(own, device)
-        else:
-            self.mesh = one_process_mesh(self.schedule.num_ranks, self.m, data_parallel, mesh)
-            self.rank = 0
-            self._ranks = list(range(self.schedule.num_ranks))
-            own = tuple(range(self.p))
-            self.devices = stage_devices(devices, self.p, self.schedule)
-        self.stages: dict[int, StageRuntime] = {}
-        # Parameters several stages hold (tied weights): another thread may write their .grad.
-        tied = [prm for st in staged.stages for name, prm in st.named_parameters(remove_duplicate=False)
-                if name in staged.shared_params]
-        if weights is not None and not isinstance(weights, Weights):
-            weights = Weights(weights)
-        mine = {s: staged.stages[s] for s in own}
-        if materialize_stages(plan.model, mine, self.devices, init_fn=init_fn, seed=seed, rank=self.rank,
-                              will_load=set(stage_tensors(mine)[0]) if weights is not None else ()):
-            plan.refresh_binding()
-        for s in own:
-            module = staged.stages[s]
-            if fuse_wgrad:
-                fuse_weight_grad_accumulation(module, skip=tied)  # in place: a fresh stage module
-            self.stages[s] = StageRuntime(s, module, ios[s], self.devices[s])
-        self._ios = ios
-        self._tied = tie_copies(staged.shared_params, {s: st.module for s, st in self.stages.items()},
-                                self.devices, self.schedule.stage_to_rank, self.rank if self.mode == "dist" else None,
-                                _comm_device, replicas=self.mesh.ranks, replica=self.mesh.dp_rank)
-        for st in self.stages.values():
-            st.module.to(st.device)
-        self._replicas = Replicas(
-            self.mesh, {s: list(st.module.parameters()) for s, st in self.stages.items()},
-            {id(prm) for copies, _ in self._tied for prm in copies}, shard=shard_optimizer,
-            overlap=overlap_grad_reduce, bucket_bytes=grad_bucket_bytes, comm_device=_comm_device, timeout=timeout,
-        )
-        params = self._replicas.owned  # sharded: this replica's share
+        self.mode = resolve_mode(ex.transport)
+        built = assemble(plan, self.schedule, self.mode, self.m, ex, self.options.init, self.options.data_parallel)
+        self.mesh, self.rank, self.devices = built.placement.mesh, built.placement.rank, built.placement.devices
+        self._ranks, self.stages, self._ios = list(built.placement.ranks), built.stages, built.ios
+        self._tied, self._replicas = built.tied, built.replicas
         self._trains = optimizer is not None
-        # A stage may hold no parameters (only reshapes, say): it has nothing to update.
-        self.optimizer = optimizer(params) if optimizer is not None and params else None
+        # A stage may hold no parameters (only reshapes, say): it has nothing to update. Sharded:
+        # the optimizer steps this replica's share.
+        self.optimizer = optimizer(built.replicas.owned) if optimizer is not None and built.replicas.owned else None
         self.scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None and self.optimizer else None
+        self._dist_transport = (
+            DistTransport(self.schedule.stage_to_rank, ex.timeout, self.mesh.pp_group) if self.mode == "dist" else None
+        )
+        self._wire_dtypes = wire_dtypes(mp, built.ios, plan.traced.gm, plan.traced.example_inputs,
+                                        next(iter(self.devices.values())).type)
+        self._init_run_state()
+        if self.options.init.weights is not None:
+            self.load_weights(self.options.init.weights)
+
+    def _init_run_state(self) -> None:
+        """What the steps leave behind, as before the first."""
         self.step_count = 0  # optimizer steps taken (saved and restored by checkpoints)
+        self.last_found_inf = False  # fp16: whether the last forward_backward's gradients had inf/NaN
         self.last_grad_norm: torch.Tensor | None = None
         # The last step's metrics (runtime.metrics.step_metrics): loss, lr, tokens/s, bubble...
         self.last_metrics: dict[str, float | int | None] = {}
+        self.last_peak_inflight: dict[int, int] = {}
+        self.last_records: list[ActionRecord] = []
+        self._example_sized = False
         self._busy: list[float] = []
         self._run_seconds = 0.0
         self._shape_cache: dict[tuple[tuple[int, ...], ...], dict[str, tuple[int, ...]]] = {}
-        self._dist_transport = (
-            DistTransport(self.schedule.stage_to_rank, timeout, self.mesh.pp_group) if self.mode == "dist" else None
-        )
         self._threads: RankThreads | None = None  # transport='local': started at the first step
-        self._wire_dtypes = wire_dtypes(self.precision, ios, plan.traced.gm, plan.traced.example_inputs,
-                                        next(iter(self.devices.values())).type)
-        if weights is not None:
-            self.load_weights(weights)
 
     # -- public API -----------------------------------------------------------------------
 

@@ -30,10 +30,10 @@ import logging
 import os
 import shutil
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -41,10 +41,7 @@ from torch import nn
 
 from partitioner.errors import PipecutError
 
-if TYPE_CHECKING:
-    from runtime.trainer import PipelineTrainer
-
-__all__ = ["CheckpointError", "save", "load", "load_model", "export_safetensors"]
+__all__ = ["CheckpointError", "Checkpointable", "save", "load", "load_model", "export_safetensors"]
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +52,51 @@ class CheckpointError(PipecutError, RuntimeError):
     """A checkpoint cannot be written or read as asked (not a checkpoint, missing entries)."""
 
 
-def save(trainer: PipelineTrainer, directory: PathLike) -> Path:
+class _StateDict(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any], /) -> None: ...
+
+
+class _StageModule(Protocol):
+    @property
+    def module(self) -> nn.Module: ...
+
+
+class _BoundPlan(Protocol):
+    @property
+    def param_aliases(self) -> Sequence[tuple[str, Sequence[str]]]: ...
+
+
+class Checkpointable(Protocol):
+    """What this module reads and writes of a trainer (``runtime.trainer.PipelineTrainer`` is one).
+
+    A protocol, so that this module does not import the trainer, which imports it.
+    """
+
+    step_count: int
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None: ...
+
+    @property
+    def scheduler(self) -> _StateDict | None: ...
+
+    @property
+    def scaler(self) -> _StateDict | None: ...
+
+    @property
+    def stages(self) -> Mapping[int, _StageModule]: ...
+
+    @property
+    def plan(self) -> _BoundPlan: ...
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]: ...
+
+    def sync_tied_copies(self) -> None: ...
+
+
+def save(trainer: Checkpointable, directory: PathLike) -> Path:
     """Write ``trainer``'s model, optimizer, step, scheduler and RNG states to ``directory``.
 
     Collective under torch.distributed: every rank calls it. Returns the directory.
@@ -78,7 +119,7 @@ def save(trainer: PipelineTrainer, directory: PathLike) -> Path:
     return target
 
 
-def load(trainer: PipelineTrainer, directory: PathLike, *, optimizer: bool = True) -> None:
+def load(trainer: Checkpointable, directory: PathLike, *, optimizer: bool = True) -> None:
     """Read a checkpoint written by :func:`save` (under any plan) into ``trainer``, in place.
 
     Args:
@@ -151,7 +192,7 @@ def load_model(model: nn.Module, directory: PathLike, *, strict: bool = True) ->
     return [k[len("model."):] for k in wanted]
 
 
-def export_safetensors(trainer: PipelineTrainer, directory: PathLike, *, prefix: str = "") -> Path:
+def export_safetensors(trainer: Checkpointable, directory: PathLike, *, prefix: str = "") -> Path:
     """Write the model's weights as a Hugging Face safetensors checkpoint (shards and an index).
 
     Each rank writes one shard with its stages' tensors (a tied weight once, by its lowest
@@ -220,7 +261,7 @@ def _commit(partial: Path, target: Path) -> None:
 # -- the state ---------------------------------------------------------------------------------
 
 
-def _state(trainer: PipelineTrainer, *, for_load: bool, optimizer: bool = True) -> dict[str, Any]:
+def _state(trainer: Checkpointable, *, for_load: bool, optimizer: bool = True) -> dict[str, Any]:
     """The flat state this rank writes or reads (tensors are the live ones: loads land in place)."""
     # Detached views: DCP loads into them in place, which a parameter that requires grad refuses.
     state: dict[str, Any] = {f"model.{name}": t.detach() for name, t in _owned_tensors(trainer).items()}
@@ -258,7 +299,7 @@ def _rng_keys() -> list[str]:
     return keys
 
 
-def _apply(trainer: PipelineTrainer, state: Mapping[str, Any], *, optimizer: bool) -> None:
+def _apply(trainer: Checkpointable, state: Mapping[str, Any], *, optimizer: bool) -> None:
     """Write back what DCP loaded by replacement (non-tensor values), and the RNG states."""
     trainer.step_count = int(state["trainer.step"])
     opt = trainer.optimizer
@@ -281,14 +322,14 @@ def _apply(trainer: PipelineTrainer, state: Mapping[str, Any], *, optimizer: boo
     trainer.sync_tied_copies()
 
 
-def _owned_tensors(trainer: PipelineTrainer) -> dict[str, torch.Tensor]:
+def _owned_tensors(trainer: Checkpointable) -> dict[str, torch.Tensor]:
     """This process's stages' state_dict tensors by every name (a copy on another device: the first's)."""
     from runtime.state.weights import stage_tensors
 
     return stage_tensors({s: st.module for s, st in trainer.stages.items()})[0]
 
 
-def _alias_groups(trainer: PipelineTrainer) -> dict[str, tuple[str, ...]]:
+def _alias_groups(trainer: Checkpointable) -> dict[str, tuple[str, ...]]:
     groups: dict[str, tuple[str, ...]] = {}
     for _name, names in trainer.plan.param_aliases:
         for n in names:

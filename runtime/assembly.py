@@ -1,0 +1,143 @@
+"""Assembly: the part of a pipeline one process holds, built from a plan and the trainer's options.
+
+Legend: ``S`` stages, ``p`` ranks, ``s`` a stage, ``r`` a rank, ``m`` micro-batches, ``dp`` replicas.
+
+A trainer's constructor places the plan's stages (which ranks run here, on which devices, in
+which replica of the job's ("dp", "pp") mesh), makes this process's stage modules real
+(materialised from meta, weight-gradient accumulation fused), ties copies of shared weights and
+sets up the gradient exchange between replicas. :func:`assemble` does all of that in that order
+and returns it as one :class:`Assembly`; the trainer only runs it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from partitioner.plan.plan import Plan
+from partitioner.plan.split import StagedModel, StageIO
+from partitioner.schedule.ir import Schedule
+from runtime.execute.executor import StageRuntime
+from runtime.execute.wgrad_fusion import fuse_weight_grad_accumulation
+from runtime.options import DataParallel, Execution, Init
+from runtime.parallel.data_parallel import PipelineMesh, Replicas, job_mesh, one_process_mesh
+from runtime.parallel.tied import TiedGroup, tie_copies
+from runtime.state.materialize import materialize_stages
+from runtime.state.weights import stage_tensors
+from runtime.transport.placement import check_backend, stage_devices
+from runtime.transport.process_group import comm_device, default_device, ensure_process_group
+
+__all__ = ["Assembly", "Placement", "assemble", "place"]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where this process sits: its mesh, its pipeline rank, the ranks it runs, its stages' devices.
+
+    Attributes:
+        mesh: this process's place in the job (one replica in one process).
+        rank: its pipeline rank under ``'dist'``; 0 in one process.
+        ranks: the pipeline ranks this process runs (all of them in one process).
+        devices: each stage this process holds -> its device.
+    """
+
+    mesh: PipelineMesh
+    rank: int
+    ranks: tuple[int, ...]
+    devices: dict[int, torch.device]
+
+
+@dataclass(frozen=True)
+class Assembly:
+    """This process's part of the pipeline, ready to run.
+
+    Attributes:
+        placement: see :class:`Placement`.
+        stages: this process's stages by index.
+        ios: every stage's inputs and outputs (the whole plan's).
+        tied: the copies of tied weights whose gradients are summed after each run.
+        replicas: the gradient exchange between data-parallel replicas (and the optimizer's share).
+    """
+
+    placement: Placement
+    stages: dict[int, StageRuntime]
+    ios: list[StageIO]
+    tied: list[TiedGroup]
+    replicas: Replicas
+
+
+def place(
+    schedule: Schedule, mode: str, m: int, ios: Sequence[StageIO], execution: Execution, dp: DataParallel
+) -> Placement:
+    """This process's placement: under ``'dist'`` (collective: joins the process group, builds the
+    mesh) one rank and its device; otherwise every rank, with a device per stage.
+
+    Raises:
+        PlacementError: the job's world size is not ``dp * p``, the backend cannot run the
+            schedule's messages, stages of one rank are given different devices, or replicas
+            are asked for in one process.
+    """
+    num_stages = len(schedule.stage_to_rank)
+    if mode == "dist":
+        ensure_process_group()
+        check_backend(schedule, ios)
+        devices = execution.devices
+        device = torch.device(devices) if isinstance(devices, (str, torch.device)) else default_device()
+        mesh = job_mesh(schedule, num_stages, dp.size, dp.mesh, device.type)
+        own = schedule.stages_of(mesh.pp_rank)
+        return Placement(mesh, mesh.pp_rank, (mesh.pp_rank,), dict.fromkeys(own, device))
+    mesh = one_process_mesh(schedule.num_ranks, m, dp.size, dp.mesh)
+    return Placement(mesh, 0, tuple(range(schedule.num_ranks)),
+                     stage_devices(execution.devices, num_stages, schedule))
+
+
+def assemble(
+    plan: Plan, schedule: Schedule, mode: str, m: int, execution: Execution, init: Init, dp: DataParallel
+) -> Assembly:
+    """Build this process's stages of ``plan`` as ``schedule`` places them (``mode``: the
+    resolved transport, ``m``: micro-batches per step), materialised, tied and replicated.
+
+    Raises:
+        PlacementError: see :func:`place`.
+        MaterializeError: a stage of a meta model holds a tensor no module owns.
+    """
+    staged = plan.build_stages()
+    ios = list(staged.io)
+    placement = place(schedule, mode, m, ios, execution, dp)
+    mine = {s: staged.stages[s] for s in placement.devices}
+    will_load = set(stage_tensors(mine)[0]) if init.weights is not None else set()
+    if materialize_stages(plan.model, mine, placement.devices, init_fn=init.init_fn, seed=init.seed,
+                          rank=placement.rank, will_load=will_load):
+        plan.refresh_binding()
+    stages = _stage_runtimes(staged, placement.devices, ios, fuse_wgrad=execution.fuse_wgrad)
+    tied = tie_copies(staged.shared_params, {s: st.module for s, st in stages.items()}, placement.devices,
+                      schedule.stage_to_rank, placement.rank if mode == "dist" else None, comm_device,
+                      replicas=placement.mesh.ranks, replica=placement.mesh.dp_rank)
+    for st in stages.values():
+        st.module.to(st.device)
+    replicas = Replicas(
+        placement.mesh, {s: list(st.module.parameters()) for s, st in stages.items()},
+        {id(prm) for copies, _ in tied for prm in copies}, shard=dp.shard_optimizer,
+        overlap=dp.overlap_grad_reduce, bucket_bytes=dp.grad_bucket_bytes, comm_device=comm_device,
+        timeout=execution.timeout,
+    )
+    return Assembly(placement, stages, ios, tied, replicas)
+
+
+def _stage_runtimes(
+    staged: StagedModel, devices: dict[int, torch.device], ios: Sequence[StageIO], *, fuse_wgrad: bool
+) -> dict[int, StageRuntime]:
+    """This process's stages (those ``devices`` names), weight-gradient accumulation fused unless
+    told not to."""
+    # Parameters several stages hold (tied weights): another thread may write their .grad.
+    tied = [prm for st in staged.stages for name, prm in st.named_parameters(remove_duplicate=False)
+            if name in staged.shared_params]
+    out = {}
+    for s in devices:
+        module = staged.stages[s]
+        if fuse_wgrad:
+            fuse_weight_grad_accumulation(module, skip=tied)  # in place: a fresh stage module
+        out[s] = StageRuntime(s, module, ios[s], devices[s])
+    return out

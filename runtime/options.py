@@ -1,0 +1,263 @@
+"""The trainer's option objects (how it runs, how weights start, data parallelism) and its shortcuts.
+
+Legend: ``S`` stages, ``p`` ranks, ``v`` stages per rank, ``m`` micro-batches, ``dp`` replicas.
+
+``PipelineTrainer`` takes three frozen dataclasses instead of a long keyword list, the way
+FSDP2 takes a ``MixedPrecisionPolicy`` and torchtitan groups its job config into sections:
+
+* :class:`Execution`: the schedule and how it runs (transport, devices, recording, checks);
+* :class:`Init`: where the weights come from (initialisation of a meta model, a checkpoint);
+* :class:`DataParallel`: replicas of the pipeline under torch.distributed.
+
+The keywords the trainer took before (``schedule=``, ``microbatches=``, ``weights=``...) stay
+accepted for one release as shortcuts, each mapped to its object and field by :data:`SHORTCUTS`;
+they do not warn. :func:`resolve_options` turns what the trainer was given into the three
+objects, refusing unknown keywords (:class:`~runtime.errors.OptionKeywordError`) and a
+shortcut given beside its object (:class:`~runtime.errors.TrainerOptionError`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from runtime.errors import OptionKeywordError, TrainerOptionError
+from runtime.parallel.data_parallel import DEFAULT_BUCKET_BYTES
+from runtime.state.materialize import InitFn
+from runtime.state.weights import Weights
+
+__all__ = ["Execution", "Init", "DataParallel", "TrainerOptions", "SHORTCUTS", "resolve_options"]
+
+Devices = Sequence[str | torch.device] | str | torch.device | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Execution:
+    """Which schedule runs the plan, and how: transport, devices, recording and checks.
+
+    Example:
+        >>> Execution(schedule="zbh1", microbatches=8)
+        Execution(schedule='zbh1', microbatches=8, chunks_per_rank=None, transport='auto', devices=None, \
+timeout=300.0, record=False, fuse_wgrad=True, check_finite=False)
+    """
+
+    schedule: str | None = None
+    """``'gpipe'``, ``'1f1b'``, ``'zbh1'`` (one stage per rank), ``'interleaved'`` (``v`` stages
+    per rank, stage ``s`` on rank ``s % p``) or ``'zbv'`` (2 stages per rank in a V: rank ``r``
+    holds ``r`` and ``2p - 1 - r``); ``None``: the plan's. The plan's ``S`` stages run on
+    ``p = S / v`` ranks."""
+
+    microbatches: int | None = None
+    """``m``; ``None``: the plan's. Batches must divide evenly by ``m``."""
+
+    chunks_per_rank: int | None = None
+    """``v`` for ``'interleaved'`` (default 2); must be 2 (or ``None``) for ``'zbv'`` and 1 (or
+    ``None``) for the others."""
+
+    transport: str = "auto"
+    """``'auto'`` (``'dist'`` when launched by torchrun, else ``'local'``), ``'local'`` (all ranks
+    in this process, one thread per rank running all its stages), ``'sequential'`` (all ranks in
+    this process, one thread: for debugging and as a baseline) or ``'dist'`` (one process per rank
+    over torch.distributed)."""
+
+    devices: Devices = None
+    """With the in-process transports, a device per stage (default: all ``cpu``); the stages of
+    one rank run in one thread and must share a device. With ``'dist'``, this rank's device
+    (default ``cuda:LOCAL_RANK`` with NCCL, else cpu). A list is kept as a tuple."""
+
+    timeout: float = 300.0
+    """Seconds any wait for a peer may take before failing loudly."""
+
+    record: bool = False
+    """Keep when each action ran (``trainer.last_records``), for ``timeline()`` and ``save_trace()``."""
+
+    fuse_wgrad: bool = True
+    """Let large linear layers add weight gradients into ``.grad`` in place
+    (``runtime.execute.wgrad_fusion``; under split backward ``I`` records that GEMM and ``W`` runs it).
+    Hooks on those parameters then do not fire: pass ``False`` if you rely on them."""
+
+    check_finite: bool = False
+    """Raise ``LossError`` as soon as a micro-batch's loss is NaN or infinite, before any
+    optimizer step (one device sync per micro-batch). Off: a NaN loss is returned by ``step``
+    like any other, and the step is taken."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.devices, list):  # frozen means hashable: no list inside
+            object.__setattr__(self, "devices", tuple(self.devices))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Init:
+    """Where this process's stage weights come from: the model's, initialised, or a checkpoint.
+
+    Example:
+        >>> Init(weights="ckpt/model.safetensors").seed
+        0
+    """
+
+    init_fn: InitFn | None = None
+    """For a model built on ``meta`` (``runtime.empty_weights()``): initialises the tensors this
+    process's stages hold, ``init_fn(name, module)`` per module of the original model that owns
+    some (default: the Hugging Face model's ``_init_weights``, else the module's
+    ``reset_parameters()``). Only this process's stages are allocated, on their devices; see
+    ``runtime.state.materialize``."""
+
+    seed: int = 0
+    """Base seed of that initialisation; values depend on it and the module names only, not on
+    the plan or the rank (``runtime.state.materialize.initialize`` gives a real model the same weights)."""
+
+    weights: str | os.PathLike[str] | Weights | None = None
+    """A checkpoint to load this process's stages from (a path, or
+    ``runtime.state.weights.Weights(path, prefix=..., cast=...)``); see ``PipelineTrainer.load_weights``.
+    With a meta model, only tensors the checkpoint does not hold are initialised."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataParallel:
+    """Replicas of the pipeline under torch.distributed (``runtime.parallel.data_parallel``).
+
+    Not ``torch.nn.DataParallel``: the job runs ``dp * p`` processes, each replica trains on its
+    share of the global batch (``trainer.local_batch``) and gradients are averaged before every
+    step, so every replica takes the step the whole batch gives.
+
+    Example:
+        >>> DataParallel(size=2, shard_optimizer=True).overlap_grad_reduce
+        True
+    """
+
+    size: int | None = None
+    """``dp``, the replicas (world size ``dp * p``); ``None``: 1, or the mesh's."""
+
+    mesh: Any = None
+    """Instead, a ``DeviceMesh`` with dimensions ``("dp", "pp")`` to place the replicas."""
+
+    overlap_grad_reduce: bool = True
+    """Start each stage's gradient all-reduce right after its last backward action, overlapping
+    the pipeline's drain on the ranks behind; ``False`` reduces once the whole pipeline has run."""
+
+    grad_bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    """The size of the flat buckets gradients are all-reduced in."""
+
+    shard_optimizer: bool = False
+    """With ``size > 1``, ZeRO-style sharding (``runtime.parallel.zero``): each parameter is owned by one
+    replica, which alone keeps its optimizer state and, after the reduction, its gradient; the
+    optimizer factory is called with this process's share; the owners broadcast the new values
+    after each step."""
+
+
+@dataclass(frozen=True)
+class TrainerOptions:
+    """The three option objects a trainer runs with, every field resolved."""
+
+    execution: Execution
+    init: Init
+    data_parallel: DataParallel
+
+
+# The trainer's parameter for each option object, and the object's class.
+_SECTIONS: dict[str, type[Execution] | type[Init] | type[DataParallel]] = {
+    "execution": Execution, "init": Init, "data_parallel": DataParallel,
+}
+
+# Old keyword -> (trainer parameter, field). Kept for one release, without a warning (the test
+# suite and user scripts spell them; a DeprecationWarning would flood both); then removed.
+SHORTCUTS: dict[str, tuple[str, str]] = {
+    "schedule": ("execution", "schedule"),
+    "microbatches": ("execution", "microbatches"),
+    "chunks_per_rank": ("execution", "chunks_per_rank"),
+    "transport": ("execution", "transport"),
+    "devices": ("execution", "devices"),
+    "timeout": ("execution", "timeout"),
+    "record": ("execution", "record"),
+    "fuse_wgrad": ("execution", "fuse_wgrad"),
+    "check_finite": ("execution", "check_finite"),
+    "init_fn": ("init", "init_fn"),
+    "seed": ("init", "seed"),
+    "weights": ("init", "weights"),
+    "data_parallel": ("data_parallel", "size"),  # also taken as an int by the data_parallel= parameter
+    "mesh": ("data_parallel", "mesh"),
+    "overlap_grad_reduce": ("data_parallel", "overlap_grad_reduce"),
+    "grad_bucket_bytes": ("data_parallel", "grad_bucket_bytes"),
+    "shard_optimizer": ("data_parallel", "shard_optimizer"),
+}
+
+# PipelineTrainer's own keyword parameters, for suggestions (tests check them against its signature).
+TRAINER_KEYWORDS = ("optimizer", "lr_scheduler", "precision", "recompute", *_SECTIONS)
+
+
+def resolve_options(
+    execution: Execution | None = None,
+    init: Init | None = None,
+    data_parallel: DataParallel | int | None = None,
+    **shortcuts: Any,
+) -> TrainerOptions:
+    """The option objects a trainer was given, with its shortcut keywords put in their fields.
+
+    Args:
+        execution, init: the objects, or ``None`` for their defaults.
+        data_parallel: a :class:`DataParallel`, or an int: the shortcut for
+            ``DataParallel(size=n)`` (the old ``data_parallel=n``).
+        **shortcuts: old keywords (:data:`SHORTCUTS`), each put in its object's field.
+
+    Returns:
+        The resolved :class:`TrainerOptions`.
+
+    Raises:
+        OptionKeywordError: a keyword is neither a trainer parameter nor a shortcut (the message
+            suggests the closest name, and says where a field of an object belongs).
+        TrainerOptionError: a shortcut was given together with the object it belongs to (the
+            object alone says the whole section; the message shows how to put the value there).
+
+    Example:
+        >>> opts = resolve_options(schedule="zbh1", data_parallel=2, seed=3)
+        >>> opts.execution.schedule, opts.data_parallel.size, opts.init.seed
+        ('zbh1', 2, 3)
+        >>> resolve_options(Execution(schedule="gpipe")).execution == Execution(schedule="gpipe")
+        True
+    """
+    given: dict[str, Any] = {"execution": execution, "init": init, "data_parallel": data_parallel}
+    if data_parallel is not None and not isinstance(data_parallel, DataParallel):
+        shortcuts = {"data_parallel": data_parallel, **shortcuts}
+        given["data_parallel"] = None
+    fields: dict[str, dict[str, Any]] = {section: {} for section in _SECTIONS}
+    for key, value in shortcuts.items():
+        if key not in SHORTCUTS:
+            raise OptionKeywordError(_unknown(key))
+        section, name = SHORTCUTS[key]
+        if given[section] is not None:
+            kind = _SECTIONS[section].__name__
+            raise TrainerOptionError(
+                f"{key}={value!r} is a shortcut for {section}={kind}({name}=...), and {section}= was given "
+                f"too: set it there, e.g. {section}=dataclasses.replace({section}, {name}={value!r})"
+            )
+        fields[section][name] = value
+    built: dict[str, Any] = {}
+    for section, cls in _SECTIONS.items():
+        obj = given[section] if given[section] is not None else cls(**fields[section])
+        if not isinstance(obj, cls):
+            raise TrainerOptionError(
+                f"{section}= takes a runtime.{cls.__name__}, got {type(obj).__name__} {obj!r}: "
+                f"pass {section}={cls.__name__}(...)"
+            )
+        built[section] = obj
+    return TrainerOptions(**built)
+
+
+def _unknown(key: str) -> str:
+    """The message for a keyword nobody takes: the closest names, or the object it is a field of."""
+    text = f"PipelineTrainer() got an unexpected keyword argument {key!r}"
+    for section, cls in _SECTIONS.items():
+        if key in {f.name for f in dataclasses.fields(cls)}:
+            return f"{text}: it is a field of {cls.__name__}, pass {section}={cls.__name__}({key}=...)"
+    close = difflib.get_close_matches(key, list(dict.fromkeys([*TRAINER_KEYWORDS, *SHORTCUTS])), n=3)
+    hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else "."
+    old = ", ".join(k for k in SHORTCUTS if k not in TRAINER_KEYWORDS)
+    return (f"{text}{hint} It takes the keywords {', '.join(TRAINER_KEYWORDS)}, and for one release the "
+            f"shortcuts {old} (runtime.options.SHORTCUTS says where each goes)")
+

@@ -1,0 +1,147 @@
+"""The house rules of the source tree: which way each module imports, and how big rooms and modules get.
+
+The import graph is read from the source (``layout_graph``): every ``import``, function-level and
+``if TYPE_CHECKING:`` ones included, so a circle cannot hide inside a function.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from layout_graph import PACKAGES, ROOT, Layout
+
+MAX_MODULES_PER_FOLDER = 12
+MAX_MODULE_LINES = 600
+MAX_TRAINER_PARAMETERS = 12
+
+
+@pytest.fixture(scope="module")
+def layout() -> Layout:
+    return Layout.read()
+
+
+def test_no_circle_between_modules(layout: Layout) -> None:
+    assert layout.module_circles() == []
+
+
+def test_no_circle_between_rooms(layout: Layout) -> None:
+    assert layout.room_circles() == []
+
+
+def test_packages_import_one_way(layout: Layout) -> None:
+    # pipecut re-exports both; runtime runs partitioner's plans; partitioner knows neither.
+    assert layout.package_edges() <= {("pipecut", "partitioner"), ("pipecut", "runtime"), ("runtime", "partitioner")}
+
+
+def test_schedule_layer_imports_nothing_outside_itself(layout: Layout) -> None:
+    outside = {
+        (module, target)
+        for module, target in layout.graph.edges
+        if module.startswith("partitioner.schedule") and not target.startswith("partitioner.schedule")
+    }
+    assert outside == set()
+
+
+def test_the_graph_sees_function_level_and_type_checking_imports(tmp_path: Path) -> None:
+    for pkg in PACKAGES:
+        (tmp_path / pkg).mkdir()
+        (tmp_path / pkg / "__init__.py").write_text("")
+    (tmp_path / "partitioner" / "a.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from partitioner.b import X\n"
+    )
+    (tmp_path / "partitioner" / "b.py").write_text("def f():\n    from . import a\n")
+    layout = Layout.read(tmp_path)
+    assert layout.module_circles() == [["partitioner.a", "partitioner.b"]]
+    assert layout.room_circles() == [["partitioner.a", "partitioner.b"]]
+
+
+def test_folders_and_modules_stay_small(layout: Layout) -> None:
+    folders = layout.folders().items()
+    crowded = {str(f.relative_to(ROOT)): len(ms) for f, ms in folders if len(ms) > MAX_MODULES_PER_FOLDER}
+    assert crowded == {}
+    long = {m: n for m, p in layout.modules.items() if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert long == {}
+
+
+def test_every_subpackage_says_what_it_holds_in_one_line(layout: Layout) -> None:
+    for name, path in layout.modules.items():
+        if path.name == "__init__.py":
+            doc = ast.get_docstring(ast.parse(path.read_text()))
+            assert doc, f"{name} has no docstring"
+            if name.count(".") == 1:  # a subpackage: its purpose in the first line, a sentence
+                first = doc.strip().split("\n\n")[0]
+                assert "\n" not in first and first.endswith("."), f"{name}: say the purpose in one line"
+
+
+def test_trainer_takes_a_few_option_objects() -> None:
+    from runtime.trainer import PipelineTrainer
+
+    params = [p for p in inspect.signature(PipelineTrainer.__init__).parameters if p != "self"]
+    assert len(params) <= MAX_TRAINER_PARAMETERS, params
+
+
+def test_pipecut_reexports_the_public_api() -> None:
+    import partitioner
+    import pipecut
+    import runtime
+
+    assert set(pipecut.__all__) == set(partitioner.__all__) | set(runtime.__all__)
+    for name in pipecut.__all__:
+        assert getattr(pipecut, name) is getattr(partitioner, name, None) or getattr(runtime, name), name
+    for name in ("partition", "Plan", "PipelineTrainer", "Cluster", "PipecutError"):
+        assert name in pipecut.__all__
+
+
+@pytest.mark.parametrize("module", ["pipecut", "partitioner", "runtime", "partitioner.schedule.registry"])
+def test_each_package_imports_alone_in_a_fresh_interpreter(module: str) -> None:
+    done = subprocess.run([sys.executable, "-c", f"import {module}"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+# -- the picture in docs/architecture.md -------------------------------------------------------
+
+
+def _block(page: str) -> str:
+    text = (ROOT / page).read_text()
+    return text.split("<!-- layout:begin -->")[1].split("<!-- layout:end -->")[0]
+
+
+def _rows() -> list[list[str]]:
+    rows = []
+    for line in _block("docs/architecture.md").splitlines():
+        names = re.findall(r"\b(?:pipecut|partitioner|runtime)(?:\.\w+)?\b", line)
+        if names:
+            rows.append(names)
+    return rows
+
+
+def test_architecture_picture_lists_every_room_once(layout: Layout) -> None:
+    drawn = [room for row in _rows() for room in row]
+    assert sorted(drawn) == sorted(set(drawn)), "a room is drawn twice"
+    assert set(drawn) == set(layout.rooms.nodes)
+
+
+def test_architecture_picture_points_down(layout: Layout) -> None:
+    # Each room imports only rooms on lower rows of the picture: the picture is the import order.
+    row_of = {room: i for i, row in enumerate(_rows()) for room in row}
+    upward = sorted((a, b) for a, b in layout.rooms.edges if row_of[b] <= row_of[a])
+    assert upward == []
+
+
+def test_readme_draws_the_same_picture() -> None:
+    assert _block("README.md") == _block("docs/architecture.md")
+
+
+def test_importlib_finds_every_module(layout: Layout) -> None:
+    for name in layout.modules:
+        if name.endswith("__main__"):
+            continue
+        importlib.import_module(name)

@@ -13,140 +13,68 @@ Example:
 
 from __future__ import annotations
 
-from partitioner.errors import (
-    AlgorithmInputError,
-    CliArgumentError,
-    ClusterError,
-    CostOptionError,
-    InfeasibleMemoryError,
-    InputCountError,
-    InputError,
-    InputShapeError,
-    MissingArgumentError,
-    MissingDependencyError,
-    MissingPredictionError,
-    ModelFactoryError,
-    ModelFactoryNotFoundError,
-    ModelFileNotFoundError,
-    ModelImportError,
-    ModelSpecError,
-    ModeRegionError,
-    PartitionError,
-    PartitionOptionError,
-    PipecutError,
-    PlanFormatError,
-    PlanMismatchError,
-    SplitPointError,
-    StageIndexError,
-    TooManyStagesError,
-    TraceError,
-    TraceInputError,
-    TraceOptionError,
-    UnknownDeviceError,
-)
-from partitioner.schedule.errors import (
-    ScheduleError,
-    ScheduleFormatError,
-    SimulationError,
-    TimelineError,
-    UnknownScheduleError,
-)
-from runtime.errors import (
-    ActionError,
-    InconsistentScheduleError,
-    LossError,
-    MissingInputError,
-    ProcessGroupError,
-    StageError,
-    TrainerStateError,
-    TransportOptionError,
-)
-from runtime.execute.microbatch import MicrobatchError
-from runtime.execute.recompute import RecomputeOptionError
-from runtime.precision import PrecisionError
-from runtime.state.checkpoint import CheckpointError
-from runtime.state.materialize import MaterializeError
-from runtime.state.weight_errors import (
-    AmbiguousPrefixError,
-    MissingWeightsError,
-    PartialLoadError,
-    UnexpectedWeightsError,
-    WeightDtypeError,
-    WeightsDestinationError,
-    WeightsError,
-    WeightShapeError,
-    WeightsSourceError,
-)
-from runtime.transport.launch import LaunchError
-from runtime.transport.p2p import PeerFailed, TransportTimeout
-from runtime.transport.placement import PlacementError
+from partitioner.errors import AlgorithmInputError as AlgorithmInputError
+from partitioner.errors import CliArgumentError as CliArgumentError
+from partitioner.errors import ClusterError as ClusterError
+from partitioner.errors import CostOptionError as CostOptionError
+from partitioner.errors import InfeasibleMemoryError as InfeasibleMemoryError
+from partitioner.errors import InputCountError as InputCountError
+from partitioner.errors import InputError as InputError
+from partitioner.errors import InputShapeError as InputShapeError
+from partitioner.errors import MissingArgumentError as MissingArgumentError
+from partitioner.errors import MissingDependencyError as MissingDependencyError
+from partitioner.errors import MissingPredictionError as MissingPredictionError
+from partitioner.errors import ModelFactoryError as ModelFactoryError
+from partitioner.errors import ModelFactoryNotFoundError as ModelFactoryNotFoundError
+from partitioner.errors import ModelFileNotFoundError as ModelFileNotFoundError
+from partitioner.errors import ModelImportError as ModelImportError
+from partitioner.errors import ModelSpecError as ModelSpecError
+from partitioner.errors import ModeRegionError as ModeRegionError
+from partitioner.errors import PartitionError as PartitionError
+from partitioner.errors import PartitionOptionError as PartitionOptionError
+from partitioner.errors import PipecutError as PipecutError
+from partitioner.errors import PlanFormatError as PlanFormatError
+from partitioner.errors import PlanMismatchError as PlanMismatchError
+from partitioner.errors import SplitPointError as SplitPointError
+from partitioner.errors import StageIndexError as StageIndexError
+from partitioner.errors import TooManyStagesError as TooManyStagesError
+from partitioner.errors import TraceError as TraceError
+from partitioner.errors import TraceInputError as TraceInputError
+from partitioner.errors import TraceOptionError as TraceOptionError
+from partitioner.errors import UnknownDeviceError as UnknownDeviceError
+from partitioner.schedule.errors import ScheduleError as ScheduleError
+from partitioner.schedule.errors import ScheduleFormatError as ScheduleFormatError
+from partitioner.schedule.errors import SimulationError as SimulationError
+from partitioner.schedule.errors import TimelineError as TimelineError
+from partitioner.schedule.errors import UnknownScheduleError as UnknownScheduleError
+from runtime.errors import ActionError as ActionError
+from runtime.errors import InconsistentScheduleError as InconsistentScheduleError
+from runtime.errors import LossError as LossError
+from runtime.errors import MissingInputError as MissingInputError
+from runtime.errors import OptionKeywordError as OptionKeywordError
+from runtime.errors import ProcessGroupError as ProcessGroupError
+from runtime.errors import StageError as StageError
+from runtime.errors import TrainerOptionError as TrainerOptionError
+from runtime.errors import TrainerStateError as TrainerStateError
+from runtime.errors import TransportOptionError as TransportOptionError
+from runtime.execute.microbatch import MicrobatchError as MicrobatchError
+from runtime.execute.recompute import RecomputeOptionError as RecomputeOptionError
+from runtime.precision import PrecisionError as PrecisionError
+from runtime.state.checkpoint import CheckpointError as CheckpointError
+from runtime.state.materialize import MaterializeError as MaterializeError
+from runtime.state.weight_errors import AmbiguousPrefixError as AmbiguousPrefixError
+from runtime.state.weight_errors import MissingWeightsError as MissingWeightsError
+from runtime.state.weight_errors import PartialLoadError as PartialLoadError
+from runtime.state.weight_errors import UnexpectedWeightsError as UnexpectedWeightsError
+from runtime.state.weight_errors import WeightDtypeError as WeightDtypeError
+from runtime.state.weight_errors import WeightsDestinationError as WeightsDestinationError
+from runtime.state.weight_errors import WeightsError as WeightsError
+from runtime.state.weight_errors import WeightShapeError as WeightShapeError
+from runtime.state.weight_errors import WeightsSourceError as WeightsSourceError
+from runtime.transport.launch import LaunchError as LaunchError
+from runtime.transport.p2p import PeerFailed as PeerFailed
+from runtime.transport.p2p import TransportTimeout as TransportTimeout
+from runtime.transport.placement import PlacementError as PlacementError
 
-__all__ = [
-    "PipecutError",
-    # tracing
-    "TraceError",
-    "TraceOptionError",
-    "TraceInputError",
-    "ModeRegionError",
-    # partitioning and plans
-    "PartitionError",
-    "TooManyStagesError",
-    "InfeasibleMemoryError",
-    "SplitPointError",
-    "PartitionOptionError",
-    "AlgorithmInputError",
-    "CostOptionError",
-    "ClusterError",
-    "UnknownDeviceError",
-    "PlanMismatchError",
-    "PlanFormatError",
-    "MissingPredictionError",
-    "MissingArgumentError",
-    "StageIndexError",
-    # inputs of a step or a staged model
-    "InputError",
-    "InputShapeError",
-    "InputCountError",
-    "MissingInputError",
-    "MicrobatchError",
-    # models named on the command line, optional dependencies
-    "ModelSpecError",
-    "ModelFileNotFoundError",
-    "ModelImportError",
-    "ModelFactoryNotFoundError",
-    "ModelFactoryError",
-    "MissingDependencyError",
-    "CliArgumentError",
-    # schedules and their simulation
-    "ScheduleError",
-    "ScheduleFormatError",
-    "UnknownScheduleError",
-    "SimulationError",
-    "TimelineError",
-    # running a pipeline
-    "StageError",
-    "LossError",
-    "ActionError",
-    "InconsistentScheduleError",
-    "TrainerStateError",
-    "PlacementError",
-    "PrecisionError",
-    "RecomputeOptionError",
-    "TransportOptionError",
-    "TransportTimeout",
-    "PeerFailed",
-    "ProcessGroupError",
-    "LaunchError",
-    "MaterializeError",
-    "CheckpointError",
-    # weights
-    "WeightsError",
-    "MissingWeightsError",
-    "UnexpectedWeightsError",
-    "WeightShapeError",
-    "WeightDtypeError",
-    "AmbiguousPrefixError",
-    "WeightsSourceError",
-    "WeightsDestinationError",
-    "PartialLoadError",
-]
+# Every error class imported above (each ``X as X``, so type checkers see it re-exported).
+__all__ = [name for name, obj in list(globals().items()) if isinstance(obj, type) and issubclass(obj, PipecutError)]

@@ -235,7 +235,7 @@ class PipelineTrainer:
         averager = self._replicas.averager
         # Gradients of earlier calls were summed, averaged and unscaled already: only this call's
         # are, and the earlier ones are added back (runtime.execute.accumulation).
-        aside = set_aside(self.parameters())
+        aside = set_aside(list(self.parameters()))
         try:
             results = self._run(self.schedule, ins, tgts, train=True,
                                 on_stage_done=averager.stage_done if averager is not None else None)

@@ -110,56 +110,86 @@ def comm_plan(
         0B1
     """
     validate(schedule)
-    place, S = schedule.stage_to_rank, schedule.num_stages
-    flow = sorted(set(edges) if edges is not None else {(s, s + 1) for s in range(S - 1)})
-    for a, b in flow:
-        if not 0 <= a < b < S:
-            raise ScheduleError(
-                f"edge {(a, b)} does not go forward between stages 0..{S - 1}; each edge (a, b) "
-                "says stage b reads an output of stage a, so a < b"
-            )
-    readers = {a: [b for x, b in flow if x == a] for a in range(S)}
-    feeders = {b: [a for a, y in flow if y == b] for b in range(S)}
-    present = {a for row in schedule.actions for a in row}
+    flow = _Flow.of(schedule, edges)
+    channels = _channels(schedule, flow)
+    return tuple(_program(schedule, r, flow, channels) for r in range(schedule.num_ranks))
 
-    def grad_of(stage: int, mb: int) -> Action:  # the action producing stage's input gradients
-        return Action(stage, I, mb) if Action(stage, I, mb) in present else Action(stage, B, mb)
 
-    def inputs(x: Action) -> list[Action]:  # remote-or-local actions whose outputs x reads
+@dataclass(frozen=True)
+class _Flow:
+    """Which stages read which: ``readers[a]`` read outputs of ``a``, ``feeders[b]`` feed ``b``."""
+
+    readers: dict[int, list[int]]
+    feeders: dict[int, list[int]]
+    present: frozenset[Action]
+
+    @classmethod
+    def of(cls, schedule: Schedule, edges: Iterable[tuple[int, int]] | None) -> _Flow:
+        """The flow along ``edges`` (default the chain), each checked to go forward."""
+        S = schedule.num_stages
+        flow = sorted(set(edges) if edges is not None else {(s, s + 1) for s in range(S - 1)})
+        for a, b in flow:
+            if not 0 <= a < b < S:
+                raise ScheduleError(
+                    f"edge {(a, b)} does not go forward between stages 0..{S - 1}; each edge (a, b) "
+                    "says stage b reads an output of stage a, so a < b"
+                )
+        return cls(
+            {a: [b for x, b in flow if x == a] for a in range(S)},
+            {b: [a for a, y in flow if y == b] for b in range(S)},
+            frozenset(a for row in schedule.actions for a in row),
+        )
+
+    def grad_of(self, stage: int, mb: int) -> Action:
+        """The action producing ``stage``'s input gradients: its ``I`` if the schedule splits, else ``B``."""
+        return Action(stage, I, mb) if Action(stage, I, mb) in self.present else Action(stage, B, mb)
+
+    def inputs(self, x: Action) -> list[Action]:
+        """The actions, remote or local, whose outputs ``x`` reads."""
         if x.kind is F:
-            return [Action(a, F, x.mb) for a in feeders[x.stage]]
-        return [grad_of(b, x.mb) for b in readers[x.stage]] if x.kind in (B, I) else []
+            return [Action(a, F, x.mb) for a in self.feeders[x.stage]]
+        return [self.grad_of(b, x.mb) for b in self.readers[x.stage]] if x.kind in (B, I) else []
 
-    def outputs(x: Action) -> list[int]:  # the stages x sends its output to
+    def outputs(self, x: Action) -> list[int]:
+        """The stages ``x`` sends its output to."""
         if x.kind is F:
-            return readers[x.stage]
-        return feeders[x.stage] if x.kind in (B, I) else []
+            return self.readers[x.stage]
+        return self.feeders[x.stage] if x.kind in (B, I) else []
 
-    # Each (source rank, destination rank) channel carries messages in the order they are sent.
-    channel: dict[tuple[int, int], list[tuple[Action, int]]] = {}
+
+def _channels(schedule: Schedule, flow: _Flow) -> dict[tuple[int, int], list[tuple[Action, int]]]:
+    """Per (source rank, destination rank), the messages it carries in the order they are sent."""
+    place = schedule.stage_to_rank
+    channels: dict[tuple[int, int], list[tuple[Action, int]]] = {}
     for r, row in enumerate(schedule.actions):
         for x in row:
-            for dst in outputs(x):
+            for dst in flow.outputs(x):
                 if place[dst] != r:
-                    channel.setdefault((r, place[dst]), []).append((x, dst))
-    plans: list[tuple[Op, ...]] = []
-    for r, row in enumerate(schedule.actions):
-        ops: list[Op] = []
-        taken: dict[int, int] = {}  # per source rank, how many of its messages r has received
-        got: set[tuple[Action, int]] = set()
-        for x in row:
-            for src in inputs(x):
-                q = place[src.stage]
-                while q != r and (src, x.stage) not in got:  # earlier messages come first
-                    k = taken.get(q, 0)
-                    y, dst = channel[(q, r)][k]
-                    taken[q] = k + 1
-                    got.add((y, dst))
-                    ops.append(Recv(q, y.stage, y.kind, y.mb, dst))
-            ops.append(x)
-            ops += [Send(place[d], x.stage, x.kind, x.mb, d) for d in outputs(x) if place[d] != r]
-        plans.append(tuple(ops))
-    return tuple(plans)
+                    channels.setdefault((r, place[dst]), []).append((x, dst))
+    return channels
+
+
+def _program(
+    schedule: Schedule, r: int, flow: _Flow, channels: dict[tuple[int, int], list[tuple[Action, int]]]
+) -> tuple[Op, ...]:
+    """Rank ``r``'s ops: each action, the receives it needs first (earlier messages of a channel
+    before later ones), and its sends after it."""
+    place = schedule.stage_to_rank
+    ops: list[Op] = []
+    taken: dict[int, int] = {}  # per source rank, how many of its messages r has received
+    got: set[tuple[Action, int]] = set()
+    for x in schedule.actions[r]:
+        for src in flow.inputs(x):
+            q = place[src.stage]
+            while q != r and (src, x.stage) not in got:  # earlier messages come first
+                k = taken.get(q, 0)
+                y, dst = channels[(q, r)][k]
+                taken[q] = k + 1
+                got.add((y, dst))
+                ops.append(Recv(q, y.stage, y.kind, y.mb, dst))
+        ops.append(x)
+        ops += [Send(place[d], x.stage, x.kind, x.mb, d) for d in flow.outputs(x) if place[d] != r]
+    return tuple(ops)
 
 
 def needs_early_receives(

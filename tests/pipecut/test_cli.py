@@ -100,3 +100,17 @@ def test_plan_command_precision_flag(capsys: pytest.CaptureFixture[str]) -> None
     fp32 = capsys.readouterr().out
     assert "precision bf16" in bf16.splitlines()[0] and "precision fp32" in fp32.splitlines()[0]
     assert bf16 != fp32  # 16-bit matmuls and halved activations change the times and memory
+
+
+def test_python_dash_m_pipecut_runs_the_same_command_line() -> None:
+    import subprocess
+    import sys
+
+    from partitioner.schedule.registry import TRAINING_SCHEDULES
+
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-m", "pipecut", "plan", "--help"], cwd=root, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "--schedule" in done.stdout
+    for name in TRAINING_SCHEDULES:  # the choices come from the schedule registry
+        assert name in done.stdout

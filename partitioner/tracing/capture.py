@@ -20,6 +20,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils import _pytree as pytree
 
+from partitioner.tracing.guards import SizeGuards
+
 __all__ = [
     "Capture", "drop_asserts", "flatten_output", "fill_output_val",
     "cpu_fake", "cpu_fake_state", "on_meta", "to_meta",
@@ -45,12 +47,15 @@ class Capture:
         inputs: the example tensors of one micro-batch, one per placeholder, in call order.
         dynamic_dims: per input, the dimensions the graph leaves free (any size runs); ``None``
             when the tracer does not fix sizes at all (fx: only the ops decide).
+        size_guards: export's guards on those free sizes (``guards.SizeGuards``): the graph holds
+            only where they do; ``None`` when the tracer recorded none.
     """
 
     gm: fx.GraphModule
     out_spec: pytree.TreeSpec
     inputs: list[torch.Tensor]
     dynamic_dims: tuple[tuple[int, ...], ...] | None = None
+    size_guards: SizeGuards | None = None
 
 
 def drop_asserts(graph: fx.Graph) -> None:

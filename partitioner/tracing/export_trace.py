@@ -29,6 +29,7 @@ from partitioner.tracing.capture import (
 )
 from partitioner.tracing.failures import first_line
 from partitioner.tracing.fxutil import named_tensors, owner_of
+from partitioner.tracing.guards import take_size_guards
 from partitioner.tracing.hops import replace_mode_ops
 
 __all__ = ["trace_export"]
@@ -67,14 +68,16 @@ def trace_export(
     ep = _export_dynamic_or_static(model, args, kwargs, shape_args, shape_kwargs, dynamic=dynamic)
     unlifted = ep.module()
     graph = unlifted.graph
+    flat = pytree.tree_leaves((shape_args, shape_kwargs))
+    guards = take_size_guards(graph, unlifted, flat)
     out_spec = _plain_graph(graph)
-    kept, dynamic_dims = _tensor_inputs(graph, pytree.tree_leaves((shape_args, shape_kwargs)))
+    kept, dynamic_dims = _tensor_inputs(graph, flat)
     gm = fx.GraphModule(unlifted, graph, type(model).__name__)
     _restore_originals(gm, model)
     # no_grad / autocast regions: torch's ops leave the mode changed when their body raises.
     replace_mode_ops(gm)
     _record_shapes(gm, kept, dynamic_dims)
-    return Capture(gm, out_spec, kept, tuple(dynamic_dims))
+    return Capture(gm, out_spec, kept, tuple(dynamic_dims), guards if any(dynamic_dims) else None)
 
 
 def _export_dynamic_or_static(

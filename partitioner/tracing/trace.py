@@ -34,6 +34,7 @@ from partitioner.tracing.failures import first_line, trace_failure_message
 from partitioner.tracing.fingerprint import graph_fingerprint
 from partitioner.tracing.fxutil import named_tensors
 from partitioner.tracing.globalstate import preserved
+from partitioner.tracing.guards import SizeGuards
 from partitioner.tracing.hops import bodies, run_with_autocast
 
 __all__ = [
@@ -86,6 +87,10 @@ class TracedModel:
             ``gm`` uses -> every name of that tensor in the original model, graph name first.
             Tensors with one name are absent.
         example_inputs: shapes and dtypes of the example inputs, in call order.
+        size_guards: for an exported graph with free sizes, torch.export's guards on them: the
+            sizes the graph is valid for (``guards.SizeGuards``; the runtime checks every new
+            micro-batch size against them). ``None`` for fx graphs, whose ops read every size they
+            use from the inputs, and for graphs with no free size.
 
     Example:
         >>> import torch
@@ -103,6 +108,7 @@ class TracedModel:
     out_spec: pytree.TreeSpec
     param_aliases: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     example_inputs: tuple[InputMeta, ...] = ()
+    size_guards: SizeGuards | None = field(default=None, repr=False)
 
     def module_path(self, node: fx.Node) -> str:
         """Qualified name of the innermost module ``node`` was traced in, ``''`` at top level."""
@@ -338,6 +344,7 @@ def _traced(model: nn.Module, method: Literal["fx", "export"], captured: Capture
         out_spec=out_spec,
         param_aliases=_aliases(model, gm),
         example_inputs=metas,
+        size_guards=captured.size_guards,
     )
 
 

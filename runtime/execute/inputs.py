@@ -8,8 +8,11 @@ input, what the plan expects, what came and the fix:
 * the number of inputs, and that each is a tensor where the model took one;
 * each tensor's dtype against the traced one (a float64 batch to a float32 model);
 * each tensor's sizes: an export-traced graph fixes every dimension it did not make dynamic
-  (``runtime.execute.shapes.check_fixed_dims``); a graph from torch.fx fixes none itself, so a
-  micro-batch whose non-batch sizes differ from the example is run once on fake tensors
+  (``runtime.execute.shapes.check_fixed_dims``), and holds for the dynamic ones only where the
+  guards torch.export recorded hold (:func:`check_guards`); a graph from torch.fx fixes none
+  itself (every size the model reads is an op on its input; fx cannot trace Python code that
+  branches on a size, which goes to torch.export), so a micro-batch of new sizes is run once on
+  fake tensors
   (``runtime.execute.shapes.wire_shapes``, no memory, no FLOPs), and an op that rejects the sizes is
   reported as the input's error;
 * the targets' rows against the inputs' rows, when the model's output is batch-major (its first
@@ -28,7 +31,7 @@ from partitioner.tracing.failures import first_line
 from partitioner.tracing.trace import TracedModel
 from runtime.execute.shapes import check_fixed_dims, wire_shapes
 
-__all__ = ["check_inputs", "check_sizes", "check_targets", "shape_key"]
+__all__ = ["check_inputs", "check_sizes", "check_guards", "check_targets", "shape_key"]
 
 
 def check_inputs(traced: TracedModel, flat: Sequence[Any]) -> None:
@@ -92,8 +95,53 @@ def check_sizes(
     metas = traced.example_inputs
     if traced.method == "export" or any(meta.dynamic is not None for meta in metas):
         check_fixed_dims(metas, mb_inputs)
+        check_guards(traced, mb_inputs)
         return
     _check_fx_sizes(traced, mb_inputs, shape_cache)
+
+
+def check_guards(traced: TracedModel, mb_inputs: Mapping[str, Any]) -> None:
+    """Check one micro-batch's sizes against torch.export's guards on the free dimensions.
+
+    An exported graph is valid only where the guards export recorded hold: a model whose code
+    branches on the batch size, reshapes it into halves or checks it gets a guard, and at a size
+    outside it the graph would compute what the model computes at the traced size, not at this one.
+
+    Raises:
+        InputShapeError: a guard fails; the message names the inputs' traced and given shapes, the
+            guard, and the fix.
+
+    Example:
+        >>> from torch import nn
+        >>> from partitioner import trace
+        >>> class Halves(nn.Module):
+        ...     def forward(self, x):
+        ...         return x.view(x.shape[0] // 2, 2, -1).sum(1)
+        >>> t = trace(Halves(), (torch.randn(8, 4),), method="export")
+        >>> check_guards(t, {"x": torch.zeros(6, 4)})     # even: the graph holds
+        >>> check_guards(t, {"x": torch.zeros(3, 4)})
+        Traceback (most recent call last):
+        ...
+        partitioner.errors.InputShapeError: the plan's graph does not hold for micro-batches of these sizes ...
+    """
+    guards = traced.size_guards
+    if guards is None:
+        return
+    failed = guards.failure(mb_inputs)
+    if failed is None:
+        return
+    listing = "; ".join(
+        f"input {m.name!r}: traced {m.shape}, got {tuple(mb_inputs[m.name].shape)}"
+        for m in traced.example_inputs if isinstance(mb_inputs.get(m.name), torch.Tensor)
+    )
+    raise InputShapeError(
+        f"the plan's graph does not hold for micro-batches of these sizes ({listing}): torch.export "
+        f"found that the model's code depends on them and recorded the guard `{failed}`, which fails "
+        "here (a branch, a reshape or a check on a size in the model's forward). Running it would "
+        "silently compute what the model computes at the traced size. Use micro-batches whose sizes "
+        "satisfy the guard (trainer microbatches=, or another batch size), or re-plan with example "
+        "inputs of the size you train with (partition(model, example, ...))."
+    )
 
 
 def check_targets(traced: TracedModel, inputs: Sequence[Any], targets: Any) -> None:
@@ -126,11 +174,10 @@ def _check_fx_sizes(
     key = shape_key(mb_inputs)
     changed = [
         meta for meta in metas
-        if isinstance(mb_inputs.get(meta.name), torch.Tensor)
-        and tuple(mb_inputs[meta.name].shape)[1:] != tuple(meta.shape)[1:]
+        if isinstance(mb_inputs.get(meta.name), torch.Tensor) and tuple(mb_inputs[meta.name].shape) != meta.shape
     ]
     if not changed or (cache is not None and key in cache):
-        return  # only the batch differs (fx graphs run any batch), or these sizes ran before
+        return  # the traced sizes, or sizes that ran before
     try:
         shapes = wire_shapes(traced.gm, mb_inputs, method=traced.method)
     except PlanMismatchError as e:
@@ -139,9 +186,9 @@ def _check_fx_sizes(
         )
         raise InputShapeError(
             f"the planned graph cannot run on these inputs ({listing}): "
-            f"{type(e.__cause__).__name__}: {first_line(e.__cause__).rstrip('.')}. Give inputs whose sizes "
-            "other than the batch match the traced example, or re-plan with example inputs of the "
-            "new sizes"
+            f"{type(e.__cause__).__name__}: {first_line(e.__cause__).rstrip('.')}. The model's own code "
+            "rejects these sizes (a reshape or an op that needs other sizes): give inputs of sizes it "
+            "takes, or re-plan with example inputs of the new sizes"
         ) from e.__cause__
     if cache is not None:
         cache[key] = shapes

@@ -25,7 +25,7 @@ from partitioner.plan.split import StagedModel, StageIO, ValueSpec, split_graph
 if TYPE_CHECKING:
     import torch
 
-    from partitioner.tracing.trace import TracedModel
+    from partitioner.tracing.trace import InputMeta, TracedModel
 
 # The records are re-exported: readers of plans import them from here, as before.
 __all__ = ["FORMAT_VERSION", "Plan", "StagePlan", "Prediction", "Candidate"]
@@ -81,6 +81,25 @@ class Plan(PlanRecord):
                 "plan = plan.bind(model, example_inputs) first."
             )
         return self._binding.traced
+
+    @property
+    def inputs(self) -> tuple[InputMeta, ...]:
+        """The sizes the plan is valid for: each input's traced micro-batch shape and dtype, and the
+        dimensions proven free (``InputMeta.dynamic``: torch.export's dynamic ones, valid where
+        ``traced.size_guards`` hold; ``None`` for an fx graph, whose ops read every size).
+
+        Raises:
+            PlanMismatchError: the plan was loaded from a file and not bound yet.
+
+        Example:
+            >>> import torch
+            >>> from torch import nn
+            >>> from partitioner import partition
+            >>> plan = partition(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), (torch.randn(2, 4),), num_stages=1)
+            >>> [(i.name, i.shape, i.dtype) for i in plan.inputs]
+            [('input_1', (2, 4), 'torch.float32')]
+        """
+        return self.traced.example_inputs
 
     @property
     def model(self) -> torch.nn.Module:

@@ -84,7 +84,7 @@ def _gpt2() -> Case:
     transformers = pytest.importorskip("transformers")
     from partitioner.tracing.trace import CausalLMLogits
 
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32)
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=64, n_positions=32)
     return CausalLMLogits(transformers.GPT2LMHeadModel(cfg)).train(), (torch.randint(0, 64, (2, 8)),)
 
 

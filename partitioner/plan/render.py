@@ -1,4 +1,9 @@
-"""Human-readable forms of a Plan: the stage table (rich) and a Graphviz DOT picture."""
+"""Human-readable forms of a Plan: the stage table (rich) and a Graphviz DOT picture.
+
+Module names are the user's (``add_module`` and ``nn.ModuleDict`` take any string), so both forms
+escape them: the table shows control characters as Python escapes (an ANSI sequence never reaches
+the terminal) and never reads rich markup in them; DOT strings escape backslashes and quotes.
+"""
 
 from __future__ import annotations
 
@@ -9,13 +14,32 @@ from typing import TYPE_CHECKING
 from rich import box
 from rich.console import Console, JustifyMethod
 from rich.table import Table
+from rich.text import Text
 
 from partitioner.schedule.registry import stages_per_rank
 
 if TYPE_CHECKING:
     from partitioner.plan.records import PlanRecord, StagePlan
 
-__all__ = ["render_text", "render_dot", "fmt_bytes", "fmt_time", "fmt_flops", "fmt_count"]
+__all__ = ["render_text", "render_dot", "printable", "fmt_bytes", "fmt_time", "fmt_flops", "fmt_count"]
+
+
+def printable(s: str) -> str:
+    """``s`` with every character a terminal would act on written as its Python escape.
+
+    ESC (ANSI colours, cursor moves, window titles), the other control characters, and invisible
+    format characters such as right-to-left overrides: ``'\\x1b[31mred' -> '\\\\x1b[31mred'``.
+
+    Example:
+        >>> print(printable("h.\\x1b[2Jx\\ty"))
+        h.\\x1b[2Jx\\ty
+    """
+    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in s)
+
+
+def _text(s: str) -> Text:
+    """A cell or line as plain text: printable, and ``[bold]`` in a name stays ``[bold]``."""
+    return Text(printable(s))
 
 
 def fmt_bytes(n: float) -> str:
@@ -95,7 +119,7 @@ def _stage_row(plan: PlanRecord, st: StagePlan, *, worst: int, recompute_column:
 def _stage_table(plan: PlanRecord) -> Table:
     """A row per stage; no device column when all stages share one device type."""
     uniform = len({st.device for st in plan.stages}) == 1
-    table = Table(title=_title(plan), box=box.SIMPLE_HEAD, title_justify="left")
+    table = Table(title=_text(_title(plan)), box=box.SIMPLE_HEAD, title_justify="left")
     columns: list[tuple[str, JustifyMethod]] = [
         ("stage", "right"), ("device", "left"), ("modules", "left"), ("nodes", "right"),
         ("params", "right"), ("fwd FLOPs", "right"), ("bwd FLOPs", "right"),
@@ -115,7 +139,7 @@ def _stage_table(plan: PlanRecord) -> Table:
         row = _stage_row(plan, st, worst=worst, recompute_column=recomputing)
         if uniform:
             row.pop(1)
-        table.add_row(*row)
+        table.add_row(*map(_text, row))
     return table
 
 
@@ -151,10 +175,10 @@ def render_text(plan: PlanRecord, width: int = 160) -> str:
     console = Console(file=buf, width=width, no_color=True, highlight=False, soft_wrap=False)
     console.print(_stage_table(plan))
     for line in _summary_lines(plan):
-        console.print(line, soft_wrap=True)
+        console.print(_text(line), soft_wrap=True)
     if plan.candidates:
         console.print(_candidates_table(plan))
-        console.print(f"chose {plan.choice}", soft_wrap=True)
+        console.print(_text(f"chose {plan.choice}"), soft_wrap=True)
     return buf.getvalue().rstrip() + "\n"
 
 
@@ -180,14 +204,14 @@ def _candidates_table(plan: PlanRecord) -> Table:
     rows = sorted(plan.candidates, key=lambda c: (not c.fits, c.time_per_microbatch, c.microbatches))
     for c in rows:
         won = c.schedule == plan.schedule and c.microbatches == plan.microbatches
-        table.add_row(
+        table.add_row(*map(_text, (
             f"{c.schedule}{' <- chosen' if won else ''}", str(c.microbatches), str(c.stages),
             fmt_time(c.step_time) if c.fits or c.step_time else "-",
             fmt_time(c.time_per_microbatch) if c.time_per_microbatch else "-",
             f"{c.bubble:.1%}" if c.step_time else "-",
             f"{fmt_bytes(c.memory)} / {fmt_bytes(c.capacity)}" if c.memory else "-",
             ("yes" + (f" ({c.note})" if c.note else "")) if c.fits else f"no: {c.note}",
-        )
+        )))
     return table
 
 
@@ -195,19 +219,21 @@ def render_dot(plan: PlanRecord) -> str:
     """A DOT digraph: one cluster per stage (its nodes listed when few), edges with bytes."""
     out = ["digraph pipecut_plan {", "  rankdir=LR;", '  node [shape=box, fontname="Helvetica"];']
     for st in plan.stages:
-        label = (
-            f"stage {st.index} ({st.device})\\n{st.modules}\\n{len(st.nodes)} nodes, "
-            f"{fmt_count(st.params)} params\\ntime {fmt_time(st.time)}, mem {fmt_bytes(st.memory)}"
+        label = _dot_lines(
+            f"stage {st.index} ({st.device})", st.modules, f"{len(st.nodes)} nodes, {fmt_count(st.params)} params",
+            f"time {fmt_time(st.time)}, mem {fmt_bytes(st.memory)}",
         )
-        out.append(f'  s{st.index} [label="{_esc(label)}"];')
+        out.append(f'  s{st.index} [label="{label}"];')
     for io_ in plan.io:
         for v in io_.outputs:
             for c in v.consumers:
                 if c != io_.stage:
-                    out.append(f'  s{io_.stage} -> s{c} [label="{_esc(v.name)}\\n{fmt_bytes(v.nbytes)}"];')
+                    out.append(f'  s{io_.stage} -> s{c} [label="{_dot_lines(v.name, fmt_bytes(v.nbytes))}"];')
     out.append("}")
     return "\n".join(out) + "\n"
 
 
-def _esc(s: str) -> str:
-    return s.replace('"', '\\"')
+def _dot_lines(*lines: str) -> str:
+    """The body of a DOT double-quoted label, one line each: a backslash or quote in a name is
+    escaped (``a\\b`` would read as an escape), control characters written as Python escapes."""
+    return "\\n".join(printable(s).replace("\\", "\\\\").replace('"', '\\"') for s in lines)

@@ -130,6 +130,9 @@ def trace_fx(
     out_spec = flatten_output(gm.graph)
     gm.recompile()
 
+    # The model's own (real) buffers are read here, and a 0-dim one written in place stays
+    # written under fake tensors (BatchNorm's num_batches_tracked); trace() runs inside
+    # preserved(model), which puts every buffer back.
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with cpu_fake_state(gm, mode):  # a meta model is shaped as if on the CPU, as in export
         _LeafTolerantProp(gm, mode).propagate_dont_convert_inputs(*[cpu_fake(mode, t) for t in inputs])

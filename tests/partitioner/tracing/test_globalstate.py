@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -133,3 +134,55 @@ def test_differences_name_each_item() -> None:
         changed = GlobalState.capture(model).differences(before)
     assert changed == ["CPU RNG state changed", "training flipped on 1: ['0']"]
     assert GlobalState.capture(model).differences(before) == []
+
+
+def test_python_and_numpy_rng_are_restored() -> None:
+    np = pytest.importorskip("numpy")
+    np.random.seed(3)
+    py, npy = random.getstate(), np.random.get_state()
+    before = GlobalState.capture()
+    with preserved():
+        random.random()
+        np.random.rand(2)
+        assert GlobalState.capture().differences(before) == [
+            "Python random state changed", "numpy RNG state changed",
+        ]
+    assert random.getstate() == py
+    assert all(np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b
+               for a, b in zip(np.random.get_state(), npy))
+
+
+class _Stats(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(3, momentum=None)
+        self.register_buffer("table", torch.arange(4.0))
+        self.register_buffer("nan", torch.tensor([float("nan"), 1.0]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(x)  # type: ignore[no-any-return]
+
+
+def test_buffers_written_or_reassigned_are_put_back() -> None:
+    model = _Stats().train()
+    table, values = model.table, {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(4, 3)
+    before = GlobalState.capture(model)
+    with preserved(model):
+        model(x)  # running stats and num_batches_tracked move
+        model.table = torch.zeros(4)  # a forward that reassigns its buffer
+        assert GlobalState.capture(model).differences(before) == [
+            "buffers changed: ['table', 'bn.running_mean', 'bn.running_var', 'bn.num_batches_tracked']",
+        ]
+    assert model.table is table
+    for name, t in model.state_dict().items():
+        torch.testing.assert_close(t, values[name], rtol=0, atol=0, equal_nan=True)
+    assert GlobalState.capture(model).differences(before) == []  # an untouched NaN is unchanged
+
+
+def test_a_parameter_written_in_place_is_reported() -> None:
+    model = nn.Linear(2, 2)
+    before = GlobalState.capture(model)
+    with torch.no_grad():
+        model.weight.add_(1)
+    assert GlobalState.capture(model).differences(before) == ["parameters written in place: ['weight']"]

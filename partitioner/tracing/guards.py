@@ -32,7 +32,8 @@ class SizeGuards:
 
     Attributes:
         fn: ``torch.export``'s guard module; called with the graph's flat inputs, it raises an
-            ``AssertionError`` naming the first guard that fails (``Guard failed: x.size()[0] >= 5``).
+            ``AssertionError`` naming the first guard that fails (``Guard failed: x.size()[0] >= 5``),
+            or another error where a guard is undefined at the sizes (a modulo by a zero size).
         args: per argument of ``fn``: ``('input', name)`` for a graph input, by placeholder name,
             or ``('const', value)`` for an input export specialised (a Python scalar).
     """
@@ -60,6 +61,8 @@ class SizeGuards:
         except AssertionError as e:
             text = str(e).strip() or type(e).__name__
             return text.removeprefix("Guard failed:").strip()
+        except Exception as e:  # a guard undefined at these sizes (a modulo by a zero size)
+            return f"{type(e).__name__}: {str(e).strip()} (evaluating the guards)"
         return None
 
 

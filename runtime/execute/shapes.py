@@ -19,6 +19,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from partitioner.errors import InputShapeError, PlanMismatchError
+from partitioner.tracing.globalstate import preserved
 from partitioner.tracing.trace import InputMeta
 
 __all__ = ["wire_shapes", "check_fixed_dims"]
@@ -59,7 +60,9 @@ def wire_shapes(gm: fx.GraphModule, inputs: Mapping[str, Any], *, method: str = 
     fake = [mode.from_tensor(inputs[n]) if isinstance(inputs[n], torch.Tensor) else inputs[n] for n in names]
     rec = _ShapeRecorder(gm)
     try:
-        with mode, _quiet(_FAKE_LOG):
+        # Leaf modules run on fake tensors still write their real buffers in place
+        # (BatchNorm's num_batches_tracked): finding shapes must leave the model as it was.
+        with preserved(gm, what="wire_shapes()"), mode, _quiet(_FAKE_LOG):
             rec.run(*fake)
     except Exception as e:  # any op may reject the new shapes: say why in pipecut's terms
         given = {n: tuple(v.shape) for n, v in inputs.items() if isinstance(v, torch.Tensor)}

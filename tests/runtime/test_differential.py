@@ -32,7 +32,7 @@ from runtime.errors import LossError, StageError
 
 LONG = os.environ.get("PIPECUT_FUZZ") == "long"
 TOL = {"rtol": 1e-4, "atol": 1e-5}
-BLOCKS = ("linear", "skip", "buffer", "inplace", "tied", "batch_branch", "pairs")
+BLOCKS = ("linear", "skip", "buffer", "inplace", "tied", "batch_branch", "pairs", "batchnorm")
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,7 @@ class Generated(nn.Module):
         self.spec = spec
         self.stem = nn.Linear(6, w)
         self.layers = nn.ModuleList(nn.Linear(w, w) for _ in spec.blocks)
+        self.norms = nn.ModuleDict({str(i): nn.BatchNorm1d(w) for i, k in enumerate(spec.blocks) if k == "batchnorm"})
         self.register_buffer("offset", torch.linspace(-0.5, 0.5, w))
         self.head = nn.Linear(w, 2)
 
@@ -76,6 +77,8 @@ class Generated(nn.Module):
                 h = torch.tanh(layer(h))
                 if x.shape[0] > 2:
                     h = h * 1.5
+            elif kind == "batchnorm":  # running statistics updated by every forward, in order
+                h = torch.tanh(self.norms[str(i)](layer(h)))
             elif kind == "pairs":  # a reshape that needs an even batch
                 h = torch.tanh(layer(h))
                 h = h.view(x.shape[0] // 2, 2, -1).flip(1).reshape(x.shape[0], -1)
@@ -104,12 +107,15 @@ def cases(draw: st.DrawFn) -> dict[str, object]:
 
 
 def _plain(model: nn.Module, x: torch.Tensor, y: torch.Tensor, m: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The plain model on ``m`` equal micro-batches: the mean of their losses, and the gradients."""
+    """The plain model (a copy) on ``m`` equal micro-batches in order: the mean of their losses, the
+    gradients, and the buffers after (running statistics see the micro-batches one by one)."""
     ref = copy.deepcopy(model)
     losses = [nn.functional.mse_loss(ref(xm), ym) for xm, ym in zip(x.split(x.shape[0] // m), y.split(x.shape[0] // m))]
     loss = torch.stack(losses).mean()
     loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None}
+    after = {n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None}
+    after.update({f"buffer {n}": b.clone() for n, b in ref.named_buffers()})
+    return loss.detach(), after
 
 
 def run_case(c: dict[str, object]) -> str:
@@ -120,6 +126,7 @@ def run_case(c: dict[str, object]) -> str:
     model = Generated(spec)
     x, y = torch.randn(int(c["rows"]), 6), torch.randn(int(c["rows"]), 2)  # type: ignore[call-overload]
     example = torch.randn(int(c["example_rows"]), 6)  # type: ignore[call-overload]
+    untouched = copy.deepcopy(model)  # the reference starts from the model as it was given
     try:
         plan = partition(model, (example,), num_stages=int(c["stages"]))  # type: ignore[call-overload]
         trainer = PipelineTrainer(
@@ -130,15 +137,16 @@ def run_case(c: dict[str, object]) -> str:
     except (StageError, LossError):
         # A failure inside a stage is a refusal only where the plain model fails too.
         try:
-            _plain(model, x, y, m)
+            _plain(untouched, x, y, m)
         except Exception:
             return "refused: the model itself fails"
         raise
     except PipecutError as e:
         return f"refused: {type(e).__name__}"
-    want_loss, want = _plain(model, x, y, m)
+    want_loss, want = _plain(untouched, x, y, m)
     torch.testing.assert_close(got_loss.detach(), want_loss, **TOL)
     got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    got.update({f"buffer {n}": b for n, b in model.named_buffers()})
     assert got.keys() == want.keys()
     for name in want:
         torch.testing.assert_close(got[name], want[name], **TOL, msg=name)
@@ -171,3 +179,19 @@ def test_a_batch_branch_planned_at_one_row_is_refused_above_it(rows: int) -> Non
     c = {"spec": Spec(("batch_branch", "linear"), 4), "example_rows": 1, "rows": rows, "m": 1,
          "schedule": "1f1b", "stages": 2, "transport": "sequential", "seed": 0}
     assert run_case(c) in ("equal", "refused: InputShapeError")
+
+
+def test_running_statistics_after_a_step_at_a_new_size_equal_the_plain_models() -> None:
+    # Found by the harness: checking a new micro-batch size ran the graph on fake tensors, and
+    # BatchNorm's leaf still counted that run in its real num_batches_tracked.
+    c = {"spec": Spec(("linear", "batchnorm"), 4), "example_rows": 2, "rows": 3, "m": 1,
+         "schedule": "1f1b", "stages": 1, "transport": "sequential", "seed": 0}
+    assert run_case(c) == "equal"
+
+
+def test_guards_undefined_at_one_row_are_a_refusal() -> None:
+    # Found by the harness: export's guard for a reshape into pairs divides by the size; at one
+    # row evaluating it raised ZeroDivisionError instead of refusing the size.
+    c = {"spec": Spec(("pairs", "batch_branch"), 4), "example_rows": 2, "rows": 1, "m": 1,
+         "schedule": "1f1b", "stages": 1, "transport": "sequential", "seed": 0}
+    assert run_case(c) in ("refused: InputShapeError", "refused: the model itself fails")

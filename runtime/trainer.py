@@ -239,7 +239,7 @@ class PipelineTrainer:
         try:
             results = self._run(self.schedule, ins, tgts, train=True,
                                 on_stage_done=averager.stage_done if averager is not None else None)
-            sum_tied_grads(self._tied, _comm_device)
+            sum_tied_grads(self._tied, _comm_device, timeout=self.timeout)
             if averager is not None:
                 averager.finish(self.mesh.pp_group)  # every replica (sharded: each owner) holds the averages
         finally:

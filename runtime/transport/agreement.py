@@ -99,8 +99,10 @@ class StepAgreement:
         mine = torch.tensor([digest], dtype=torch.int64, device=comm_device())
         gathered = [torch.empty_like(mine) for _ in ranks]
         work = dist.all_gather(gathered, mine, group=self.group, async_op=True)
-        wait_bounded(work, timeout=self.timeout, what=f"the check that ranks {ranks} run the same step "
-                     "(micro-batches, schedule, plan, batch sizes)")
+        mine_text = ", ".join(f"{k} {v}" for k, v in facts.items() if k not in self._setup)
+        # A rank that agreed on its setting before does not check again: say what this one ran.
+        wait_bounded(work, timeout=self.timeout, what=f"the check that ranks {ranks} run the same step as this "
+                     f"one ({mine_text}; a rank that ran its own sizes before does not check them again)")
         if all(int(g.item()) == digest for g in gathered):
             self._agreed.add(digest)
             return

@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -35,9 +35,17 @@ from runtime.transport.process_group import comm_device
 if TYPE_CHECKING:
     from partitioner.plan.plan import Plan
     from partitioner.schedule.ir import Schedule
-    from runtime.precision import MixedPrecision
 
 __all__ = ["StepAgreement", "step_facts", "disagreement"]
+
+
+class _Precision(Protocol):
+    # What the check reads of ``runtime.precision.MixedPrecision`` (a room above this one).
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def cast_activations(self) -> bool: ...
 
 # What to do about each fact that differs, by the fact's first word.
 _FIXES = {
@@ -68,7 +76,7 @@ class StepAgreement:
     """
 
     def __init__(
-        self, plan: Plan, precision: MixedPrecision, timeout: float, group: dist.ProcessGroup | None = None,
+        self, plan: Plan, precision: _Precision, timeout: float, group: dist.ProcessGroup | None = None,
     ) -> None:
         self.timeout, self.group = timeout, group
         stages = json.dumps([list(st.nodes) for st in plan.stages])

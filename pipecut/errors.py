@@ -53,6 +53,7 @@ from runtime.errors import LossError as LossError
 from runtime.errors import MissingInputError as MissingInputError
 from runtime.errors import OptionKeywordError as OptionKeywordError
 from runtime.errors import ProcessGroupError as ProcessGroupError
+from runtime.errors import RankDisagreementError as RankDisagreementError
 from runtime.errors import StageError as StageError
 from runtime.errors import TrainerOptionError as TrainerOptionError
 from runtime.errors import TrainerStateError as TrainerStateError

@@ -114,7 +114,7 @@ def assemble(
     stages = _stage_runtimes(staged, placement.devices, ios, fuse_wgrad=execution.fuse_wgrad)
     tied = tie_copies(staged.shared_params, {s: st.module for s, st in stages.items()}, placement.devices,
                       schedule.stage_to_rank, placement.rank if mode == "dist" else None, comm_device,
-                      replicas=placement.mesh.ranks, replica=placement.mesh.dp_rank)
+                      replicas=placement.mesh.ranks, replica=placement.mesh.dp_rank, timeout=execution.timeout)
     for st in stages.values():
         st.module.to(st.device)
     replicas = Replicas(

@@ -30,7 +30,8 @@ from partitioner.tracing.trace import node_module_path
 
 __all__ = [
     "StageError", "LossError", "InconsistentScheduleError", "ActionError", "MissingInputError",
-    "TrainerStateError", "ProcessGroupError", "TransportOptionError", "OptionKeywordError", "TrainerOptionError",
+    "TrainerStateError", "ProcessGroupError", "RankDisagreementError",
+    "TransportOptionError", "OptionKeywordError", "TrainerOptionError",
     "NodeInfo", "failing_node", "describe_value",
 ]
 
@@ -137,6 +138,13 @@ class TrainerStateError(PipecutError, RuntimeError):
 
 class ProcessGroupError(PipecutError, RuntimeError):
     """torch.distributed is not set up as a distributed pipeline needs (no process group)."""
+
+
+class RankDisagreementError(PipecutError, ValueError):
+    """Ranks of one job built their trainers, or called a step, with settings that must agree
+    and do not: micro-batches, schedule, plan, precision, or the batch's sizes. Raised on every
+    rank at once (``runtime.transport.agreement``), before any message is sent; the message
+    lists what each rank had and the fix."""
 
 
 class TransportOptionError(PipecutError, ValueError):

@@ -45,6 +45,7 @@ from runtime.parallel.tied import copy_tied_values, second_copies, sum_tied_grad
 from runtime.precision import LossScaler, MixedPrecision, resolve_precision, wire_dtypes
 from runtime.state import checkpoint
 from runtime.state.weights import LoadReport, Weights, load_weights, stage_tensors
+from runtime.transport.agreement import StepAgreement
 from runtime.transport.p2p import DistTransport, LocalTransport, PeerFailed, Transport
 from runtime.transport.placement import placed_schedule
 from runtime.transport.process_group import comm_device as _comm_device
@@ -157,6 +158,8 @@ class PipelineTrainer:
         self._dist_transport = (
             DistTransport(self.schedule.stage_to_rank, ex.timeout, self.mesh.pp_group) if self.mode == "dist" else None
         )
+        # Under 'dist', every rank checks once per new batch shape that the others run the same step.
+        self._agreement = StepAgreement(plan, mp, ex.timeout) if self.mode == "dist" else None
         self._wire_dtypes = wire_dtypes(mp, built.ios, plan.traced.gm, plan.traced.example_inputs,
                                         next(iter(self.devices.values())).type)
         self._init_run_state()
@@ -239,7 +242,7 @@ class PipelineTrainer:
         try:
             results = self._run(self.schedule, ins, tgts, train=True,
                                 on_stage_done=averager.stage_done if averager is not None else None)
-            sum_tied_grads(self._tied, _comm_device)
+            sum_tied_grads(self._tied, _comm_device, timeout=self.timeout)
             if averager is not None:
                 averager.finish(self.mesh.pp_group)  # every replica (sharded: each owner) holds the averages
         finally:
@@ -509,7 +512,8 @@ class PipelineTrainer:
     ) -> list[RunResult]:
         started = time.perf_counter()
         if self.mode == "dist":
-            assert self._dist_transport is not None
+            assert self._dist_transport is not None and self._agreement is not None
+            self._agreement.check(schedule, ins)  # RankDisagreementError on every rank, before any message
             ex = self._executors(self._dist_transport)[self.rank]
             shapes = self._wire_shapes(ins[0])
             mb_shapes = dict.fromkeys(range(len(ins)), shapes) if shapes is not None else None

@@ -25,16 +25,15 @@ Example (4 processes)::
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from runtime.transport.collective import wait_bounded
 from runtime.transport.placement import PlacementError
 
 __all__ = [
@@ -308,25 +307,8 @@ class GradAverager:
 
     def _wait(self, work: Any) -> None:
         """Wait for one bucket, at most ``timeout`` s; a failed or late replica raises, naming it."""
-        from runtime.transport.p2p import PeerFailed, TransportTimeout, announced_failure
-
-        me = dist.get_rank()
-        start = time.monotonic()
-        try:
-            ok = work.wait(timedelta(seconds=self.timeout))
-        except RuntimeError as e:
-            first = announced_failure(me)
-            raise PeerFailed(
-                f"rank {me}: the data-parallel exchange of gradients with ranks {list(self.group_ranks)} "
-                f"failed after {time.monotonic() - start:.1f} s ({str(e).strip().splitlines()[0][:200]}); "
-                "a rank of another replica failed or exited, and its own error is the cause to read"
-                + (f"\n  The first rank to fail reported: {first}" if first else "")
-            ) from e
-        if ok is False:
-            raise TransportTimeout(
-                f"rank {me}: the data-parallel exchange of gradients with ranks {list(self.group_ranks)} did "
-                f"not complete within {self.timeout:g} s (the timeout); a replica is stuck or slow"
-            )
+        wait_bounded(work, timeout=self.timeout, peers="a rank of another replica",
+                     what=f"the data-parallel exchange of gradients with ranks {list(self.group_ranks)}")
 
     def _send(self, params: Sequence[nn.Parameter]) -> None:
         # Backward produces the last layers' gradients first: send in that order. A bucket holds

@@ -7,6 +7,11 @@ too, since a tensor cannot live on two devices, and two rank threads adding into
 would add in thread order, so the sums would differ in the last bits from run to run. Either way the copies start equal,
 their gradients are summed before every optimizer step (:func:`sum_tied_grads`), and so they stay
 equal.
+
+Under torch.distributed each exchange is bounded by the trainer's ``timeout``
+(``runtime.transport.collective``): a holder that failed, exited or never reaches the sum makes the
+others raise ``PeerFailed`` or ``TransportTimeout`` instead of waiting for the process group's
+own timeout.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from runtime.transport.collective import group_ranks, wait_bounded
 
 __all__ = ["TiedGroup", "tie_copies", "sum_tied_grads", "copy_tied_values", "second_copies"]
 
@@ -34,6 +41,7 @@ def tie_copies(
     *,
     replicas: Sequence[Sequence[int]] | None = None,
     replica: int = 0,
+    timeout: float = 300.0,
 ) -> list[TiedGroup]:
     """The groups of copies whose gradients must be summed, making the copies that are needed.
 
@@ -48,6 +56,11 @@ def tie_copies(
         replicas: with data parallelism, ``replicas[d][r]``: the global rank of pipeline rank
             ``r`` in replica ``d`` (default: one pipeline, global rank ``r``).
         replica: this process's replica ``d``.
+        timeout: seconds the first copy's broadcast may take.
+
+    Raises:
+        PeerFailed: a holder failed or exited during the broadcast.
+        TransportTimeout: a holder did not join it within ``timeout``.
     """
     groups: list[TiedGroup] = []
     rows = replicas if replicas is not None else [tuple(range(max(stage_to_rank) + 1))]
@@ -63,7 +76,9 @@ def tie_copies(
                 prm = next(_param(modules[s], name) for s in holders if s in modules)
                 with torch.no_grad():  # start from identical values on every holder
                     buf = prm.data.to(comm_device())
-                    dist.broadcast(buf, src=rows[replica][ranks[0]], group=group)
+                    work = dist.broadcast(buf, src=rows[replica][ranks[0]], group=group, async_op=True)
+                    wait_bounded(work, timeout=timeout, what=f"the broadcast of tied weight {name!r} to ranks "
+                                 f"{group_ranks(group)}")
                     prm.data.copy_(buf.to(prm.device))
                 groups.append(([prm], group))
         elif len({(devices[s], stage_to_rank[s]) for s in holders}) > 1:
@@ -71,15 +86,25 @@ def tie_copies(
     return groups
 
 
-def sum_tied_grads(groups: Sequence[TiedGroup], comm_device: Callable[[], torch.device]) -> None:
-    """Give every copy of each tied parameter the sum of all copies' gradients."""
+def sum_tied_grads(
+    groups: Sequence[TiedGroup], comm_device: Callable[[], torch.device], *, timeout: float = 300.0,
+) -> None:
+    """Give every copy of each tied parameter the sum of all copies' gradients.
+
+    Under torch.distributed the all-reduces of every group are posted together, then each is
+    waited for at most ``timeout`` seconds (the trainer's).
+
+    Raises:
+        PeerFailed: a holder failed or exited before or during the sum.
+        TransportTimeout: a holder did not reach the sum within ``timeout``.
+    """
+    posted = []
     for copies, group in groups:
         if group is not None:
             prm = copies[0]
             g = prm.grad if prm.grad is not None else torch.zeros_like(prm)
             buf = g.to(comm_device())
-            dist.all_reduce(buf, group=group)
-            prm.grad = buf.to(prm.device)
+            posted.append((prm, buf, group, dist.all_reduce(buf, group=group, async_op=True)))
         else:
             grads = [c.grad for c in copies if c.grad is not None]
             if not grads:
@@ -88,6 +113,10 @@ def sum_tied_grads(groups: Sequence[TiedGroup], comm_device: Callable[[], torch.
             assert isinstance(total, torch.Tensor)  # grads is not empty: sum() never returns its start, 0
             for c in copies:
                 c.grad = total.to(c.device).clone()
+    for prm, buf, group, work in posted:
+        wait_bounded(work, timeout=timeout, what=f"the all-reduce of tied weights' gradients (a tensor of "
+                     f"{tuple(prm.shape)}) with ranks {group_ranks(group)}")
+        prm.grad = buf.to(prm.device)
 
 
 def copy_tied_values(groups: Sequence[TiedGroup], optimizer: torch.optim.Optimizer | None) -> None:

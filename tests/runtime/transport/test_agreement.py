@@ -1,0 +1,95 @@
+"""Ranks that disagree on the step raise ``RankDisagreementError`` on every rank, before any
+message: micro-batches, batch sizes (was a gloo abort, "Received data size doesn't match"), and
+the check costs one all-gather per new batch shape."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from partitioner.schedule.generators import forward_only
+from runtime.errors import RankDisagreementError
+from runtime.transport.agreement import disagreement, step_facts
+from runtime.transport.launch import spawn
+from tests.runtime.parity import case, make_trainer
+
+
+def test_step_facts_name_the_schedule_the_count_and_each_batch_shape() -> None:
+    micro = [{"x": torch.zeros(2, 16), "flag": 3} for _ in range(4)]
+    facts = step_facts(forward_only(2, 4), micro)
+    assert facts["micro-batches"] == 4
+    assert facts["input 'x'"] == "(8, 16) float32"  # the batch: m micro-batches of 2 rows
+    assert "input 'flag'" not in facts  # not a tensor: no message depends on it
+
+
+def test_the_message_groups_ranks_by_value_and_gives_each_fix() -> None:
+    a = {"micro-batches": 4, "input 'x'": "(8, 16) float32", "schedule": "1f1b on 2 ranks"}
+    b = {"micro-batches": 2, "input 'x'": "(12, 16) float32", "schedule": "1f1b on 2 ranks"}
+    text = disagreement({0: a, 1: b, 2: a, 3: b}, 3)
+    assert text.startswith("rank 3: the ranks of this job disagree on the step they run")
+    assert "  micro-batches: 4 on ranks [0, 2]; 2 on ranks [1, 3]\n" in text
+    assert "  input 'x': (8, 16) float32 on ranks [0, 2]; (12, 16) float32 on ranks [1, 3]\n" in text
+    assert "schedule" not in text.split("\n  Fix")[0]  # agreed: not listed
+    assert "Fix: build every rank's trainer with the same microbatches=" in text
+    assert "Fix: give every rank a batch of the same sizes" in text
+
+
+def _disagreeing_ranks(rank: int, world: int, what: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    c = case("mlp", 2)
+    m = 2 if what == "microbatches" and rank == 1 else 4
+    trainer = make_trainer(c, 2, "1f1b", transport="dist", timeout=30, microbatches=m,
+                           optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    gathers = 0
+    gather = dist.all_gather
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        nonlocal gathers
+        gathers += 1
+        return gather(*args, **kwargs)
+
+    dist.all_gather = counted  # type: ignore[assignment]
+    if what == "agree":  # three steps of one shape, then one of another: two checks
+        for rows in (8, 8, 8, 16):
+            trainer.step(torch.randn(rows, 16), torch.randn(rows, 8))
+        return {"type": "", "gathers": gathers}
+    rows = 12 if what == "rows" and rank == 1 else 8
+    start = time.monotonic()
+    got = {"type": "", "message": "", "waited": 0.0}
+    try:
+        trainer.step(torch.randn(rows, 16), torch.randn(rows, 8))
+    except RankDisagreementError as e:
+        assert isinstance(e, ValueError)
+        got = {"type": type(e).__name__, "message": str(e), "waited": time.monotonic() - start}
+    if what == "rows":  # nothing was sent: the same trainers step together once the batches agree
+        trainer.step(torch.randn(8, 16), torch.randn(8, 8))
+    return got
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("what", "says"),
+    [
+        ("microbatches", ("  micro-batches: 4 on rank 0; 2 on rank 1\n  Fix: build every rank's trainer with the "
+                          "same microbatches= (Execution(microbatches=...))")),
+        ("rows", ("  input 'x': (8, 16) float32 on rank 0; (12, 16) float32 on rank 1\n  Fix: give every rank "
+                  "a batch of the same sizes")),
+    ],
+)
+def test_ranks_that_disagree_raise_on_every_rank(what: str, says: str) -> None:
+    results = spawn(_disagreeing_ranks, 2, what, timeout=120)
+    for rank, got in enumerate(results):
+        assert got["type"] == "RankDisagreementError", (rank, got)
+        assert got["message"].startswith(f"rank {rank}: the ranks of this job disagree on the step they run")
+        assert says in got["message"], got["message"]
+        assert got["waited"] < 5, got  # at once, not at the 30 s timeout
+
+
+@pytest.mark.multiprocess
+def test_ranks_that_agree_check_once_per_batch_shape() -> None:
+    results = spawn(_disagreeing_ranks, 2, "agree", timeout=120)
+    assert [got["gathers"] for got in results] == [2, 2]

@@ -221,18 +221,21 @@ class _Network:
         self.ready: list[float | None] = [None] * (2 * results + 2)  # the last two: never there
         self.link_free: dict[tuple[int, int], float] = {}  # (src rank, dst rank) -> when the link is idle
         self.messages: list[Message] = []
+        # Per (stage, kind): the stage reading the result besides its own, or None.
+        S = len(place)
+        self.reader = {
+            (s, kind): s + 1 if kind is F and s + 1 < S else s - 1 if kind in (B, I) and s > 0 else None
+            for s in range(S)
+            for kind in Kind
+        }
 
     def deliver(self, a: Action, k: int, end: float) -> None:
         """``a`` (id ``k``) ended at ``end``: ready at once on its stage, on arrival at the stage across a link."""
-        S, place = len(self.place), self.place
-        if a.kind is F:
-            dst = a.stage + 1 if a.stage + 1 < S else None
-        else:
-            dst = a.stage - 1 if a.kind in (B, I) and a.stage > 0 else None
         self.ready[2 * k] = end  # its own later actions (B/I after F, W after I)
+        dst = self.reader[a.stage, a.kind]
         if dst is None:
             return
-        src_rank, dst_rank = place[a.stage], place[dst]
+        src_rank, dst_rank = self.place[a.stage], self.place[dst]
         if src_rank == dst_rank:
             self.ready[2 * k + 1] = end
             return
@@ -264,7 +267,7 @@ def _run_lists(schedule: Schedule, costs: StageCosts, network: _Network, numbere
         for k, reads in enumerate(numbered.reads)
     ]
     duration = {(s, kind): costs.duration(Action(s, kind, 0)) for s in range(schedule.num_stages) for kind in Kind}
-    ready = network.ready
+    ready, deliver = network.ready, network.deliver
     spans: list[Span] = []
     pos, free = [0] * len(acts), [0.0] * len(acts)
     waiting: dict[int, list[int]] = {}  # slot -> ranks stopped until it is filled
@@ -274,27 +277,33 @@ def _run_lists(schedule: Schedule, costs: StageCosts, network: _Network, numbere
         queued = set(visit)
         while visit:
             r = heapq.heappop(visit)
-            row, row_ids = acts[r], ids[r]
-            while pos[r] < len(row):
-                a, k = row[pos[r]], row_ids[pos[r]]
-                times = [ready[x] for x in slots[k]]
-                missing = next((x for x, t in zip(slots[k], times) if t is None), None)
-                if missing is not None:
-                    waiting.setdefault(missing, []).append(r)
-                    break
-                start = max([free[r]] + [t for t in times if t is not None])
-                end = start + duration[a.stage, a.kind]
-                spans.append(Span(r, a.stage, a.kind, a.mb, start, end))
-                network.deliver(a, k, end)
-                for x in (2 * k, 2 * k + 1):
-                    for q in waiting.pop(x, ()):
-                        if q > r and q not in queued:
-                            heapq.heappush(visit, q)
-                            queued.add(q)
-                        elif q <= r:
-                            later.add(q)
-                free[r] = end
-                pos[r] += 1
+            row, row_ids, i, end = acts[r], ids[r], pos[r], free[r]
+            while i < len(row):
+                a, k = row[i], row_ids[i]
+                start = end
+                for x in slots[k]:
+                    t = ready[x]
+                    if t is None:
+                        waiting.setdefault(x, []).append(r)
+                        break
+                    if t > start:
+                        start = t
+                else:
+                    end = start + duration[a.stage, a.kind]
+                    spans.append(Span(r, a.stage, a.kind, a.mb, start, end))
+                    deliver(a, k, end)
+                    for x in (2 * k, 2 * k + 1):
+                        if x in waiting:
+                            for q in waiting.pop(x):
+                                if q > r and q not in queued:
+                                    heapq.heappush(visit, q)
+                                    queued.add(q)
+                                elif q <= r:
+                                    later.add(q)
+                    i += 1
+                    continue
+                break
+            pos[r], free[r] = i, end
         visit = sorted(later)
         later = set()
     return spans

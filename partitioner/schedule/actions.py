@@ -210,7 +210,7 @@ def number(actions: Sequence[Sequence[Action]], num_stages: int) -> Numbered:
     for row in actions:
         row_ids = []
         for a in row:
-            key = a.key
+            key = (a.stage, a.kind._value_, a.mb)
             k = id_of.get(key)
             if k is None:
                 k = id_of[key] = len(distinct)
@@ -218,7 +218,8 @@ def number(actions: Sequence[Sequence[Action]], num_stages: int) -> Numbered:
             row_ids.append(k)
         ids.append(tuple(row_ids))
     missing = len(distinct)
-    reads = tuple(
-        tuple(id_of.get(d, missing) for d in dependency_keys(*a.key, id_of, num_stages)) for a in distinct
-    )
-    return Numbered(tuple(ids), tuple(distinct), reads, missing)
+    reads = []
+    for a in distinct:
+        keys = dependency_keys(a.stage, a.kind._value_, a.mb, id_of, num_stages)
+        reads.append(tuple([id_of.get(d, missing) for d in keys]))
+    return Numbered(tuple(ids), tuple(distinct), tuple(reads), missing)

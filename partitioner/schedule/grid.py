@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from partitioner.schedule.actions import Action, number
+from partitioner.schedule.actions import Action, Numbered, number
 
 __all__ = ["Grid", "UnitRun", "draw_grid", "format_grid", "unit_run"]
 
@@ -38,18 +38,19 @@ class UnitRun:
     stuck_step: int | None  # the first step at which no rank could run its next action
 
 
-def unit_run(schedule: Grid) -> UnitRun:
+def unit_run(schedule: Grid, numbered: Numbered | None = None) -> UnitRun:
     """Run ``schedule`` in unit time: each step, every rank whose next action has its inputs runs it.
 
     Tolerates any lists: when no rank can progress, all ranks' next actions run anyway (and are
-    recorded as forced), so a broken schedule still draws as a full grid.
+    recorded as forced), so a broken schedule still draws as a full grid. ``numbered`` is
+    ``actions.number(schedule.actions, schedule.num_stages)`` if the caller has it.
 
     Linear in the actions (plus ``p`` per forced step): instead of asking every rank at every
     step, a rank whose next action waits is parked on the one result it waits for, and looked
     at again when that result is done.
     """
     acts = schedule.actions
-    numbered = number(acts, schedule.num_stages)
+    numbered = numbered or number(acts, schedule.num_stages)
     ids, reads = numbered.ids, numbered.reads
     done = bytearray(numbered.missing + 1)  # per id; the last, ``missing``, is never done
     pos = [0] * len(acts)

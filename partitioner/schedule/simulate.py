@@ -19,11 +19,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from partitioner.schedule.actions import Action, Kind, Numbered, number
+from partitioner.schedule.actions import Action, Kind, Numbered
 from partitioner.schedule.errors import SimulationError
 from partitioner.schedule.ir import Schedule
 from partitioner.schedule.timeline import Message, Span, Timeline
-from partitioner.schedule.validation import validate
+from partitioner.schedule.validation import validate_numbered
 
 __all__ = ["Link", "Simulation", "SimulationError", "StageCosts", "simulate"]
 
@@ -336,11 +336,10 @@ def simulate(
         >>> sim.step_time, round(sim.bubble_total, 4)   # (m + p - 1)(F + B), (p - 1) / (m + p - 1)
         (22.0, 0.2727)
     """
-    validate(schedule)
+    numbered = validate_numbered(schedule)
     per_boundary = _boundary_links(schedule, costs, links)
     S, p = schedule.num_stages, schedule.num_ranks
     out_bytes = costs.output_bytes or (0.0,) * max(S - 1, 0)
-    numbered = number(schedule.actions, S)
     network = _Network(schedule.stage_to_rank, per_boundary, out_bytes, numbered.missing)
     spans = _run_lists(schedule, costs, network, numbered)
     timeline = Timeline(tuple(spans), tuple(network.messages), p, costs.activation_bytes, costs.replay_bytes)

@@ -13,12 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NoReturn
 
-from partitioner.schedule.actions import Key, Kind, dependencies
+from partitioner.schedule.actions import Key, Kind, Numbered, dependencies, number
 from partitioner.schedule.errors import ScheduleError
 from partitioner.schedule.grid import UnitRun, draw_grid, unit_run
 from partitioner.schedule.ir import Schedule
 
-__all__ = ["peak_inflight", "peak_inflight_per_rank", "validate"]
+__all__ = ["peak_inflight", "peak_inflight_per_rank", "validate", "validate_numbered"]
 
 F, B, I, W = Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT
 
@@ -289,12 +289,23 @@ def validate(schedule: Schedule) -> None:
         <BLANKLINE>
         Cells in [brackets] wait for an input that is never ready; ...
     """
-    run = unit_run(schedule)
+    validate_numbered(schedule)
+
+
+def validate_numbered(schedule: Schedule) -> Numbered:
+    """:func:`validate`, then the schedule's actions numbered (``actions.number``) for the caller's run.
+
+    Raises:
+        ScheduleError: as :func:`validate`.
+    """
+    numbered = number(schedule.actions, schedule.num_stages)
+    run = unit_run(schedule, numbered)
     report = _Report(schedule, run, _title(schedule))
     _check_placement(report)
     seen = _check_actions(report)
     _check_complete(report, seen)
     _check_deadlock(report, seen)
+    return numbered
 
 
 def peak_inflight(schedule: Schedule) -> tuple[int, ...]:

@@ -117,12 +117,14 @@ def _zbv_row(p: int, r: int, n: int) -> list[Action]:
     """Rank ``r``'s list in :func:`zbv`'s five phases, for ``n >= 2p - 1`` micro-batches."""
     down, up = r, 2 * p - 1 - r
     row: list[Action] = []
-    done = {(s, k): 0 for s in (down, up) for k in (F, I, W)}  # next micro-batch per kind
+    # Next micro-batch per (stage, letter): keyed by the letter, as an Enum hashes in Python.
+    done = {(s, k.value): 0 for s in (down, up) for k in (F, I, W)}
 
     def run(stage: int, *kinds: Kind) -> None:
         for kind in kinds:
-            row.append(Action(stage, kind, done[stage, kind]))
-            done[stage, kind] += 1
+            key = (stage, kind._value_)
+            row.append(Action(stage, kind, done[key]))
+            done[key] += 1
 
     for _ in range(2 * (p - r) - 1):
         run(down, F)
@@ -131,8 +133,8 @@ def _zbv_row(p: int, r: int, n: int) -> list[Action]:
         run(down, F)
     for _ in range(p - r):
         run(up, F, I, W)
-    while done[up, F] < n:
-        if done[down, F] < n:
+    while done[up, "F"] < n:
+        if done[down, "F"] < n:
             run(down, F)
         run(down, I, W)
         run(up, F, I, W)
@@ -141,8 +143,8 @@ def _zbv_row(p: int, r: int, n: int) -> list[Action]:
         run(up, I)
     for _ in range(p - r):
         run(down, I, W)
-    while done[up, W] < n:
+    while done[up, "W"] < n:
         run(up, W)
-    while done[down, W] < n:
+    while done[down, "W"] < n:
         run(down, W)
     return row

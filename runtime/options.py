@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from runtime.errors import OptionKeywordError, TrainerOptionError
+from runtime.execute.microbatch import check_microbatch_count
 from runtime.parallel.data_parallel import DEFAULT_BUCKET_BYTES
 from runtime.state.materialize import InitFn
 from runtime.state.weights import Weights
@@ -54,7 +55,10 @@ timeout=300.0, record=False, fuse_wgrad=True, check_finite=False)
     ``p = S / v`` ranks."""
 
     microbatches: int | None = None
-    """``m``; ``None``: the plan's. Batches must divide evenly by ``m``."""
+    """``m``; ``None``: the plan's. An int >= 1 (checked here); batches must divide evenly by
+    ``m``, so ``m`` is at most the batch's rows (checked at the first step), and the schedule
+    may hold at most ``partitioner.schedule.generators.MAX_ACTIONS`` actions (checked when the
+    trainer is built)."""
 
     chunks_per_rank: int | None = None
     """``v`` for ``'interleaved'`` (default 2); must be 2 (or ``None``) for ``'zbv'`` and 1 (or
@@ -88,6 +92,8 @@ timeout=300.0, record=False, fuse_wgrad=True, check_finite=False)
     like any other, and the step is taken."""
 
     def __post_init__(self) -> None:
+        if self.microbatches is not None:  # at the door: 0 must not mean "the plan's"
+            check_microbatch_count(self.microbatches, "Execution(microbatches=...)")
         if isinstance(self.devices, list):  # frozen means hashable: no list inside
             object.__setattr__(self, "devices", tuple(self.devices))
 

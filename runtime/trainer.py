@@ -138,7 +138,7 @@ class PipelineTrainer:
         self.precision = mp = resolve_precision(precision, getattr(plan, "precision", "fp32"))
         self.scaler = LossScaler(mp.init_scale, growth_interval=mp.growth_interval) if mp.scales_loss else None
         self.p = plan.num_stages  # S, the stages; the ranks are self.schedule.num_ranks
-        self.m = ex.microbatches or plan.microbatches
+        self.m = plan.microbatches if ex.microbatches is None else ex.microbatches
         self.schedule_name = ex.schedule or plan.schedule
         self.schedule: Schedule = placed_schedule(self.schedule_name, self.p, self.m, ex.chunks_per_rank)
         validate(self.schedule)

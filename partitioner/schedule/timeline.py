@@ -16,7 +16,6 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
-from operator import attrgetter
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -137,7 +136,7 @@ class Timeline:
     replay_bytes: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
-        spans = tuple(sorted(self.spans, key=attrgetter("rank", "start", "end")))
+        spans = tuple(sorted(self.spans, key=lambda x: (x.rank, x.start, x.end)))
         object.__setattr__(self, "spans", spans)
         object.__setattr__(self, "messages", tuple(sorted(self.messages, key=_message_order)))
         p = max([self.num_ranks] + [x.rank + 1 for x in spans])
@@ -276,7 +275,8 @@ class Timeline:
         )
 
 
-_message_order = attrgetter("send", "recv", "src", "dst", "mb")
+def _message_order(msg: Message) -> tuple[float, float, int, int, int]:
+    return (msg.send, msg.recv, msg.src, msg.dst, msg.mb)
 
 
 # -- measured runs ------------------------------------------------------------------------------

@@ -28,7 +28,6 @@ from typing import Any
 import torch
 
 from runtime.errors import OptionKeywordError, TrainerOptionError
-from runtime.execute.microbatch import check_microbatch_count
 from runtime.parallel.data_parallel import DEFAULT_BUCKET_BYTES
 from runtime.state.materialize import InitFn
 from runtime.state.weights import Weights
@@ -55,7 +54,7 @@ timeout=300.0, record=False, fuse_wgrad=True, check_finite=False)
     ``p = S / v`` ranks."""
 
     microbatches: int | None = None
-    """``m``; ``None``: the plan's. An int >= 1 (checked here); batches must divide evenly by
+    """``m``; ``None``: the plan's. An int >= 1 (checked when the trainer is built); batches must divide evenly by
     ``m``, so ``m`` is at most the batch's rows (checked at the first step), and the schedule
     may hold at most ``partitioner.schedule.generators.MAX_ACTIONS`` actions (checked when the
     trainer is built)."""
@@ -92,8 +91,6 @@ timeout=300.0, record=False, fuse_wgrad=True, check_finite=False)
     like any other, and the step is taken."""
 
     def __post_init__(self) -> None:
-        if self.microbatches is not None:  # at the door: 0 must not mean "the plan's"
-            check_microbatch_count(self.microbatches, "Execution(microbatches=...)")
         if isinstance(self.devices, list):  # frozen means hashable: no list inside
             object.__setattr__(self, "devices", tuple(self.devices))
 

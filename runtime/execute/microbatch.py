@@ -8,7 +8,7 @@ import torch
 
 from partitioner.errors import PipecutError
 
-__all__ = ["MicrobatchError", "check_microbatch_count", "split_microbatches"]
+__all__ = ["MicrobatchError", "check_microbatch_count", "microbatch_count", "split_microbatches"]
 
 
 class MicrobatchError(PipecutError, ValueError):
@@ -35,6 +35,25 @@ def check_microbatch_count(m: object, where: str = "microbatches") -> None:
         raise MicrobatchError(
             f"{where} must be an int >= 1 (micro-batches per step), got {m!r}; pass None to use the plan's count"
         )
+
+
+def microbatch_count(given: object, planned: int) -> int:
+    """The micro-batches a trainer runs: ``given`` (``Execution.microbatches``), or ``planned`` for ``None``.
+
+    ``0`` is refused, not read as "the plan's".
+
+    Raises:
+        MicrobatchError: ``given`` is neither ``None`` nor an int >= 1.
+
+    Example:
+        >>> microbatch_count(None, 4), microbatch_count(8, 4)
+        (4, 8)
+    """
+    if given is None:
+        return planned
+    check_microbatch_count(given, "Execution(microbatches=...)")
+    assert isinstance(given, int)  # internal invariant: just checked
+    return given
 
 
 def split_microbatches(batch: Any, m: int, what: str = "inputs") -> list[Any]:

@@ -46,7 +46,7 @@ Key = tuple[int, str, int]
 schedule (``index``, ``validation``, ``comm``) hash instead of :class:`Action` objects."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: a schedule holds up to MAX_ACTIONS of them
 class Action:
     """One unit of work on one rank: stage ``stage`` runs ``kind`` on micro-batch ``mb``.
 

@@ -38,7 +38,12 @@ from partitioner.plan.plan import Plan
 from partitioner.plan.predict import predict, stage_inflight
 from partitioner.plan.records import StagePlan, binding
 from partitioner.plan.split import split_graph
-from partitioner.schedule.registry import TRAINING_SCHEDULES, stage_schedule, stages_per_rank
+from partitioner.schedule.registry import (
+    TRAINING_SCHEDULES,
+    check_schedule_size,
+    stage_schedule,
+    stages_per_rank,
+)
 from partitioner.tracing.globalstate import preserved
 from partitioner.tracing.trace import Method as TraceMethod
 from partitioner.tracing.trace import trace
@@ -129,7 +134,10 @@ def partition(
         SplitPointError: a split point names no module, or they are out of order.
         PartitionOptionError: an argument has a value ``partition`` does not take (an unknown method,
             schedule, granularity, precision or recompute option; a stage count that is not positive
-            or does not fit the schedule); a ``ValueError``.
+            or does not fit the schedule; ``microbatches`` not a positive int or ``'auto'``); a
+            ``ValueError``.
+        ScheduleSizeError: ``num_stages * microbatches`` would make a schedule of more than
+            ``partitioner.schedule.generators.MAX_ACTIONS`` actions; raised before tracing.
 
     Example:
         >>> import torch
@@ -187,13 +195,20 @@ def _partition(
     auto = schedule == "auto" or microbatches == "auto"
     if not auto:
         _check_schedule(schedule)
-        if not isinstance(microbatches, int) or microbatches < 1:
-            raise PartitionOptionError(f"microbatches must be a positive int or 'auto', got {microbatches!r}")
+        if type(microbatches) is not int or microbatches < 1:  # a bool is not a count
+            raise PartitionOptionError(
+                f"microbatches must be a positive int or 'auto', got {microbatches!r}: pass the "
+                "micro-batches per step, e.g. microbatches=8, or 'auto' to let the planner choose"
+            )
     devices = len(cluster) if cluster is not None else None
     if num_stages is None and devices is None:
         raise PartitionOptionError("give num_stages or a cluster (one device per stage)")
     if num_stages is not None and num_stages < 1:
         raise PartitionOptionError(f"num_stages must be at least 1, got {num_stages}")
+    if not auto:  # before tracing: a schedule too large to build is refused at once
+        assert isinstance(microbatches, int)  # checked above
+        stages = num_stages if num_stages is not None else (devices or 1) * stages_per_rank(schedule)
+        check_schedule_size(schedule, stages, microbatches)
 
     t0 = time.perf_counter()
     traced = trace(

@@ -21,7 +21,7 @@ from partitioner.api import METHODS, partition
 from partitioner.cost.devices import DEVICE_PRESETS, Cluster
 from partitioner.errors import CliArgumentError, PipecutError
 from partitioner.plan.plan import Plan
-from partitioner.plan.predict import predict, simulate_stages
+from partitioner.plan.predict import prediction, simulate_stages
 from partitioner.plan.render import fmt_bytes, fmt_time
 from partitioner.schedule.registry import TRAINING_SCHEDULES
 from partitioner.zoo import MODELS, load_model
@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("plan", help="a plan JSON file written by `pipecut plan ... --json`")
     sim.add_argument("--schedule", default=None, choices=TRAINING_SCHEDULES,
                      help="schedule to simulate (default: the plan's)")
-    sim.add_argument("--microbatches", type=int, default=None, help="micro-batches per step (default: the plan's)")
+    sim.add_argument("--microbatches", type=_count, default=None, help="micro-batches per step (default: the plan's)")
     sim.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace JSON here")
     sim.add_argument("--gantt", default=None, help="write a Gantt chart PNG here (needs matplotlib)")
     return parser
@@ -109,14 +109,18 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _count_or_auto(text: str) -> int | str:
-    if text == "auto":
-        return text
+    return text if text == "auto" else _count(text, "or 'auto'")
+
+
+def _count(text: str, alternative: str = "") -> int:
+    """A positive count (``--microbatches``), or a usage error saying what was given."""
+    expected = f"a positive integer{' ' + alternative if alternative else ''}"
     try:
         value = int(text)
     except ValueError:
-        raise CliArgumentError(f"expected a positive integer or 'auto', got {text!r}") from None
+        raise CliArgumentError(f"expected {expected}, got {text!r}") from None
     if value < 1:
-        raise CliArgumentError(f"expected a positive integer or 'auto', got {value}")
+        raise CliArgumentError(f"expected {expected}, got {value}")
     return value
 
 
@@ -128,9 +132,9 @@ def _simulate(args: argparse.Namespace) -> int:
 
     plan = Plan.load(args.plan)
     schedule = args.schedule or plan.schedule
-    m = args.microbatches or plan.microbatches
+    m = plan.microbatches if args.microbatches is None else args.microbatches
     sched, sim = simulate_stages(plan.stages, plan.cluster, schedule, m)
-    pred = predict(plan.stages, plan.cluster, schedule, m)
+    pred = prediction(plan.stages, schedule, m, sched, sim)  # the step simulated once, not twice
     console = Console(width=120, highlight=False)
     console.print(
         f"{args.plan}: {plan.num_stages} stages on {sched.num_ranks} ranks, schedule {schedule}, "

@@ -44,6 +44,7 @@ from partitioner.errors import TraceOptionError as TraceOptionError
 from partitioner.errors import UnknownDeviceError as UnknownDeviceError
 from partitioner.schedule.errors import ScheduleError as ScheduleError
 from partitioner.schedule.errors import ScheduleFormatError as ScheduleFormatError
+from partitioner.schedule.errors import ScheduleSizeError as ScheduleSizeError
 from partitioner.schedule.errors import SimulationError as SimulationError
 from partitioner.schedule.errors import TimelineError as TimelineError
 from partitioner.schedule.errors import UnknownScheduleError as UnknownScheduleError

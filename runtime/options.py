@@ -54,7 +54,10 @@ timeout=300.0, record=False, fuse_wgrad=True, check_finite=False)
     ``p = S / v`` ranks."""
 
     microbatches: int | None = None
-    """``m``; ``None``: the plan's. Batches must divide evenly by ``m``."""
+    """``m``; ``None``: the plan's. An int >= 1 (checked when the trainer is built); batches must divide evenly by
+    ``m``, so ``m`` is at most the batch's rows (checked at the first step), and the schedule
+    may hold at most ``partitioner.schedule.generators.MAX_ACTIONS`` actions (checked when the
+    trainer is built)."""
 
     chunks_per_rank: int | None = None
     """``v`` for ``'interleaved'`` (default 2); must be 2 (or ``None``) for ``'zbv'`` and 1 (or

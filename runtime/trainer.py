@@ -35,7 +35,7 @@ from runtime.execute.accumulation import add_back, set_aside
 from runtime.execute.executor import ActionRecord, Executor, RunResult
 from runtime.execute.inputs import check_inputs, check_sizes, check_targets, shape_key
 from runtime.execute.local_run import RankThreads, run_interleaved, run_threads
-from runtime.execute.microbatch import MicrobatchError, split_microbatches
+from runtime.execute.microbatch import MicrobatchError, microbatch_count, split_microbatches
 from runtime.execute.recompute import RecomputeOption, stages_to_recompute
 from runtime.execute.shapes import wire_shapes
 from runtime.metrics import step_metrics
@@ -139,7 +139,7 @@ class PipelineTrainer:
         self.precision = mp = resolve_precision(precision, getattr(plan, "precision", "fp32"))
         self.scaler = LossScaler(mp.init_scale, growth_interval=mp.growth_interval) if mp.scales_loss else None
         self.p = plan.num_stages  # S, the stages; the ranks are self.schedule.num_ranks
-        self.m = ex.microbatches or plan.microbatches
+        self.m = microbatch_count(ex.microbatches, plan.microbatches)  # at the door: 0 is not the plan's
         self.schedule_name = ex.schedule or plan.schedule
         self.schedule: Schedule = placed_schedule(self.schedule_name, self.p, self.m, ex.chunks_per_rank)
         validate(self.schedule)

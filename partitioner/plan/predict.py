@@ -18,7 +18,7 @@ from partitioner.schedule.registry import stage_schedule, stages_per_rank
 from partitioner.schedule.simulate import Link, Simulation, StageCosts, simulate
 from partitioner.schedule.validation import peak_inflight
 
-__all__ = ["stage_inflight", "predict", "simulate_stages"]
+__all__ = ["stage_inflight", "predict", "prediction", "simulate_stages"]
 
 def stage_inflight(schedule: str, num_stages: int, m: int) -> tuple[int, ...]:
     """Micro-batches whose activations each stage holds at its peak under ``schedule``.
@@ -53,6 +53,13 @@ def predict(stages: Sequence[StagePlan], cluster: Cluster, schedule: str, m: int
         (33.0, 0.2727)
     """
     sched, sim = simulate_stages(stages, cluster, schedule, m)
+    return prediction(stages, schedule, m, sched, sim)
+
+
+def prediction(
+    stages: Sequence[StagePlan], schedule: str, m: int, sched: Schedule, sim: Simulation
+) -> Prediction:
+    """:func:`predict`'s result from a step already simulated (``simulate_stages``'s pair)."""
     state = [0.0] * sched.num_ranks
     for s, r in enumerate(sched.stage_to_rank):
         state[r] += stages[s].state_bytes

@@ -14,12 +14,13 @@ Every (stage, micro-batch) runs ``F``, then either ``B`` or ``I`` and ``W`` (spl
 from __future__ import annotations
 
 import re
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
 from partitioner.schedule.errors import ScheduleFormatError
 
-__all__ = ["Action", "Kind", "dependencies"]
+__all__ = ["Action", "Kind", "Key", "Numbered", "dependencies", "dependency_keys", "number"]
 
 
 class Kind(str, Enum):
@@ -40,7 +41,12 @@ F, B, I, W = Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEI
 _ACTION_RE = re.compile(r"(0|[1-9][0-9]*)([FBIW])(0|[1-9][0-9]*)")
 
 
-@dataclass(frozen=True)
+Key = tuple[int, str, int]
+"""An action as ``(stage, letter, mb)``, e.g. ``(1, 'F', 3)``: what the linear-time passes over a
+schedule (``index``, ``validation``, ``comm``) hash instead of :class:`Action` objects."""
+
+
+@dataclass(frozen=True, slots=True)  # slots: a schedule holds up to MAX_ACTIONS of them
 class Action:
     """One unit of work on one rank: stage ``stage`` runs ``kind`` on micro-batch ``mb``.
 
@@ -55,6 +61,11 @@ class Action:
     mb: int
 
     def __post_init__(self) -> None:
+        # Schedules hold up to MAX_ACTIONS of these: the common case (a Kind, two ints >= 0)
+        # is tested first, before anything that builds strings.
+        kind, stage, mb = self.kind, self.stage, self.mb
+        if type(kind) is Kind and type(stage) is int and type(mb) is int and stage >= 0 and mb >= 0:
+            return
         try:
             object.__setattr__(self, "kind", Kind(self.kind))
         except ValueError:
@@ -67,6 +78,15 @@ class Action:
                     f"action {field} must be an int >= 0 (got {value!r} in "
                     f"Action(stage={self.stage!r}, kind={self.kind}, mb={self.mb!r}))"
                 )
+
+    def __hash__(self) -> int:
+        # The letter, not the Kind: an Enum hashes through a Python-level method.
+        return hash((self.stage, self.kind._value_, self.mb))
+
+    @property
+    def key(self) -> Key:
+        """``(stage, letter, mb)``: the action as a plain tuple, cheap to hash (see :data:`Key`)."""
+        return (self.stage, self.kind._value_, self.mb)
 
     def __str__(self) -> str:
         return f"{self.stage}{self.kind.value}{self.mb}"
@@ -98,6 +118,25 @@ class Action:
         return cls(int(match[1]), Kind(match[2]), int(match[3]))
 
 
+def dependency_keys(stage: int, letter: str, mb: int, present: Container[Key], num_stages: int) -> tuple[Key, ...]:
+    """:func:`dependencies` on keys: what action ``(stage, letter, mb)`` reads, as keys.
+
+    Example:
+        >>> dependency_keys(1, "I", 0, {(2, "I", 0), (2, "W", 0)}, 3)
+        ((1, 'F', 0), (2, 'I', 0))
+    """
+    if letter == "F":
+        return ((stage - 1, "F", mb),) if stage > 0 else ()
+    if letter == "W":
+        return ((stage, "I", mb),)
+    if stage >= num_stages - 1:  # the last stage starts the backward from its own loss
+        return ((stage, "F", mb),)
+    grad = (stage + 1, "I", mb)
+    if grad not in present:
+        grad = (stage + 1, "B", mb)
+    return ((stage, "F", mb), grad)
+
+
 def dependencies(action: Action, present: set[Action], num_stages: int) -> tuple[Action, ...]:
     """The actions whose results ``action`` reads, on whichever rank they run (chain of stages).
 
@@ -115,13 +154,72 @@ def dependencies(action: Action, present: set[Action], num_stages: int) -> tuple
         >>> [str(d) for d in dependencies(a("1I0"), {a("2I0"), a("2W0")}, 3)]
         ['1F0', '2I0']
     """
-    if action.kind is F:
-        return (Action(action.stage - 1, F, action.mb),) if action.stage > 0 else ()
-    if action.kind is W:
-        return (Action(action.stage, I, action.mb),)
-    if action.stage >= num_stages - 1:  # the last stage starts the backward from its own loss
-        return (Action(action.stage, F, action.mb),)
-    grad = Action(action.stage + 1, I, action.mb)
-    if grad not in present:
-        grad = Action(action.stage + 1, B, action.mb)
-    return (Action(action.stage, F, action.mb), grad)
+    keys = dependency_keys(*action.key, _AsKeys(present), num_stages)
+    return tuple(Action(s, Kind(k), mb) for s, k, mb in keys)
+
+
+@dataclass(frozen=True)
+class _AsKeys:
+    """A set of actions seen as a container of their keys (asked once or twice per call)."""
+
+    actions: Container[Action]
+
+    def __contains__(self, key: object) -> bool:
+        assert isinstance(key, tuple)  # internal invariant: dependency_keys asks with keys
+        return Action(key[0], Kind(key[1]), key[2]) in self.actions
+
+
+# -- numbered actions: what every action reads, found once ---------------------------------------
+#
+# The unit-time run (``grid``) and the simulator (``simulate``) ask, action after action, whether
+# the results it reads are there. Asked of Action objects with ``dependencies``, each question
+# builds new actions and hashes dataclasses; ``number`` answers it once per action, on plain keys,
+# and the runs then index lists. One pass over the lists: linear in the actions.
+
+
+@dataclass(frozen=True)
+class Numbered:
+    """A schedule's actions as ids ``0..K-1`` (``K`` distinct actions; a repeated one shares its id).
+
+    Attributes:
+        ids: ``ids[r][i]``, the id of rank ``r``'s ``i``-th action.
+        actions: ``actions[k]``, the action with id ``k``.
+        reads: ``reads[k]``, the ids of the results action ``k`` reads, in
+            ``actions.dependencies`` order; :attr:`missing` for one that no list holds.
+        missing: ``K``: the id of a result no action produces (never done).
+    """
+
+    ids: tuple[tuple[int, ...], ...]
+    actions: tuple[Action, ...]
+    reads: tuple[tuple[int, ...], ...]
+    missing: int
+
+
+def number(actions: Sequence[Sequence[Action]], num_stages: int) -> Numbered:
+    """Number the actions of per-rank lists ``actions`` running ``num_stages`` chained stages.
+
+    Example:
+        >>> from partitioner.schedule.registry import get_schedule
+        >>> n = number(get_schedule("1f1b", 2, 1).actions, 2)
+        >>> n.ids, [str(a) for a in n.actions], n.reads
+        (((0, 1), (2, 3)), ['0F0', '0B0', '1F0', '1B0'], ((), (0, 3), (0,), (2,)))
+    """
+    id_of: dict[Key, int] = {}
+    distinct: list[Action] = []
+    ids = []
+    for row in actions:
+        row_ids = []
+        for a in row:
+            key = (a.stage, a.kind._value_, a.mb)
+            k = id_of.get(key)
+            if k is None:
+                k = id_of[key] = len(distinct)
+                distinct.append(a)
+            row_ids.append(k)
+        ids.append(tuple(row_ids))
+    missing = len(distinct)
+    reads = []
+    for a in distinct:
+        keys = dependency_keys(a.stage, a.kind._value_, a.mb, id_of, num_stages)
+        reads.append(tuple([id_of.get(d, missing) for d in keys]))
+    return Numbered(tuple(ids), tuple(distinct), tuple(reads), missing)

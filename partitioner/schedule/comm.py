@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from partitioner.schedule.actions import Action, Kind
+from partitioner.schedule.actions import Action, Key, Kind
 from partitioner.schedule.errors import ScheduleError
 from partitioner.schedule.ir import Schedule
 from partitioner.schedule.validation import validate
@@ -121,7 +121,7 @@ class _Flow:
 
     readers: dict[int, list[int]]
     feeders: dict[int, list[int]]
-    present: frozenset[Action]
+    present: frozenset[Key]
 
     @classmethod
     def of(cls, schedule: Schedule, edges: Iterable[tuple[int, int]] | None) -> _Flow:
@@ -134,20 +134,21 @@ class _Flow:
                     f"edge {(a, b)} does not go forward between stages 0..{S - 1}; each edge (a, b) "
                     "says stage b reads an output of stage a, so a < b"
                 )
-        return cls(
-            {a: [b for x, b in flow if x == a] for a in range(S)},
-            {b: [a for a, y in flow if y == b] for b in range(S)},
-            frozenset(a for row in schedule.actions for a in row),
-        )
+        readers: dict[int, list[int]] = {s: [] for s in range(S)}
+        feeders: dict[int, list[int]] = {s: [] for s in range(S)}
+        for a, b in flow:  # sorted: each list ascending
+            readers[a].append(b)
+            feeders[b].append(a)
+        return cls(readers, feeders, frozenset(a.key for row in schedule.actions for a in row))
 
-    def grad_of(self, stage: int, mb: int) -> Action:
+    def grad_of(self, stage: int, mb: int) -> Key:
         """The action producing ``stage``'s input gradients: its ``I`` if the schedule splits, else ``B``."""
-        return Action(stage, I, mb) if Action(stage, I, mb) in self.present else Action(stage, B, mb)
+        return (stage, "I", mb) if (stage, "I", mb) in self.present else (stage, "B", mb)
 
-    def inputs(self, x: Action) -> list[Action]:
+    def inputs(self, x: Action) -> list[Key]:
         """The actions, remote or local, whose outputs ``x`` reads."""
         if x.kind is F:
-            return [Action(a, F, x.mb) for a in self.feeders[x.stage]]
+            return [(a, "F", x.mb) for a in self.feeders[x.stage]]
         return [self.grad_of(b, x.mb) for b in self.readers[x.stage]] if x.kind in (B, I) else []
 
     def outputs(self, x: Action) -> list[int]:
@@ -177,15 +178,15 @@ def _program(
     place = schedule.stage_to_rank
     ops: list[Op] = []
     taken: dict[int, int] = {}  # per source rank, how many of its messages r has received
-    got: set[tuple[Action, int]] = set()
+    got: set[tuple[Key, int]] = set()
     for x in schedule.actions[r]:
         for src in flow.inputs(x):
-            q = place[src.stage]
+            q = place[src[0]]
             while q != r and (src, x.stage) not in got:  # earlier messages come first
                 k = taken.get(q, 0)
                 y, dst = channels[(q, r)][k]
                 taken[q] = k + 1
-                got.add((y, dst))
+                got.add((y.key, dst))
                 ops.append(Recv(q, y.stage, y.kind, y.mb, dst))
         ops.append(x)
         ops += [Send(place[d], x.stage, x.kind, x.mb, d) for d in flow.outputs(x) if place[d] != r]

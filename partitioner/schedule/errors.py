@@ -14,6 +14,7 @@ __all__ = [
     "MissingDependencyError",
     "ScheduleError",
     "ScheduleFormatError",
+    "ScheduleSizeError",
     "UnknownScheduleError",
     "SimulationError",
     "TimelineError",
@@ -53,6 +54,14 @@ class ScheduleError(PipecutError, ValueError):
 
 class ScheduleFormatError(ScheduleError):
     """An action or a schedule's text form cannot be parsed."""
+
+
+class ScheduleSizeError(ScheduleError):
+    """A schedule would hold more actions than ``partitioner.schedule.generators.MAX_ACTIONS``.
+
+    Raised before anything is built, so that a huge micro-batch count is refused at once
+    instead of running for minutes; the message gives the largest count that fits.
+    """
 
 
 class UnknownScheduleError(ScheduleError):

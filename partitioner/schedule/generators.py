@@ -13,12 +13,58 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from partitioner.schedule.actions import Action, Kind
-from partitioner.schedule.errors import ScheduleError
+from partitioner.schedule.errors import ScheduleError, ScheduleSizeError
 from partitioner.schedule.ir import Schedule
 
-__all__ = ["forward_only", "gpipe", "interleaved", "one_f_one_b"]
+__all__ = ["MAX_ACTIONS", "check_size", "forward_only", "gpipe", "interleaved", "one_f_one_b"]
 
 F, B = Kind.FORWARD, Kind.BACKWARD
+
+MAX_ACTIONS = 1 << 21
+"""The most actions a schedule may hold (2,097,152): ``S * m`` times 1 (forward only), 2 (``F``,
+``B``) or 3 (``F``, ``I``, ``W``). Enough for 64 stages x 4096 micro-batches with split backward
+(786,432 actions, planned and simulated in seconds: docs/schedules.md), and a bound on the time
+and memory building, checking and simulating one takes (all linear in the actions, about 200
+bytes each). Past it a generator raises :class:`ScheduleSizeError` before building anything."""
+
+
+def check_size(name: str, num_stages: int, m: int, per_microbatch: int) -> None:
+    """Refuse a schedule of ``num_stages * m * per_microbatch`` actions above :data:`MAX_ACTIONS`.
+
+    Args:
+        name: the schedule, for the message.
+        num_stages: ``S``.
+        m: micro-batches per step.
+        per_microbatch: actions per stage and micro-batch: 1 forward only, 2 (``F``, ``B``),
+            3 with split backward (``F``, ``I``, ``W``).
+
+    Raises:
+        ScheduleSizeError: too many actions; the message gives the largest ``m`` that fits.
+
+    Example:
+        >>> check_size("1f1b", 64, 4096, 2)  # 524,288 actions: fine
+        >>> try:
+        ...     check_size("zbh1", 64, 10**7, 3)
+        ... except ScheduleSizeError as err:
+        ...     print(err)  # doctest: +NORMALIZE_WHITESPACE
+        schedule 'zbh1' with 64 stages and 10000000 micro-batches would hold 1,920,000,000 actions
+        (3 per stage and micro-batch), more than MAX_ACTIONS = 2,097,152
+        (partitioner.schedule.generators.MAX_ACTIONS): use at most 10922 micro-batches (cut
+        the batch into fewer, larger micro-batches), or fewer stages
+    """
+    total = num_stages * m * per_microbatch
+    if total > MAX_ACTIONS:
+        most = MAX_ACTIONS // (num_stages * per_microbatch)
+        fix = (
+            f"use at most {most} micro-batches (cut the batch into fewer, larger micro-batches), or fewer stages"
+            if most >= 1
+            else f"use fewer stages (at most {MAX_ACTIONS // per_microbatch})"
+        )
+        raise ScheduleSizeError(
+            f"schedule {name!r} with {num_stages} stages and {m} micro-batches would hold {total:,} actions "
+            f"({per_microbatch} per stage and micro-batch), more than MAX_ACTIONS = {MAX_ACTIONS:,} "
+            f"(partitioner.schedule.generators.MAX_ACTIONS): {fix}"
+        )
 
 
 def _check_pm(name: str, p: object, m: object, v: object = 1) -> None:
@@ -42,6 +88,7 @@ def gpipe(p: int, m: int) -> Schedule:
 
     Raises:
         ScheduleError: ``p`` or ``m`` is not an int >= 1.
+        ScheduleSizeError: the schedule would hold more than ``MAX_ACTIONS`` actions.
 
     Example:
         >>> print(gpipe(2, 2))
@@ -50,6 +97,7 @@ def gpipe(p: int, m: int) -> Schedule:
         rank 1      1F0 1F1 1B0 1B1
     """
     _check_pm("gpipe", p, m)
+    check_size("gpipe", p, m, 2)
     rows = [
         [Action(s, F, mb) for mb in range(m)] + [Action(s, B, mb) for mb in range(m)]
         for s in range(p)
@@ -68,6 +116,7 @@ def one_f_one_b(p: int, m: int) -> Schedule:
 
     Raises:
         ScheduleError: ``p`` or ``m`` is not an int >= 1.
+        ScheduleSizeError: the schedule would hold more than ``MAX_ACTIONS`` actions.
 
     Example:
         >>> print(one_f_one_b(2, 3))
@@ -76,6 +125,7 @@ def one_f_one_b(p: int, m: int) -> Schedule:
         rank 1      1F0 1B0 1F1 1B1 1F2 1B2
     """
     _check_pm("1f1b", p, m)
+    check_size("1f1b", p, m, 2)
     rows = []
     for s in range(p):
         warmup = min(p - 1 - s, m)
@@ -100,6 +150,7 @@ def forward_only(p: int, m: int, *, stage_to_rank: Sequence[int] | None = None) 
 
     Raises:
         ScheduleError: ``p`` or ``m`` is not an int >= 1.
+        ScheduleSizeError: the schedule would hold more than ``MAX_ACTIONS`` actions.
 
     Example:
         >>> print(forward_only(2, 2))
@@ -113,6 +164,7 @@ def forward_only(p: int, m: int, *, stage_to_rank: Sequence[int] | None = None) 
     """
     _check_pm("forward", p, m)
     placement = tuple(range(p)) if stage_to_rank is None else tuple(stage_to_rank)
+    check_size("forward", len(placement), m, 1)
     rows = tuple(
         tuple(Action(s, F, mb) for s, owner in enumerate(placement) if owner == r for mb in range(m))
         for r in range(p)
@@ -166,6 +218,7 @@ def interleaved(p: int, m: int, v: int = 2) -> Schedule:
 
     Raises:
         ScheduleError: ``p``, ``m`` or ``v`` is not an int >= 1.
+        ScheduleSizeError: the schedule would hold more than ``MAX_ACTIONS`` actions.
 
     Example:
         >>> print(interleaved(2, 2))
@@ -174,6 +227,7 @@ def interleaved(p: int, m: int, v: int = 2) -> Schedule:
         rank 1      1F0 1F1 3F0 3B0 3F1 3B1 1B0 1B1
     """
     _check_pm("interleaved", p, m, v)
+    check_size("interleaved", p * v, m, 2)
     groups = _groups(p, m)
     order = [(c, mb) for group in groups for c in range(v) for mb in group]  # (chunk, mb)
     rows = []

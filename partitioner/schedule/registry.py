@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from partitioner.schedule.errors import ScheduleError, UnknownScheduleError
-from partitioner.schedule.generators import forward_only, gpipe, interleaved, one_f_one_b
+from partitioner.schedule.generators import check_size, forward_only, gpipe, interleaved, one_f_one_b
 from partitioner.schedule.ir import Schedule
 from partitioner.schedule.zero_bubble import zbh1, zbv
 
@@ -30,6 +30,7 @@ __all__ = [
     "get_schedule",
     "placement",
     "stage_schedule",
+    "check_schedule_size",
 ]
 
 
@@ -217,3 +218,19 @@ def stage_schedule(name: str, num_stages: int, m: int, chunks_per_rank: int | No
     info = schedule_info(name)
     p, v = placement(name, num_stages, chunks_per_rank)
     return info.generator(p, m, v=v) if info.any_stages_per_rank else info.generator(p, m)
+
+
+def check_schedule_size(name: str, num_stages: int, m: int) -> None:
+    """Refuse at once a schedule ``name`` of ``num_stages`` stages and ``m`` micro-batches that
+    would hold more than ``generators.MAX_ACTIONS`` actions (the generators check it too; this
+    lets a caller check before costlier work, e.g. tracing a model).
+
+    Raises:
+        UnknownScheduleError: the name is not registered.
+        ScheduleSizeError: too many actions; the message gives the largest ``m`` that fits.
+
+    Example:
+        >>> check_schedule_size("zbv", 64, 4096)  # 786,432 actions: fine
+    """
+    info = schedule_info(name)
+    check_size(info.name, num_stages, m, 3 if info.split_backward else 2 if info.trains else 1)

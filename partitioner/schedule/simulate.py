@@ -18,11 +18,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from partitioner.schedule.actions import Action, Kind, dependencies
+from partitioner.schedule.actions import Action, Kind, Numbered
 from partitioner.schedule.errors import SimulationError
 from partitioner.schedule.ir import Schedule
 from partitioner.schedule.timeline import Message, Span, Timeline
-from partitioner.schedule.validation import validate
+from partitioner.schedule.validation import validate_numbered
 
 __all__ = ["Link", "Simulation", "SimulationError", "StageCosts", "simulate"]
 
@@ -204,64 +204,103 @@ def _boundary_links(
 
 
 class _Network:
-    """When each result is there for each stage that reads it, and the messages that carried it."""
+    """When each result is there for each stage that reads it, and the messages that carried it.
+
+    Results are by action id (``actions.number``); each is read on its own stage (``B``/``I``
+    after ``F``, ``W`` after ``I``) and by at most one neighbour (``F`` by the next stage, ``B``
+    and ``I`` by the previous), so slot ``2k`` says when result ``k`` is there for its own stage
+    and slot ``2k + 1`` when it is there for that neighbour; ``None``: not yet.
+    """
 
     def __init__(
-        self, place: tuple[int, ...], links: tuple[Link, ...], out_bytes: tuple[float, ...]
+        self, place: tuple[int, ...], links: tuple[Link, ...], out_bytes: tuple[float, ...], results: int
     ) -> None:
         self.place = place  # stage_to_rank
         self.links, self.out_bytes = links, out_bytes  # per boundary
-        self.ready: dict[tuple[Action, int], float] = {}  # (action, reading stage) -> when it is there
+        self.ready: list[float | None] = [None] * (2 * results + 2)  # the last two: never there
         self.link_free: dict[tuple[int, int], float] = {}  # (src rank, dst rank) -> when the link is idle
         self.messages: list[Message] = []
+        # Per (stage, kind): the stage reading the result besides its own, or None.
+        S = len(place)
+        self.reader = {
+            (s, kind): s + 1 if kind is F and s + 1 < S else s - 1 if kind in (B, I) and s > 0 else None
+            for s in range(S)
+            for kind in Kind
+        }
 
-    def deliver(self, a: Action, end: float) -> None:
-        """``a`` ended at ``end``: ready at once on its stage, on arrival at the stage across a link."""
-        S, place = len(self.place), self.place
-        if a.kind is F:
-            readers = [a.stage + 1] if a.stage + 1 < S else []
-        else:
-            readers = [a.stage - 1] if a.kind in (B, I) and a.stage > 0 else []
-        self.ready[(a, a.stage)] = end  # its own later actions (B/I after F, W after I)
-        for dst in readers:
-            src_rank, dst_rank = place[a.stage], place[dst]
-            if src_rank == dst_rank:
-                self.ready[(a, dst)] = end
-                continue
-            boundary = min(a.stage, dst)
-            link, nbytes = self.links[boundary], self.out_bytes[boundary]
-            leave = max(end, self.link_free.get((src_rank, dst_rank), 0.0))
-            self.link_free[(src_rank, dst_rank)] = leave + nbytes / link.bandwidth
-            arrive = leave + link.transfer_time(nbytes)
-            self.ready[(a, dst)] = arrive
-            self.messages.append(
-                Message(src_rank, dst_rank, end, arrive, a.stage, dst, a.kind, a.mb, nbytes)
-            )
+    def deliver(self, a: Action, k: int, end: float) -> None:
+        """``a`` (id ``k``) ended at ``end``: ready at once on its stage, on arrival at the stage across a link."""
+        self.ready[2 * k] = end  # its own later actions (B/I after F, W after I)
+        dst = self.reader[a.stage, a.kind]
+        if dst is None:
+            return
+        src_rank, dst_rank = self.place[a.stage], self.place[dst]
+        if src_rank == dst_rank:
+            self.ready[2 * k + 1] = end
+            return
+        boundary = min(a.stage, dst)
+        link, nbytes = self.links[boundary], self.out_bytes[boundary]
+        leave = max(end, self.link_free.get((src_rank, dst_rank), 0.0))
+        self.link_free[(src_rank, dst_rank)] = leave + nbytes / link.bandwidth
+        arrive = leave + link.transfer_time(nbytes)
+        self.ready[2 * k + 1] = arrive
+        self.messages.append(Message(src_rank, dst_rank, end, arrive, a.stage, dst, a.kind, a.mb, nbytes))
 
 
-def _run_lists(schedule: Schedule, costs: StageCosts, network: _Network) -> list[Span]:
-    """Run each rank's list in order, every action once its rank is free and its inputs are there."""
-    p, S = schedule.num_ranks, schedule.num_stages
-    present = {a for row in schedule.actions for a in row}
-    deps = {a: dependencies(a, present, S) for a in present}
+def _run_lists(schedule: Schedule, costs: StageCosts, network: _Network, numbered: Numbered) -> list[Span]:
+    """Run each rank's list in order, every action once its rank is free and its inputs are there.
+
+    In passes over the ranks, ``0`` to ``p - 1``, each rank running as far as its inputs allow,
+    until a pass moves nothing (a valid schedule never stalls all ranks). The order actions run
+    in here decides which message takes a busy link first, so it is kept exactly; what is
+    skipped is only looking at a rank that cannot move: a rank stopped at an input is parked
+    on it and visited again when that input arrives, later in the same pass if its number is
+    higher than the rank that sent it, else in the next pass. Linear in the actions, plus ``p``
+    flags looked at per pass (about ``m v`` passes for the registry's schedules).
+    """
+    acts, ids = schedule.actions, numbered.ids
+    # Per id, the slots of network.ready its inputs are read from (see _Network).
+    stage = [a.stage for a in numbered.actions]
+    slots = [
+        tuple(2 * d + (d < numbered.missing and stage[d] != stage[k]) for d in reads)
+        for k, reads in enumerate(numbered.reads)
+    ]
+    duration = {(s, kind): costs.duration(Action(s, kind, 0)) for s in range(schedule.num_stages) for kind in Kind}
+    ready, deliver = network.ready, network.deliver
     spans: list[Span] = []
-    pos, free = [0] * p, [0.0] * p
-    moved = True
-    while moved:  # a valid schedule never stalls all ranks, so this ends with every list run
-        moved = False
-        for r, row in enumerate(schedule.actions):
-            while pos[r] < len(row):
-                a = row[pos[r]]
-                times = [network.ready.get((d, a.stage)) for d in deps[a]]
-                if any(t is None for t in times):
-                    break
-                start = max([free[r]] + [t for t in times if t is not None])
-                end = start + costs.duration(a)
-                spans.append(Span(r, a.stage, a.kind, a.mb, start, end))
-                network.deliver(a, end)
-                free[r] = end
-                pos[r] += 1
-                moved = True
+    pos, free = [0] * len(acts), [0.0] * len(acts)
+    waiting: dict[int, list[int]] = {}  # slot -> ranks stopped until it is filled
+    now = bytearray(b"\x01" * len(acts))  # per rank, whether this pass visits it
+    nxt = bytearray(len(acts))  # and the next pass
+    while any(now):
+        for r in range(len(acts)):
+            if not now[r]:
+                continue
+            now[r] = 0
+            row, row_ids, i, end = acts[r], ids[r], pos[r], free[r]
+            while i < len(row):
+                a, k = row[i], row_ids[i]
+                start = end
+                for x in slots[k]:
+                    t = ready[x]
+                    if t is None:
+                        waiting.setdefault(x, []).append(r)
+                        break
+                    if t > start:
+                        start = t
+                else:
+                    end = start + duration[a.stage, a.kind]
+                    spans.append(Span(r, a.stage, a.kind, a.mb, start, end))
+                    deliver(a, k, end)
+                    for x in (2 * k, 2 * k + 1):
+                        if x in waiting:
+                            for q in waiting.pop(x):  # later in this pass if q > r, else in the next
+                                (now if q > r else nxt)[q] = 1
+                    i += 1
+                    continue
+                break
+            pos[r], free[r] = i, end
+        now, nxt = nxt, now
     return spans
 
 
@@ -292,12 +331,12 @@ def simulate(
         >>> sim.step_time, round(sim.bubble_total, 4)   # (m + p - 1)(F + B), (p - 1) / (m + p - 1)
         (22.0, 0.2727)
     """
-    validate(schedule)
+    numbered = validate_numbered(schedule)
     per_boundary = _boundary_links(schedule, costs, links)
     S, p = schedule.num_stages, schedule.num_ranks
     out_bytes = costs.output_bytes or (0.0,) * max(S - 1, 0)
-    network = _Network(schedule.stage_to_rank, per_boundary, out_bytes)
-    spans = _run_lists(schedule, costs, network)
+    network = _Network(schedule.stage_to_rank, per_boundary, out_bytes, numbered.missing)
+    spans = _run_lists(schedule, costs, network, numbered)
     timeline = Timeline(tuple(spans), tuple(network.messages), p, costs.activation_bytes, costs.replay_bytes)
     return Simulation(
         timeline=timeline,

@@ -13,12 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NoReturn
 
-from partitioner.schedule.actions import Action, Kind, dependencies
+from partitioner.schedule.actions import Key, Kind, Numbered, dependencies, number
 from partitioner.schedule.errors import ScheduleError
 from partitioner.schedule.grid import UnitRun, draw_grid, unit_run
 from partitioner.schedule.ir import Schedule
 
-__all__ = ["peak_inflight", "peak_inflight_per_rank", "validate"]
+__all__ = ["peak_inflight", "peak_inflight_per_rank", "validate", "validate_numbered"]
 
 F, B, I, W = Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT
 
@@ -94,91 +94,117 @@ def _check_placement(report: _Report) -> None:
             )
 
 
-def _check_actions(report: _Report) -> dict[Action, int]:
+def _check_actions(report: _Report) -> dict[Key, int]:
     """Fail on an action out of range, on the wrong rank, repeated, or a backward when forward-only.
 
-    Returns each action's position in its rank's list.
+    Returns each action's position in its rank's list, by key.
     """
-    schedule, fail = report.schedule, report.fail
-    S, m = schedule.num_stages, schedule.num_microbatches
-    seen: dict[Action, int] = {}
+    schedule = report.schedule
+    S, m, place = schedule.num_stages, schedule.num_microbatches, schedule.stage_to_rank
+    seen: dict[Key, int] = {}
     for r, row in enumerate(schedule.actions):
         for i, a in enumerate(row):
-            where = f"rank {r} runs {a} (position {i} in its list)"
-            if a.stage >= S:
-                fail(
-                    f"{where}, but there are only stages 0..{S - 1}.",
-                    f"Remove {a}, or add stage {a.stage} to stage_to_rank.",
-                    cell=(r, i),
-                )
-            if a.mb >= m:
-                fail(
-                    f"{where}, but there are only micro-batches 0..{m - 1}.",
-                    f"Remove {a}, or raise num_microbatches.",
-                    cell=(r, i),
-                )
-            if schedule.stage_to_rank[a.stage] != r:
-                fail(
-                    f"{where}, but stage {a.stage} is on rank {schedule.stage_to_rank[a.stage]} "
-                    f"(stage_to_rank={schedule.stage_to_rank}).",
-                    f"Move {a} to rank {schedule.stage_to_rank[a.stage]}'s list, or change stage_to_rank.",
-                    cell=(r, i),
-                )
-            if schedule.forward_only and a.kind is not F:
-                fail(
-                    f"{where} in a forward-only schedule.",
-                    f"Remove {a}, or build the schedule with forward_only=False.",
-                    cell=(r, i),
-                )
-            if a in seen:
-                fail(
-                    f"{where} a second time (first at position {seen[a]}); each action runs exactly once.",
-                    f"Remove one of the two {a}.",
-                    cell=(r, i),
-                )
-            seen[a] = i
+            key = a.key
+            if a.stage >= S or a.mb >= m or place[a.stage] != r or key in seen or (
+                schedule.forward_only and a.kind is not F
+            ):
+                _fail_action(report, r, i, seen)
+            seen[key] = i
     return seen
 
 
-def _check_complete(report: _Report, seen: dict[Action, int]) -> None:
-    """Fail unless every stage and micro-batch runs ``F``, then ``B`` or both ``I`` and ``W``."""
+def _fail_action(report: _Report, r: int, i: int, seen: dict[Key, int]) -> NoReturn:
+    """Say what is wrong with rank ``r``'s ``i``-th action (the first check it fails, in order)."""
     schedule, fail = report.schedule, report.fail
+    S, m = schedule.num_stages, schedule.num_microbatches
+    a = schedule.actions[r][i]
+    where = f"rank {r} runs {a} (position {i} in its list)"
+    if a.stage >= S:
+        fail(
+            f"{where}, but there are only stages 0..{S - 1}.",
+            f"Remove {a}, or add stage {a.stage} to stage_to_rank.",
+            cell=(r, i),
+        )
+    if a.mb >= m:
+        fail(
+            f"{where}, but there are only micro-batches 0..{m - 1}.",
+            f"Remove {a}, or raise num_microbatches.",
+            cell=(r, i),
+        )
+    if schedule.stage_to_rank[a.stage] != r:
+        fail(
+            f"{where}, but stage {a.stage} is on rank {schedule.stage_to_rank[a.stage]} "
+            f"(stage_to_rank={schedule.stage_to_rank}).",
+            f"Move {a} to rank {schedule.stage_to_rank[a.stage]}'s list, or change stage_to_rank.",
+            cell=(r, i),
+        )
+    if schedule.forward_only and a.kind is not F:
+        fail(
+            f"{where} in a forward-only schedule.",
+            f"Remove {a}, or build the schedule with forward_only=False.",
+            cell=(r, i),
+        )
+    fail(
+        f"{where} a second time (first at position {seen[a.key]}); each action runs exactly once.",
+        f"Remove one of the two {a}.",
+        cell=(r, i),
+    )
+
+
+def _check_complete(report: _Report, seen: dict[Key, int]) -> None:
+    """Fail unless every stage and micro-batch runs ``F``, then ``B`` or both ``I`` and ``W``."""
+    schedule = report.schedule
+    runs: dict[tuple[int, int], str] = {}  # (stage, mb) -> the letters it runs (none repeated)
+    for s, letter, mb in seen:
+        runs[s, mb] = runs.get((s, mb), "") + letter
     for s in range(schedule.num_stages):
-        r = schedule.stage_to_rank[s]
         for mb in range(schedule.num_microbatches):
-            has = {k for k in Kind if Action(s, k, mb) in seen}
-            cell = next(((r, seen[Action(s, k, mb)]) for k in (I, W, B) if k in has), None)
-            if F not in has:
-                fail(
-                    f"never runs {s}F{mb} (stage {s}, micro-batch {mb}).",
-                    f"Add {s}F{mb} to rank {r}'s list.",
-                    note=(r, f"missing {s}F{mb}"),
-                )
+            has = runs.get((s, mb), "")
             if schedule.forward_only:
-                continue
-            if B in has and has & {I, W}:
-                fail(
-                    f"runs both {s}B{mb} and a split backward ({s}I{mb}/{s}W{mb}) for stage {s}, micro-batch {mb}.",
-                    f"Keep either {s}B{mb} or both {s}I{mb} and {s}W{mb}.",
-                    cell=cell,
-                )
-            if not has & {B, I, W}:
-                fail(
-                    f"never runs the backward of stage {s}, micro-batch {mb}.",
-                    f"Add {s}B{mb} (or {s}I{mb} then {s}W{mb}) to rank {r}'s list after {s}F{mb}.",
-                    note=(r, f"missing {s}B{mb}"),
-                )
-            if has & {I, W} and has & {I, W} != {I, W}:
-                have, lack = (f"{s}I{mb}", f"{s}W{mb}") if I in has else (f"{s}W{mb}", f"{s}I{mb}")
-                fail(
-                    f"runs {have} but never {lack}: a split backward needs both.",
-                    f"Add {lack} to rank {r}'s list ({s}I{mb} before {s}W{mb}), or use one {s}B{mb}.",
-                    cell=cell,
-                    note=(r, f"missing {lack}"),
-                )
+                fine = "F" in has
+            else:
+                fine = "F" in has and (has.replace("F", "") in ("B", "IW", "WI"))
+            if not fine:
+                _fail_incomplete(report, seen, s, mb)
 
 
-def _check_deadlock(report: _Report, present: set[Action]) -> None:
+def _fail_incomplete(report: _Report, seen: dict[Key, int], s: int, mb: int) -> None:
+    """Say what stage ``s`` runs wrong for micro-batch ``mb`` (the first check it fails, in order)."""
+    schedule, fail = report.schedule, report.fail
+    r = schedule.stage_to_rank[s]
+    has = {k for k in Kind if (s, k.value, mb) in seen}
+    cell = next(((r, seen[s, k.value, mb]) for k in (I, W, B) if k in has), None)
+    if F not in has:
+        fail(
+            f"never runs {s}F{mb} (stage {s}, micro-batch {mb}).",
+            f"Add {s}F{mb} to rank {r}'s list.",
+            note=(r, f"missing {s}F{mb}"),
+        )
+    if schedule.forward_only:
+        return
+    if B in has and has & {I, W}:
+        fail(
+            f"runs both {s}B{mb} and a split backward ({s}I{mb}/{s}W{mb}) for stage {s}, micro-batch {mb}.",
+            f"Keep either {s}B{mb} or both {s}I{mb} and {s}W{mb}.",
+            cell=cell,
+        )
+    if not has & {B, I, W}:
+        fail(
+            f"never runs the backward of stage {s}, micro-batch {mb}.",
+            f"Add {s}B{mb} (or {s}I{mb} then {s}W{mb}) to rank {r}'s list after {s}F{mb}.",
+            note=(r, f"missing {s}B{mb}"),
+        )
+    if has & {I, W} and has & {I, W} != {I, W}:
+        have, lack = (f"{s}I{mb}", f"{s}W{mb}") if I in has else (f"{s}W{mb}", f"{s}I{mb}")
+        fail(
+            f"runs {have} but never {lack}: a split backward needs both.",
+            f"Add {lack} to rank {r}'s list ({s}I{mb} before {s}W{mb}), or use one {s}B{mb}.",
+            cell=cell,
+            note=(r, f"missing {lack}"),
+        )
+
+
+def _check_deadlock(report: _Report, seen: dict[Key, int]) -> None:
     """Fail if the run gets stuck; at the first stuck step, say what each rank waits for."""
     schedule, run = report.schedule, report.run
     if run.stuck_step is None:
@@ -187,6 +213,7 @@ def _check_deadlock(report: _Report, present: set[Action]) -> None:
     acts = schedule.actions
     done = {a for r, row in enumerate(acts) for a, u in zip(row, run.steps[r]) if u < t}
     heads = {r: i for r, i in run.forced if run.steps[r][i] == t}
+    present = {a for row in acts for a in row}
     reasons = []
     for r, i in sorted(heads.items()):
         a = acts[r][i]
@@ -194,7 +221,7 @@ def _check_deadlock(report: _Report, present: set[Action]) -> None:
             if d in done:
                 continue
             q = schedule.stage_to_rank[d.stage]
-            j = acts[q].index(d)
+            j = seen[d.key]  # its position: complete and unrepeated, checked before
             if q == r:
                 reasons.append(
                     f"  rank {r} waits at {a} (position {i}) for {d}, which comes later "
@@ -262,12 +289,23 @@ def validate(schedule: Schedule) -> None:
         <BLANKLINE>
         Cells in [brackets] wait for an input that is never ready; ...
     """
-    run = unit_run(schedule)
+    validate_numbered(schedule)
+
+
+def validate_numbered(schedule: Schedule) -> Numbered:
+    """:func:`validate`, then the schedule's actions numbered (``actions.number``) for the caller's run.
+
+    Raises:
+        ScheduleError: as :func:`validate`.
+    """
+    numbered = number(schedule.actions, schedule.num_stages)
+    run = unit_run(schedule, numbered)
     report = _Report(schedule, run, _title(schedule))
     _check_placement(report)
     seen = _check_actions(report)
     _check_complete(report, seen)
-    _check_deadlock(report, set(seen))
+    _check_deadlock(report, seen)
+    return numbered
 
 
 def peak_inflight(schedule: Schedule) -> tuple[int, ...]:

@@ -14,7 +14,7 @@ them with real costs.
 from __future__ import annotations
 
 from partitioner.schedule.actions import Action, Kind
-from partitioner.schedule.generators import _check_pm
+from partitioner.schedule.generators import _check_pm, check_size
 from partitioner.schedule.ir import Schedule
 
 __all__ = ["zbh1", "zbv"]
@@ -43,6 +43,7 @@ def zbh1(p: int, m: int, *, defer_w: bool = True) -> Schedule:
 
     Raises:
         ScheduleError: ``p`` or ``m`` is not an int >= 1.
+        ScheduleSizeError: the schedule would hold more than ``MAX_ACTIONS`` actions.
 
     Example:
         >>> print(zbh1(2, 3))
@@ -51,6 +52,7 @@ def zbh1(p: int, m: int, *, defer_w: bool = True) -> Schedule:
         rank 1      1F0 1I0 1F1 1I1 1W0 1F2 1I2 1W1 1W2
     """
     _check_pm("zbh1", p, m)
+    check_size("zbh1", p, m, 3)
     rows = []
     for s in range(p):
         warmup = min(p - 1 - s, m)
@@ -99,6 +101,7 @@ def zbv(p: int, m: int) -> Schedule:
 
     Raises:
         ScheduleError: ``p`` or ``m`` is not an int >= 1.
+        ScheduleSizeError: the schedule would hold more than ``MAX_ACTIONS`` actions.
 
     Example:
         >>> print(zbv(2, 3))
@@ -107,6 +110,7 @@ def zbv(p: int, m: int) -> Schedule:
         rank 1      1F0 2F0 1F1 2F1 2I0 2W0 1F2 1I0 1W0 2F2 2I1 2W1 1I1 2I2 1I2 1W1 2W2 1W2
     """
     _check_pm("zbv", p, m)
+    check_size("zbv", 2 * p, m, 3)
     n = max(m, 2 * p - 1)
     rows = tuple(tuple(a for a in _zbv_row(p, r, n) if a.mb < m) for r in range(p))
     placement = tuple(range(p)) + tuple(reversed(range(p)))
@@ -117,12 +121,14 @@ def _zbv_row(p: int, r: int, n: int) -> list[Action]:
     """Rank ``r``'s list in :func:`zbv`'s five phases, for ``n >= 2p - 1`` micro-batches."""
     down, up = r, 2 * p - 1 - r
     row: list[Action] = []
-    done = {(s, k): 0 for s in (down, up) for k in (F, I, W)}  # next micro-batch per kind
+    # Next micro-batch per (stage, letter): keyed by the letter, as an Enum hashes in Python.
+    done = {(s, k.value): 0 for s in (down, up) for k in (F, I, W)}
 
     def run(stage: int, *kinds: Kind) -> None:
         for kind in kinds:
-            row.append(Action(stage, kind, done[stage, kind]))
-            done[stage, kind] += 1
+            key = (stage, kind._value_)
+            row.append(Action(stage, kind, done[key]))
+            done[key] += 1
 
     for _ in range(2 * (p - r) - 1):
         run(down, F)
@@ -131,8 +137,8 @@ def _zbv_row(p: int, r: int, n: int) -> list[Action]:
         run(down, F)
     for _ in range(p - r):
         run(up, F, I, W)
-    while done[up, F] < n:
-        if done[down, F] < n:
+    while done[up, "F"] < n:
+        if done[down, "F"] < n:
             run(down, F)
         run(down, I, W)
         run(up, F, I, W)
@@ -141,8 +147,8 @@ def _zbv_row(p: int, r: int, n: int) -> list[Action]:
         run(up, I)
     for _ in range(p - r):
         run(down, I, W)
-    while done[up, W] < n:
+    while done[up, "W"] < n:
         run(up, W)
-    while done[down, W] < n:
+    while done[down, "W"] < n:
         run(down, W)
     return row

@@ -65,6 +65,12 @@ def trace_export(
     if shape_args is None:
         shape_args, shape_kwargs = args, kwargs
     shape_kwargs = dict(shape_kwargs or {})
+    # Export's guards describe the example tensors themselves, strides and views included: a view
+    # (``x[:, :-1]``) would get guards on its base. Export plain contiguous tensors, so the guards
+    # are about sizes only (``guards.SizeGuards`` checks micro-batches against them).
+    args, kwargs, shape_args, shape_kwargs = pytree.tree_map_only(
+        torch.Tensor, _plain_tensor, (args, kwargs, shape_args, shape_kwargs)
+    )
     ep = _export_dynamic_or_static(model, args, kwargs, shape_args, shape_kwargs, dynamic=dynamic)
     unlifted = ep.module()
     graph = unlifted.graph
@@ -217,6 +223,13 @@ def _restore_originals(gm: fx.GraphModule, model: nn.Module) -> None:
             # A tensor constant made inside forward while tracing a meta model: no data either way.
             empty = torch.empty_strided(current.shape, current.stride(), dtype=current.dtype, device="meta")
             setattr(owner, leaf, empty)
+
+
+def _plain_tensor(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself if it is contiguous and no view, else a contiguous copy (same ``requires_grad``)."""
+    if t._base is None and t.is_contiguous():
+        return t
+    return t.detach().clone(memory_format=torch.contiguous_format).requires_grad_(t.requires_grad)
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:

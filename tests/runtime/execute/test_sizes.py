@@ -155,3 +155,19 @@ def test_shape_arithmetic_under_torch_export_too() -> None:
     torch.testing.assert_close(trainer.forward_backward(x, y).detach(), want_loss, **TOL)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, want[name], **TOL, msg=name)
+
+
+def test_an_example_that_is_a_view_gives_guards_on_sizes_only() -> None:
+    # Found by the demo: an example sliced from a longer one (x[:, :-1], a view) got export guards
+    # on its base tensor, which a micro-batch's sizes alone could not satisfy.
+    torch.manual_seed(0)
+    model = Halves()
+    x, y = torch.randn(8, 9), torch.randn(8, 1)
+    example = torch.randn(4, 9)[:, :-1]
+    assert example._base is not None and not example.is_contiguous()
+    plan = partition(model, (example,), num_stages=2, trace_method="export")
+    want_loss, want = _reference(model, x[:, :-1], y, 2)
+    trainer = PipelineTrainer(plan, nn.functional.mse_loss, None, execution=Execution(microbatches=2))
+    torch.testing.assert_close(trainer.forward_backward(x[:, :-1], y).detach(), want_loss, **TOL)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[name], **TOL, msg=name)

@@ -20,12 +20,14 @@ from runtime import Execution, PipelineTrainer
 TOL = {"rtol": 2e-5, "atol": 2e-6}
 
 
-class Branchy(nn.Module):
-    """Doubles its hidden state when the batch has more than 4 rows (torch.export's guard: >= 5)."""
-
+class _TwoLayers(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 1)
+
+
+class Branchy(_TwoLayers):
+    """Doubles its hidden state when the batch has more than 4 rows (torch.export's guard: >= 5)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.a(x))
@@ -34,12 +36,8 @@ class Branchy(nn.Module):
         return self.b(h)
 
 
-class Halves(nn.Module):
+class Halves(_TwoLayers):
     """Sums pairs of rows: only even batches are valid (the guard: the batch is a multiple of 2)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.a(x))

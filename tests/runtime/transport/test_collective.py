@@ -3,25 +3,11 @@ time (``TransportTimeout``), as the point-to-point transport does; no peers need
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
+from fake_work import FailingWork
 from runtime.transport import collective
 from runtime.transport.p2p import PeerFailed, TransportTimeout
-
-
-class _Work:
-    """A ``dist.Work`` whose wait fails as a backend's would (or returns False), after ``delay`` s."""
-
-    def __init__(self, text: str | None, delay: float = 0.0) -> None:
-        self.text, self.delay = text, delay
-
-    def wait(self, timeout: object = None) -> bool:
-        time.sleep(self.delay)
-        if self.text is None:
-            return False
-        raise RuntimeError(self.text)
 
 
 @pytest.mark.parametrize(
@@ -41,7 +27,7 @@ def test_a_failed_peer_is_told_from_a_timeout(
 ) -> None:
     monkeypatch.setattr(collective.dist, "get_rank", lambda group=None: 1)
     with pytest.raises(TransportTimeout, match=says) as err:
-        collective.wait_bounded(_Work(text, delay), timeout=timeout, what="the sum")
+        collective.wait_bounded(FailingWork(text, delay), timeout=timeout, what="the sum")
     assert type(err.value) is kind
 
 

@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+from fake_work import FailingWork
 from runtime.errors import InconsistentScheduleError
 from runtime.transport.launch import LaunchError, spawn
 from runtime.transport.p2p import DistTransport, Key, LocalTransport, PeerFailed, TensorMeta, TransportTimeout
@@ -72,18 +73,6 @@ def test_local_transport_rejects_a_duplicate_send() -> None:
     assert isinstance(info.value, InconsistentScheduleError)
 
 
-class _FailingWork:
-    """A ``dist.Work`` whose wait fails as a backend's would, after ``delay`` seconds."""
-
-    def __init__(self, text: str | None, delay: float = 0.0) -> None:
-        self.text, self.delay = text, delay
-
-    def wait(self, timeout: object = None) -> bool:
-        time.sleep(self.delay)
-        if self.text is None:
-            return False
-        raise RuntimeError(self.text)
-
 
 def _unconnected_dist_transport(timeout: float) -> DistTransport:
     # Only the fields the error path reads: telling a timeout from a failure needs no peer.
@@ -115,7 +104,7 @@ def test_dist_transport_tells_a_failed_peer_from_a_timeout(
 ) -> None:
     tr = _unconnected_dist_transport(timeout)
     with pytest.raises(TransportTimeout, match=says) as err:
-        tr._wait(_FailingWork(text, delay), Key(1, 0, "grad", 4), 0, sending=True)  # type: ignore[arg-type]
+        tr._wait(FailingWork(text, delay), Key(1, 0, "grad", 4), 0, sending=True)  # type: ignore[arg-type]
     assert type(err.value) is kind
     if text is not None:
         assert isinstance(err.value.__cause__, RuntimeError) and str(err.value.__cause__) == text

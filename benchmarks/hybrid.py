@@ -72,6 +72,7 @@ from torch import nn  # noqa: E402
 
 from _common import load_before, run_env, step_times, write_result  # noqa: E402
 from partitioner import partition  # noqa: E402
+from partitioner.schedule.registry import stages_per_rank  # noqa: E402
 from partitioner.zoo import MLPChain, gpt2  # noqa: E402
 from runtime import DataParallel, Execution, PipelineTrainer  # noqa: E402
 from runtime.transport.launch import spawn  # noqa: E402
@@ -90,7 +91,6 @@ CONFIGS: dict[str, tuple[int, int, bool, str]] = {
     "f: 2 dp x 2 pp interleaved, all-reduce after": (2, 2, False, "interleaved"),
 }
 # Stages per rank of a schedule (the interleaved one puts two on each rank).
-_CHUNKS = {"1f1b": 1, "interleaved": 2}
 # The overlap comparisons: (with, without) overlap_grad_reduce.
 _OVERLAP = {"1f1b": ("a: 2 dp x 2 pp", "d: 2 dp x 2 pp, all-reduce after"),
             "interleaved": ("e: 2 dp x 2 pp interleaved", "f: 2 dp x 2 pp interleaved, all-reduce after")}
@@ -145,7 +145,7 @@ def _trainer(
     m = cfg["batch"] // (dp * cfg["micro_batch"])  # micro-batches per replica
     example = (_data({**cfg, "batch": cfg["micro_batch"]})[0],)
     # A copy per configuration: the stages share the parameters of the model they were cut from.
-    plan = partition(copy.deepcopy(model), example, pp * _CHUNKS[schedule], microbatches=m, schedule=schedule)
+    plan = partition(copy.deepcopy(model), example, pp * stages_per_rank(schedule), microbatches=m, schedule=schedule)
     return PipelineTrainer(plan, _loss(cfg), lambda ps: torch.optim.SGD(ps, lr=1e-3),
                            execution=Execution(schedule=schedule, transport="dist"),
                            data_parallel=DataParallel(size=dp, overlap_grad_reduce=overlap))

@@ -84,7 +84,7 @@ from _fixed_cost import ROWS, WIDTH, SleepBlock, calibrate
 from _schedules_report import print_report, save_traces
 from partitioner import Cluster, Plan, partition
 from partitioner.errors import PipecutError
-from partitioner.schedule.registry import get_schedule
+from partitioner.schedule.registry import get_schedule, stages_per_rank
 from partitioner.schedule.simulate import StageCosts, simulate
 from partitioner.schedule.timeline import Timeline, from_records
 from partitioner.schedule.validation import peak_inflight_per_rank
@@ -94,7 +94,6 @@ from runtime.trainer import PipelineTrainer
 from runtime.transport.launch import LaunchError, spawn
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1", "zbv")
-CHUNKS = {"interleaved": 2, "zbv": 2}  # stages per rank; 1 for the others
 ZERO_BUBBLE = ("zbh1", "zbv")
 
 
@@ -102,7 +101,7 @@ ZERO_BUBBLE = ("zbh1", "zbv")
 
 
 def _fixed_trainer(schedule: str, p: int, m: int, cost_s: float, transport: str) -> PipelineTrainer:
-    v = CHUNKS.get(schedule, 1)
+    v = stages_per_rank(schedule)
     S = p * v
     c = cost_s / v  # a chunk holds 1/v of a rank's layers: a rank's work is the same
     chain = nn.Sequential(*(SleepBlock(c, c, c) for _ in range(S)))  # block s is stage s
@@ -230,7 +229,7 @@ def _action_costs(timelines: Sequence[Timeline], S: int) -> StageCosts:
 def _row(schedule: str, p: int, m: int, cost_s: float, transport: str, steps: list[dict[str, Any]] | None,
          error: str | None) -> tuple[dict[str, Any], dict[str, Timeline]]:
     """One (schedule, m, transport): simulated, measured, and the timelines for traces."""
-    v = CHUNKS.get(schedule, 1)
+    v = stages_per_rank(schedule)
     S = p * v
     sched = get_schedule(schedule, p, m, **({"v": v} if schedule == "interleaved" else {}))
     sim = simulate(sched, StageCosts.uniform(S, forward=cost_s / v, backward_input=cost_s / v,
@@ -448,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     timelines: dict[tuple[str, int, str], dict[str, Timeline]] = {}
     # Calibrated on the smallest sleep the runs use (a two-chunk schedule's chunk).
-    cal_s = None if args.no_calibrate else cost_s / max(CHUNKS.get(s, 1) for s in args.schedules)
+    cal_s = None if args.no_calibrate else cost_s / max(stages_per_rank(s) for s in args.schedules)
     calibration: dict[str, Any] = {}
     if cal_s and "local" in transports and not args.skip_fixed:
         calibration["local"] = calibrate(cal_s)

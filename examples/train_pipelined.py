@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from partitioner import Cluster, partition
+from partitioner.schedule.registry import stages_per_rank
 from partitioner.zoo import gpt2
 from runtime import DataParallel, Execution, PipelineTrainer, TrainingProgress
 from runtime.metrics import describe
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> float:
     parser.add_argument("--progress", action="store_true", help="a progress bar instead of a line every 5 steps")
     parser.add_argument("--trace", default="", help="write the last step as a Chrome/Perfetto trace here")
     args = parser.parse_args(argv)
-    per_rank = 2 if args.schedule in ("interleaved", "zbv") else 1  # stages per rank
+    per_rank = stages_per_rank(args.schedule)
     if args.pp is None:
         args.pp = int(os.environ.get("WORLD_SIZE", str(4 * args.dp))) // args.dp
     if args.stages is None:

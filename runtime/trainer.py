@@ -33,7 +33,7 @@ from runtime.assembly import assemble
 from runtime.errors import TrainerStateError
 from runtime.execute.accumulation import add_back, set_aside
 from runtime.execute.executor import ActionRecord, Executor, RunResult
-from runtime.execute.inputs import check_inputs, check_sizes, check_targets, shape_key
+from runtime.execute.inputs import check_inputs, check_sizes, check_targets, is_example_size, shape_key
 from runtime.execute.local_run import RankThreads, run_interleaved, run_threads
 from runtime.execute.microbatch import MicrobatchError, microbatch_count, split_microbatches
 from runtime.execute.recompute import RecomputeOption, stages_to_recompute
@@ -472,9 +472,6 @@ class PipelineTrainer:
         timeline = from_records(records, act_bytes)
         return dataclasses.replace(timeline, num_ranks=self.schedule.num_ranks)
 
-    def _is_example_size(self, mb_inputs: Mapping[str, Any]) -> bool:
-        return shape_key(mb_inputs) == tuple(tuple(meta.shape) for meta in self.plan.traced.example_inputs)
-
     def _micro_inputs(self, inputs: Any) -> list[dict[str, Any]]:
         """The batch cut into micro-batches, checked against the plan first (``runtime.execute.inputs``)."""
         flat = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
@@ -488,10 +485,9 @@ class PipelineTrainer:
     def _wire_shapes(self, mb_inputs: Mapping[str, Any]) -> dict[str, tuple[int, ...]] | None:
         """Wire shapes for this micro-batch size, or None when it is the plan's example size."""
         traced = self.plan.traced
-        key = shape_key(mb_inputs)
-        example = tuple(tuple(meta.shape) for meta in traced.example_inputs)
-        if key == example:
+        if is_example_size(traced, mb_inputs):
             return None
+        key = shape_key(mb_inputs)
         if key not in self._shape_cache:
             self._shape_cache[key] = wire_shapes(traced.gm, mb_inputs, method=traced.method)
         return self._shape_cache[key]
@@ -541,5 +537,5 @@ class PipelineTrainer:
         self._busy = [res.busy for res in results]
         self._run_seconds = time.perf_counter() - started
         self.last_records = sorted((r for res in results for r in res.records), key=lambda r: r.start)
-        self._example_sized = self._is_example_size(ins[0]) if ins else False
+        self._example_sized = is_example_size(self.plan.traced, ins[0]) if ins else False
         return results

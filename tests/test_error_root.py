@@ -24,23 +24,13 @@ import partitioner
 import pipecut
 import pipecut.errors
 import runtime
+from layout_graph import module_name, source_files
 from partitioner import errors as perr
 from partitioner.errors import PipecutError
 
 _ROOT = Path(__file__).resolve().parents[1]
 _PACKAGES = (partitioner, runtime, pipecut)
 _MARK = "# internal invariant"
-
-
-
-def _sources() -> list[Path]:
-    files = sorted(p for pkg in _PACKAGES for p in Path(pkg.__path__[0]).rglob("*.py"))
-    return files
-
-
-def _module_of(path: Path, root: Path) -> str:
-    parts = list(path.relative_to(root).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def _dotted(node: ast.expr) -> list[str] | None:
@@ -73,7 +63,7 @@ def bare_raises(files: list[Path], root: Path = _ROOT) -> list[str]:
     for path in files:
         text = path.read_text()
         lines = text.splitlines()
-        module = importlib.import_module(_module_of(path, root))
+        module = importlib.import_module(module_name(path, root))
         for node in ast.walk(ast.parse(text)):  # (not in line order; sorted below)
             if not isinstance(node, ast.Raise) or node.exc is None:
                 continue
@@ -94,7 +84,7 @@ def bare_raises(files: list[Path], root: Path = _ROOT) -> list[str]:
 
 
 def test_every_raise_is_a_pipecut_error() -> None:
-    bare = bare_raises(_sources())
+    bare = bare_raises(list(source_files().values()))
     assert not bare, f"{len(bare)} raise(s) of classes outside PipecutError:\n" + "\n".join(bare)
 
 

@@ -109,17 +109,15 @@ def _export_dynamic_or_static(
 
 
 def _plain_graph(graph: fx.Graph) -> Any:
-    """Strip export's guard, assert and unused attribute nodes, and use the plain calling convention.
+    """Strip export's assert and unused attribute nodes, and use the plain calling convention.
 
+    The guard call is taken out before, with its function kept (``guards.take_size_guards``).
     Returns the output's pytree spec, which the plain convention no longer applies.
     """
     # An exported graph's codegen is a _PyTreeCodeGen (typed as the base CodeGen): it has pytree_info.
     out_spec = graph._codegen.pytree_info.out_spec  # type: ignore[attr-defined]
     # Plain calling convention: flat positional inputs in, flat tuple out (output args already are).
     graph._codegen = fx.graph.CodeGen()
-    for node in list(graph.nodes):
-        if node.op == "call_module" and str(node.target) == "_guards_fn":
-            graph.erase_node(node)
     drop_asserts(graph)
     for node in list(graph.nodes):
         if node.op == "get_attr" and not node.users:

@@ -31,7 +31,7 @@ from partitioner.tracing.failures import first_line
 from partitioner.tracing.trace import TracedModel
 from runtime.execute.shapes import check_fixed_dims, wire_shapes
 
-__all__ = ["check_inputs", "check_sizes", "check_guards", "check_targets", "shape_key"]
+__all__ = ["check_inputs", "check_sizes", "check_guards", "check_targets", "is_example_size", "shape_key"]
 
 
 def check_inputs(traced: TracedModel, flat: Sequence[Any]) -> None:
@@ -93,6 +93,8 @@ def check_sizes(
         InputShapeError: a size the graph keeps fixed (export) or whose ops reject it (fx).
     """
     metas = traced.example_inputs
+    if is_example_size(traced, mb_inputs):
+        return  # the sizes the graph was traced at: nothing to check on every step
     if traced.method == "export" or any(meta.dynamic is not None for meta in metas):
         check_fixed_dims(metas, mb_inputs)
         check_guards(traced, mb_inputs)
@@ -192,6 +194,11 @@ def _check_fx_sizes(
         ) from e.__cause__
     if cache is not None:
         cache[key] = shapes
+
+
+def is_example_size(traced: TracedModel, mb_inputs: Mapping[str, Any]) -> bool:
+    """Whether one micro-batch has exactly the traced example's sizes."""
+    return shape_key(mb_inputs) == tuple(tuple(meta.shape) for meta in traced.example_inputs)
 
 
 def shape_key(mb_inputs: Mapping[str, Any]) -> tuple[tuple[int, ...], ...]:

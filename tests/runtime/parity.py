@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from partitioner import partition
+from partitioner.schedule.registry import stages_per_rank
 from partitioner.schedule.validation import peak_inflight
 from partitioner.zoo import MLPChain, gpt2
 from runtime.execute import wgrad_fusion
@@ -25,13 +26,11 @@ TOL = {"rtol": 2e-5, "atol": 2e-6}
 # Fuse weight-gradient accumulation into every linear layer, however small, so that the parity
 # cases check the fused path (the split-backward schedules, which never fuse, check the plain one).
 wgrad_fusion.DEFAULT_MIN_NUMEL = 1
-# Stages per rank of the multi-stage placements: the plan has ranks x this many stages.
-CHUNKS = {"interleaved": 2, "zbv": 2}
 
 
 def stages_for(schedule: str, ranks: int) -> int:
     """``S``: the stages a plan needs to run ``schedule`` on ``ranks`` ranks."""
-    return ranks * CHUNKS.get(schedule, 1)
+    return ranks * stages_per_rank(schedule)
 
 
 class SkipChain(nn.Module):

@@ -35,15 +35,17 @@ from partitioner.cost.recompute import (
 from partitioner.errors import InfeasibleMemoryError, PartitionOptionError, SplitPointError, TooManyStagesError
 from partitioner.plan.choose import choose, microbatch_candidates
 from partitioner.plan.plan import Plan
-from partitioner.plan.predict import predict, stage_inflight
+from partitioner.plan.predict import predict
 from partitioner.plan.records import StagePlan, binding
 from partitioner.plan.split import split_graph
+from partitioner.schedule.ir import Schedule
 from partitioner.schedule.registry import (
     TRAINING_SCHEDULES,
     check_schedule_size,
     stage_schedule,
     stages_per_rank,
 )
+from partitioner.schedule.validation import peak_inflight
 from partitioner.tracing.globalstate import preserved
 from partitioner.tracing.trace import Method as TraceMethod
 from partitioner.tracing.trace import trace
@@ -275,7 +277,8 @@ class _Context:
         p = len(cluster)
         if p > len(self.units):
             raise TooManyStagesError(p, len(self.units), self.granularity)
-        held = stage_inflight(schedule, p, m)
+        built = stage_schedule(schedule, p, m)  # built and checked once: its memory count, then its prediction
+        held = peak_inflight(built)
         problem = to_problem(
             self.g, self.units, _per_stage_capacity(cluster, schedule), inflight=held,
             param_numel=self.numel, state_bytes_per_param=self.state_bytes_per_param,
@@ -310,7 +313,7 @@ class _Context:
             assignment=part.assignment, method=part.method, cluster=cluster, schedule=schedule,
             microbatches=m, held=held, granularity=self.granularity, numel=self.numel,
             state_bytes_per_param=self.state_bytes_per_param, staged_io=io, shared=shared,
-            precision=self.precision, recompute=self.recompute, forward=forward,
+            precision=self.precision, recompute=self.recompute, forward=forward, built=built,
         )
 
     def _solve(self, problem: alg.Problem) -> alg.Partition:
@@ -471,7 +474,7 @@ def _make_plan(
     assignment: Sequence[int], method: str, cluster: Cluster, schedule: str, microbatches: int,
     held: Sequence[int], granularity: str, numel: Mapping[str, int], state_bytes_per_param: float,
     staged_io: tuple[Any, ...], shared: Mapping[str, tuple[int, ...]], precision: str = "fp32",
-    recompute: bool | str = False, forward: Sequence[Sequence[float]] = (),
+    recompute: bool | str = False, forward: Sequence[Sequence[float]] = (), built: Schedule | None = None,
 ) -> Plan:
     """The Plan of a cut: its stages, the bound and predictions, and what it takes to build the stages again."""
     stages = _stage_plans(
@@ -486,7 +489,9 @@ def _make_plan(
     # The plan's schedule first, then every other schedule with the same placement (one stage
     # per device); a two-chunk placement's links are its own, so it is predicted alone.
     same = [k for k in TRAINING_SCHEDULES if k != schedule and stages_per_rank(k) == 1 == stages_per_rank(schedule)]
-    preds = tuple(predict(stages, cluster, k, microbatches) for k in (schedule, *same))
+    preds = tuple(
+        predict(stages, cluster, k, microbatches, built=built if k == schedule else None) for k in (schedule, *same)
+    )
     return Plan(
         stages=tuple(stages),
         method=method,

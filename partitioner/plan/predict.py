@@ -30,7 +30,9 @@ def stage_inflight(schedule: str, num_stages: int, m: int) -> tuple[int, ...]:
     return tuple(peak_inflight(stage_schedule(schedule, num_stages, m)))
 
 
-def predict(stages: Sequence[StagePlan], cluster: Cluster, schedule: str, m: int) -> Prediction:
+def predict(
+    stages: Sequence[StagePlan], cluster: Cluster, schedule: str, m: int, *, built: Schedule | None = None
+) -> Prediction:
     """Simulate one step of ``stages`` under ``schedule`` with ``m`` micro-batches.
 
     Args:
@@ -39,6 +41,8 @@ def predict(stages: Sequence[StagePlan], cluster: Cluster, schedule: str, m: int
         cluster: one device per stage, one link per boundary.
         schedule: a training schedule (see ``partitioner.schedule.registry.TRAINING_SCHEDULES``).
         m: micro-batches per step.
+        built: ``stage_schedule(schedule, len(stages), m)`` if the caller has it: a schedule is
+            built and checked once, however many times it is predicted.
 
     Returns:
         The step time, the bubble, and the fullest device's memory (state of its stages plus
@@ -52,7 +56,7 @@ def predict(stages: Sequence[StagePlan], cluster: Cluster, schedule: str, m: int
         >>> pr.step_time, round(pr.bubble, 4)    # (m + p - 1)(F + B), (p - 1) / (m + p - 1)
         (33.0, 0.2727)
     """
-    sched, sim = simulate_stages(stages, cluster, schedule, m)
+    sched, sim = simulate_stages(stages, cluster, schedule, m, built=built)
     return prediction(stages, schedule, m, sched, sim)
 
 
@@ -69,7 +73,7 @@ def prediction(
 
 
 def simulate_stages(
-    stages: Sequence[StagePlan], cluster: Cluster, schedule: str, m: int
+    stages: Sequence[StagePlan], cluster: Cluster, schedule: str, m: int, *, built: Schedule | None = None
 ) -> tuple[Schedule, Simulation]:
     """The schedule and the full ``partitioner.schedule.simulate.Simulation`` (timeline included) of a step.
 
@@ -77,9 +81,9 @@ def simulate_stages(
     (``StagePlan.wgrad_time``); activations cross boundary ``s`` over cluster link ``s``. A stage
     that recomputes (``StagePlan.recompute``) holds its input bytes per micro-batch in flight,
     and from its ``B`` / ``I`` on also the activations it rebuilds there, whose forward adds to
-    that action's time (the runtime replays the forward at ``I``).
+    that action's time (the runtime replays the forward at ``I``). ``built``: as :func:`predict`.
     """
-    sched = stage_schedule(schedule, len(stages), m)
+    sched = built or stage_schedule(schedule, len(stages), m)
     # Stage 0 reads only graph inputs, which need no gradient: its split backward has nothing to
     # send back, so all of it runs as W (the executor's I on stage 0 is empty).
     wgrad = [st.bwd_time if s == 0 else min(st.wgrad_time, st.bwd_time) for s, st in enumerate(stages)]

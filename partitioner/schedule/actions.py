@@ -17,6 +17,7 @@ import re
 from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from itertools import chain
 
 from partitioner.schedule.errors import ScheduleFormatError
 
@@ -36,6 +37,7 @@ class Kind(str, Enum):
 
 
 F, B, I, W = Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT
+_KIND_CODE = {"F": 0, "B": 1, "I": 2, "W": 3}  # number's codes
 
 # ASCII digits without leading zeros, so that parse(text) prints back as text.
 _ACTION_RE = re.compile(r"(0|[1-9][0-9]*)([FBIW])(0|[1-9][0-9]*)")
@@ -204,22 +206,28 @@ def number(actions: Sequence[Sequence[Action]], num_stages: int) -> Numbered:
         >>> n.ids, [str(a) for a in n.actions], n.reads
         (((0, 1), (2, 3)), ['0F0', '0B0', '1F0', '1B0'], ((), (0, 3), (0,), (2,)))
     """
-    id_of: dict[Key, int] = {}
-    distinct: list[Action] = []
-    ids = []
-    for row in actions:
-        row_ids = []
-        for a in row:
-            key = (a.stage, a.kind._value_, a.mb)
-            k = id_of.get(key)
-            if k is None:
-                k = id_of[key] = len(distinct)
-                distinct.append(a)
-            row_ids.append(k)
-        ids.append(tuple(row_ids))
+    # Comprehensions on int codes, not a loop per action on tuples: this runs on up to
+    # MAX_ACTIONS actions. An action's code is (mb * width + stage) * 4 + its kind's number
+    # (F B I W: 0 1 2 3), unique for stages below width - 1: its neighbours' codes are sums.
+    width = 2 + max((a.stage for row in actions for a in row), default=0)
+    rows = [[(a.mb * width + a.stage) * 4 + _KIND_CODE[a.kind._value_] for a in row] for row in actions]
+    # Code -> action, in first-run order; a repeated action is equal to its first.
+    by_code: dict[int, Action] = dict(zip(chain.from_iterable(rows), chain.from_iterable(actions)))
+    distinct = list(by_code.values())
+    id_of = {code: k for k, code in enumerate(by_code)}
+    ids = [tuple(map(id_of.__getitem__, row)) for row in rows]
     missing = len(distinct)
-    reads = []
-    for a in distinct:
-        keys = dependency_keys(a.stage, a.kind._value_, a.mb, id_of, num_stages)
-        reads.append(tuple([id_of.get(d, missing) for d in keys]))
+    get, last = id_of.get, num_stages - 1
+    reads: list[tuple[int, ...]] = []
+    for c, a in by_code.items():  # dependency_keys, on codes
+        kind = c & 3
+        if kind == 0:  # F reads the previous stage's F
+            reads.append((get(c - 4, missing),) if a.stage > 0 else ())
+        elif kind == 3:  # W reads its own I
+            reads.append((get(c - 1, missing),))
+        elif a.stage >= last:  # B or I on the last stage reads its own F
+            reads.append((get(c - kind, missing),))
+        else:  # B or I reads its own F, then the next stage's I, else its B
+            grad = get(c - kind + 6)
+            reads.append((get(c - kind, missing), get(c - kind + 5, missing) if grad is None else grad))
     return Numbered(tuple(ids), tuple(distinct), tuple(reads), missing)

@@ -14,15 +14,17 @@ per direction) for ``bytes / bandwidth``, in the order the sender produced them,
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from partitioner.schedule.actions import Action, Kind, Numbered
 from partitioner.schedule.errors import SimulationError
 from partitioner.schedule.ir import Schedule
 from partitioner.schedule.timeline import Message, Span, Timeline
-from partitioner.schedule.validation import validate_numbered
+from partitioner.schedule.validation import record_deadlock_free, validate, validate_numbered
 
 __all__ = ["Link", "Simulation", "SimulationError", "StageCosts", "simulate"]
 
@@ -159,7 +161,6 @@ class Simulation:
     """A predicted step.
 
     Attributes:
-        timeline: every action's span on its rank and every message between ranks.
         step_time: the makespan, seconds.
         bubble: per rank, the fraction of the step it is idle.
         bubble_total: idle time over all ranks as a fraction of ``p * step_time``.
@@ -167,14 +168,25 @@ class Simulation:
             an ``F``'s start to the end of its ``B`` or ``W``.
         peak_bytes: per rank, the most activation bytes held at once (``None`` without
             ``StageCosts.activation_bytes``).
+        busy: per rank, the seconds spent running actions.
+
+    The metrics are counted during the run; :attr:`timeline`, every span and message, is built
+    only when asked for (a step of ``64 x 4096`` holds about a million), and its metrics are
+    the same numbers, bit for bit.
     """
 
-    timeline: Timeline
     step_time: float
     bubble: tuple[float, ...]
     bubble_total: float
     peak_inflight: tuple[int, ...]
     peak_bytes: tuple[float, ...] | None
+    busy: tuple[float, ...]
+    _run: _Run = dataclasses.field(repr=False, compare=False)
+
+    @cached_property
+    def timeline(self) -> Timeline:
+        """Every action's span on its rank and every message between ranks."""
+        return self._run.timeline()
 
     @property
     def max_peak_bytes(self) -> float | None:
@@ -203,51 +215,89 @@ def _boundary_links(
     return per_boundary
 
 
-class _Network:
-    """When each result is there for each stage that reads it, and the messages that carried it.
+# Per (stage, kind), what happens to the result of one of its actions when it ends.
+_OWN, _SAME_RANK, _ACROSS = 0, 1, 2  # read on its own stage only; also by a stage on its rank; sent
+
+
+@dataclass(frozen=True)
+class _Classes:
+    """Per class ``c = 4 s + kind code`` (stage ``s``), what :func:`_run` needs of its actions.
 
     Results are by action id (``actions.number``); each is read on its own stage (``B``/``I``
     after ``F``, ``W`` after ``I``) and by at most one neighbour (``F`` by the next stage, ``B``
-    and ``I`` by the previous), so slot ``2k`` says when result ``k`` is there for its own stage
-    and slot ``2k + 1`` when it is there for that neighbour; ``None``: not yet.
+    and ``I`` by the previous), so slot ``2k`` of the run's ``ready`` list says when result
+    ``k`` is there for its own stage and slot ``2k + 1`` when it is there for that neighbour.
     """
 
-    def __init__(
-        self, place: tuple[int, ...], links: tuple[Link, ...], out_bytes: tuple[float, ...], results: int
-    ) -> None:
-        self.place = place  # stage_to_rank
-        self.links, self.out_bytes = links, out_bytes  # per boundary
-        self.ready: list[float | None] = [None] * (2 * results + 2)  # the last two: never there
-        self.link_free: dict[tuple[int, int], float] = {}  # (src rank, dst rank) -> when the link is idle
-        self.messages: list[Message] = []
-        # Per (stage, kind): the stage reading the result besides its own, or None.
-        S = len(place)
-        self.reader = {
-            (s, kind): s + 1 if kind is F and s + 1 < S else s - 1 if kind in (B, I) and s > 0 else None
-            for s in range(S)
-            for kind in Kind
-        }
-
-    def deliver(self, a: Action, k: int, end: float) -> None:
-        """``a`` (id ``k``) ended at ``end``: ready at once on its stage, on arrival at the stage across a link."""
-        self.ready[2 * k] = end  # its own later actions (B/I after F, W after I)
-        dst = self.reader[a.stage, a.kind]
-        if dst is None:
-            return
-        src_rank, dst_rank = self.place[a.stage], self.place[dst]
-        if src_rank == dst_rank:
-            self.ready[2 * k + 1] = end
-            return
-        boundary = min(a.stage, dst)
-        link, nbytes = self.links[boundary], self.out_bytes[boundary]
-        leave = max(end, self.link_free.get((src_rank, dst_rank), 0.0))
-        self.link_free[(src_rank, dst_rank)] = leave + nbytes / link.bandwidth
-        arrive = leave + link.transfer_time(nbytes)
-        self.ready[2 * k + 1] = arrive
-        self.messages.append(Message(src_rank, dst_rank, end, arrive, a.stage, dst, a.kind, a.mb, nbytes))
+    duration: tuple[float, ...]
+    route: tuple[int, ...]  # _OWN, _SAME_RANK or _ACROSS
+    reader: tuple[int | None, ...]  # the neighbour stage reading the result
+    link: tuple[int, ...]  # for _ACROSS: the directed link's index (one per (src rank, dst rank))
+    occupy: tuple[float, ...]  # seconds the message holds its link: bytes / bandwidth
+    transfer: tuple[float, ...]  # seconds from leaving to arriving: Link.transfer_time(bytes)
+    nbytes: tuple[float, ...]
 
 
-def _run_lists(schedule: Schedule, costs: StageCosts, network: _Network, numbered: Numbered) -> list[Span]:
+_CODE = {F: 0, B: 1, I: 2, W: 3}
+_KINDS = (F, B, I, W)
+
+
+def _classes(schedule: Schedule, costs: StageCosts, links: tuple[Link, ...], out_bytes: tuple[float, ...]) -> _Classes:
+    S, place = schedule.num_stages, schedule.stage_to_rank
+    link_ids: dict[tuple[int, int], int] = {}  # (src rank, dst rank) -> its index, 0.. in first use
+    rows = []
+    for s in range(S):
+        for kind in _KINDS:
+            dst = s + 1 if kind is F and s + 1 < S else s - 1 if kind in (B, I) and s > 0 else None
+            route, key, occupy, transfer, nbytes = _OWN, -1, 0.0, 0.0, 0.0
+            if dst is not None and place[dst] == place[s]:
+                route = _SAME_RANK
+            elif dst is not None:
+                boundary = min(s, dst)
+                link, nbytes = links[boundary], out_bytes[boundary]
+                route, key = _ACROSS, link_ids.setdefault((place[s], place[dst]), len(link_ids))
+                occupy, transfer = nbytes / link.bandwidth, link.transfer_time(nbytes)
+            rows.append((costs.duration(Action(s, kind, 0)), route, dst, key, occupy, transfer, nbytes))
+    columns = tuple(zip(*rows)) if rows else ((),) * 7
+    return _Classes(*columns)
+
+
+@dataclass(frozen=True)
+class _Run:
+    """What :func:`_run` found: per action id when it started and when its result was where."""
+
+    schedule: Schedule
+    numbered: Numbered
+    classes: _Classes
+    cls: list[int]  # per id, its class
+    start: list[float]  # per id
+    ready: list[float | None]  # per slot (see _Classes): slot 2k is action k's end
+    order: list[int]  # ids in the order they ran (which message took a busy link first)
+    activation_bytes: tuple[float, ...] | None
+    replay_bytes: tuple[float, ...] | None
+
+    def timeline(self) -> Timeline:
+        """The spans and messages of the run."""
+        acts, start, ready, cls, c = self.numbered.actions, self.start, self.ready, self.cls, self.classes
+        place = self.schedule.stage_to_rank
+        spans = []
+        for r, row in enumerate(self.numbered.ids):
+            for k in row:
+                a = acts[k]
+                spans.append(Span(r, a.stage, a.kind, a.mb, start[k], ready[2 * k]))  # type: ignore[arg-type]
+        messages = []
+        for k in self.order:
+            j = cls[k]
+            if c.route[j] == _ACROSS:
+                a, dst = acts[k], c.reader[j]
+                assert dst is not None  # _ACROSS has a reader
+                messages.append(Message(place[a.stage], place[dst], ready[2 * k], ready[2 * k + 1],  # type: ignore[arg-type]
+                                        a.stage, dst, a.kind, a.mb, c.nbytes[j]))
+        p = self.schedule.num_ranks
+        return Timeline(tuple(spans), tuple(messages), p, self.activation_bytes, self.replay_bytes)
+
+
+def _run(schedule: Schedule, costs: StageCosts, links: tuple[Link, ...], numbered: Numbered) -> _Run:
     """Run each rank's list in order, every action once its rank is free and its inputs are there.
 
     In passes over the ranks, ``0`` to ``p - 1``, each rank running as far as its inputs allow,
@@ -256,52 +306,136 @@ def _run_lists(schedule: Schedule, costs: StageCosts, network: _Network, numbere
     skipped is only looking at a rank that cannot move: a rank stopped at an input is parked
     on it and visited again when that input arrives, later in the same pass if its number is
     higher than the rank that sent it, else in the next pass. Linear in the actions, plus ``p``
-    flags looked at per pass (about ``m v`` passes for the registry's schedules).
+    flags looked at per pass (about ``m v`` passes for the registry's schedules). Per action it
+    only reads and writes lists: the spans and messages are built after, if asked for.
     """
-    acts, ids = schedule.actions, numbered.ids
-    # Per id, the slots of network.ready its inputs are read from (see _Network).
-    stage = [a.stage for a in numbered.actions]
+    S, p, K = schedule.num_stages, schedule.num_ranks, numbered.missing
+    out_bytes = costs.output_bytes or (0.0,) * max(S - 1, 0)
+    c = _classes(schedule, costs, links, out_bytes)
+    ids, acts = numbered.ids, numbered.actions
+    cls = [4 * a.stage + _CODE[a.kind] for a in acts]
+    # Per id, the slots of ``ready`` its inputs are read from (``actions.dependency_keys``): an
+    # ``F`` reads the previous stage's ``F`` (across); a ``W`` its own ``I``; a ``B`` or ``I`` its
+    # own ``F``, then the next stage's gradient (across) unless it is the last stage.
     slots = [
-        tuple(2 * d + (d < numbered.missing and stage[d] != stage[k]) for d in reads)
-        for k, reads in enumerate(numbered.reads)
+        ((2 * rd[0] + 1,) if a.kind is F else (2 * rd[0],) if len(rd) == 1 else (2 * rd[0], 2 * rd[1] + 1))
+        if rd else ()
+        for a, rd in zip(acts, numbered.reads)
     ]
-    duration = {(s, kind): costs.duration(Action(s, kind, 0)) for s in range(schedule.num_stages) for kind in Kind}
-    ready, deliver = network.ready, network.deliver
-    spans: list[Span] = []
-    pos, free = [0] * len(acts), [0.0] * len(acts)
+    duration, route, link_of, occupy, transfer = c.duration, c.route, c.link, c.occupy, c.transfer
+    ready: list[float | None] = [None] * (2 * K + 2)  # the last two: a result no action makes, never there
+    start = [0.0] * K
+    order: list[int] = []
+    link_free = [0.0] * (1 + max(c.link, default=0))  # per directed link, when it is next idle
+    pos, free = [0] * p, [0.0] * p
     waiting: dict[int, list[int]] = {}  # slot -> ranks stopped until it is filled
-    now = bytearray(b"\x01" * len(acts))  # per rank, whether this pass visits it
-    nxt = bytearray(len(acts))  # and the next pass
+    now = bytearray(b"\x01" * p)  # per rank, whether this pass visits it
+    nxt = bytearray(p)  # and the next pass
     while any(now):
-        for r in range(len(acts)):
+        for r in range(p):
             if not now[r]:
                 continue
             now[r] = 0
-            row, row_ids, i, end = acts[r], ids[r], pos[r], free[r]
+            row, i, end = ids[r], pos[r], free[r]
             while i < len(row):
-                a, k = row[i], row_ids[i]
-                start = end
+                k = row[i]
+                begin = end
                 for x in slots[k]:
                     t = ready[x]
                     if t is None:
                         waiting.setdefault(x, []).append(r)
                         break
-                    if t > start:
-                        start = t
+                    if t > begin:
+                        begin = t
                 else:
-                    end = start + duration[a.stage, a.kind]
-                    spans.append(Span(r, a.stage, a.kind, a.mb, start, end))
-                    deliver(a, k, end)
-                    for x in (2 * k, 2 * k + 1):
-                        if x in waiting:
-                            for q in waiting.pop(x):  # later in this pass if q > r, else in the next
-                                (now if q > r else nxt)[q] = 1
+                    j = cls[k]
+                    end = begin + duration[j]
+                    start[k] = begin
+                    ready[2 * k] = end
+                    order.append(k)
+                    how = route[j]
+                    if how == _SAME_RANK:
+                        ready[2 * k + 1] = end
+                    elif how == _ACROSS:
+                        key = link_of[j]
+                        idle = link_free[key]
+                        leave = idle if idle > end else end
+                        link_free[key] = leave + occupy[j]
+                        ready[2 * k + 1] = leave + transfer[j]
+                    if waiting:
+                        for x in (2 * k, 2 * k + 1):
+                            if x in waiting:
+                                for q in waiting.pop(x):  # later in this pass if q > r, else in the next
+                                    (now if q > r else nxt)[q] = 1
                     i += 1
                     continue
                 break
             pos[r], free[r] = i, end
         now, nxt = nxt, now
-    return spans
+    if any(pos[r] < len(ids[r]) for r in range(p)):
+        validate(schedule)  # stalled: the lists deadlock, and validate says where
+        raise SimulationError(f"schedule {schedule.name!r} stalled at positions {pos} but validates")
+    record_deadlock_free(schedule, numbered)
+    return _Run(schedule, numbered, c, cls, start, ready, order, costs.activation_bytes, costs.replay_bytes)
+
+
+def _metrics(run: _Run) -> Simulation:
+    """The step's metrics from the run, as :class:`~partitioner.schedule.timeline.Timeline` computes them.
+
+    Per rank, in its running order: busy time summed span by span, and the activations held,
+    counted as ``Timeline.memory`` does (held from an ``F``'s start to the end of the
+    micro-batch's last backward action, ``B`` or ``W``, plus replayed bytes from its first ``B``
+    or ``I``). A rank's running order is its span order, and its memory changes in that order
+    too, so the sums are the same floating-point operations in the same order: equal bits.
+    """
+    schedule, numbered, start, ready = run.schedule, run.numbered, run.start, run.ready
+    acts, S, p = numbered.actions, schedule.num_stages, schedule.num_ranks
+    act, replay = run.activation_bytes, run.replay_bytes
+    busy, peak_count, peak_bytes = [0.0] * p, [0] * p, [0.0] * p
+    first, last = math.inf, -math.inf
+    for r, row in enumerate(numbered.ids):
+        if not row:
+            continue
+        total, count, nbytes = 0.0, 0, 0.0
+        # One point per change of the memory curve; a forward-only run holds nothing: no points.
+        top_count, top_bytes, points = 0, 0.0, False
+        replayed: set[int] = set()
+        for k in row:
+            begin, end = start[k], ready[2 * k]
+            assert end is not None  # every action ran
+            total += end - begin
+            if schedule.forward_only:
+                continue
+            a = acts[k]
+            kind, s = a.kind, a.stage
+            if kind is F:
+                count += 1
+                nbytes += act[s] if act else 0.0
+            else:
+                key = a.mb * S + s
+                extra = replay[s] if replay and act else 0.0
+                if extra and kind is not W and key not in replayed:  # B or I rebuilds the activations
+                    replayed.add(key)
+                    nbytes += extra
+                    top_bytes = nbytes if not points or nbytes > top_bytes else top_bytes
+                    top_count = count if not points or count > top_count else top_count
+                    points = True
+                if kind is I:
+                    continue
+                count -= 1  # B or W: the micro-batch's last backward action frees it
+                nbytes += -((act[s] if act else 0.0) + (extra if key in replayed else 0.0))
+            top_bytes = nbytes if not points or nbytes > top_bytes else top_bytes
+            top_count = count if not points or count > top_count else top_count
+            points = True
+        busy[r], peak_count[r], peak_bytes[r] = total, top_count, top_bytes
+        end = ready[2 * row[-1]]
+        assert end is not None
+        first, last = min(first, start[row[0]]), max(last, end)
+    step = last - first if last >= first else 0.0
+    bubble = tuple(1.0 - b / step if step > 0 else 0.0 for b in busy)
+    bubble_total = 1.0 - sum(busy) / (p * step) if step > 0 and p else 0.0
+    return Simulation(step, bubble, bubble_total, tuple(peak_count), None if act is None else tuple(peak_bytes),
+                      tuple(busy), run)
 
 
 def simulate(
@@ -331,18 +465,5 @@ def simulate(
         >>> sim.step_time, round(sim.bubble_total, 4)   # (m + p - 1)(F + B), (p - 1) / (m + p - 1)
         (22.0, 0.2727)
     """
-    numbered = validate_numbered(schedule)
-    per_boundary = _boundary_links(schedule, costs, links)
-    S, p = schedule.num_stages, schedule.num_ranks
-    out_bytes = costs.output_bytes or (0.0,) * max(S - 1, 0)
-    network = _Network(schedule.stage_to_rank, per_boundary, out_bytes, numbered.missing)
-    spans = _run_lists(schedule, costs, network, numbered)
-    timeline = Timeline(tuple(spans), tuple(network.messages), p, costs.activation_bytes, costs.replay_bytes)
-    return Simulation(
-        timeline=timeline,
-        step_time=timeline.step_time,
-        bubble=timeline.bubble,
-        bubble_total=timeline.bubble_total,
-        peak_inflight=timeline.peak_inflight,
-        peak_bytes=timeline.peak_bytes,
-    )
+    numbered = validate_numbered(schedule, deadlock=False)  # the run below proves it cannot deadlock
+    return _metrics(_run(schedule, costs, _boundary_links(schedule, costs, links), numbered))

@@ -11,6 +11,7 @@ communication is free. The cost-weighted prediction is ``partitioner.schedule.si
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import NoReturn
 
 from partitioner.schedule.actions import Key, Kind, Numbered, dependencies, number
@@ -18,9 +19,11 @@ from partitioner.schedule.errors import ScheduleError
 from partitioner.schedule.grid import UnitRun, draw_grid, unit_run
 from partitioner.schedule.ir import Schedule
 
-__all__ = ["peak_inflight", "peak_inflight_per_rank", "validate", "validate_numbered"]
+__all__ = ["peak_inflight", "peak_inflight_per_rank", "record_deadlock_free", "validate", "validate_numbered"]
 
 F, B, I, W = Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT
+
+_CHECKED = "_validated_numbering"  # where validate_numbered keeps its result on a schedule
 
 
 # -- validation -------------------------------------------------------------------------------
@@ -31,8 +34,13 @@ class _Report:
     """What :func:`validate`'s errors draw on: the schedule, its unit-time run and its title."""
 
     schedule: Schedule
-    run: UnitRun
+    numbered: Numbered
     title: str
+
+    @cached_property
+    def run(self) -> UnitRun:
+        """The unit-time run: the deadlock check's, or the picture in an error."""
+        return unit_run(self.schedule, self.numbered)
 
     def fail(
         self,
@@ -204,11 +212,41 @@ def _fail_incomplete(report: _Report, seen: dict[Key, int], s: int, mb: int) -> 
         )
 
 
-def _check_deadlock(report: _Report, seen: dict[Key, int]) -> None:
+def _plainly_complete(schedule: Schedule, numbered: Numbered) -> bool:
+    """What :func:`_check_actions` and :func:`_check_complete` check, proved in whole-list passes.
+
+    ``True`` when every action is in range, on its stage's rank, unrepeated, and every stage and
+    micro-batch runs ``F`` and then ``B`` or both ``I`` and ``W`` (only ``F`` when forward-only).
+    ``False`` sends the caller to the action-by-action checks, which say what is wrong.
+    """
+    S, m, place = schedule.num_stages, schedule.num_microbatches, schedule.stage_to_rank
+    acts = numbered.actions
+    if len(acts) != sum(map(len, numbered.ids)) or not acts:  # an action repeated, or none
+        return False
+    if max(a.stage for a in acts) >= S or max(a.mb for a in acts) >= m:
+        return False
+    if any(place[s] != r for r, row in enumerate(schedule.actions) for s in {a.stage for a in row}):
+        return False
+    # Each (stage, micro-batch) as one int, per kind: unrepeated and in range, so sets count exactly.
+    of = {kind: {a.mb * S + a.stage for a in acts if a.kind is kind} for kind in (F, B, I, W)}
+    if len(of[F]) != S * m:
+        return False
+    if schedule.forward_only:
+        return len(of[F]) == len(acts)
+    return len(of[B]) + len(of[I]) == S * m and of[I] == of[W] and not of[B] & of[I]
+
+
+def _positions(schedule: Schedule) -> dict[Key, int]:
+    """Each action's position in its rank's list, by key."""
+    return {a.key: i for row in schedule.actions for i, a in enumerate(row)}
+
+
+def _check_deadlock(report: _Report) -> None:
     """Fail if the run gets stuck; at the first stuck step, say what each rank waits for."""
     schedule, run = report.schedule, report.run
     if run.stuck_step is None:
         return
+    seen = _positions(schedule)
     t = run.stuck_step
     acts = schedule.actions
     done = {a for r, row in enumerate(acts) for a, u in zip(row, run.steps[r]) if u < t}
@@ -292,20 +330,45 @@ def validate(schedule: Schedule) -> None:
     validate_numbered(schedule)
 
 
-def validate_numbered(schedule: Schedule) -> Numbered:
+def validate_numbered(schedule: Schedule, *, deadlock: bool = True) -> Numbered:
     """:func:`validate`, then the schedule's actions numbered (``actions.number``) for the caller's run.
+
+    A schedule is frozen, so it is checked once: the numbered actions are kept on the schedule
+    object and later calls (the planner's memory count, then its predictions) return them.
+
+    Args:
+        schedule: the schedule.
+        deadlock: also prove that the lists cannot deadlock (the unit-time run). ``False``
+            for a caller that runs the lists itself and calls :func:`record_deadlock_free`
+            when the run completes, or :func:`validate` (which raises) when it stalls: the
+            simulator, whose run proves the same thing.
 
     Raises:
         ScheduleError: as :func:`validate`.
     """
+    cached: tuple[Numbered, bool] | None = schedule.__dict__.get(_CHECKED)
+    if cached is not None and (cached[1] or not deadlock):
+        return cached[0]
     numbered = number(schedule.actions, schedule.num_stages)
-    run = unit_run(schedule, numbered)
-    report = _Report(schedule, run, _title(schedule))
+    report = _Report(schedule, numbered, _title(schedule))
     _check_placement(report)
-    seen = _check_actions(report)
-    _check_complete(report, seen)
-    _check_deadlock(report, seen)
+    if not _plainly_complete(schedule, numbered):
+        _check_complete(report, _check_actions(report))  # say what is wrong
+    if deadlock:
+        _check_deadlock(report)
+    object.__setattr__(schedule, _CHECKED, (numbered, deadlock))  # frozen dataclass: a cache, not a field
     return numbered
+
+
+def record_deadlock_free(schedule: Schedule, numbered: Numbered) -> None:
+    """Note that a run of ``schedule``'s lists (numbered by :func:`validate_numbered`) completed.
+
+    Every action ran in list order once its inputs were done, which is what the deadlock check
+    asks; later :func:`validate` calls skip it.
+    """
+    cached = schedule.__dict__.get(_CHECKED)
+    if cached is not None and cached[0] is numbered:
+        object.__setattr__(schedule, _CHECKED, (numbered, True))
 
 
 def peak_inflight(schedule: Schedule) -> tuple[int, ...]:

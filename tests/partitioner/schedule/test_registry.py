@@ -72,3 +72,24 @@ def test_planner_and_runtime_place_stages_alike() -> None:
         assert len(stage_inflight(name, S, 8)) == S
     with pytest.raises(PlacementError, match="partition into 2 or 4 stages"):
         placed_schedule("zbv", 3, 4)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_building_leaves_the_garbage_collector_as_it_found_it(enabled: bool) -> None:
+    """The registry pauses the cyclic collector while a generator builds (fewer collections on a
+    million new objects) and restores it, also when the generator raises."""
+    import gc
+
+    from partitioner.schedule.errors import ScheduleError
+    from partitioner.schedule.registry import get_schedule, stage_schedule
+
+    was = gc.isenabled()
+    try:
+        (gc.enable if enabled else gc.disable)()
+        stage_schedule("zbv", 4, 3)
+        get_schedule("1f1b", 2, 2)
+        with pytest.raises(ScheduleError):
+            get_schedule("1f1b", 2, 0)
+        assert gc.isenabled() is enabled
+    finally:
+        (gc.enable if was else gc.disable)()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import doctest
 import importlib
+import sys
 from pathlib import Path
 
 import pytest
@@ -28,20 +29,7 @@ PURE = (
     "actions", "ir", "grid", "registry", "errors", "generators", "zero_bubble", "validation", "comm", "simulate",
     "timeline",
 )
-STDLIB = {
-    "__future__",
-    "collections",
-    "dataclasses",
-    "difflib",
-    "enum",
-    "functools",
-    "json",
-    "math",
-    "os",
-    "pathlib",
-    "re",
-    "typing",
-}
+STDLIB = set(sys.stdlib_module_names)
 
 
 # -- purity and examples ---------------------------------------------------------------------

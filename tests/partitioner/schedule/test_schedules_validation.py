@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from partitioner.schedule.actions import Action, Kind
 from partitioner.schedule.comm import comm_plan
 from partitioner.schedule.errors import ScheduleError
 from partitioner.schedule.generators import forward_only, gpipe, one_f_one_b
@@ -23,6 +24,7 @@ from schedule_cases import (
     DOCS,
     TRAINING,
     A,
+    actions,
     chain,
     deadlocks,
     error_of,
@@ -221,3 +223,73 @@ def test_validate_agrees_with_an_independent_deadlock_check(
     else:
         validate(shuffled)
         run_buffered(shuffled, comm_plan(shuffled), chain(shuffled.num_stages))
+
+
+def _mutated(schedule: Schedule, rnd: random.Random) -> Schedule:
+    """``schedule`` with one random slip: an action dropped, repeated, moved to another rank,
+    pointed at a stage or micro-batch out of range, or given another kind."""
+    rows = [list(row) for row in schedule.actions]
+    r = rnd.randrange(len(rows))
+    i = rnd.randrange(len(rows[r]))
+    a = rows[r][i]
+    S, m = schedule.num_stages, schedule.num_microbatches
+    how = rnd.choice(["drop", "repeat", "move", "stage", "mb", "kind"])
+    if how == "drop":
+        del rows[r][i]
+    elif how == "repeat":
+        rows[rnd.randrange(len(rows))].append(a)
+    elif how == "move":
+        rows[rnd.randrange(len(rows))].append(rows[r].pop(i))
+    elif how == "stage":
+        rows[r][i] = Action(rnd.randrange(S + 2), a.kind, a.mb)
+    elif how == "mb":
+        rows[r][i] = Action(a.stage, a.kind, rnd.randrange(m + 2))
+    else:
+        rows[r][i] = Action(a.stage, rnd.choice(list(Kind)), a.mb)
+    return Schedule(tuples(rows), schedule.stage_to_rank, m, schedule.forward_only)
+
+
+@quick
+@given(valid_schedules(), st.randoms(use_true_random=False))
+def test_the_whole_list_check_agrees_with_the_action_by_action_checks(
+    schedule: Schedule, rnd: random.Random
+) -> None:
+    """validate proves a schedule complete in whole-list passes (``_plainly_complete``) and
+    explains a failure action by action: both must say the same of any slip."""
+    from partitioner.schedule.actions import number
+    from partitioner.schedule.validation import (
+        _check_actions,
+        _check_complete,
+        _plainly_complete,
+        _Report,
+        _title,
+    )
+
+    for candidate in (schedule, _mutated(schedule, rnd)):
+        numbered = number(candidate.actions, candidate.num_stages)
+        report = _Report(candidate, numbered, _title(candidate))
+        try:
+            _check_complete(report, _check_actions(report))
+            explained_fine = True
+        except ScheduleError:
+            explained_fine = False
+        assert _plainly_complete(candidate, numbered) == explained_fine, str(candidate)
+
+
+@quick
+@given(st.lists(st.lists(actions.map(lambda a: Action(a.stage % 5, a.kind, a.mb % 4)), max_size=8),
+                min_size=1, max_size=3), st.integers(1, 5))
+def test_numbering_reads_what_dependencies_says(rows: list[list[Action]], S: int) -> None:
+    """``number`` works on int codes; its reads are ``dependencies`` on any lists, repeated
+    actions and stages out of range included."""
+    from partitioner.schedule.actions import dependencies, number
+
+    numbered = number(tuples(rows), S)
+    present = {a for row in rows for a in row}
+    assert list(numbered.actions) == list(dict.fromkeys(a for row in rows for a in row))
+    assert [[numbered.actions[k] for k in row] for row in numbered.ids] == rows
+    missing = numbered.missing
+    for a, reads in zip(numbered.actions, numbered.reads):
+        expected = list(dependencies(a, present, S))
+        got = [numbered.actions[k] if k < missing else None for k in reads]
+        assert got == [d if d in present else None for d in expected]

@@ -281,3 +281,70 @@ def test_random_schedules_obey_the_model(case: tuple[Schedule, StageCosts, list[
 def test_unit_costs_agree_with_an_independent_list_run(schedule: Schedule) -> None:
     sim = simulate(schedule, StageCosts.uniform(schedule.num_stages))
     assert sim.step_time == makespan(schedule, {B: 2})
+
+
+# -- the counted metrics and the timeline -----------------------------------------------------
+
+
+@quick
+@given(cases(), st.data())
+def test_counted_metrics_are_the_timeline_s_bit_for_bit(
+    case: tuple[Schedule, StageCosts, list[Link]], data: st.DataObject
+) -> None:
+    """simulate counts its metrics during the run and builds the timeline only when asked: the
+    numbers are the ones ``Timeline`` computes from the spans, to the last bit, replayed bytes
+    (recomputing stages) and stages without byte sizes included."""
+    schedule, costs, links = case
+    S = schedule.num_stages
+    replay = data.draw(st.none() | st.lists(st.floats(0.0, 1e9), min_size=S, max_size=S).map(tuple))
+    act = data.draw(st.sampled_from([costs.activation_bytes, None]))
+    costs = StageCosts(costs.forward, costs.backward_input, costs.backward_weight, act, costs.output_bytes, replay)
+    sim = simulate(schedule, costs, links=links)
+    t = sim.timeline
+    counted = (sim.step_time, sim.bubble, sim.bubble_total, sim.peak_inflight, sim.peak_bytes, sim.busy)
+    timed = (t.step_time, t.bubble, t.bubble_total, t.peak_inflight, t.peak_bytes, t.busy)
+    assert repr(counted) == repr(timed)  # repr: equal bits, -0.0 and 0.0 told apart
+    assert sim.timeline is t  # built once
+
+
+def test_a_stalled_run_says_where_the_lists_deadlock() -> None:
+    """The simulator proves a schedule deadlock-free by running it; when it stalls, the error is
+    validate's, with the grid."""
+    crossed = Schedule(
+        ((Action(0, F, 0), Action(0, B, 0), Action(0, F, 1), Action(0, B, 1)),
+         (Action(1, F, 1), Action(1, F, 0), Action(1, B, 0), Action(1, B, 1))),
+        (0, 1), 2,
+    )  # fmt: skip
+    with pytest.raises(ScheduleError, match="deadlocks at step") as info:
+        simulate(crossed, StageCosts.uniform(2))
+    assert "rank 1 waits at 1F1" in str(info.value)
+
+
+def test_a_schedule_is_checked_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A frozen schedule is numbered and checked once, however often it is simulated or counted;
+    a run that completes stands in for the unit-time deadlock check."""
+    import partitioner.schedule.validation as validation
+
+    calls = {"number": 0, "unit_run": 0}
+
+    def counting(name: str, fn: object) -> object:
+        def wrapped(*args: object, **kwargs: object) -> object:
+            calls[name] += 1
+            return fn(*args, **kwargs)  # type: ignore[operator]
+
+        return wrapped
+
+    monkeypatch.setattr(validation, "number", counting("number", validation.number))
+    monkeypatch.setattr(validation, "unit_run", counting("unit_run", validation.unit_run))
+    schedule = zbh1(3, 5)
+    first = simulate(schedule, StageCosts.uniform(3))
+    assert calls == {"number": 1, "unit_run": 0}
+    validation.validate(schedule)
+    validation.peak_inflight(schedule)
+    assert simulate(schedule, StageCosts.uniform(3)) == first
+    assert calls == {"number": 1, "unit_run": 0}
+    # An equal schedule built again is another object: checked again.
+    simulate(zbh1(3, 5), StageCosts.uniform(3))
+    assert calls == {"number": 2, "unit_run": 0}
+    validation.validate(gpipe(2, 2))
+    assert calls == {"number": 3, "unit_run": 1}

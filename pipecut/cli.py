@@ -146,7 +146,7 @@ def _simulate(args: argparse.Namespace) -> int:
     state = [0.0] * sched.num_ranks
     for s, r in enumerate(sched.stage_to_rank):
         state[r] += plan.stages[s].state_bytes
-    busy = sim.timeline.busy
+    busy = sim.busy
     peaks = sim.peak_bytes or (0.0,) * sched.num_ranks
     for r in range(sched.num_ranks):
         table.add_row(

@@ -36,7 +36,7 @@ from partitioner.errors import InfeasibleMemoryError, PartitionOptionError, Spli
 from partitioner.plan.choose import choose, microbatch_candidates
 from partitioner.plan.plan import Plan
 from partitioner.plan.predict import predict
-from partitioner.plan.records import StagePlan, binding
+from partitioner.plan.records import StagePlan, binding, structure_text
 from partitioner.plan.split import split_graph
 from partitioner.schedule.ir import Schedule
 from partitioner.schedule.registry import (
@@ -47,6 +47,7 @@ from partitioner.schedule.registry import (
 )
 from partitioner.schedule.validation import peak_inflight
 from partitioner.tracing.globalstate import preserved
+from partitioner.tracing.hf import block_depth, is_hf_model
 from partitioner.tracing.trace import Method as TraceMethod
 from partitioner.tracing.trace import trace
 
@@ -68,7 +69,7 @@ def partition(
     method: str = "exact",
     refine: bool = True,
     split_points: Sequence[str] | None = None,
-    granularity: str = "node",
+    granularity: str | None = None,
     module_depth: int | None = None,
     leaf_modules: Sequence[type | str] = (),
     state_bytes_per_param: float = 16.0,
@@ -103,14 +104,20 @@ def partition(
         refine: after a contiguous cut, move boundary nodes between neighbouring stages while
             the bottleneck falls (helps DAGs whose best cut is not contiguous in one order).
         split_points: module names where new stages begin (implies ``method='manual'``).
-        granularity: ``'node'`` cuts anywhere; ``'module'`` only between layers.
+        granularity: ``'node'`` cuts anywhere; ``'module'`` only between layers. Default:
+            ``'module'`` at the depth of the transformer blocks for a Hugging Face model (its
+            ``_no_split_modules``, e.g. each of ``model.layers``: a block is never cut), else
+            ``'node'``.
         module_depth: with ``granularity='module'``, the module depth of a layer (auto).
         leaf_modules: module classes or names that tracing keeps whole.
         state_bytes_per_param: bytes of weights + grads + optimizer state per parameter element.
         profile: measure each node's time on ``profile_device`` instead of the roofline.
         profile_device: device for ``profile=True`` (default: CUDA if available, else CPU).
-        trace_method: ``'auto'``, ``'fx'`` or ``'export'``.
-        example_kwargs: keyword inputs for tracing.
+        trace_method: ``'auto'``, ``'fx'`` or ``'export'`` (``'auto'`` is export for a Hugging
+            Face model).
+        example_kwargs: keyword inputs for tracing (``attention_mask``, ``labels``,
+            ``pixel_values``, ``decoder_input_ids``...): graph inputs after the positional ones,
+            named by their keys; the trainer takes them the same way (``trainer.step({...}, y)``).
         example_is: ``'microbatch'`` (the example is one micro-batch) or ``'batch'`` (it is the
             whole batch of ``microbatches`` micro-batches along dimension 0; needs an int
             ``microbatches``).
@@ -125,6 +132,12 @@ def partition(
             not fit without it (with ``microbatches='auto'`` / ``schedule='auto'`` every
             candidate is priced that way, so more micro-batches can fit); a plan that fits is
             unchanged. ``True``: every stage recomputes; ``False``: none.
+
+    A Hugging Face ``transformers`` model is passed as it is (``partitioner.tracing.hf``): traced
+    with its cache off, its stages keep its parameter names (so ``weights=`` its own
+    ``save_pretrained`` folder loads with no prefix), and the last stage returns its
+    ``ModelOutput`` (``loss_fn(out, target)`` reads ``out.logits``, or ``out.loss`` when
+    ``labels`` is an input). The model and its config are left as they were.
 
     Returns:
         A bound ``Plan``: ``print(plan)``, ``plan.save(...)``, ``plan.build_stages()``.
@@ -174,7 +187,7 @@ def _partition(
     method: str,
     refine: bool,
     split_points: Sequence[str] | None,
-    granularity: str,
+    granularity: str | None,
     module_depth: int | None,
     leaf_modules: Sequence[type | str],
     state_bytes_per_param: float,
@@ -188,6 +201,9 @@ def _partition(
 ) -> Plan:
     check_precision(precision)
     recompute = check_option(recompute)
+    if granularity is None:  # a Hugging Face model's blocks stay whole; anything else cuts anywhere
+        depth = block_depth(model) if is_hf_model(model) else None
+        granularity, module_depth = ("module", module_depth or depth) if depth else ("node", module_depth)
     if split_points is not None:
         method = "manual"
     if method not in METHODS:
@@ -510,6 +526,7 @@ def _make_plan(
         shared_params=tuple(sorted((k, tuple(v)) for k, v in shared.items())),
         param_aliases=tuple(sorted((k, tuple(v)) for k, v in traced.param_aliases.items())),
         precision=precision,
+        output_structure=structure_text(traced.out_spec),
         _binding=binding(traced, model),
     )
 

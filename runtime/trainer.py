@@ -33,11 +33,12 @@ from runtime.assembly import assemble
 from runtime.errors import TrainerStateError
 from runtime.execute.accumulation import add_back, set_aside
 from runtime.execute.executor import ActionRecord, Executor, RunResult
-from runtime.execute.inputs import check_inputs, check_sizes, check_targets, is_example_size, shape_key
+from runtime.execute.inputs import as_flat, check_inputs, check_sizes, check_targets, is_example_size, shape_key
 from runtime.execute.local_run import RankThreads, run_interleaved, run_threads
 from runtime.execute.microbatch import MicrobatchError, microbatch_count, split_microbatches
 from runtime.execute.recompute import RecomputeOption, stages_to_recompute
 from runtime.execute.shapes import wire_shapes
+from runtime.execute.wiring import model_output
 from runtime.metrics import step_metrics
 from runtime.options import DataParallel, Execution, Init, resolve_options
 from runtime.parallel.clipping import clip_grad_norm_
@@ -65,7 +66,10 @@ class PipelineTrainer:
     Args:
         plan: a bound plan (from ``partition``, or ``Plan.load(...).bind(model, inputs)``).
         loss_fn: ``loss_fn(output, target) -> scalar`` with mean reduction over the batch;
-            ``output`` is the model's output (a tuple when it returns several tensors).
+            ``output`` is what the model returns, rebuilt from the last stage's tensors with the
+            plan's output structure: a tensor, a tuple, a dict, or a Hugging Face
+            ``ModelOutput`` (``output.logits``; ``lambda out, _: out.loss`` when ``labels`` is
+            an input).
         optimizer: called with this process's parameters; ``None`` to only compute gradients.
         lr_scheduler: called with the optimizer, e.g. ``lambda opt: LambdaLR(opt, warmup)``;
             stepped after every optimizer step (``None`` on a rank without parameters).
@@ -145,6 +149,7 @@ class PipelineTrainer:
         validate(self.schedule)
         self.timeout, self.record, self.check_finite = ex.timeout, ex.record, ex.check_finite
         self.recompute = stages_to_recompute(recompute, [getattr(st, "recompute", False) for st in plan.stages])
+        self._out_spec = plan.output_treespec()  # what the model returns; loss_fn and predict get it
         self.mode = resolve_mode(ex.transport)
         built = assemble(plan, self.schedule, self.mode, self.m, ex, self.options.init, self.options.data_parallel)
         self.mesh, self.rank, self.devices = built.placement.mesh, built.placement.rank, built.placement.devices
@@ -183,8 +188,15 @@ class PipelineTrainer:
 
     # -- public API -----------------------------------------------------------------------
 
-    def step(self, inputs: Any, targets: Any, *, max_norm: float | None = None) -> torch.Tensor:
+    def step(self, inputs: Any, targets: Any = None, *, max_norm: float | None = None) -> torch.Tensor:
         """One optimizer step over ``m`` micro-batches; returns the batch's mean loss.
+
+        ``inputs`` is the whole batch: a tensor, a tuple of the model's inputs in order (the
+        positional ones, then the keyword ones in the order ``partition`` got them), or a dict
+        by input name, as a tokenizer gives it (``{'input_ids': ids, 'attention_mask': mask}``).
+        Every tensor is cut into ``m`` micro-batches along dimension 0, and so are the
+        ``targets`` (a tensor, tuple or dict; ``None`` when ``loss_fn`` reads the output alone,
+        e.g. ``out.loss`` of a model given ``labels``).
 
         With ``max_norm``, gradients are clipped to that total norm over all stages first
         (:meth:`clip_grad_norm_`); the norm is kept as ``last_grad_norm``. The step's metrics
@@ -222,18 +234,18 @@ class PipelineTrainer:
         self.last_metrics = step_metrics(
             step=self.step_count, loss=loss, seconds=time.perf_counter() - start, busy=self._busy,
             pipeline_seconds=self._run_seconds,
-            inputs=inputs if isinstance(inputs, (tuple, list)) else (inputs,), replicas=self.mesh.dp,
+            inputs=as_flat(self.plan.input_names, inputs), replicas=self.mesh.dp,
             optimizer=self.optimizer, grad_norm=self.last_grad_norm if max_norm is not None else None,
         )
         return loss
 
-    def forward_backward(self, inputs: Any, targets: Any) -> torch.Tensor:
+    def forward_backward(self, inputs: Any, targets: Any = None) -> torch.Tensor:
         """Accumulate the gradients of the whole batch's loss (no optimizer step); return the loss.
 
-        Under fp16 the gradients it adds are unscaled before it returns; ``last_found_inf``
-        says whether any rank's had an inf or NaN."""
+        ``inputs`` and ``targets`` as in :meth:`step`. Under fp16 the gradients it adds are
+        unscaled before it returns; ``last_found_inf`` says whether any rank's had an inf or NaN."""
         ins = self._micro_inputs(inputs)
-        check_targets(self.plan.traced, inputs if isinstance(inputs, (tuple, list)) else (inputs,), targets)
+        check_targets(self.plan.traced, as_flat(self.plan.input_names, inputs), targets)
         tgts = split_microbatches(targets, self.m, "targets")
         averager = self._replicas.averager
         # Gradients of earlier calls were summed, averaged and unscaled already: only this call's
@@ -277,7 +289,8 @@ class PipelineTrainer:
         return parts[0] if len(parts) == 1 else tuple(parts)
 
     def predict(self, inputs: Any) -> Any:
-        """Pipelined forward-only inference; returns the model's output for the whole batch.
+        """Pipelined forward-only inference; returns the model's output for the whole batch
+        (``inputs`` as in :meth:`step`), in the model's own structure (a ``ModelOutput``...).
 
         Under ``'dist'`` only the rank holding the last stage returns the output; others return
         ``None``.
@@ -293,7 +306,7 @@ class PipelineTrainer:
             return None
         cols = list(zip(*(outs[mb] for mb in range(self.m))))
         merged = tuple(torch.cat(c) if isinstance(c[0], torch.Tensor) and c[0].dim() else c[0] for c in cols)
-        return merged[0] if len(merged) == 1 else merged
+        return model_output(merged, self._out_spec)
 
     def zero_grad(self) -> None:
         """Clear the gradients of this process's parameters."""
@@ -474,8 +487,8 @@ class PipelineTrainer:
 
     def _micro_inputs(self, inputs: Any) -> list[dict[str, Any]]:
         """The batch cut into micro-batches, checked against the plan first (``runtime.execute.inputs``)."""
-        flat = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
         names = self.plan.input_names
+        flat = as_flat(names, inputs)
         check_inputs(self.plan.traced, flat)
         per_input = [split_microbatches(x, self.m, f"input {n!r}") for n, x in zip(names, flat)]
         micro = [{n: chunks[mb] for n, chunks in zip(names, per_input)} for mb in range(self.m)]
@@ -499,7 +512,7 @@ class PipelineTrainer:
             out[r] = Executor(mine, self._ios, transport, self.loss_fn, rank=r, record=self.record,
                               check_finite=self.check_finite, precision=self.precision,
                               loss_scale=self.scaler.scale if self.scaler is not None else 1.0,
-                              wire_dtypes=self._wire_dtypes, recompute=self.recompute)
+                              wire_dtypes=self._wire_dtypes, recompute=self.recompute, out_spec=self._out_spec)
         return out
 
     def _run(

@@ -17,7 +17,7 @@ from partitioner.cost.devices import Cluster, DeviceSpec
 from partitioner.cost.precision import check_precision
 from partitioner.errors import MissingArgumentError, PlanFormatError, PlanMismatchError
 from partitioner.plan.records import Candidate as Candidate
-from partitioner.plan.records import PlanRecord, binding
+from partitioner.plan.records import PlanRecord, binding, structure_text
 from partitioner.plan.records import Prediction as Prediction
 from partitioner.plan.records import StagePlan as StagePlan
 from partitioner.plan.split import StagedModel, StageIO, ValueSpec, split_graph
@@ -143,7 +143,9 @@ class Plan(PlanRecord):
                 f"model fingerprint {got[:12]}): the model, its example input shapes or dtypes, or "
                 "the trace options changed. Re-plan with partitioner.partition(model, ...)."
             )
-        return replace(self, _binding=binding(traced, model))
+        # A plan saved before the output structure was recorded learns it from the trace.
+        structure = self.output_structure or structure_text(traced.out_spec)
+        return replace(self, _binding=binding(traced, model), output_structure=structure)
 
     def _microbatches_in(self, example_inputs: Sequence[Any]) -> int:
         """1 for a micro-batch example; ``microbatches`` for a whole-batch one."""
@@ -209,6 +211,8 @@ class Plan(PlanRecord):
         }
         if self.precision != "fp32":  # plans saved before mixed precision (fp32) keep their bytes
             body["precision"] = self.precision
+        if self.output_structure:  # a model returning one tensor records none, as before
+            body["output_structure"] = self.output_structure
         body["checksum"] = _checksum(body)
         return body
 
@@ -351,6 +355,7 @@ def _parse(data: Any, where: str = "plan") -> Plan:
             candidates=tuple(Candidate(**_infinite(c)) for c in data["candidates"]),
             choice=str(data["choice"]),
             precision=check_precision(str(data.get("precision", "fp32"))),
+            output_structure=str(data.get("output_structure", "")),
         )
     except PlanFormatError:
         raise

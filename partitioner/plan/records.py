@@ -9,19 +9,27 @@ building the stage modules, saving and loading, printing.
 
 from __future__ import annotations
 
+import importlib
+import logging
+import sys
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from partitioner.cost.devices import Cluster
-from partitioner.errors import MissingPredictionError
+from partitioner.errors import MissingPredictionError, PlanFormatError
 from partitioner.plan.split import GRAPH_INPUT, StageIO
 
 if TYPE_CHECKING:
     import torch
+    from torch.utils._pytree import TreeSpec
 
     from partitioner.tracing.trace import TracedModel
 
-__all__ = ["StagePlan", "Prediction", "Candidate", "PlanRecord", "binding"]
+__all__ = [
+    "StagePlan", "Prediction", "Candidate", "PlanRecord", "binding", "structure_text", "structure_spec",
+]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -181,11 +189,26 @@ class PlanRecord:
     candidates: tuple[Candidate, ...] = ()
     choice: str = ""
     precision: str = "fp32"
+    output_structure: str = ""
     _binding: _Binding | None = field(default=None, compare=False, repr=False)
 
     @property
     def num_stages(self) -> int:
         return len(self.stages)
+
+    def output_treespec(self) -> TreeSpec | None:
+        """The model's output structure (``output_structure`` read back), or ``None`` when the
+        plan records none: the model returns one tensor (or the plan predates the field).
+
+        The last stage's flat outputs are rebuilt with it (``torch.utils._pytree.tree_unflatten``),
+        so the trainer's ``loss_fn`` gets what the model returns: a Hugging Face ``ModelOutput``
+        (``out.logits``, ``out.loss``), a dict, a tuple.
+
+        Raises:
+            PlanFormatError: the structure names a type this process has not registered with
+                ``torch.utils._pytree`` (import the library that defines it, e.g. transformers).
+        """
+        return structure_spec(self.output_structure)
 
     @property
     def bottleneck_stage(self) -> int:
@@ -219,3 +242,90 @@ class PlanRecord:
     def stage_of(self) -> dict[str, int]:
         """Stage of every compute node, by node name."""
         return {v: st.index for st in self.stages for v in st.nodes}
+
+
+def structure_text(spec: TreeSpec) -> str:
+    """``spec`` as the plan file keeps it (``treespec_dumps``); ``''`` for a single tensor, or for a
+    structure with no text form (a type registered without a serialised name: in-process the
+    trainer then gets the flat tuple, as before the field existed).
+
+    Example:
+        >>> import torch
+        >>> from torch.utils import _pytree as pytree
+        >>> _, spec = pytree.tree_flatten({"logits": torch.zeros(1), "aux": torch.zeros(1)})
+        >>> structure_spec(structure_text(spec)) == spec, structure_text(pytree.tree_flatten(torch.zeros(1))[1])
+        (True, '')
+    """
+    from torch.utils import _pytree as pytree
+
+    if spec.is_leaf():
+        return ""
+    try:
+        return pytree.treespec_dumps(spec)
+    except Exception as e:  # a node type with no serialised name: kept in process only
+        log.warning("the model's output structure %s has no text form (%s); the plan records none, and "
+                    "loss_fn gets the flat tuple of its tensors", spec, e)
+        return ""
+
+
+def structure_spec(text: str) -> TreeSpec | None:
+    """The TreeSpec of ``structure_text``'s output (``None`` for ``''``).
+
+    A node type not registered in this process is imported from its module when that module's
+    package is already imported (``transformers.models.mamba.modeling_mamba`` registers
+    ``MambaCausalLMOutput`` once transformers is in use); nothing else is imported.
+
+    Raises:
+        PlanFormatError: the text is not a TreeSpec, or names a type still unknown.
+    """
+    from torch.utils import _pytree as pytree
+
+    if not text:
+        return None
+    for attempt in range(2):
+        try:
+            return pytree.treespec_loads(text)
+        except Exception as e:
+            missing = _type_names(text) - set(pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE)
+            if attempt == 0 and missing and _import_modules(missing):
+                continue
+            raise PlanFormatError(
+                f"the plan's output structure cannot be read back ({type(e).__name__}: {e}); it names "
+                f"{sorted(missing) or 'no unknown type'}: import the library that defines the model's "
+                "output type first (e.g. import transformers), or re-plan with this version"
+            ) from e
+    raise AssertionError("unreachable")
+
+
+def _type_names(text: str) -> set[str]:
+    import json
+
+    names: set[str] = set()
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            if isinstance(node.get("type"), str):
+                names.add(node["type"])
+            for child in node.get("children_spec") or ():
+                walk(child)
+
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return names
+    walk(body[1] if isinstance(body, list) and len(body) == 2 else body)
+    return names
+
+
+def _import_modules(type_names: set[str]) -> bool:
+    """Import the modules of ``type_names`` whose top-level package is imported already."""
+    imported = False
+    for name in type_names:
+        module = name.rpartition(".")[0]
+        if module and module.split(".")[0] in sys.modules and module not in sys.modules:
+            try:
+                importlib.import_module(module)
+                imported = True
+            except ImportError:
+                continue
+    return imported

@@ -51,6 +51,7 @@ def trace_failure_message(
     failures: list[tuple[str, BaseException]],
     method: str,
     skip: Collection[str] = (),
+    hint: str | None = None,
 ) -> str:
     """What each tracer said, where in the user's code, and what to change (``TraceError``'s text).
 
@@ -59,6 +60,8 @@ def trace_failure_message(
         failures: (tracer name, its exception), in the order they were tried.
         method: the ``method`` the user asked ``trace`` for.
         skip: absolute paths of the tracing modules, left out when looking for the user's frame.
+        hint: the fix that applies to this kind of model (``hf.failure_hint`` for a Hugging Face
+            model), in place of the general advice (leaf modules, exportable code).
     """
     lines = [f"could not trace {type(model).__name__} (method={method!r})."]
     for tracer, e in failures:
@@ -69,6 +72,9 @@ def trace_failure_message(
         lines.append(f"- {tracer} failed with {type(e).__name__}: {reason}")
         if where:
             lines.append(f"  at {where}")
+    if hint is not None:
+        lines.append(hint)
+        return "\n".join(lines)
     lines.append(
         "To fix: mark the module that holds the failing code as a leaf, "
         "trace(..., leaf_modules=[TheModuleClass or 'its.qualified.name']) (fx keeps leaves as "

@@ -2,7 +2,8 @@
 
 ``trace`` tries ``torch.fx.symbolic_trace`` first (readable graphs of ``call_module`` nodes, user
 leaf modules honoured) and falls back to ``torch.export.export(strict=False)`` (ATen graphs; copes
-with Hugging Face models and most Python control flow on shapes). Either way the result is a plain
+with Hugging Face models and most Python control flow on shapes; a ``transformers`` model goes
+straight to export, its cache off: ``hf``). Either way the result is a plain
 ``fx.GraphModule`` that takes one positional argument per flattened input tensor and returns a
 flat tuple; ``TracedModel.unflatten_outputs`` rebuilds the model's own output structure. The two
 tracers live in ``fx_trace`` and ``export_trace``; the form they share, in ``capture``.
@@ -28,7 +29,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from partitioner.errors import TraceError, TraceOptionError
-from partitioner.tracing import capture, export_trace, fx_trace
+from partitioner.tracing import capture, export_trace, fx_trace, hf
 from partitioner.tracing.capture import Capture, on_meta, to_meta
 from partitioner.tracing.failures import first_line, trace_failure_message
 from partitioner.tracing.fingerprint import graph_fingerprint
@@ -151,12 +152,21 @@ def trace(
             ``example_microbatches`` of them stacked along dimension 0 (the whole batch).
             A model on ``meta`` (and its inputs) is captured as if it lived on the CPU, with
             fake tensors, so its graph is the graph of the same model with real CPU weights.
-        example_kwargs: keyword inputs. Non-tensor values are specialised into the graph.
+        example_kwargs: keyword inputs (``attention_mask``, ``labels``, ``decoder_input_ids``...).
+            Tensors become graph inputs after the positional ones, in this dict's order, named
+            by their keys; non-tensor values are specialised into the graph.
         leaf_modules: module classes, or qualified names (``fnmatch`` patterns allowed, e.g.
             ``'h.*'``), to keep as single ``call_module`` nodes (fx only; export inlines all).
-        method: ``'fx'``, ``'export'``, or ``'auto'`` (fx, then export if fx fails). Export
-            makes the batch dimension (and integer inputs' sequence dimension) dynamic where the
-            model allows, so the graph runs any micro-batch size (see ``InputMeta.dynamic``).
+        method: ``'fx'``, ``'export'``, or ``'auto'`` (fx, then export if fx fails; export at
+            once for a Hugging Face model). Export makes the batch dimension (and integer
+            inputs' sequence dimension) dynamic where the model allows, so the graph runs any
+            micro-batch size (see ``InputMeta.dynamic``).
+
+    A Hugging Face ``transformers`` model is traced as it is, with no wrapper: with
+    ``use_cache=False`` and ``return_dict=True`` added to ``example_kwargs`` (the caller's
+    values win; the model and its config are not changed), so ``out_spec`` is its
+    ``ModelOutput`` (``unflatten_outputs(flat).logits``) and parameter names are its own
+    (``partitioner.tracing.hf``).
         example_microbatches: how many micro-batches the example holds along dimension 0; the
             recorded shapes (and so the costs) are those of one micro-batch.
 
@@ -188,6 +198,13 @@ def _trace(
 ) -> TracedModel:
     kwargs = dict(example_kwargs or {})
     args = tuple(example_inputs)
+    is_hf = hf.is_hf_model(model)
+    asked = method
+    if is_hf:
+        # The cache off, a ModelOutput out, and torch.export: transformers v5 has no fx tracer.
+        kwargs = hf.trace_kwargs(model, kwargs)
+        if method == "auto":
+            method = "export"
     if on_meta(model):
         args, kwargs = pytree.tree_map_only(torch.Tensor, to_meta, (args, kwargs))
     _check_leaf_names(model, leaf_modules)
@@ -210,7 +227,8 @@ def _trace(
             return _traced(model, "export", captured)
         except Exception as e:
             failures.append(("torch.export.export(strict=False)", e))
-    raise TraceError(trace_failure_message(model, failures, method, _TRACER_FILES))
+    hint = hf.failure_hint(model, failures) if is_hf else None
+    raise TraceError(trace_failure_message(model, failures, asked, _TRACER_FILES, hint))
 
 
 def first_microbatch(example: Any, k: int) -> Any:
@@ -298,8 +316,12 @@ def retarget_device(gm_or_graph: fx.GraphModule | fx.Graph, device: torch.device
 class CausalLMLogits(nn.Module):
     """Wrap a Hugging Face causal LM so that ``forward(input_ids)`` returns only the logits.
 
-    Caching is off and a plain tensor comes back, which is what a pipeline needs. The wrapped
-    model is the ``model`` attribute, so parameter names gain a ``model.`` prefix.
+    No longer needed: ``partition(hf_model, (input_ids,), ...)`` takes the model itself (the
+    cache is turned off for the trace, the last stage returns the model's ``ModelOutput`` and
+    parameter names stay the model's own; see ``partitioner.tracing.hf``). Kept for plans and
+    checkpoints made with it: caching is off and a plain tensor comes back. The wrapped model is
+    the ``model`` attribute, so parameter names gain a ``model.`` prefix (load the model's own
+    checkpoint with ``Weights(path, prefix='model.')``).
 
     Example:
         >>> import transformers  # doctest: +SKIP

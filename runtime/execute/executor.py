@@ -63,7 +63,7 @@ from runtime.execute.records import Stash
 from runtime.execute.records import StepState as StepState
 from runtime.execute.split_backward import backward_input, backward_weight
 from runtime.execute.wgrad_fusion import fused_params
-from runtime.execute.wiring import dtype_of, message_values, on_wire, wire
+from runtime.execute.wiring import dtype_of, message_values, model_output, on_wire, wire
 from runtime.precision import MixedPrecision
 from runtime.transport.p2p import Key, TensorMeta, Transport, TransportTimeout
 
@@ -79,8 +79,9 @@ class Executor:
         stages: this rank's stages, by stage index.
         ios: the wiring of every stage of the plan (all ranks), indexed by stage.
         transport: moves messages between stages.
-        loss_fn: ``loss_fn(output, target) -> scalar``; ``output`` is the model's single output,
-            or the tuple of its outputs when it has several.
+        loss_fn: ``loss_fn(output, target) -> scalar``; ``output`` is what the model returns,
+            rebuilt with ``out_spec`` (a Hugging Face ``ModelOutput``: ``output.logits``); without
+            one, the model's single output, or the tuple of its outputs when it has several.
         rank: this rank (for records and messages).
         record: keep an ``ActionRecord`` per action.
         check_finite: raise ``LossError`` when a micro-batch's loss is NaN or infinite (one
@@ -93,6 +94,7 @@ class Executor:
             the plan's (``runtime.precision.wire_dtypes``); sent tensors are cast to it.
         recompute: the stages of this rank whose forward keeps only its inputs and whose
             backward recomputes it first (``runtime.execute.recompute``).
+        out_spec: the model's output structure (``Plan.output_treespec()``), or ``None``.
 
     Raises (from ``run`` / ``execute``):
         StageError: an action raised; names the rank, stage, action, micro-batch and, for a
@@ -121,8 +123,10 @@ class Executor:
         loss_scale: float = 1.0,
         wire_dtypes: Mapping[str, torch.dtype] | None = None,
         recompute: Collection[int] = (),
+        out_spec: Any = None,
     ) -> None:
         self.stages = dict(stages)
+        self.out_spec = out_spec
         self.precision = precision or MixedPrecision()
         self.loss_scale = loss_scale
         self.recompute = frozenset(recompute)
@@ -387,7 +391,7 @@ class Executor:
         """The last stage's loss of ``outputs`` (under the precision's autocast), scaled by the
         micro-batch's share of the batch."""
         flat = tuple(decode_value(v, t) for v, t in zip(self.stages[s].io.outputs, outputs))
-        out = flat[0] if len(flat) == 1 else flat
+        out = model_output(flat, self.out_spec)
         # enable_grad for the scaling too: a step run under no_grad still trains.
         with torch.enable_grad(), self.precision.autocast(self.stages[s].device):
             return self._loss(s, mb, out, st.target, st.args, check_grad=check_grad) * st.scale

@@ -31,7 +31,40 @@ from partitioner.tracing.failures import first_line
 from partitioner.tracing.trace import TracedModel
 from runtime.execute.shapes import check_fixed_dims, wire_shapes
 
-__all__ = ["check_inputs", "check_sizes", "check_guards", "check_targets", "is_example_size", "shape_key"]
+__all__ = [
+    "as_flat", "check_inputs", "check_sizes", "check_guards", "check_targets", "is_example_size", "shape_key",
+]
+
+
+def as_flat(names: Sequence[str], inputs: Any) -> list[Any]:
+    """The model's inputs as a list in the plan's input order, however the batch was given.
+
+    Args:
+        names: the plan's input names (``plan.input_names``): the positional inputs, then the
+            keyword inputs in the order ``partition(example_kwargs=...)`` got them.
+        inputs: one tensor; a tuple or list, one entry per input in that order; or a mapping by
+            input name (``{'input_ids': ids, 'attention_mask': mask}``, a tokenizer's batch),
+            which must hold exactly the plan's inputs.
+
+    Raises:
+        InputError: a mapping lacks an input the plan reads or holds one it does not.
+
+    Example:
+        >>> as_flat(["input_ids", "attention_mask"], {"attention_mask": 1, "input_ids": 0})
+        [0, 1]
+    """
+    if isinstance(inputs, Mapping):
+        missing = [n for n in names if n not in inputs]
+        extra = [k for k in inputs if k not in names]
+        if missing or extra:
+            raise InputError(
+                f"the plan's inputs are {list(names)}, but the batch has keys {list(inputs)} (missing "
+                f"{missing}, not an input of the plan {extra}); give exactly the inputs the plan was "
+                "traced with (partition(model, args, example_kwargs={...}) names them), or re-plan "
+                "with example_kwargs holding the new ones"
+            )
+        return [inputs[n] for n in names]
+    return list(inputs) if isinstance(inputs, (tuple, list)) else [inputs]
 
 
 def check_inputs(traced: TracedModel, flat: Sequence[Any]) -> None:
@@ -59,7 +92,8 @@ def check_inputs(traced: TracedModel, flat: Sequence[Any]) -> None:
     if len(flat) != len(metas):
         how = (f"pass it as trainer.step({names[0]}, targets) (a tuple or list is read as one entry per input)"
                if len(names) == 1 else
-               f"pass them as trainer.step(({', '.join(names)}), targets) in the order of the model's forward")
+               f"pass them as trainer.step(({', '.join(names)}), targets) in the plan's input order, or "
+               f"as a dict by name, trainer.step({{{', '.join(repr(n) + ': ...' for n in names)}}}, targets)")
         raise InputError(f"the model takes {len(metas)} input(s) {names}, but the step got {len(flat)}; {how}")
     for meta, x in zip(metas, flat):
         want = meta.dtype.removeprefix("torch.")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -57,7 +58,7 @@ def microbatch_count(given: object, planned: int) -> int:
 
 
 def split_microbatches(batch: Any, m: int, what: str = "inputs") -> list[Any]:
-    """Cut every tensor of ``batch`` (a tensor, or a tuple/list of them) into ``m`` equal chunks.
+    """Cut every tensor of ``batch`` (a tensor, or a tuple/list/dict of them) into ``m`` equal chunks.
 
     Non-tensor leaves are repeated in every micro-batch.
 
@@ -86,4 +87,7 @@ def split_microbatches(batch: Any, m: int, what: str = "inputs") -> list[Any]:
     if isinstance(batch, (tuple, list)):
         parts = [split_microbatches(x, m, what) for x in batch]
         return [type(batch)(p[i] for p in parts) for i in range(m)]
+    if isinstance(batch, Mapping):  # targets by name (or None entries), each cut alike
+        cut = {k: split_microbatches(x, m, f"{what}[{k!r}]") for k, x in batch.items()}
+        return [{k: chunks[i] for k, chunks in cut.items()} for i in range(m)]
     return [batch] * m

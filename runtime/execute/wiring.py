@@ -9,14 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from partitioner.errors import PlanFormatError
 from partitioner.plan.split import StageIO, ValueSpec
 from runtime.transport.p2p import TensorMeta
 
-__all__ = ["Wiring", "wire", "message_values", "is_float", "on_wire", "dtype_of"]
+__all__ = ["Wiring", "wire", "message_values", "is_float", "on_wire", "dtype_of", "model_output"]
 
 
 def message_values(ios: Sequence[StageIO], src: int, dst: int) -> list[ValueSpec]:
@@ -77,3 +79,21 @@ def dtype_of(name: str) -> torch.dtype:
     if not isinstance(dt, torch.dtype):
         raise PlanFormatError(f"unknown dtype {name!r} in the plan")
     return dt
+
+
+def model_output(flat: Sequence[Any], spec: pytree.TreeSpec | None) -> Any:
+    """The model's output from the last stage's flat outputs: rebuilt with ``spec`` (the plan's
+    ``output_treespec()``: a Hugging Face ``ModelOutput``, a dict...), else the one output itself,
+    or the tuple of several.
+
+    Example:
+        >>> import torch
+        >>> _, spec = pytree.tree_flatten({"logits": 0, "loss": 0})
+        >>> model_output((torch.ones(1), torch.zeros(())), spec)["loss"]
+        tensor(0.)
+        >>> model_output((torch.ones(1),), None)
+        tensor([1.])
+    """
+    if spec is not None:
+        return pytree.tree_unflatten(list(flat), spec)
+    return flat[0] if len(flat) == 1 else tuple(flat)

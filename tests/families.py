@@ -1,7 +1,9 @@
 """Tiny Hugging Face models of many families, built from configs only (no hub, no network).
 
-Each family gives a model whose forward takes tensors and returns one tensor (token or class
-logits), random batches for it, and one loss for all. Every dropout, layer-drop and router-noise
+Each family gives the Hugging Face model itself, no wrapper (``partition`` turns its cache off for
+the trace, and the last stage returns its ``ModelOutput``), random batches for it as a dict by
+input name (``input_ids``, ``decoder_input_ids``, ``pixel_values``...: the first positional, the
+rest keyword inputs), and one loss for all, on ``out.logits``. Every dropout, layer-drop and router-noise
 probability is zeroed in the config: several families apply dropout functionally from the config,
 not through ``nn.Dropout``, so only then is train mode deterministic and a pipeline's gradients
 comparable with the unpartitioned model's exactly.
@@ -25,7 +27,6 @@ import torch
 from torch import nn
 
 from partitioner import Plan, partition
-from partitioner.tracing.trace import CausalLMLogits
 from runtime import PipelineTrainer
 
 # The runtime tests' shared tolerance; importing parity also makes every linear layer, however
@@ -48,9 +49,11 @@ SEED = 1234  # the training batch's generator seed
 _RANDOM = re.compile(r"drop|jitter")
 
 
-def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy over the last dimension: token logits (B, T, V) or class logits (B, C)."""
-    return nn.functional.cross_entropy(out.flatten(0, -2), target.flatten())
+def loss_fn(out: Any, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of the model output's ``logits`` over the last dimension: token logits
+    (B, T, V) or class logits (B, C)."""
+    logits: torch.Tensor = out.logits
+    return nn.functional.cross_entropy(logits.flatten(0, -2), target.flatten())
 
 
 def zero_dropout(cfg: Any) -> Any:
@@ -62,30 +65,6 @@ def zero_dropout(cfg: Any) -> Any:
     return cfg
 
 
-class Logits(nn.Module):
-    """``forward(*tensors)``: the wrapped model called positionally, its ``.logits`` returned."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
-        return self.model(*inputs, return_dict=True).logits  # type: ignore[no-any-return]
-
-
-class Seq2SeqLogits(nn.Module):
-    """``forward(encoder_input, decoder_input_ids)``: the decoder's logits, no cache."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, inputs: torch.Tensor, decoder_input_ids: torch.Tensor) -> torch.Tensor:
-        out = self.model(inputs, decoder_input_ids=decoder_input_ids, use_cache=False, return_dict=True)
-        return out.logits  # type: ignore[no-any-return]
-
-
-_WRAPPERS: dict[str, type[nn.Module]] = {"causal": CausalLMLogits, "logits": Logits, "seq2seq": Seq2SeqLogits}
 _IDS = ("ids", (SEQ,), VOCAB)
 
 
@@ -98,31 +77,30 @@ class Family:
         config: the ``transformers`` config class's name.
         model: the ``transformers`` model class's name.
         kwargs: config arguments (tiny sizes); dropout is zeroed after.
-        inputs: per model input, ``('ids', shape, high)`` (integers below ``high``) or
-            ``('float', shape)`` (normal), shapes without the batch dimension.
-        target: the loss target, as ``inputs``.
-        wrap: ``'causal'`` (``CausalLMLogits``), ``'logits'`` or ``'seq2seq'``.
+        inputs: per model input, its name and ``('ids', shape, high)`` (integers below ``high``)
+            or ``('float', shape)`` (normal), shapes without the batch dimension. The first is
+            the model's first positional input, the others keyword inputs.
+        target: the loss target, as an input's spec.
     """
 
     name: str
     config: str
     model: str
     kwargs: dict[str, Any] = field(hash=False)
-    inputs: tuple[tuple[Any, ...], ...] = (_IDS,)
+    inputs: tuple[tuple[str, tuple[Any, ...]], ...] = (("input_ids", _IDS),)
     target: tuple[Any, ...] = _IDS
-    wrap: str = "causal"
 
     def build(self) -> nn.Module:
-        """The wrapped model in train mode; the same weights in every process."""
+        """The Hugging Face model in train mode; the same weights in every process."""
         import transformers
 
         cfg = zero_dropout(getattr(transformers, self.config)(**self.kwargs))
         torch.manual_seed(0)
-        return _WRAPPERS[self.wrap](getattr(transformers, self.model)(cfg)).train()
+        return getattr(transformers, self.model)(cfg).train()  # type: ignore[no-any-return]
 
-    def batch(self, rows: int, gen: torch.Generator) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-        """``rows`` random inputs and targets."""
-        return tuple(_random(spec, rows, gen) for spec in self.inputs), _random(self.target, rows, gen)
+    def batch(self, rows: int, gen: torch.Generator) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """``rows`` random inputs (by name, in the model's input order) and targets."""
+        return {name: _random(spec, rows, gen) for name, spec in self.inputs}, _random(self.target, rows, gen)
 
 
 def _random(spec: tuple[Any, ...], rows: int, gen: torch.Generator) -> torch.Tensor:
@@ -135,7 +113,7 @@ def _random(spec: tuple[Any, ...], rows: int, gen: torch.Generator) -> torch.Ten
 # Width 32, 2 layers, 4 heads of 8 (2 KV heads where the family has grouped-query attention).
 _LM = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64)
 _GQA = dict(_LM, intermediate_size=64, num_key_value_heads=2, head_dim=8)
-_SEQ2SEQ = (_IDS, _IDS)
+_SEQ2SEQ = (("input_ids", _IDS), ("decoder_input_ids", _IDS))
 _BART = dict(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
              decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64)
 
@@ -154,29 +132,33 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
     Family("mixtral", "MixtralConfig", "MixtralForCausalLM", dict(_GQA, num_local_experts=4, num_experts_per_tok=2)),
     Family("qwen2_moe", "Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
         _GQA, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)),
-    Family("bert", "BertConfig", "BertForMaskedLM", dict(_LM, intermediate_size=64), wrap="logits"),
-    Family("roberta", "RobertaConfig", "RobertaForMaskedLM", dict(_LM, intermediate_size=64), wrap="logits"),
+    Family("bert", "BertConfig", "BertForMaskedLM", dict(_LM, intermediate_size=64)),
+    Family("roberta", "RobertaConfig", "RobertaForMaskedLM", dict(_LM, intermediate_size=64)),
     Family("t5", "T5Config", "T5ForConditionalGeneration", dict(
         vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
-        relative_attention_num_buckets=8), inputs=_SEQ2SEQ, wrap="seq2seq"),
+        relative_attention_num_buckets=8), inputs=_SEQ2SEQ),
     Family("bart", "BartConfig", "BartForConditionalGeneration", dict(_BART, max_position_embeddings=64),
-           inputs=_SEQ2SEQ, wrap="seq2seq"),
+           inputs=_SEQ2SEQ),
     Family("vit", "ViTConfig", "ViTForImageClassification", dict(
         hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=16,
-        patch_size=4, num_labels=5), inputs=(("float", (3, 16, 16)),), target=("ids", (), 5), wrap="logits"),
+        patch_size=4, num_labels=5), inputs=(("pixel_values", ("float", (3, 16, 16))),), target=("ids", (), 5)),
     # 8 mel bins x 16 frames (twice max_source_positions: the encoder's convolutions halve it).
     Family("whisper", "WhisperConfig", "WhisperForConditionalGeneration", dict(
         _BART, num_mel_bins=8, max_source_positions=8, max_target_positions=32, pad_token_id=0,
-        bos_token_id=1, eos_token_id=2, decoder_start_token_id=1), inputs=(("float", (8, 16)), _IDS), wrap="seq2seq"),
+        bos_token_id=1, eos_token_id=2, decoder_start_token_id=1),
+        inputs=(("input_features", ("float", (8, 16))), ("decoder_input_ids", _IDS))),
     # A state-space model: transformers' sequential scan on the CPU (no CUDA kernels).
     Family("mamba", "MambaConfig", "MambaForCausalLM", dict(
         vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2, time_step_rank=4)),
 ]}
 
 
-def make_plan(model: nn.Module, x: tuple[torch.Tensor, ...], p: int) -> Plan:
-    """``p`` stages for ``m`` micro-batches, traced with the first micro-batch of ``x``."""
-    return partition(model, tuple(t[:MB] for t in x), p, microbatches=M, schedule="1f1b")
+def make_plan(model: nn.Module, x: dict[str, torch.Tensor], p: int) -> Plan:
+    """``p`` stages for ``m`` micro-batches, traced with the first micro-batch of ``x``: its first
+    input positional, the others keyword inputs, as a user passes a Hugging Face model's."""
+    (_, ids), *rest = x.items()
+    return partition(model, (ids[:MB],), p, example_kwargs={k: t[:MB] for k, t in rest}, microbatches=M,
+                     schedule="1f1b")
 
 
 def first_names(model: nn.Module) -> dict[str, str]:

@@ -1,9 +1,11 @@
 """The model-family matrix: tiny Hugging Face models of 20 families, cut into 2 and 4 stages.
 
-For each family and ``p``: partitioning leaves grad mode on, the stages chained equal the model,
-and 1F1B and ZB-H1 in one process give the loss and every gradient of the unpartitioned model
-(fp32). Three families also run over 2 gloo processes. A plan is made once per (family, p) and
-shared by the tests (module-scoped cache).
+Each model is passed to ``partition`` as it is, no wrapper, its keyword inputs (``decoder_input_ids``)
+as ``example_kwargs``; its blocks stay whole (the default granularity for a Hugging Face model).
+For each family and ``p``: partitioning leaves grad mode on, the stages chained equal the model
+(rebuilt into its own ``ModelOutput``), and 1F1B and ZB-H1 in one process give the loss and
+every gradient of the unpartitioned model (fp32). Three families also run over 2 gloo processes.
+A plan is made once per (family, p) and shared by the tests (module-scoped cache).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ XFAIL: dict[tuple[str, int, str], str] = {}
 @dataclass
 class _Family:
     model: nn.Module
-    x: tuple[torch.Tensor, ...]
+    x: dict[str, torch.Tensor]
     y: torch.Tensor
     loss: torch.Tensor
     grads: dict[str, torch.Tensor]
@@ -106,7 +108,7 @@ def test_the_config_leaves_training_deterministic(lab: _Lab, name: str) -> None:
     assert f.model.training
     assert all(mod.p == 0 for mod in f.model.modules() if isinstance(mod, nn.Dropout))
     with torch.no_grad():
-        assert torch.equal(f.model(*f.x), f.model(*f.x))
+        assert torch.equal(f.model(**f.x).logits, f.model(**f.x).logits)
 
 
 @pytest.mark.parametrize("p", STAGES)
@@ -116,10 +118,14 @@ def test_stages_chained_equal_the_model(lab: _Lab, name: str, p: int) -> None:
     assert f.grad_mode_after[p], "partition() left grad mode off"
     assert len(plan.stages) == p
     assert plan.bottleneck >= plan.lower_bound
+    assert plan.granularity == "module"  # a Hugging Face model's blocks are never cut
     staged = plan.build_stages()
     x, _ = FAMILIES[name].batch(MB, torch.Generator().manual_seed(p))
     with torch.no_grad():
-        torch.testing.assert_close(staged(*x)[0], f.model(*x), **TOL)
+        got = plan.traced.unflatten_outputs(staged(*(x[n] for n in plan.input_names)))
+        want = f.model(**x)
+    assert type(got) is type(want)  # the model's own ModelOutput
+    torch.testing.assert_close(got.logits, want.logits, **TOL)
 
 
 @pytest.mark.parametrize(("name", "p", "schedule"), _params(XFAIL, FAMILIES, STAGES, SCHEDULES))
@@ -176,9 +182,9 @@ def test_bf16_pipeline_equals_the_model_under_autocast(lab: _Lab, name: str) -> 
     want_loss = torch.zeros(())
     m = 4
     for i in range(m):  # the eager model: the same micro-batches, each under autocast
-        xs = tuple(t.chunk(m)[i] for t in f.x)
+        xs = {k: t.chunk(m)[i] for k, t in f.x.items()}
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            part = loss_fn(ref(*xs), f.y.chunk(m)[i]) / m
+            part = loss_fn(ref(**xs), f.y.chunk(m)[i]) / m
         part.backward()
         want_loss += part.detach().float()
     torch.testing.assert_close(got[0], want_loss, rtol=1e-5, atol=1e-6)

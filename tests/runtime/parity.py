@@ -7,7 +7,7 @@ function here is importable and picklable).
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -90,12 +90,14 @@ def make_trainer(
 
 
 def reference(
-    model: nn.Module, loss_fn: Callable[..., torch.Tensor], x: tuple[torch.Tensor, ...], y: torch.Tensor
+    model: nn.Module, loss_fn: Callable[..., torch.Tensor],
+    x: tuple[torch.Tensor, ...] | Mapping[str, torch.Tensor], y: torch.Tensor,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The loss of the whole batch ``x`` (one tensor per model input) and every parameter's
-    gradient by every name (tied weights under each), unpartitioned."""
+    """The loss of the whole batch ``x`` (one tensor per model input, or a dict of them by input
+    name, passed as keywords) and every parameter's gradient by every name (tied weights under
+    each), unpartitioned."""
     model.zero_grad()
-    loss = loss_fn(model(*x), y)
+    loss = loss_fn(model(**x) if isinstance(x, Mapping) else model(*x), y)
     loss.backward()
     grads = {n: prm.grad.clone() for n, prm in model.named_parameters(remove_duplicate=False) if prm.grad is not None}
     return loss.detach(), grads

@@ -34,8 +34,8 @@ __all__ = ["is_hf_model", "trace_kwargs", "blocks", "block_depth", "failure_hint
 
 log = logging.getLogger(__name__)
 
-# An exception that names a cache class: the model returned (or was given) its key/value cache.
-_CACHE = re.compile(r"\b(\w*Cache)\b")
+# torch.export's complaint about an output it cannot flatten, when that output is a cache object.
+_CACHE = re.compile(r"Found <class '(?:[\w.]*\.)?(\w*Cache)'> in output")
 
 
 def is_hf_model(model: nn.Module) -> bool:
@@ -123,27 +123,26 @@ def failure_hint(model: nn.Module, failures: Sequence[tuple[str, BaseException]]
 
     Example:
         >>> from torch import nn
-        >>> print(failure_hint(nn.Linear(2, 2), [("torch.export", RuntimeError("Found DynamicCache in output"))]))
+        >>> err = RuntimeError("Found <class 'transformers.cache_utils.DynamicCache'> in output, which is ...")
+        >>> print(failure_hint(nn.Linear(2, 2), [("torch.export.export(strict=False)", err)]))
         ... # doctest: +ELLIPSIS
         To fix: the model returned its key/value cache (DynamicCache), ...
     """
     name = type(model).__name__
-    text = "\n".join(str(e) for _, e in failures)
-    cache = _CACHE.search(text)
+    exported = [e for tracer, e in failures if tracer.startswith("torch.export")]
+    if not exported:  # method='fx' was asked for
+        return (
+            "To fix: Hugging Face models are traced with torch.export (transformers v5 has no torch.fx "
+            "tracer); use method='auto' or method='export'."
+        )
+    cache = _CACHE.search("\n".join(str(e) for e in exported))
     if cache:
         return (
             f"To fix: the model returned its key/value cache ({cache.group(1)}), an object no pipeline "
             "stage can send. Trace without it: do not pass use_cache=True (pipecut passes "
             "use_cache=False when forward takes it); if this model's forward has no use_cache "
-            f"parameter, pass example_kwargs={{'use_cache': False}}, or set use_cache=False in a copy "
-            f"of its config ({name}(config) with config.use_cache = False)."
-        )
-    if any(tracer.startswith("torch.fx") for tracer, _ in failures) and not any(
-        tracer.startswith("torch.export") for tracer, _ in failures
-    ):
-        return (
-            "To fix: Hugging Face models are traced with torch.export (transformers v5 has no torch.fx "
-            "tracer); use method='auto' or method='export'."
+            "parameter, pass example_kwargs={'use_cache': False}, or build the model from a config "
+            "with use_cache=False."
         )
     return (
         f"To fix: {name} is a Hugging Face model, traced with torch.export (leaf_modules do not apply). "

@@ -1,6 +1,7 @@
 """Planning changes nothing: ``partition``, ``Plan.load``/``bind`` and ``PipelineTrainer(...)`` leave
-the model (every parameter and buffer bitwise, every ``training`` flag) and the process (grad mode,
-autocast, RNG streams, default dtype and device) exactly as they found them.
+the model (every parameter and buffer bitwise, every ``training`` flag, a Hugging Face model's
+config: its cache is turned off for the trace only) and the process (grad mode, autocast, RNG
+streams, default dtype and device) exactly as they found them.
 
 Models with running statistics are the ones that used to change: a leaf fake tensors cannot run
 (``BatchNorm`` with ``momentum=None`` reads ``num_batches_tracked``) was run on the real buffers.
@@ -22,7 +23,8 @@ from torch import nn
 from partitioner import Plan, partition
 from runtime import PipelineTrainer
 
-Case = tuple[nn.Module, tuple[torch.Tensor, ...]]
+# The model, its positional example inputs and, for some, keyword ones.
+Case = tuple[nn.Module, tuple[torch.Tensor, ...]] | tuple[nn.Module, tuple[torch.Tensor, ...], dict[str, Any]]
 
 
 class _BN1d(nn.Module):
@@ -75,7 +77,8 @@ def _family(name: str) -> Callable[[], Case]:
 
         fam = FAMILIES[name]
         x, _ = fam.batch(MB, torch.Generator().manual_seed(1))
-        return fam.build(), x
+        (_, first), *rest = x.items()
+        return fam.build(), (first,), dict(rest)  # the raw Hugging Face model, no wrapper
 
     return build
 
@@ -98,6 +101,7 @@ CASES: dict[str, Callable[[], Case]] = {
     "gpt2": _gpt2,  # dropout on: resid, embd and attention dropout at 0.1
     "llama": _family("llama"),
     "bert": _family("bert"),
+    "t5": _family("t5"),  # decoder_input_ids as a keyword input
 }
 
 
@@ -118,6 +122,7 @@ class _Snapshot:
         self.model = model
         self.state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         self.training = {n: m.training for n, m in model.named_modules()}
+        self.config = _config(model)
         self.process = _process_state()
 
     def check(self, after: str) -> None:
@@ -126,12 +131,19 @@ class _Snapshot:
         changed = [k for k, v in state.items() if not torch.equal(v, self.state[k])]
         assert changed == [], f"{after} changed {changed}"
         assert {n: m.training for n, m in self.model.named_modules()} == self.training, after
+        assert _config(self.model) == self.config, after
         process = _process_state()
         assert [k for k in process if process[k] != self.process[k]] == [], after
 
 
-def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return out.float().pow(2).mean()
+def _config(model: nn.Module) -> dict[str, Any] | None:
+    """A Hugging Face model's config as a dict (``use_cache``, ``return_dict``...), else ``None``."""
+    config = getattr(model, "config", None)
+    return config.to_dict() if config is not None else None
+
+
+def _loss(out: Any, y: torch.Tensor) -> torch.Tensor:
+    return out.logits.float().pow(2).mean() if hasattr(out, "logits") else out.float().pow(2).mean()
 
 
 def _sgd(params: Any) -> torch.optim.Optimizer:
@@ -149,16 +161,17 @@ def test_batchnorm_buffers_are_untouched_by_partition() -> None:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_planning_binding_and_building_a_trainer_change_nothing(name: str, tmp_path: Path) -> None:
-    model, x = CASES[name]()
+    model, x, *more = CASES[name]()
+    kw: dict[str, Any] = more[0] if more else {}
     model.train()
     np.random.seed(7)  # a numpy stream in use, as in a user's script
     snap = _Snapshot(model)
-    plan = partition(model, x, 2, microbatches=2)
+    plan = partition(model, x, 2, microbatches=2, example_kwargs=kw)
     snap.check("partition()")
     PipelineTrainer(plan, _loss, _sgd)
     snap.check("PipelineTrainer(plan)")
     plan.save(tmp_path / "plan.json")
-    loaded = Plan.load(tmp_path / "plan.json", model, x)  # binds: plan.bind(model, x)
+    loaded = Plan.load(tmp_path / "plan.json", model, x, example_kwargs=kw)  # binds: plan.bind(model, x, ...)
     snap.check("Plan.load(path, model, inputs)")
     PipelineTrainer(loaded, _loss, _sgd)
     snap.check("PipelineTrainer(loaded plan)")

@@ -17,7 +17,7 @@ from partitioner.cost.devices import Cluster, DeviceSpec
 from partitioner.cost.precision import check_precision
 from partitioner.errors import MissingArgumentError, PlanFormatError, PlanMismatchError
 from partitioner.plan.records import Candidate as Candidate
-from partitioner.plan.records import PlanRecord, binding, structure_text
+from partitioner.plan.records import PlanRecord, binding, structure_leaves, structure_text
 from partitioner.plan.records import Prediction as Prediction
 from partitioner.plan.records import StagePlan as StagePlan
 from partitioner.plan.split import StagedModel, StageIO, ValueSpec, split_graph
@@ -390,3 +390,7 @@ def _check_consistent(plan: Plan, fail: Any) -> None:
             seen[v] = st.index
     if plan.microbatches < 1:
         raise fail(f"microbatches must be at least 1, got {plan.microbatches}")
+    if plan.output_structure:
+        leaves, outputs = structure_leaves(plan.output_structure), len(plan.io[-1].outputs)
+        if leaves != outputs:
+            raise fail(f"the output structure holds {leaves} tensors but the last stage returns {outputs}")

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "StagePlan", "Prediction", "Candidate", "PlanRecord", "binding", "structure_text", "structure_spec",
+    "structure_leaves",
 ]
 
 log = logging.getLogger(__name__)
@@ -297,24 +298,40 @@ def structure_spec(text: str) -> TreeSpec | None:
     raise AssertionError("unreachable")
 
 
+def structure_leaves(text: str) -> int | None:
+    """How many tensors (leaves) ``structure_text``'s output holds, read from the text alone (no
+    type needs importing); ``None`` when the text is not a TreeSpec's."""
+    return _walk(text)[1]
+
+
 def _type_names(text: str) -> set[str]:
+    return _walk(text)[0]
+
+
+def _walk(text: str) -> tuple[set[str], int | None]:
+    """The node type names and the leaf count of a ``treespec_dumps`` text."""
     import json
 
     names: set[str] = set()
+    leaves = 0
 
     def walk(node: Any) -> None:
-        if isinstance(node, dict):
-            if isinstance(node.get("type"), str):
-                names.add(node["type"])
-            for child in node.get("children_spec") or ():
-                walk(child)
+        nonlocal leaves
+        if not isinstance(node, dict):
+            raise ValueError(f"not a TreeSpec node: {node!r}")
+        if node.get("type") is None:
+            leaves += 1
+            return
+        names.add(str(node["type"]))
+        for child in node.get("children_spec") or ():
+            walk(child)
 
     try:
         body = json.loads(text)
-    except ValueError:
-        return names
-    walk(body[1] if isinstance(body, list) and len(body) == 2 else body)
-    return names
+        walk(body[1] if isinstance(body, list) and len(body) == 2 else body)
+    except (ValueError, TypeError, AttributeError):
+        return names, None
+    return names, leaves
 
 
 def _import_modules(type_names: set[str]) -> bool:

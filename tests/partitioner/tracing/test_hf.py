@@ -10,11 +10,11 @@ import pytest
 import torch
 from torch import nn
 
-transformers = pytest.importorskip("transformers")
-
 from partitioner import partition, trace
 from partitioner.errors import TraceError
 from partitioner.tracing import hf
+
+transformers = pytest.importorskip("transformers")
 
 
 def _llama(**kw: object) -> nn.Module:

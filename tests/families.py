@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import re
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -168,9 +169,11 @@ def first_names(model: nn.Module) -> dict[str, str]:
     return {n: first.setdefault(id(prm), n) for n, prm in named if prm.requires_grad}
 
 
-def dist_worker(rank: int, world: int, names: list[str]) -> dict[str, dict[str, Any]]:
+def dist_worker(rank: int, world: int, names: list[str], via_file: str | None = None) -> dict[str, dict[str, Any]]:
     """On each rank of ``world`` gloo processes: 1F1B over ``world`` stages, one family at a time.
 
+    The family named ``via_file`` trains from its plan saved to JSON and loaded back (bound to the
+    model, its keyword inputs included): ``loss_fn`` gets the ModelOutput the file describes.
     Returns, per family, the loss, the parameter names this rank checked against the
     unpartitioned model, and every trainable name's first name (to check coverage).
     """
@@ -181,7 +184,14 @@ def dist_worker(rank: int, world: int, names: list[str]) -> dict[str, dict[str, 
         ref = copy.deepcopy(model)
         x, y = fam.batch(ROWS, torch.Generator().manual_seed(SEED))
         want_loss, want = reference(ref, loss_fn, x, y)
-        trainer = PipelineTrainer(make_plan(model, x, world), loss_fn, schedule="1f1b", transport="dist", timeout=120)
+        plan = make_plan(model, x, world)
+        if name == via_file:
+            with tempfile.TemporaryDirectory() as tmp:
+                plan.save(Path(tmp) / "plan.json")
+                (_, first), *rest = x.items()
+                plan = Plan.load(Path(tmp) / "plan.json", model, (first[:MB],),
+                                 example_kwargs={k: t[:MB] for k, t in rest})
+        trainer = PipelineTrainer(plan, loss_fn, schedule="1f1b", transport="dist", timeout=120)
         loss = trainer.forward_backward(x, y)
         torch.testing.assert_close(loss, want_loss, **TOL)
         out[name] = {"loss": float(loss), "checked": check_grads(trainer, want), "first": first_names(ref)}

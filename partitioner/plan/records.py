@@ -283,19 +283,22 @@ def structure_spec(text: str) -> TreeSpec | None:
 
     if not text:
         return None
-    for attempt in range(2):
+    try:
+        return pytree.treespec_loads(text)
+    except Exception as e:
+        err: Exception = e
+    missing = _type_names(text) - set(pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE)
+    if missing and _import_modules(missing):
         try:
             return pytree.treespec_loads(text)
         except Exception as e:
-            missing = _type_names(text) - set(pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE)
-            if attempt == 0 and missing and _import_modules(missing):
-                continue
-            raise PlanFormatError(
-                f"the plan's output structure cannot be read back ({type(e).__name__}: {e}); it names "
-                f"{sorted(missing) or 'no unknown type'}: import the library that defines the model's "
-                "output type first (e.g. import transformers), or re-plan with this version"
-            ) from e
-    raise AssertionError("unreachable")
+            err = e
+        missing = _type_names(text) - set(pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE)
+    raise PlanFormatError(
+        f"the plan's output structure cannot be read back ({type(err).__name__}: {err}); it names "
+        f"{sorted(missing) or 'no unknown type'}: import the library that defines the model's "
+        "output type first (e.g. import transformers), or re-plan with this version"
+    ) from err
 
 
 def structure_leaves(text: str) -> int | None:
@@ -315,23 +318,23 @@ def _walk(text: str) -> tuple[set[str], int | None]:
     names: set[str] = set()
     leaves = 0
 
-    def walk(node: Any) -> None:
+    def walk(node: Any) -> bool:  # False: not a TreeSpec node
         nonlocal leaves
         if not isinstance(node, dict):
-            raise ValueError(f"not a TreeSpec node: {node!r}")
+            return False
         if node.get("type") is None:
             leaves += 1
-            return
+            return True
         names.add(str(node["type"]))
-        for child in node.get("children_spec") or ():
-            walk(child)
+        children = node.get("children_spec") or []
+        return isinstance(children, list) and all(walk(child) for child in children)
 
     try:
         body = json.loads(text)
-        walk(body[1] if isinstance(body, list) and len(body) == 2 else body)
-    except (ValueError, TypeError, AttributeError):
+    except ValueError:
         return names, None
-    return names, leaves
+    ok = walk(body[1] if isinstance(body, list) and len(body) == 2 else body)
+    return names, leaves if ok else None
 
 
 def _import_modules(type_names: set[str]) -> bool:

@@ -9,7 +9,8 @@ One stage per process (gloo on CPU, NCCL when every rank has a GPU)::
 
     torchrun --standalone --nproc-per-node 2 examples/train_big.py --out /tmp/big
 
-What it does, with a Llama-style Hugging Face model built from a config (no hub):
+What it does, with a Llama-style Hugging Face model built from a config (no hub), passed to
+``partition`` as it is (no wrapper: its parameter names, checkpoint keys and ``ModelOutput`` are its own):
 
 1. writes a "pretrained" safetensors checkpoint (``--out/pretrained``) once, from a small real
    model: your checkpoint stands in for it;
@@ -28,13 +29,13 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from partitioner import partition
-from partitioner.tracing.trace import CausalLMLogits
 from runtime import Execution, Init, PipelineTrainer, Weights, empty_weights, save_safetensors
 
 
@@ -45,8 +46,9 @@ def config(layers: int) -> object:
                        num_key_value_heads=2, intermediate_size=128, max_position_embeddings=128)
 
 
-def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+def lm_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
+    """The last stage returns the model's ``CausalLMOutputWithPast``: its ``logits`` are (B, T, vocab)."""
+    return nn.functional.cross_entropy(out.logits.flatten(0, 1), target.flatten())
 
 
 def batch(step: int, rows: int = 8, seq: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,14 +71,14 @@ def build_trainer(layers: int, stages: int, pretrained: Path, transport: str) ->
     from transformers import LlamaForCausalLM
 
     with empty_weights():  # parameters on meta: nothing allocated until a rank materialises its stages
-        model = CausalLMLogits(LlamaForCausalLM(config(layers)))
+        model = LlamaForCausalLM(config(layers))
     example = batch(0, rows=2)[0]  # one micro-batch
     plan = partition(model, (example,), stages, microbatches=4, schedule="1f1b")
     return PipelineTrainer(
         plan, lm_loss, lambda ps: torch.optim.AdamW(ps, lr=1e-3),
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / 4)),
         execution=Execution(transport=transport),
-        init=Init(weights=Weights(pretrained, prefix="model.")),  # HF names have no wrapper prefix
+        init=Init(weights=Weights(pretrained)),  # the checkpoint's keys are the model's own names
     )
 
 
@@ -114,7 +116,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     assert again == more, f"resume is not exact: {again} != {more}"
     say(f"resumed at step {args.steps} from {out / 'ckpt'}: the same {args.steps} losses, bitwise")
 
-    resumed.export_safetensors(out / "hf", prefix="model.")
+    resumed.export_safetensors(out / "hf")
     if rank == 0:
         from transformers import LlamaForCausalLM
 

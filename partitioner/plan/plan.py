@@ -127,7 +127,9 @@ class Plan(PlanRecord):
             model: the model (on any device, ``meta`` included).
             example_inputs: one micro-batch of inputs, or the whole batch of the plan's
                 ``microbatches`` (told apart by the micro-batch size the plan records).
-            trace_kwargs: forwarded to ``partitioner.tracing.trace.trace`` (``leaf_modules``...).
+            trace_kwargs: forwarded to ``partitioner.tracing.trace.trace`` (``leaf_modules``,
+                ``example_kwargs``: the keyword inputs the plan was made with, e.g. a Hugging
+                Face model's ``attention_mask``).
 
         Raises:
             PlanMismatchError: the model's traced graph differs from the plan's.

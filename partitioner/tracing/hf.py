@@ -55,7 +55,8 @@ def is_hf_model(model: nn.Module) -> bool:
 
 def trace_kwargs(model: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
     """The keyword inputs to trace a Hugging Face model with: ``kwargs`` plus ``use_cache=False``
-    (when ``forward`` has that parameter) and ``return_dict=True``, the caller's values kept.
+    (when ``forward`` has that parameter) and ``return_dict=True`` (when it takes that or
+    ``**kwargs``), the caller's values kept.
 
     Non-tensor keywords are specialised into the graph, so the stages take the tensors only.
 
@@ -66,15 +67,22 @@ def trace_kwargs(model: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
         ...         return input_ids
         >>> trace_kwargs(Lm(), {"attention_mask": None})
         {'attention_mask': None, 'use_cache': False, 'return_dict': True}
+        >>> class Plain(nn.Module):
+        ...     def forward(self, x):
+        ...         return x
+        >>> trace_kwargs(Plain(), {})
+        {}
     """
     out = dict(kwargs)
     try:
-        params = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):  # a forward without a readable signature
-        params = {}  # type: ignore[assignment]
+        params = dict(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):  # a forward without a readable signature: pass nothing more
+        return out
     if "use_cache" in params:
         out.setdefault("use_cache", False)
-    out.setdefault("return_dict", True)
+    # transformers' own models take return_dict (v4) or **kwargs (v5); a custom forward may take neither.
+    if "return_dict" in params or any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        out.setdefault("return_dict", True)
     if out.get("use_cache"):
         log.warning(
             "tracing %s with use_cache=%r: the key/value cache it returns cannot cross pipeline stages; "

@@ -290,7 +290,9 @@ class PipelineTrainer:
 
     def predict(self, inputs: Any) -> Any:
         """Pipelined forward-only inference; returns the model's output for the whole batch
-        (``inputs`` as in :meth:`step`), in the model's own structure (a ``ModelOutput``...).
+        (``inputs`` as in :meth:`step`), in the model's own structure (a ``ModelOutput``...):
+        batched tensors concatenated over the micro-batches, a 0-dim floating one (a model's
+        ``loss`` given ``labels``) their mean, anything else the first micro-batch's.
 
         Under ``'dist'`` only the rank holding the last stage returns the output; others return
         ``None``.
@@ -305,8 +307,7 @@ class PipelineTrainer:
         if not outs:
             return None
         cols = list(zip(*(outs[mb] for mb in range(self.m))))
-        merged = tuple(torch.cat(c) if isinstance(c[0], torch.Tensor) and c[0].dim() else c[0] for c in cols)
-        return model_output(merged, self._out_spec)
+        return model_output(tuple(_merge(c) for c in cols), self._out_spec)
 
     def zero_grad(self) -> None:
         """Clear the gradients of this process's parameters."""
@@ -552,3 +553,13 @@ class PipelineTrainer:
         self.last_records = sorted((r for res in results for r in res.records), key=lambda r: r.start)
         self._example_sized = is_example_size(self.plan.traced, ins[0]) if ins else False
         return results
+
+
+def _merge(column: Sequence[Any]) -> Any:
+    """One output over the micro-batches: rows concatenated, a 0-dim float (a loss) averaged."""
+    first = column[0]
+    if not isinstance(first, torch.Tensor):
+        return first
+    if first.dim():
+        return torch.cat(list(column))
+    return torch.stack(list(column)).mean() if first.is_floating_point() else first

@@ -101,7 +101,9 @@ def test_attention_mask_and_labels_pass_through_and_loss_fn_reads_out_loss() -> 
     out = trainer.predict(x)  # the whole batch's ModelOutput, its logits the model's
     assert isinstance(out, transformers.modeling_outputs.CausalLMOutputWithPast)
     with torch.no_grad():
-        torch.testing.assert_close(out.logits, ref(**x).logits, **TOL)
+        whole = ref(**x)
+    torch.testing.assert_close(out.logits, whole.logits, **TOL)
+    torch.testing.assert_close(out.loss, whole.loss, **TOL)  # the micro-batches' mean: equal token counts
 
     with pytest.raises(InputError, match=r"missing \['attention_mask', 'labels'\]"):
         trainer.forward_backward({"input_ids": ids})

@@ -107,9 +107,12 @@ def test_train_big_loads_pretrained_weights_resumes_and_exports(tmp_path: Path) 
 
     pretrained = LlamaForCausalLM.from_pretrained(tmp_path / "pretrained")
     x, y = big.batch(0)  # type: ignore[attr-defined]
-    want = big.lm_loss(pretrained(x).logits, y)  # type: ignore[attr-defined]
+    want = big.lm_loss(pretrained(x), y)  # type: ignore[attr-defined]  # the model's own output, as the stages give it
     assert losses[0] == pytest.approx(float(want), rel=1e-5)
     assert (tmp_path / "ckpt" / ".metadata").is_file() and (tmp_path / "hf" / "config.json").is_file()
+    # The export has the model's own keys (no wrapper prefix): from_pretrained finds every weight.
+    exported = LlamaForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)[1]
+    assert not exported["missing_keys"] and not exported["unexpected_keys"], exported
 
 
 @pytest.mark.multiprocess

@@ -7,26 +7,34 @@ Examples::
     pipecut simulate plan.json --schedule zbv --microbatches 16 --trace out.json
     pipecut plan gpt2-175b --stages 64 --device A100-80GB --granularity module --json plan.json
     pipecut plan my_model.py:build --stages 2 --device cpu --dot plan.dot
+    pipecut --version
+
+Tables take the terminal's width (``COLUMNS`` when set); written to a file or a pipe they keep
+``str(plan)``'s fixed width, so saved output has every column.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
+
+from rich.console import Console
 
 from partitioner.api import METHODS, partition
 from partitioner.cost.devices import DEVICE_PRESETS, Cluster
 from partitioner.errors import CliArgumentError, PipecutError
 from partitioner.plan.plan import Plan
 from partitioner.plan.predict import prediction, simulate_stages
-from partitioner.plan.render import fmt_bytes, fmt_time
+from partitioner.plan.render import TEXT_WIDTH, fmt_bytes, fmt_time, render_text
 from partitioner.schedule.registry import TRAINING_SCHEDULES
 from partitioner.zoo import MODELS, load_model
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "version"]
 
 _RECOMPUTE: dict[str, bool | str] = {"auto": "auto", "on": True, "off": False}
 
@@ -37,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pipecut", description="Cut a PyTorch model into pipeline stages and show the plan."
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log each step's timing")
+    parser.add_argument("--version", action="version", version=f"pipecut {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     plan = sub.add_parser("plan", help="trace, cost and partition a model; print the stage table")
     plan.add_argument(
@@ -75,6 +84,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def version() -> str:
+    """The installed distribution's version; from a source tree that is not installed, the package's own.
+
+    Example:
+        >>> import pipecut
+        >>> version() == pipecut.__version__
+        True
+    """
+    try:
+        return importlib.metadata.version("pipecut")
+    except importlib.metadata.PackageNotFoundError:
+        import pipecut  # only here: the CLI itself needs none of what the package re-exports
+
+        return pipecut.__version__
+
+
+def _console() -> Console:
+    """A console as wide as the terminal (rich reads ``COLUMNS``, else asks the terminal); into a
+    file or a pipe, with no ``COLUMNS``, ``str(plan)``'s fixed width rather than rich's 80, so
+    saved output keeps every column."""
+    console = Console(highlight=False, markup=False)  # a path or model name is shown as written
+    if "COLUMNS" not in os.environ and not console.is_terminal:
+        console = Console(highlight=False, markup=False, width=TEXT_WIDTH)
+    return console
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the process exit code."""
     args = build_parser().parse_args(argv)
@@ -97,7 +132,7 @@ def _plan(args: argparse.Namespace) -> int:
         granularity=args.granularity, state_bytes_per_param=args.state_bytes,
         recompute=_RECOMPUTE[args.recompute], precision=args.precision,
     )
-    print(plan, end="")
+    print(render_text(plan, width=_console().width), end="")
     if args.json_path:
         plan.save(args.json_path)
         print(f"plan written to {args.json_path}")
@@ -125,7 +160,6 @@ def _count(text: str, alternative: str = "") -> int:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from rich.console import Console
     from rich.table import Table
 
     from partitioner.schedule.timeline import save_chrome_trace, save_gantt_png
@@ -135,10 +169,10 @@ def _simulate(args: argparse.Namespace) -> int:
     m = plan.microbatches if args.microbatches is None else args.microbatches
     sched, sim = simulate_stages(plan.stages, plan.cluster, schedule, m)
     pred = prediction(plan.stages, schedule, m, sched, sim)  # the step simulated once, not twice
-    console = Console(width=120, highlight=False)
+    console = _console()
     console.print(
         f"{args.plan}: {plan.num_stages} stages on {sched.num_ranks} ranks, schedule {schedule}, "
-        f"{m} micro-batches (event simulator)", soft_wrap=True,
+        f"{m} micro-batches (event simulator)"
     )
     table = Table(show_edge=False)
     for col in ("rank", "stages", "busy", "bubble", "micro-batches held", "peak memory"):
@@ -160,7 +194,7 @@ def _simulate(args: argparse.Namespace) -> int:
     )
     if args.trace:
         save_chrome_trace(sim.timeline, args.trace, name=f"pipecut {schedule} m={m}")
-        console.print(f"trace written to {args.trace} (open in ui.perfetto.dev or chrome://tracing)", soft_wrap=True)
+        console.print(f"trace written to {args.trace} (open in ui.perfetto.dev or chrome://tracing)")
     if args.gantt:
         save_gantt_png(sim.timeline, args.gantt, title=f"{schedule}, {m} micro-batches")
         console.print(f"Gantt chart written to {args.gantt}")

@@ -6,7 +6,7 @@ Examples::
     pipecut plan gpt2-tiny --stages 4 --schedule auto --microbatches auto --json plan.json
     pipecut simulate plan.json --schedule zbv --microbatches 16 --trace out.json
     pipecut plan gpt2-175b --stages 64 --device A100-80GB --granularity module --json plan.json
-    pipecut plan my_model.py:build --stages 2 --device cpu --dot plan.dot
+    pipecut plan examples/my_model.py:build --stages 2 --device cpu --dot plan.dot
     pipecut --version
 
 Tables take the terminal's width (``COLUMNS`` when set); written to a file or a pipe they keep

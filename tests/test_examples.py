@@ -112,3 +112,20 @@ def test_train_big_under_torchrun(tmp_path: Path) -> None:
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "the same 2 losses, bitwise" in run.stdout and "from_pretrained loads it" in run.stdout
+
+
+def test_tiny_hf_folder_writes_a_folder_from_pretrained_loads_and_a_token_file(tmp_path: Path) -> None:
+    import numpy as np
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        from tiny_hf_folder import main
+    finally:
+        sys.path.pop(0)
+    main([str(tmp_path / "tiny"), str(tmp_path / "tokens.npy"), "--layers", "2"])
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(tmp_path / "tiny")
+    tokens = np.load(tmp_path / "tokens.npy")
+    assert tokens.ndim == 1 and int(tokens.max()) < model.config.vocab_size
+    assert (np.diff(tokens[:64].astype(int)) % model.config.vocab_size == 1).all()  # a run counts up

@@ -147,27 +147,30 @@ def test_version_falls_back_to_the_package_when_not_installed(monkeypatch: pytes
 
 
 @pytest.mark.parametrize("columns", [80, 200])
-def test_plan_table_fits_the_terminal_width(columns: int) -> None:
-    import os
-    import subprocess
-    import sys
-
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "COLUMNS": str(columns), "PYTHONPATH": str(root)}
-    done = subprocess.run(
-        [sys.executable, "-m", "pipecut", "plan", "mlp", "--stages", "3", "--device", "cpu", "--recompute", "on",
-         "--schedule", "auto", "--microbatches", "auto"],
-        cwd=root, capture_output=True, text=True, env=env, timeout=120,
-    )
-    assert done.returncode == 0, done.stderr
-    lines = done.stdout.splitlines()
-    assert max(len(line) for line in lines) <= columns, done.stdout
+def test_plan_table_fits_the_terminal_width(
+    columns: int, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("COLUMNS", str(columns))  # what a terminal of that width sets; rich reads it
+    argv = ["plan", "mlp", "--stages", "3", "--device", "cpu", "--recompute", "on", "--schedule", "auto"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert max(len(line) for line in lines) <= columns, out
     header = next(line for line in lines if "memory / capacity" in line)
-    assert "stage" in header and "modules" in header and "time" in header and "schedule choice" in done.stdout
+    assert "stage" in header and "modules" in header and "time" in header and "schedule choice" in out
     if columns == 80:  # the least read columns leave, and a line says which
-        assert "fwd FLOPs" not in header and "left out at 80 columns: fwd FLOPs" in done.stdout
+        assert "fwd FLOPs" not in header and "left out at 80 columns: fwd FLOPs" in out
     else:
-        assert "fwd FLOPs" in header and "left out" not in done.stdout
+        assert "fwd FLOPs" in header and "left out" not in out
+
+
+def test_output_to_a_file_keeps_every_column(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("COLUMNS", raising=False)  # not a terminal and no width: str(plan)'s, not rich's 80
+    assert main(["plan", "mlp", "--stages", "3", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "fwd FLOPs" in out and "left out" not in out and max(len(line) for line in out.splitlines()) > 80
 
 
 def test_str_plan_keeps_its_fixed_width_whatever_the_terminal(monkeypatch: pytest.MonkeyPatch) -> None:

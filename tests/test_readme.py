@@ -17,7 +17,7 @@ What each command gets, by its program:
   the repository's top-level entries (so ``examples/demo.py`` resolves and a written ``plan.json``
   lands in the temporary folder), its commands in order.
   A block with ``torchrun`` is marked ``multiprocess`` and ``slow`` (4 processes on 2 cores
-  start in about 20 s).
+  start in about 20 s); the other blocks take about 20 s together on 2 cores.
 - form only, ``pip install ...``: no network in tests. Each requirement must parse, a pinned
   version must satisfy pyproject.toml's requirement for that package, ``-e PATH[extras]`` must name
   this repository and extras it declares.
@@ -130,6 +130,7 @@ def _commands(body: str, first: int, *, console: bool) -> tuple[Command, ...]:
             while part and re.fullmatch(r"[A-Za-z_]\w*=.*", part[0]):
                 name, value = part.pop(0).split("=", 1)
                 env.append((name, value))
+            assert part, f"README.md:{start}: {text!r} has an empty command (around `&&`)"
             commands.append(Command(start, tuple(part), tuple(env)))
     return tuple(commands)
 

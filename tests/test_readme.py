@@ -16,8 +16,10 @@ What each command gets, by its program:
   interpreter start: 2-3 s a command). Each block runs in a fresh temporary folder that links to
   the repository's top-level entries (so ``examples/demo.py`` resolves and a written ``plan.json``
   lands in the temporary folder), its commands in order.
-  A block with ``torchrun`` is marked ``multiprocess`` and ``slow`` (4 processes on 2 cores
-  start in about 20 s); the other blocks take about 20 s together on 2 cores.
+  A block with ``torchrun`` is marked ``multiprocess`` and ``slow``: each launch costs 7-8 s of
+  CPU a process (torch, transformers, tracing), so the README's directives launch 2 processes
+  where it says 4 (tests/test_examples.py runs the 4-process dp x pp example). The whole file
+  takes about 60 s of CPU: 38 s the torchrun block (its processes share both cores), 21 s the rest.
 - form only, ``pip install ...``: no network in tests. Each requirement must parse, a pinned
   version must satisfy pyproject.toml's requirement for that package, ``-e PATH[extras]`` must name
   this repository and extras it declares.

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -250,7 +251,8 @@ def _train(args: argparse.Namespace) -> int:
     flags = {k: v for k, v in vars(args).items() if k.replace("_", "-") in _TRAIN_FLAGS}
     cfg = resolve(read_toml(args.config_file) if args.config_file else {}, flags)
     t0 = time.perf_counter()
-    with TrainingProgress(total=cfg.steps) as bar:
+    # The process group starts inside train(); under torchrun, RANK says who draws.
+    with TrainingProgress(total=cfg.steps, enabled=os.environ.get("RANK", "0") == "0") as bar:
         result = train(cfg, on_step=bar.update)
     if bar.enabled:
         done = len(result.metrics)

@@ -6,8 +6,8 @@ resolved settings to ``OUT/config.toml``, which runs the same job again with ``-
 
 Example:
     >>> cfg = resolve({"model": "m", "data": "d.bin", "out": "run"}, {"steps": 10, "seq_len": None})
-    >>> cfg.steps, cfg.seq_len, cfg.lr_floor
-    (10, 256, 3e-05)
+    >>> cfg.steps, cfg.seq_len, cfg.decay_end
+    (10, 256, 10)
     >>> print(to_toml(cfg).splitlines()[0])
     model = "m"
 """

@@ -16,6 +16,7 @@ weights an uninterrupted one would have, bit for bit.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -121,7 +122,8 @@ def layout(cfg: TrainConfig, world: int, rank: int) -> Layout:
         )
     if world == 1:
         return Layout(pp=pp, dp=1, m=cfg.global_batch // per_replica, rank=0, dp_rank=0)
-    # runtime.parallel.data_parallel's mesh: replicas are the outer dimension (rank = d * pp + r).
+    # runtime.parallel.data_parallel's mesh: replicas are the outer dimension (rank = d * pp + r);
+    # the trainer's mesh has the last word.
     return Layout(pp=pp, dp=dp, m=cfg.global_batch // per_replica, rank=rank, dp_rank=rank // pp)
 
 
@@ -175,6 +177,7 @@ def train(cfg: TrainConfig, *, on_step: Callable[[Mapping[str, Any]], None] | No
         init=Init(seed=cfg.seed, weights=Weights(weights, prefix=prefix, cast=True) if weights else None),
         data_parallel=DataParallel(size=lay.dp) if world > 1 else None,
     )
+    lay = dataclasses.replace(lay, dp_rank=trainer.mesh.dp_rank)  # the runtime's mesh decides
     ckpts = out / "checkpoints"
     start = checkpoints.latest(ckpts)
     if start is not None:

@@ -133,14 +133,14 @@ def read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
         import tomllib
     else:  # pragma: no cover - Python 3.10
         try:
-            import tomli as tomllib
+            import tomli as tomllib  # type: ignore[import-not-found, no-redef, unused-ignore]
         except ImportError as e:
             raise MissingDependencyError("reading --config on Python 3.10 needs tomli: pip install tomli") from e
     p = Path(path)
     if not p.is_file():
         raise TrainConfigError(f"config file {p} does not exist")
     try:
-        data = tomllib.loads(p.read_text())
+        data: dict[str, Any] = tomllib.loads(p.read_text())
     except tomllib.TOMLDecodeError as e:
         raise TrainConfigError(f"{p} is not valid TOML: {e}") from None
     tables = [k for k, v in data.items() if isinstance(v, dict)]

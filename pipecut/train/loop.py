@@ -20,7 +20,6 @@ import dataclasses
 import json
 import logging
 import os
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path

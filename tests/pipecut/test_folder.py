@@ -30,7 +30,7 @@ def test_folder_finds_its_files_and_builds_on_meta(llama_folder: Path) -> None:
 def test_folder_errors_say_what_a_folder_needs(tmp_path: Path) -> None:
     with pytest.raises(FolderError, match="is not a directory"):
         HFFolder(tmp_path / "nope")
-    with pytest.raises(FolderError, match="has no config.json"):
+    with pytest.raises(FolderError, match=r"has no config\.json"):
         HFFolder(tmp_path)
     from transformers import T5Config
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -62,7 +63,7 @@ def test_layout_splits_the_world_and_the_batch() -> None:
 def test_learning_rate_warms_up_then_decays_to_the_floor() -> None:
     rates = [lr_at(k, lr=1.0, warmup=4, decay_end=20, floor=0.1) for k in range(25)]
     assert rates[:4] == [0.25, 0.5, 0.75, 1.0] and rates[4] == 1.0
-    assert all(a >= b for a, b in zip(rates[4:], rates[5:])) and rates[20:] == [0.1] * 5
+    assert all(a >= b for a, b in itertools.pairwise(rates[4:])) and rates[20:] == [0.1] * 5
 
 
 def test_batches_are_a_function_of_seed_step_and_replica(tmp_path: Path) -> None:
@@ -76,7 +77,7 @@ def test_batches_are_a_function_of_seed_step_and_replica(tmp_path: Path) -> None
     halves = [data.batch(seed=1, step=5, rows=4, seq_len=10, replica=r, replicas=2) for r in (0, 1)]
     assert torch.equal(torch.cat([h[0] for h in halves]), x) and torch.equal(torch.cat([h[1] for h in halves]), y)
     assert x.dtype == torch.int64 and torch.equal(x[:, 1:], y[:, :-1])
-    with pytest.raises(DataError, match="token id 96 .* not below the model's vocab_size 50"):
+    with pytest.raises(DataError, match=r"token id 96 .* not below the model's vocab_size 50"):
         data.batch(seed=1, step=5, rows=64, seq_len=10, vocab_size=50)
     with pytest.raises(DataError, match="fewer than one sequence"):
         data.batch(seed=1, step=0, rows=1, seq_len=1000)
@@ -90,7 +91,7 @@ def test_token_files_that_cannot_be_read_are_named(tmp_path: Path) -> None:
     with pytest.raises(DataError, match="not a multiple of uint16's 2"):
         open_tokens(tmp_path / "odd.bin")
     (tmp_path / "t.csv").write_text("1,2")
-    with pytest.raises(DataError, match="a token file is .npy, .bin"):
+    with pytest.raises(DataError, match=r"a token file is \.npy, \.bin"):
         open_tokens(tmp_path / "t.csv")
     with pytest.raises(DataError, match="does not exist"):
         open_tokens(tmp_path / "missing.npy")

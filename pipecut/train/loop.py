@@ -31,10 +31,11 @@ from torch import nn
 
 from partitioner.api import partition
 from partitioner.cost.devices import Cluster
+from partitioner.errors import PipecutError
 from partitioner.plan.plan import Plan
 from pipecut.folder import HFFolder, max_positions, pipeline_model
 from pipecut.train import checkpoints
-from pipecut.train.config import TrainConfig, TrainConfigError, to_toml
+from pipecut.train.config import TrainConfig, TrainConfigError, read_toml, resolve, to_toml
 from pipecut.train.data import EVAL, TRAIN, TokenData, open_tokens
 from pipecut.train.export import export_final
 from pipecut.train.lr import lr_at
@@ -158,6 +159,7 @@ def train(cfg: TrainConfig, *, on_step: Callable[[Mapping[str, Any]], None] | No
     data = open_tokens(cfg.data, dtype=cfg.data_dtype, tokenizer=folder.tokenizer)
     eval_data = _eval_data(cfg, data, folder)
     if leader:
+        _warn_if_changed(out / "config.toml", cfg)
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.toml").write_text(to_toml(cfg))
 
@@ -283,6 +285,26 @@ def _devices(plan: Plan) -> list[str] | None:
 
 def _nccl() -> bool:
     return dist.is_initialized() and dist.get_backend() == "nccl"
+
+
+# Settings a resumed run must share with the run that wrote the checkpoint to continue it exactly.
+_SAME_ON_RESUME = ("model", "data", "seed", "seq_len", "global_batch", "data_dtype", "lr", "warmup", "min_lr",
+                   "decay_steps", "weight_decay", "max_norm", "precision")
+
+
+def _warn_if_changed(path: Path, cfg: TrainConfig) -> None:
+    """Log a warning when a rerun changes a setting that decides what the resumed steps compute."""
+    if not path.is_file():
+        return
+    try:
+        before = resolve(read_toml(path), {})
+    except PipecutError:
+        return  # an unreadable old file is overwritten; the checkpoint still decides where to resume
+    changed = [f"{k}: {getattr(before, k)!r} -> {getattr(cfg, k)!r}" for k in _SAME_ON_RESUME
+               if getattr(before, k) != getattr(cfg, k)]
+    if changed:
+        log.warning("%s: this run changes %s; resumed steps will differ from the run being continued",
+                    path.parent, "; ".join(changed))
 
 
 def _truncate(path: Path, step: int) -> None:

@@ -56,8 +56,10 @@ import sys, time, resource
 from pipecut.cli import main
 t0 = time.perf_counter()
 code = main(sys.argv[1:])
+usage = resource.getrusage(resource.RUSAGE_SELF)
 print("SECONDS", time.perf_counter() - t0)
-print("PEAK_BYTES", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+print("CPU_SECONDS", usage.ru_utime + usage.ru_stime)
+print("PEAK_BYTES", usage.ru_maxrss * 1024)
 sys.exit(code)
 """
 
@@ -73,13 +75,16 @@ def test_a_70b_config_plans_in_under_a_minute_and_2_gib(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-c", _PEAK, "plan", str(tmp_path), "--stages", "32", "--device", "H100-80GB",
          "--seq-len", "4096", "--microbatches", "32"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120, env=_env(),
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=_env(),
     )
     wall = time.perf_counter() - t0
     assert done.returncode == 0, done.stderr[-3000:]
-    values = dict(line.split() for line in done.stdout.splitlines() if line.startswith(("SECONDS", "PEAK_BYTES")))
+    values = dict(line.split() for line in done.stdout.splitlines() if line.split()[:1] in (
+        ["SECONDS"], ["CPU_SECONDS"], ["PEAK_BYTES"]))
     assert "pipecut plan: 32 stages" in done.stdout
-    assert float(values["SECONDS"]) < 60 and wall < 90, (values, wall)
+    # CPU time (one thread), not wall time: CI's 2 shared cores may be busy with other tests. About
+    # 25 s on a quiet core; the wall clock only guards against a hang.
+    assert float(values["CPU_SECONDS"]) < 60 and wall < 300, (values, wall)
     assert int(values["PEAK_BYTES"]) < 2 * 2**30, values
 
 

@@ -158,26 +158,20 @@ def train(cfg: TrainConfig, *, on_step: Callable[[Mapping[str, Any]], None] | No
     vocab = getattr(config, "vocab_size", None)
     data = open_tokens(cfg.data, dtype=cfg.data_dtype, tokenizer=folder.tokenizer)
     eval_data = _eval_data(cfg, data, folder)
+    done = checkpoints.complete(out / "checkpoints")
+    if done and done[-1][0] > cfg.steps:
+        raise TrainConfigError(
+            f"{out} holds a checkpoint at step {done[-1][0]}, past --steps {cfg.steps}: give --steps "
+            f"{done[-1][0]} or more to continue that run, or another --out to start afresh"
+        )
     if leader:
         _warn_if_changed(out / "config.toml", cfg)
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.toml").write_text(to_toml(cfg))
 
-    module, prefix = pipeline_model(folder.build(meta=True, config=config))
-    plan = partition(
-        module, folder.example_inputs(seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size),
-        cluster=Cluster.uniform(lay.pp, _preset(cfg.device)), microbatches=lay.m, schedule=cfg.schedule,
-        precision=cfg.precision, recompute=_RECOMPUTE[cfg.recompute],
-    )
+    plan, trainer, prefix = _build(cfg, lay, folder, config, world)
     if leader:
         plan.save(out / "plan.json")
-    weights = folder.weights
-    trainer = PipelineTrainer(
-        plan, lm_loss, _adamw(cfg),
-        execution=Execution(devices=_devices(plan) if world == 1 else None),
-        init=Init(seed=cfg.seed, weights=Weights(weights, prefix=prefix, cast=True) if weights else None),
-        data_parallel=DataParallel(size=lay.dp) if world > 1 else None,
-    )
     lay = dataclasses.replace(lay, dp_rank=trainer.mesh.dp_rank)  # the runtime's mesh decides
     ckpts = out / "checkpoints"
     start = checkpoints.latest(ckpts)
@@ -188,21 +182,8 @@ def train(cfg: TrainConfig, *, on_step: Callable[[Mapping[str, Any]], None] | No
     metrics_file = out / "metrics.jsonl"
     if leader:
         _truncate(metrics_file, trainer.step_count)
-    rows = cfg.global_batch
     while trainer.step_count < cfg.steps:
-        k = trainer.step_count  # the step about to be taken, 0-based
-        rate = lr_at(k, lr=cfg.lr, warmup=cfg.warmup, decay_end=cfg.decay_end, floor=cfg.lr_floor)
-        if trainer.optimizer is not None:
-            for group in trainer.optimizer.param_groups:
-                group["lr"] = rate
-        x, y = data.batch(seed=cfg.seed, step=k, rows=rows, seq_len=cfg.seq_len, replica=lay.dp_rank,
-                          replicas=lay.dp, stream=TRAIN, vocab_size=vocab)
-        trainer.step(x, y, max_norm=cfg.max_norm)
-        m = trainer.last_metrics
-        line: dict[str, Any] = {
-            "step": trainer.step_count, "loss": m["loss"], "lr": rate, "grad_norm": m["grad_norm"],
-            "tokens_per_s": m["tokens_per_s"], "step_time_s": m["step_time_s"],
-        }
+        line = _step(trainer, data, cfg, lay, vocab)
         if cfg.eval_every and (trainer.step_count % cfg.eval_every == 0 or trainer.step_count == cfg.steps):
             line["eval_loss"] = evaluate(trainer, eval_data, cfg, lay, vocab)
         if leader:
@@ -221,6 +202,43 @@ def train(cfg: TrainConfig, *, on_step: Callable[[Mapping[str, Any]], None] | No
     if dist.is_initialized():
         dist.barrier()
     return result
+
+
+def _build(
+    cfg: TrainConfig, lay: Layout, folder: HFFolder, config: Any, world: int
+) -> tuple[Plan, PipelineTrainer, str]:
+    """The plan (the same on every process) and this process's part of the pipeline."""
+    module, prefix = pipeline_model(folder.build(meta=True, config=config))
+    plan = partition(
+        module, folder.example_inputs(seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size),
+        cluster=Cluster.uniform(lay.pp, _preset(cfg.device)), microbatches=lay.m, schedule=cfg.schedule,
+        precision=cfg.precision, recompute=_RECOMPUTE[cfg.recompute],
+    )
+    weights = folder.weights
+    trainer = PipelineTrainer(
+        plan, lm_loss, _adamw(cfg),
+        execution=Execution(devices=_devices(plan) if world == 1 else None),
+        init=Init(seed=cfg.seed, weights=Weights(weights, prefix=prefix, cast=True) if weights else None),
+        data_parallel=DataParallel(size=lay.dp) if world > 1 else None,
+    )
+    return plan, trainer, prefix
+
+
+def _step(
+    trainer: PipelineTrainer, data: TokenData, cfg: TrainConfig, lay: Layout, vocab: int | None
+) -> dict[str, Any]:
+    """Take the next optimizer step at its learning rate on its batch; return its metrics line."""
+    k = trainer.step_count  # the step about to be taken, 0-based
+    rate = lr_at(k, lr=cfg.lr, warmup=cfg.warmup, decay_end=cfg.decay_end, floor=cfg.lr_floor)
+    if trainer.optimizer is not None:
+        for group in trainer.optimizer.param_groups:
+            group["lr"] = rate
+    x, y = data.batch(seed=cfg.seed, step=k, rows=cfg.global_batch, seq_len=cfg.seq_len, replica=lay.dp_rank,
+                      replicas=lay.dp, stream=TRAIN, vocab_size=vocab)
+    trainer.step(x, y, max_norm=cfg.max_norm)
+    m = trainer.last_metrics
+    return {"step": trainer.step_count, "loss": m["loss"], "lr": rate, "grad_norm": m["grad_norm"],
+            "tokens_per_s": m["tokens_per_s"], "step_time_s": m["step_time_s"]}
 
 
 def evaluate(trainer: PipelineTrainer, data: TokenData, cfg: TrainConfig, lay: Layout, vocab: int | None) -> float:

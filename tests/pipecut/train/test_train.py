@@ -70,7 +70,8 @@ def test_a_run_writes_plan_metrics_checkpoints_config_and_a_loadable_export(
 
 
 def test_rerun_after_a_crash_and_with_more_steps_ends_bitwise_equal(
-    uninterrupted: Path, llama_folder: Path, token_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    uninterrupted: Path, llama_folder: Path, token_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     out = tmp_path / "b"
     # A shorter run (the decay's end fixed at the final length), then the full command...
@@ -95,6 +96,10 @@ def test_rerun_after_a_crash_and_with_more_steps_ends_bitwise_equal(
     a, b = final_weights(uninterrupted), final_weights(out)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert [m["loss"] for m in metrics(out)] == [m["loss"] for m in metrics(uninterrupted)]
+    # A smaller --steps than the run has done is refused, not silently exported.
+    capsys.readouterr()
+    assert main([*full[:-4], "--steps", "3"]) == 2
+    assert "holds a checkpoint at step 4, past --steps 3" in capsys.readouterr().err
 
 
 def test_config_file_with_flags_over_it_and_text_data(llama_folder: Path, tmp_path: Path) -> None:

@@ -105,3 +105,19 @@ def test_only_complete_checkpoints_count_and_the_last_k_are_kept(tmp_path: Path)
     assert [n for n, _ in complete(tmp_path)] == [2, 4, 6]
     assert prune(tmp_path, keep=1) == ["step-2", "step-4"]
     assert [n for n, _ in complete(tmp_path)] == [6]
+
+
+def test_text_files_are_tokenised_with_the_folders_tokenizer(llama_folder: Path, tmp_path: Path) -> None:
+    from pipecut.folder import HFFolder
+
+    folder = HFFolder(llama_folder)
+    tok = folder.tokenizer()
+    (tmp_path / "docs.jsonl").write_text('{"text": "the quick fox"}\n\n{"text": "the lazy dog"}\n')
+    data = open_tokens(tmp_path / "docs.jsonl", tokenizer=folder.tokenizer)
+    first, second = (tok(t, add_special_tokens=False)["input_ids"] for t in ("the quick fox", "the lazy dog"))
+    assert data.tokens.tolist() == [*first, tok.eos_token_id, *second, tok.eos_token_id]
+    (tmp_path / "bad.jsonl").write_text('{"txt": "x"}\n')
+    with pytest.raises(DataError, match=r'bad\.jsonl:1: each line must be an object with a "text" string'):
+        open_tokens(tmp_path / "bad.jsonl", tokenizer=folder.tokenizer)
+    with pytest.raises(DataError, match="tokenising it needs the model folder's tokenizer"):
+        open_tokens(tmp_path / "docs.jsonl")

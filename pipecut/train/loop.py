@@ -77,9 +77,14 @@ class TrainResult:
     plan: Plan | None = None
 
 
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy, the mean over the micro-batch's tokens: ``(b, L, V)``, ``(b, L)``."""
-    return nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+def lm_loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy, the mean over the micro-batch's tokens.
+
+    ``output`` is the logits ``(b, L, V)``, or a model output holding them as ``.logits`` (what a
+    Hugging Face model returns when traced without a wrapper); ``targets`` is ``(b, L)``.
+    """
+    logits = output.logits if hasattr(output, "logits") else output
+    return nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.to(logits.device).flatten())
 
 
 def layout(cfg: TrainConfig, world: int, rank: int) -> Layout:
@@ -247,9 +252,9 @@ def evaluate(trainer: PipelineTrainer, data: TokenData, cfg: TrainConfig, lay: L
     for i in range(cfg.eval_batches):
         x, y = data.batch(seed=cfg.seed, step=i, rows=cfg.global_batch, seq_len=cfg.seq_len,
                           replica=lay.dp_rank, replicas=lay.dp, stream=EVAL, vocab_size=vocab)
-        logits = trainer.predict(x)
-        if logits is not None:  # under torchrun, only the last stage's rank has the output
-            total += torch.tensor([float(lm_loss(logits, y.to(logits.device))) * len(x), len(x)], dtype=torch.float64)
+        output = trainer.predict(x)
+        if output is not None:  # under torchrun, only the last stage's rank has the output
+            total += torch.tensor([float(lm_loss(output, y)) * len(x), len(x)], dtype=torch.float64)
     if dist.is_initialized():
         total = total.to(trainer.devices[next(iter(trainer.devices))] if _nccl() else "cpu")
         dist.all_reduce(total)

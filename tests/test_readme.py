@@ -19,7 +19,8 @@ What each command gets, by its program:
   A block with ``torchrun`` is marked ``multiprocess`` and ``slow``: each launch costs 7-8 s of
   CPU a process (torch, transformers, tracing), so the README's directives launch 2 processes
   where it says 4 (tests/test_examples.py runs the 4-process dp x pp example). The whole file
-  takes about 60 s of CPU: 38 s the torchrun block (its processes share both cores), 21 s the rest.
+  takes about 80 s of CPU: 60 s the two torchrun blocks (their processes share both cores), 21 s
+  the rest (``-m "not slow"``: about 20 s on 2 cores).
 - form only, ``pip install ...``: no network in tests. Each requirement must parse, a pinned
   version must satisfy pyproject.toml's requirement for that package, ``-e PATH[extras]`` must name
   this repository and extras it declares.

@@ -23,5 +23,7 @@ import runtime as runtime
 from partitioner import *  # noqa: F403  (the public API, listed in partitioner.__all__)
 from runtime import *  # noqa: F403  (the public API, listed in runtime.__all__)
 
+__version__ = "0.1.0"  # the distribution's version (pyproject.toml's, checked by tests/pipecut/test_cli.py)
+
 __all__ = list(partitioner.__all__)
 __all__ += [name for name in runtime.__all__ if name not in __all__]

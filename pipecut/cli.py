@@ -1,4 +1,5 @@
-"""The ``pipecut`` command line: ``plan`` prints (and saves) a plan, ``simulate`` replays one.
+"""The ``pipecut`` command line: ``plan`` prints (and saves) a plan, ``simulate`` replays one,
+``train`` trains a Hugging Face folder on a token file (docs/train.md).
 
 Examples::
 
@@ -6,27 +7,42 @@ Examples::
     pipecut plan gpt2-tiny --stages 4 --schedule auto --microbatches auto --json plan.json
     pipecut simulate plan.json --schedule zbv --microbatches 16 --trace out.json
     pipecut plan gpt2-175b --stages 64 --device A100-80GB --granularity module --json plan.json
-    pipecut plan my_model.py:build --stages 2 --device cpu --dot plan.dot
+    pipecut plan examples/my_model.py:build --stages 2 --device cpu --dot plan.dot
+    pipecut plan path/to/hf-folder --stages 8 --device H100-80GB --seq-len 4096
+    pipecut train --model path/to/hf-folder --data tokens.bin --out run --pp 2 --steps 100
+    torchrun --standalone --nproc-per-node 4 -m pipecut train --model ... --pp 2 --dp 2
+    pipecut --version
+
+Tables take the terminal's width (``COLUMNS`` when set); written to a file or a pipe they keep
+``str(plan)``'s fixed width, so saved output has every column.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
+
+import torch
+from rich.console import Console
+from torch import nn
 
 from partitioner.api import METHODS, partition
 from partitioner.cost.devices import DEVICE_PRESETS, Cluster
 from partitioner.errors import CliArgumentError, PipecutError
 from partitioner.plan.plan import Plan
 from partitioner.plan.predict import prediction, simulate_stages
-from partitioner.plan.render import fmt_bytes, fmt_time
+from partitioner.plan.render import TEXT_WIDTH, fmt_bytes, fmt_time, render_text
 from partitioner.schedule.registry import TRAINING_SCHEDULES
 from partitioner.zoo import MODELS, load_model
+from pipecut.folder import HFFolder, is_hf_folder, max_positions, pipeline_model
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "version"]
 
 _RECOMPUTE: dict[str, bool | str] = {"auto": "auto", "on": True, "off": False}
 
@@ -37,11 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pipecut", description="Cut a PyTorch model into pipeline stages and show the plan."
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log each step's timing")
+    parser.add_argument("--version", action="version", version=f"pipecut {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     plan = sub.add_parser("plan", help="trace, cost and partition a model; print the stage table")
     plan.add_argument(
-        "model", help=f"a built-in model ({', '.join(MODELS)}) or path/to/file.py:factory "
-        "where factory() returns (model, example_inputs) for one micro-batch"
+        "model", help=f"a built-in model ({', '.join(MODELS)}), path/to/file.py:factory "
+        "where factory() returns (model, example_inputs) for one micro-batch, or a Hugging Face "
+        "folder (config.json; built on meta, so any size plans here)"
     )
     plan.add_argument("--stages", type=int, required=True, help="number of pipeline stages")
     plan.add_argument(
@@ -64,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--link-bandwidth", type=float, default=None, help="bytes/s between neighbouring devices")
     plan.add_argument("--json", dest="json_path", default=None, help="write the plan as JSON here")
     plan.add_argument("--dot", dest="dot_path", default=None, help="write a Graphviz DOT picture here")
+    plan.add_argument("--seq-len", type=_count, default=None,
+                      help="a Hugging Face folder's example sequence length (default: 1024, or the model's maximum)")
+    plan.add_argument("--micro-batch-size", type=_count, default=1,
+                      help="a Hugging Face folder's example rows per micro-batch (default 1)")
 
     sim = sub.add_parser("simulate", help="simulate a saved plan under a schedule; print the step and write a trace")
     sim.add_argument("plan", help="a plan JSON file written by `pipecut plan ... --json`")
@@ -72,15 +94,43 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--microbatches", type=_count, default=None, help="micro-batches per step (default: the plan's)")
     sim.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace JSON here")
     sim.add_argument("--gantt", default=None, help="write a Gantt chart PNG here (needs matplotlib)")
+    _add_train_parser(sub)
     return parser
+
+
+def version() -> str:
+    """The installed distribution's version; from a source tree that is not installed, the package's own.
+
+    Example:
+        >>> import pipecut
+        >>> version() == pipecut.__version__
+        True
+    """
+    try:
+        return importlib.metadata.version("pipecut")
+    except importlib.metadata.PackageNotFoundError:
+        import pipecut  # only here: the CLI itself needs none of what the package re-exports
+
+        return pipecut.__version__
+
+
+def _console() -> Console:
+    """A console as wide as the terminal (rich reads ``COLUMNS``, else asks the terminal); into a
+    file or a pipe, with no ``COLUMNS``, ``str(plan)``'s fixed width rather than rich's 80, so
+    saved output keeps every column."""
+    console = Console(highlight=False, markup=False)  # a path or model name is shown as written
+    if "COLUMNS" not in os.environ and not console.is_terminal:
+        console = Console(highlight=False, markup=False, width=TEXT_WIDTH)
+    return console
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the process exit code."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    commands = {"plan": _plan, "simulate": _simulate, "train": _train}
     try:
-        return _plan(args) if args.command == "plan" else _simulate(args)
+        return commands[args.command](args)
     except (PipecutError, ImportError, FileNotFoundError, ValueError) as e:
         print(f"pipecut: error: {e}", file=sys.stderr)
         return 2
@@ -88,7 +138,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
-    model, inputs = load_model(args.model)
+    if is_hf_folder(args.model):
+        model, inputs = _folder_model(args.model, args.seq_len, args.micro_batch_size)
+    else:
+        model, inputs = load_model(args.model)
     cluster = Cluster.uniform(args.stages, args.device, link_bandwidth=args.link_bandwidth)
     split = [s.strip() for s in args.split_points.split(",")] if args.split_points else None
     plan = partition(
@@ -97,7 +150,7 @@ def _plan(args: argparse.Namespace) -> int:
         granularity=args.granularity, state_bytes_per_param=args.state_bytes,
         recompute=_RECOMPUTE[args.recompute], precision=args.precision,
     )
-    print(plan, end="")
+    print(render_text(plan, width=_console().width), end="")
     if args.json_path:
         plan.save(args.json_path)
         print(f"plan written to {args.json_path}")
@@ -106,6 +159,18 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"DOT written to {args.dot_path}")
     logging.getLogger(__name__).info("total %.2fs", time.perf_counter() - t0)
     return 0
+
+
+def _folder_model(path: str, seq_len: int | None, rows: int) -> tuple[nn.Module, tuple[torch.Tensor]]:
+    """A Hugging Face folder's model on meta (no weight memory) and one micro-batch of token ids."""
+    folder = HFFolder(path)
+    config = folder.config
+    longest = max_positions(config)
+    length = seq_len or min(1024, longest or 1024)
+    if longest is not None and length > longest:
+        raise CliArgumentError(f"--seq-len {length} is longer than the model's {longest} positions")
+    module, _ = pipeline_model(folder.build(meta=True, config=config))
+    return module, folder.example_inputs(seq_len=length, micro_batch_size=rows)
 
 
 def _count_or_auto(text: str) -> int | str:
@@ -125,7 +190,6 @@ def _count(text: str, alternative: str = "") -> int:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from rich.console import Console
     from rich.table import Table
 
     from partitioner.schedule.timeline import save_chrome_trace, save_gantt_png
@@ -135,10 +199,10 @@ def _simulate(args: argparse.Namespace) -> int:
     m = plan.microbatches if args.microbatches is None else args.microbatches
     sched, sim = simulate_stages(plan.stages, plan.cluster, schedule, m)
     pred = prediction(plan.stages, schedule, m, sched, sim)  # the step simulated once, not twice
-    console = Console(width=120, highlight=False)
+    console = _console()
     console.print(
         f"{args.plan}: {plan.num_stages} stages on {sched.num_ranks} ranks, schedule {schedule}, "
-        f"{m} micro-batches (event simulator)", soft_wrap=True,
+        f"{m} micro-batches (event simulator)"
     )
     table = Table(show_edge=False)
     for col in ("rank", "stages", "busy", "bubble", "micro-batches held", "peak memory"):
@@ -160,10 +224,75 @@ def _simulate(args: argparse.Namespace) -> int:
     )
     if args.trace:
         save_chrome_trace(sim.timeline, args.trace, name=f"pipecut {schedule} m={m}")
-        console.print(f"trace written to {args.trace} (open in ui.perfetto.dev or chrome://tracing)", soft_wrap=True)
+        console.print(f"trace written to {args.trace} (open in ui.perfetto.dev or chrome://tracing)")
     if args.gantt:
         save_gantt_png(sim.timeline, args.gantt, title=f"{schedule}, {m} micro-batches")
         console.print(f"Gantt chart written to {args.gantt}")
+    return 0
+
+
+# -- pipecut train -----------------------------------------------------------------------------
+
+# flag -> (type, help); each is a key of pipecut.train.config.TrainConfig (docs/train.md).
+_TRAIN_FLAGS: dict[str, tuple[Any, str]] = {
+    "model": (str, "a Hugging Face folder: config.json, and safetensors weights to fine-tune"),
+    "data": (str, "training tokens: .npy (1-D ints), .bin (raw uint16, nanoGPT's format), .txt or .jsonl"),
+    "out": (str, "the run's folder: plan.json, metrics.jsonl, checkpoints/, final/"),
+    "steps": (int, "optimizer steps in all (default 100); rerun with more to continue"),
+    "seq-len": (int, "tokens per sequence (default 256)"),
+    "global-batch": (int, "sequences per optimizer step over all replicas (default 8)"),
+    "micro-batch-size": (int, "sequences per micro-batch (default 1)"),
+    "pp": (int, "pipeline ranks (default: world size / dp; 1 in one process)"),
+    "dp": (int, "data-parallel replicas, under torchrun (default: world size / pp)"),
+    "schedule": (str, "pipeline schedule or 'auto' (default 1f1b)"),
+    "precision": (str, "fp32, bf16 or fp16 (autocast over fp32 weights; default fp32)"),
+    "recompute": (str, "activation recomputation: auto (where memory binds), on, off"),
+    "lr": (float, "peak learning rate (default 3e-4)"),
+    "warmup": (int, "steps of linear warm-up (default 0)"),
+    "min-lr": (float, "learning rate at the end of the cosine decay (default lr / 10)"),
+    "decay-steps": (int, "the step the decay ends at (default --steps; fix it to extend a run bitwise)"),
+    "weight-decay": (float, "AdamW weight decay on matrices (default 0.1)"),
+    "max-norm": (float, "clip gradients to this total norm (default 1.0)"),
+    "checkpoint-every": (int, "save a checkpoint every N steps (default 100; always at the end)"),
+    "keep": (int, "checkpoints kept (default 2)"),
+    "eval-every": (int, "evaluate every N steps (default 0: never)"),
+    "eval-data": (str, "evaluation tokens (default: another stream of --data)"),
+    "eval-batches": (int, "batches per evaluation (default 4)"),
+    "seed": (int, "seed of the initialisation and of the data order (default 0)"),
+    "data-dtype": (str, "token type of a .bin: uint16 (default), uint32, int32, int64"),
+    "device": (str, "device preset the plan is costed for (default: this machine's)"),
+}
+
+
+def _add_train_parser(sub: Any) -> None:
+    train = sub.add_parser(
+        "train", help="train a Hugging Face folder on a token file as a pipeline; rerun to resume",
+        description="Train a Hugging Face causal LM folder on a token file, in one process (a thread per "
+        "stage) or under torchrun (dp x pp processes). Running the same command again resumes.",
+    )
+    train.add_argument("--config", dest="config_file", default=None,
+                       help="a TOML file of these settings (flags override it)")
+    for flag, (kind, text) in _TRAIN_FLAGS.items():
+        train.add_argument(f"--{flag}", type=kind, default=argparse.SUPPRESS, help=text)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from pipecut.train import read_toml, resolve, train
+    from runtime.metrics import TrainingProgress
+
+    flags = {k: v for k, v in vars(args).items() if k.replace("_", "-") in _TRAIN_FLAGS}
+    cfg = resolve(read_toml(args.config_file) if args.config_file else {}, flags)
+    t0 = time.perf_counter()
+    # The process group starts inside train(); under torchrun, RANK says who draws.
+    with TrainingProgress(total=cfg.steps, enabled=os.environ.get("RANK", "0") == "0") as bar:
+        result = train(cfg, on_step=bar.update)
+    if bar.enabled:
+        done = len(result.metrics)
+        last = result.metrics[-1] if result.metrics else None
+        start = f" (resumed at step {result.resumed_from})" if result.resumed_from else ""
+        loss = f", last loss {last['loss']:.4f}" if last else ""
+        print(f"trained {done} steps{start} in {time.perf_counter() - t0:.1f} s{loss}; "
+              f"model written to {result.final}")
     return 0
 
 

@@ -48,6 +48,10 @@ from partitioner.schedule.errors import ScheduleSizeError as ScheduleSizeError
 from partitioner.schedule.errors import SimulationError as SimulationError
 from partitioner.schedule.errors import TimelineError as TimelineError
 from partitioner.schedule.errors import UnknownScheduleError as UnknownScheduleError
+from pipecut.folder import FolderError as FolderError
+from pipecut.folder import UnsupportedModelError as UnsupportedModelError
+from pipecut.train.config import TrainConfigError as TrainConfigError
+from pipecut.train.data import DataError as DataError
 from runtime.errors import ActionError as ActionError
 from runtime.errors import InconsistentScheduleError as InconsistentScheduleError
 from runtime.errors import LossError as LossError

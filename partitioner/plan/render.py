@@ -12,6 +12,7 @@ import math
 from typing import TYPE_CHECKING
 
 from rich import box
+from rich.cells import cell_len
 from rich.console import Console, JustifyMethod
 from rich.table import Table
 from rich.text import Text
@@ -21,7 +22,9 @@ from partitioner.schedule.registry import stages_per_rank
 if TYPE_CHECKING:
     from partitioner.plan.records import PlanRecord, StagePlan
 
-__all__ = ["render_text", "render_dot", "printable", "fmt_bytes", "fmt_time", "fmt_flops", "fmt_count"]
+__all__ = ["TEXT_WIDTH", "render_text", "render_dot", "printable", "fmt_bytes", "fmt_time", "fmt_flops", "fmt_count"]
+
+TEXT_WIDTH = 160  # str(plan)'s width: every column of a typical plan, with room for the module names
 
 
 def printable(s: str) -> str:
@@ -116,10 +119,21 @@ def _stage_row(plan: PlanRecord, st: StagePlan, *, worst: int, recompute_column:
     ]
 
 
-def _stage_table(plan: PlanRecord) -> Table:
-    """A row per stage; no device column when all stages share one device type."""
+# The order columns leave in when a table is wider than the terminal. Stages: FLOPs and node
+# counts first (the times say the same for the device), then the time split and the transfers;
+# stage, modules, memory and time always stay, they are what a plan is read for. Candidates:
+# schedule, micro-batches and whether it fits stay.
+_STAGE_DROP_ORDER = ("fwd FLOPs", "bwd FLOPs", "nodes", "F", "B", "comm", "sends", "params", "recompute", "device")
+_CANDIDATE_DROP_ORDER = ("stages", "bubble", "step", "peak memory", "per micro-batch")
+_FOLD_MIN = 20  # the narrowest a folding column (modules, fits) gets before a column is left out
+
+
+def _stage_table(plan: PlanRecord, *, width: int) -> tuple[Table, list[str]]:
+    """A row per stage; no device column when all stages share one device type.
+
+    Returns the table and the columns left out to fit ``width``.
+    """
     uniform = len({st.device for st in plan.stages}) == 1
-    table = Table(title=_text(_title(plan)), box=box.SIMPLE_HEAD, title_justify="left")
     columns: list[tuple[str, JustifyMethod]] = [
         ("stage", "right"), ("device", "left"), ("modules", "left"), ("nodes", "right"),
         ("params", "right"), ("fwd FLOPs", "right"), ("bwd FLOPs", "right"),
@@ -131,16 +145,47 @@ def _stage_table(plan: PlanRecord) -> Table:
         columns.insert(columns.index(("F", "right")), ("recompute", "left"))
     if uniform:
         columns.pop(1)
-    for col, justify in columns:
-        wraps = col == "modules"
-        table.add_column(col, justify=justify, no_wrap=not wraps, min_width=24 if wraps else None)
     worst = plan.bottleneck_stage
+    rows = []
     for st in plan.stages:
         row = _stage_row(plan, st, worst=worst, recompute_column=recomputing)
         if uniform:
             row.pop(1)
-        table.add_row(*map(_text, row))
-    return table
+        rows.append(row)
+    return _fitted(_title(plan), columns, rows, width=width, wraps=("modules",), drop_order=_STAGE_DROP_ORDER)
+
+
+def _fitted(
+    title: str, columns: list[tuple[str, JustifyMethod]], rows: list[list[str]], *, width: int,
+    wraps: tuple[str, ...], drop_order: tuple[str, ...],
+) -> tuple[Table, list[str]]:
+    """A table of ``rows`` no wider than ``width``: the ``wraps`` columns fold their text, and while
+    the table cannot fit even so, the next column of ``drop_order`` is left out.
+
+    The test is rich's own measure of the table's narrowest form (folding columns at their
+    minimum, the others at their longest cell, plus padding and edges), taken on an unbounded
+    console: on a ``width`` one rich caps each column at the width it would squeeze it to.
+    """
+    measure = Console(width=1 << 16, no_color=True).measure
+    names = [name for name, _ in columns]
+    dropped: list[str] = []
+    while True:
+        keep = [i for i, name in enumerate(names) if name not in dropped]
+        table = Table(title=_text(title), box=box.SIMPLE_HEAD, title_justify="left")
+        for i in keep:
+            name, justify = columns[i]
+            # Rich measures a cell by its longest word; a cell that must not wrap needs its whole
+            # width as the column's minimum, or the table "fits" by cutting it to "12…".
+            whole = max(cell_len(printable(cell)) for cell in [name, *(row[i] for row in rows)])
+            fold = name in wraps
+            table.add_column(name, justify=justify, no_wrap=not fold,
+                             min_width=min(whole, _FOLD_MIN) if fold else whole)
+        for row in rows:
+            table.add_row(*(_text(row[i]) for i in keep))
+        left = [name for name in drop_order if name in names and name not in dropped]
+        if measure(table).minimum <= width or not left:
+            return table, dropped
+        dropped.append(left[0])
 
 
 def _summary_lines(plan: PlanRecord) -> list[str]:
@@ -169,17 +214,38 @@ def _summary_lines(plan: PlanRecord) -> list[str]:
     return lines
 
 
-def render_text(plan: PlanRecord, width: int = 160) -> str:
-    """The stage table with the summary lines under it, as plain text."""
+def render_text(plan: PlanRecord, width: int = TEXT_WIDTH) -> str:
+    """The stage table with the summary lines under it, as plain text no wider than ``width``.
+
+    ``str(plan)`` uses the default, wide enough for every column of a typical plan; the command line
+    passes the terminal's width. Narrower, the modules column folds, then the least read columns
+    are left out (FLOPs first; stage, modules, memory and time always stay) and a line says which.
+    The summary lines wrap at ``width``.
+
+    Example:
+        >>> import torch
+        >>> from partitioner import partition
+        >>> plan = partition(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)),
+        ...                  (torch.randn(2, 8),), 2)
+        >>> max(len(line) for line in render_text(plan, width=80).splitlines()) <= 80
+        True
+    """
     buf = io.StringIO()
     console = Console(file=buf, width=width, no_color=True, highlight=False, soft_wrap=False)
-    console.print(_stage_table(plan))
+    table, dropped = _stage_table(plan, width=width)
+    console.print(table)
+    if dropped:
+        console.print(_text(f"(left out at {width} columns: {', '.join(dropped)}; a wider terminal shows them)"))
     for line in _summary_lines(plan):
-        console.print(_text(line), soft_wrap=True)
+        console.print(_text(line))
     if plan.candidates:
-        console.print(_candidates_table(plan))
-        console.print(_text(f"chose {plan.choice}"), soft_wrap=True)
-    return buf.getvalue().rstrip() + "\n"
+        table, dropped = _candidates_table(plan, width=width)
+        console.print(table)
+        if dropped:
+            console.print(_text(f"(left out at {width} columns: {', '.join(dropped)})"))
+        console.print(_text(f"chose {plan.choice}"))
+    # rich pads each line to the width; the padding only makes copied text ragged.
+    return "\n".join(line.rstrip() for line in buf.getvalue().rstrip().splitlines()) + "\n"
 
 
 def _ranges(values: list[int]) -> str:
@@ -196,23 +262,24 @@ def _ranges(values: list[int]) -> str:
     return ", ".join(out)
 
 
-def _candidates_table(plan: PlanRecord) -> Table:
-    table = Table(title="schedule choice (every candidate cut and simulated)", box=box.SIMPLE_HEAD,
-                  title_justify="left")
-    for col in ("schedule", "m", "stages", "step", "per micro-batch", "bubble", "peak memory", "fits"):
-        table.add_column(col, justify="left" if col in ("schedule", "fits") else "right", no_wrap=True)
-    rows = sorted(plan.candidates, key=lambda c: (not c.fits, c.time_per_microbatch, c.microbatches))
-    for c in rows:
+def _candidates_table(plan: PlanRecord, *, width: int) -> tuple[Table, list[str]]:
+    columns: list[tuple[str, JustifyMethod]] = [
+        (col, "left" if col in ("schedule", "fits") else "right")
+        for col in ("schedule", "m", "stages", "step", "per micro-batch", "bubble", "peak memory", "fits")
+    ]
+    rows = []
+    for c in sorted(plan.candidates, key=lambda c: (not c.fits, c.time_per_microbatch, c.microbatches)):
         won = c.schedule == plan.schedule and c.microbatches == plan.microbatches
-        table.add_row(*map(_text, (
+        rows.append([
             f"{c.schedule}{' <- chosen' if won else ''}", str(c.microbatches), str(c.stages),
             fmt_time(c.step_time) if c.fits or c.step_time else "-",
             fmt_time(c.time_per_microbatch) if c.time_per_microbatch else "-",
             f"{c.bubble:.1%}" if c.step_time else "-",
             f"{fmt_bytes(c.memory)} / {fmt_bytes(c.capacity)}" if c.memory else "-",
             ("yes" + (f" ({c.note})" if c.note else "")) if c.fits else f"no: {c.note}",
-        )))
-    return table
+        ])
+    return _fitted("schedule choice (every candidate cut and simulated)", columns, rows, width=width,
+                   wraps=("fits",), drop_order=_CANDIDATE_DROP_ORDER)
 
 
 def render_dot(plan: PlanRecord) -> str:

@@ -114,3 +114,76 @@ def test_python_dash_m_pipecut_runs_the_same_command_line() -> None:
     assert "--schedule" in done.stdout
     for name in TRAINING_SCHEDULES:  # the choices come from the schedule registry
         assert name in done.stdout
+
+
+
+def test_version_is_the_distributions(capsys: pytest.CaptureFixture[str]) -> None:
+    import re
+
+    import pipecut
+    from pipecut.cli import version
+
+    pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+    declared = re.search(r'^version = "([^"]+)"', pyproject, re.MULTILINE).group(1)  # type: ignore[union-attr]
+    assert pipecut.__version__ == declared  # the fallback for a source tree that is not installed
+    assert version() == declared
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out == f"pipecut {declared}\n"
+
+
+def test_version_falls_back_to_the_package_when_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.metadata
+
+    import pipecut
+    from pipecut.cli import version
+
+    def missing(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    monkeypatch.setattr(pipecut, "__version__", "9.9.9")
+    assert version() == "9.9.9"
+
+
+@pytest.mark.parametrize("columns", [80, 200])
+def test_plan_table_fits_the_terminal_width(
+    columns: int, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("COLUMNS", str(columns))  # what a terminal of that width sets; rich reads it
+    argv = ["plan", "mlp", "--stages", "3", "--device", "cpu", "--recompute", "on", "--schedule", "auto"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert max(len(line) for line in lines) <= columns, out
+    header = next(line for line in lines if "memory / capacity" in line)
+    assert "stage" in header and "modules" in header and "time" in header and "schedule choice" in out
+    if columns == 80:  # the least read columns leave, and a line says which
+        assert "fwd FLOPs" not in header and "left out at 80 columns: fwd FLOPs" in out
+    else:
+        assert "fwd FLOPs" in header and "left out" not in out
+
+
+def test_output_to_a_file_keeps_every_column(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("COLUMNS", raising=False)  # not a terminal and no width: str(plan)'s, not rich's 80
+    assert main(["plan", "mlp", "--stages", "3", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "fwd FLOPs" in out and "left out" not in out and max(len(line) for line in out.splitlines()) > 80
+
+
+def test_str_plan_keeps_its_fixed_width_whatever_the_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from partitioner import partition
+    from partitioner.plan.render import TEXT_WIDTH, render_text
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
+    plan = partition(model, (torch.randn(2, 8),), 2)
+    monkeypatch.setenv("COLUMNS", "40")
+    text = str(plan)
+    assert text == render_text(plan, width=TEXT_WIDTH) and "fwd FLOPs" in text and "left out" not in text
+    assert all(line == line.rstrip() for line in text.splitlines())  # no padding to the width
+    narrow = render_text(plan, width=60)
+    assert max(len(line) for line in narrow.splitlines()) <= 60 and "memory / capacity" in narrow

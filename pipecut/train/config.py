@@ -1,0 +1,211 @@
+"""A training run's settings: one frozen record, read from TOML and flags, written back as TOML.
+
+The keys are the ``pipecut train`` flags with ``_`` for ``-`` (``--seq-len`` is ``seq_len``); a
+``run.toml`` holds any of them at its top level, flags override it, and the run writes the
+resolved settings to ``OUT/config.toml``, which runs the same job again with ``--config``.
+
+Example:
+    >>> cfg = resolve({"model": "m", "data": "d.bin", "out": "run"}, {"steps": 10, "seq_len": None})
+    >>> cfg.steps, cfg.seq_len, cfg.decay_end
+    (10, 256, 10)
+    >>> print(to_toml(cfg).splitlines()[0])
+    model = "m"
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from partitioner.errors import MissingDependencyError, PipecutError
+from partitioner.schedule.registry import TRAINING_SCHEDULES
+
+__all__ = ["TrainConfig", "TrainConfigError", "resolve", "read_toml", "to_toml", "KEYS"]
+
+
+class TrainConfigError(PipecutError, ValueError):
+    """A training setting is missing, unknown, of the wrong type, or inconsistent with another."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Everything a ``pipecut train`` run depends on (docs/train.md describes each key)."""
+
+    model: str
+    """A Hugging Face folder: config.json, safetensors weights to fine-tune (else the model's own init)."""
+    data: str
+    """Training tokens: ``.npy`` (1-D ints), ``.bin`` (raw ``data_dtype``), or ``.txt``/``.jsonl`` text."""
+    out: str
+    """The run's folder: plan, metrics, checkpoints, the final export."""
+    steps: int = 100
+    seq_len: int = 256
+    global_batch: int = 8
+    """Sequences per optimizer step, over all replicas."""
+    micro_batch_size: int = 1
+    pp: int | None = None
+    """Pipeline ranks (default: the world size over ``dp``; 1 in one process)."""
+    dp: int | None = None
+    """Data-parallel replicas (default: the world size over ``pp``; 1 in one process)."""
+    schedule: str = "1f1b"
+    precision: str = "fp32"
+    recompute: str = "auto"
+    lr: float = 3e-4
+    warmup: int = 0
+    min_lr: float | None = None
+    """The learning rate the cosine decays to (default ``lr / 10``)."""
+    decay_steps: int | None = None
+    """The step the decay ends at (default ``steps``): fix it to extend a run bitwise."""
+    weight_decay: float = 0.1
+    max_norm: float = 1.0
+    checkpoint_every: int = 100
+    keep: int = 2
+    eval_every: int = 0
+    eval_data: str | None = None
+    eval_batches: int = 4
+    seed: int = 0
+    data_dtype: str = "uint16"
+    device: str = "auto"
+    """The device preset the plan is costed for (``auto``: this machine's)."""
+
+    def __post_init__(self) -> None:
+        _check(self)
+
+    @property
+    def lr_floor(self) -> float:
+        """The learning rate at the end of the decay."""
+        return self.min_lr if self.min_lr is not None else self.lr / 10
+
+    @property
+    def decay_end(self) -> int:
+        """The step the cosine decay ends at."""
+        return self.decay_steps if self.decay_steps is not None else self.steps
+
+
+KEYS = tuple(f.name for f in dataclasses.fields(TrainConfig))
+_REQUIRED = ("model", "data", "out")
+_CHOICES = {
+    "schedule": (*TRAINING_SCHEDULES, "auto"), "precision": ("fp32", "bf16", "fp16"),
+    "recompute": ("auto", "on", "off"), "data_dtype": ("uint16", "uint32", "int32", "int64"),
+}
+
+
+def resolve(file_values: Mapping[str, Any], flags: Mapping[str, Any]) -> TrainConfig:
+    """The run's settings: the defaults, then a TOML file's values, then the flags given (not ``None``).
+
+    Raises:
+        TrainConfigError: an unknown key (with the closest known one), a required key missing, a
+            value of the wrong type or out of range.
+    """
+    values: dict[str, Any] = {}
+    for source, given in (("the config file", file_values), ("the flags", flags)):
+        for raw, value in given.items():
+            key = raw.replace("-", "_")
+            if key not in KEYS:
+                close = difflib.get_close_matches(key, KEYS, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else f"; the keys are {', '.join(KEYS)}"
+                raise TrainConfigError(f"unknown setting {raw!r} in {source}{hint}")
+            if value is not None:
+                values[key] = value
+    missing = [k for k in _REQUIRED if k not in values]
+    if missing:
+        raise TrainConfigError(
+            f"missing {', '.join(missing)}: give --{' --'.join(k.replace('_', '-') for k in missing)} "
+            "or set them in the --config file"
+        )
+    return TrainConfig(**{k: _typed(k, v) for k, v in values.items()})
+
+
+def read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A ``run.toml``'s keys (flat, at the top level).
+
+    Raises:
+        TrainConfigError: the file is missing or not valid TOML, or holds a table.
+        MissingDependencyError: Python 3.10 without ``tomli``.
+    """
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - Python 3.10
+        try:
+            import tomli as tomllib  # type: ignore[import-not-found, no-redef, unused-ignore]
+        except ImportError as e:
+            raise MissingDependencyError("reading --config on Python 3.10 needs tomli: pip install tomli") from e
+    p = Path(path)
+    if not p.is_file():
+        raise TrainConfigError(f"config file {p} does not exist")
+    try:
+        data: dict[str, Any] = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise TrainConfigError(f"{p} is not valid TOML: {e}") from None
+    tables = [k for k, v in data.items() if isinstance(v, dict)]
+    if tables:
+        raise TrainConfigError(f"{p}: put the keys at the top level, not in tables ({', '.join(tables)})")
+    return data
+
+
+def to_toml(cfg: TrainConfig) -> str:
+    """The settings as TOML, one ``key = value`` per line (unset optional keys left out)."""
+    lines = []
+    for key in KEYS:
+        value = getattr(cfg, key)
+        if value is None:
+            continue
+        if isinstance(value, str):
+            text = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        elif isinstance(value, bool):
+            text = "true" if value else "false"
+        else:
+            text = repr(value)
+        lines.append(f"{key} = {text}")
+    return "\n".join(lines) + "\n"
+
+
+# -- checks ------------------------------------------------------------------------------------
+
+
+def _field_types() -> dict[str, str]:
+    return {f.name: str(f.type) for f in dataclasses.fields(TrainConfig)}
+
+
+def _typed(key: str, value: Any) -> Any:
+    """``value`` as the key's type (a TOML int for a float key is fine; a string for an int is not)."""
+    kind = _field_types()[key]
+    if kind.startswith("int"):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TrainConfigError(f"{key} must be an integer, got {value!r}")
+    elif kind.startswith("float"):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise TrainConfigError(f"{key} must be a number, got {value!r}")
+        value = float(value)
+    elif not isinstance(value, str):
+        raise TrainConfigError(f"{key} must be a string, got {value!r}")
+    return value
+
+
+def _check(cfg: TrainConfig) -> None:
+    for key in ("steps", "seq_len", "global_batch", "micro_batch_size", "keep", "eval_batches"):
+        if getattr(cfg, key) < 1:
+            raise TrainConfigError(f"{key} must be at least 1, got {getattr(cfg, key)}")
+    for key in ("pp", "dp", "decay_steps"):
+        if getattr(cfg, key) is not None and getattr(cfg, key) < 1:
+            raise TrainConfigError(f"{key} must be at least 1, got {getattr(cfg, key)}")
+    for key in ("warmup", "checkpoint_every", "eval_every", "seed"):
+        if getattr(cfg, key) < 0:
+            raise TrainConfigError(f"{key} must be 0 or more, got {getattr(cfg, key)}")
+    for key in ("lr", "max_norm"):
+        if getattr(cfg, key) <= 0:
+            raise TrainConfigError(f"{key} must be positive, got {getattr(cfg, key)}")
+    if cfg.weight_decay < 0 or (cfg.min_lr is not None and not 0 <= cfg.min_lr <= cfg.lr):
+        raise TrainConfigError(
+            f"weight_decay must be >= 0 and min_lr between 0 and lr ({cfg.lr}), got weight_decay "
+            f"{cfg.weight_decay}, min_lr {cfg.min_lr}"
+        )
+    for key, allowed in _CHOICES.items():
+        if getattr(cfg, key) not in allowed:
+            raise TrainConfigError(f"{key} must be one of {', '.join(allowed)}, got {getattr(cfg, key)!r}")

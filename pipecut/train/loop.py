@@ -1,0 +1,338 @@
+"""One ``pipecut train`` run: plan the folder's model, build the trainer, resume, step, save, export.
+
+Legend: ``pp`` pipeline ranks, ``dp`` replicas, ``B`` sequences per step, ``b`` rows per
+micro-batch, ``m`` micro-batches per step (``B = dp * m * b``), ``L`` sequence length.
+
+One process runs the whole pipeline (a thread per rank); under ``torchrun`` the job's
+``dp * pp`` processes each run one rank of one replica (gloo on CPU, NCCL on GPUs). Every process
+builds the model on ``meta`` and makes the same plan (planning is deterministic); each then
+allocates and loads only its own stages.
+
+Restart is resume: the run starts from the newest complete checkpoint under
+``OUT/checkpoints`` when there is one. Weights, optimizer state, step and RNG states come back
+from it, the learning rate and the data are functions of the step, so the run ends with the
+weights an uninterrupted one would have, bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from partitioner.api import partition
+from partitioner.cost.devices import Cluster
+from partitioner.errors import PipecutError
+from partitioner.plan.plan import Plan
+from pipecut.folder import HFFolder, max_positions, pipeline_model
+from pipecut.train import checkpoints
+from pipecut.train.config import TrainConfig, TrainConfigError, read_toml, resolve, to_toml
+from pipecut.train.data import EVAL, TRAIN, TokenData, open_tokens
+from pipecut.train.export import export_final
+from pipecut.train.lr import lr_at
+from runtime.options import DataParallel, Execution, Init
+from runtime.state.weights import Weights
+from runtime.trainer import PipelineTrainer
+from runtime.transport.process_group import ensure_process_group
+
+__all__ = ["train", "TrainResult", "Layout", "layout", "lm_loss", "BETAS"]
+
+log = logging.getLogger(__name__)
+
+BETAS = (0.9, 0.95)  # AdamW's, as nanoGPT and most LLM recipes use
+_RECOMPUTE: dict[str, bool | str] = {"auto": "auto", "on": True, "off": False}
+_GPU_PRESETS = {"H200": "H200-141GB", "H100": "H100-80GB", "A100": "A100-80GB", "V100": "V100-32GB", "L4": "L4-24GB"}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the job's processes and the batch divide: ``dp`` replicas of ``pp`` ranks, ``m`` micro-batches."""
+
+    pp: int
+    dp: int
+    m: int
+    rank: int
+    """This process's global rank (0 in one process)."""
+    dp_rank: int
+    """This process's replica."""
+
+
+@dataclass
+class TrainResult:
+    """What a run did: the steps it took now, the last metrics, the final export."""
+
+    resumed_from: int
+    """The step the run started from (0 when it started afresh)."""
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    final: Path | None = None
+    plan: Plan | None = None
+
+
+def lm_loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy, the mean over the micro-batch's tokens.
+
+    ``output`` is the logits ``(b, L, V)``, or a model output holding them as ``.logits`` (what a
+    Hugging Face model returns when traced without a wrapper); ``targets`` is ``(b, L)``.
+    """
+    logits = output.logits if hasattr(output, "logits") else output
+    return nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.to(logits.device).flatten())
+
+
+def layout(cfg: TrainConfig, world: int, rank: int) -> Layout:
+    """Split ``world`` processes into ``dp x pp`` and the global batch into micro-batches.
+
+    Raises:
+        TrainConfigError: ``dp * pp`` is not the world size, or the batch does not divide.
+
+    Example:
+        >>> cfg = TrainConfig(model="m", data="d", out="o", global_batch=8, micro_batch_size=2, dp=2)
+        >>> layout(cfg, world=4, rank=3)
+        Layout(pp=2, dp=2, m=2, rank=3, dp_rank=1)
+    """
+    pp, dp = cfg.pp, cfg.dp
+    if world == 1:
+        pp, dp = pp or 1, dp or 1
+    elif pp is None and dp is None:
+        pp, dp = world, 1
+    elif pp is None:
+        assert dp is not None  # internal invariant
+        pp = world // dp if world % dp == 0 else 0
+    elif dp is None:
+        dp = world // pp if world % pp == 0 else 0
+    if world == 1 and dp != 1:
+        raise TrainConfigError(
+            f"--dp {dp} needs {dp} processes: launch with torchrun --nproc-per-node {dp * (pp or 1)} "
+            "(one process runs one replica of the pipeline)"
+        )
+    if world > 1 and (not pp or not dp or pp * dp != world):
+        raise TrainConfigError(
+            f"the job has {world} processes, which is not dp x pp (dp {cfg.dp}, pp {cfg.pp}): "
+            f"give --dp and --pp whose product is {world}, or one of them"
+        )
+    assert pp is not None and dp is not None  # internal invariant
+    per_replica = cfg.micro_batch_size * dp
+    if cfg.global_batch % per_replica:
+        raise TrainConfigError(
+            f"--global-batch {cfg.global_batch} does not divide into {dp} replicas of micro-batches of "
+            f"{cfg.micro_batch_size}: use a multiple of dp x micro-batch-size = {per_replica}"
+        )
+    if world == 1:
+        return Layout(pp=pp, dp=1, m=cfg.global_batch // per_replica, rank=0, dp_rank=0)
+    # runtime.parallel.data_parallel's mesh: replicas are the outer dimension (rank = d * pp + r);
+    # the trainer's mesh has the last word.
+    return Layout(pp=pp, dp=dp, m=cfg.global_batch // per_replica, rank=rank, dp_rank=rank // pp)
+
+
+def train(cfg: TrainConfig, *, on_step: Callable[[Mapping[str, Any]], None] | None = None) -> TrainResult:
+    """Run (or resume) the training job ``cfg`` describes. Collective under torchrun.
+
+    Args:
+        cfg: the settings.
+        on_step: called on every process after each step with its metrics line (the CLI draws
+            the progress bar with it on rank 0).
+
+    Returns:
+        The steps run now, their metrics, and the final export's folder.
+
+    Raises:
+        TrainConfigError, DataError, FolderError, UnsupportedModelError: before any step.
+        PipecutError: anything planning or training refuses (see docs/runtime.md).
+    """
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        ensure_process_group()
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    lay = layout(cfg, world, rank)
+    leader = lay.rank == 0
+    out = Path(cfg.out)
+    folder = HFFolder(cfg.model)
+    config = folder.config
+    folder.check_causal_lm(config, command="pipecut train")
+    longest = max_positions(config)
+    if longest is not None and cfg.seq_len > longest:
+        raise TrainConfigError(f"--seq-len {cfg.seq_len} is longer than the model's {longest} positions")
+    vocab = getattr(config, "vocab_size", None)
+    data = open_tokens(cfg.data, dtype=cfg.data_dtype, tokenizer=folder.tokenizer)
+    eval_data = _eval_data(cfg, data, folder)
+    done = checkpoints.complete(out / "checkpoints")
+    if done and done[-1][0] > cfg.steps:
+        raise TrainConfigError(
+            f"{out} holds a checkpoint at step {done[-1][0]}, past --steps {cfg.steps}: give --steps "
+            f"{done[-1][0]} or more to continue that run, or another --out to start afresh"
+        )
+    if leader:
+        _warn_if_changed(out / "config.toml", cfg)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.toml").write_text(to_toml(cfg))
+
+    plan, trainer, prefix = _build(cfg, lay, folder, config, world)
+    if leader:
+        plan.save(out / "plan.json")
+    lay = dataclasses.replace(lay, dp_rank=trainer.mesh.dp_rank)  # the runtime's mesh decides
+    ckpts = out / "checkpoints"
+    start = checkpoints.latest(ckpts)
+    if start is not None:
+        trainer.load(start)
+        log.info("resumed from %s (step %d)", start, trainer.step_count)
+    result = TrainResult(resumed_from=trainer.step_count, plan=plan)
+    metrics_file = out / "metrics.jsonl"
+    if leader:
+        _truncate(metrics_file, trainer.step_count)
+    while trainer.step_count < cfg.steps:
+        line = _step(trainer, data, cfg, lay, vocab)
+        if cfg.eval_every and (trainer.step_count % cfg.eval_every == 0 or trainer.step_count == cfg.steps):
+            line["eval_loss"] = evaluate(trainer, eval_data, cfg, lay, vocab)
+        if leader:
+            with metrics_file.open("a") as f:
+                f.write(json.dumps(line) + "\n")
+        result.metrics.append(line)
+        if on_step is not None:
+            on_step(line)
+        n = trainer.step_count
+        if (cfg.checkpoint_every and n % cfg.checkpoint_every == 0) or n == cfg.steps:
+            trainer.save(checkpoints.checkpoint_dir(ckpts, n))
+            if leader:
+                gone = checkpoints.prune(ckpts, keep=cfg.keep)
+                log.info("checkpoint step-%d written%s", n, f"; removed {', '.join(gone)}" if gone else "")
+    result.final = export_final(trainer, folder, config, out / "final", prefix=prefix, leader=leader)
+    if dist.is_initialized():
+        dist.barrier()
+    return result
+
+
+def _build(
+    cfg: TrainConfig, lay: Layout, folder: HFFolder, config: Any, world: int
+) -> tuple[Plan, PipelineTrainer, str]:
+    """The plan (the same on every process) and this process's part of the pipeline."""
+    module, prefix = pipeline_model(folder.build(meta=True, config=config))
+    plan = partition(
+        module, folder.example_inputs(seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size),
+        cluster=Cluster.uniform(lay.pp, _preset(cfg.device)), microbatches=lay.m, schedule=cfg.schedule,
+        precision=cfg.precision, recompute=_RECOMPUTE[cfg.recompute],
+    )
+    weights = folder.weights
+    trainer = PipelineTrainer(
+        plan, lm_loss, _adamw(cfg),
+        execution=Execution(devices=_devices(plan) if world == 1 else None),
+        init=Init(seed=cfg.seed, weights=Weights(weights, prefix=prefix, cast=True) if weights else None),
+        data_parallel=DataParallel(size=lay.dp) if world > 1 else None,
+    )
+    return plan, trainer, prefix
+
+
+def _step(
+    trainer: PipelineTrainer, data: TokenData, cfg: TrainConfig, lay: Layout, vocab: int | None
+) -> dict[str, Any]:
+    """Take the next optimizer step at its learning rate on its batch; return its metrics line."""
+    k = trainer.step_count  # the step about to be taken, 0-based
+    rate = lr_at(k, lr=cfg.lr, warmup=cfg.warmup, decay_end=cfg.decay_end, floor=cfg.lr_floor)
+    if trainer.optimizer is not None:
+        for group in trainer.optimizer.param_groups:
+            group["lr"] = rate
+    x, y = data.batch(seed=cfg.seed, step=k, rows=cfg.global_batch, seq_len=cfg.seq_len, replica=lay.dp_rank,
+                      replicas=lay.dp, stream=TRAIN, vocab_size=vocab)
+    trainer.step(x, y, max_norm=cfg.max_norm)
+    m = trainer.last_metrics
+    return {"step": trainer.step_count, "loss": m["loss"], "lr": rate, "grad_norm": m["grad_norm"],
+            "tokens_per_s": m["tokens_per_s"], "step_time_s": m["step_time_s"]}
+
+
+def evaluate(trainer: PipelineTrainer, data: TokenData, cfg: TrainConfig, lay: Layout, vocab: int | None) -> float:
+    """The mean next-token loss on ``cfg.eval_batches`` fixed batches (the same at every evaluation)."""
+    total = torch.zeros(2, dtype=torch.float64)
+    for i in range(cfg.eval_batches):
+        x, y = data.batch(seed=cfg.seed, step=i, rows=cfg.global_batch, seq_len=cfg.seq_len,
+                          replica=lay.dp_rank, replicas=lay.dp, stream=EVAL, vocab_size=vocab)
+        output = trainer.predict(x)
+        if output is not None:  # under torchrun, only the last stage's rank has the output
+            total += torch.tensor([float(lm_loss(output, y)) * len(x), len(x)], dtype=torch.float64)
+    if dist.is_initialized():
+        total = total.to(trainer.devices[next(iter(trainer.devices))] if _nccl() else "cpu")
+        dist.all_reduce(total)
+        total = total.cpu()
+    return float(total[0] / total[1])
+
+
+# -- helpers -------------------------------------------------------------------------------------
+
+
+def _adamw(cfg: TrainConfig) -> Callable[[list[nn.Parameter]], torch.optim.Optimizer]:
+    """AdamW with weight decay on matrices only (not on norms' scales and biases), as nanoGPT does."""
+
+    def build(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        decay = [p for p in params if p.dim() >= 2]
+        rest = [p for p in params if p.dim() < 2]
+        groups = [{"params": ps, "weight_decay": wd} for ps, wd in ((decay, cfg.weight_decay), (rest, 0.0)) if ps]
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=BETAS)
+
+    return build
+
+
+def _eval_data(cfg: TrainConfig, data: TokenData, folder: HFFolder) -> TokenData:
+    if cfg.eval_data is None:
+        return data  # evaluation batches are their own stream of the training tokens
+    return open_tokens(cfg.eval_data, dtype=cfg.data_dtype, tokenizer=folder.tokenizer)
+
+
+def _preset(device: str) -> str:
+    """The device preset the plan is costed for: the name given, or this machine's."""
+    if device != "auto":
+        return device
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name(0)
+        for key, preset in _GPU_PRESETS.items():
+            if key in name:
+                return preset
+    return "cpu"
+
+
+def _devices(plan: Plan) -> list[str] | None:
+    """In one process on a machine with GPUs, the stages of pipeline rank ``r`` on ``cuda:r % n``."""
+    if not torch.cuda.is_available():
+        return None
+    from runtime.transport.placement import placed_schedule
+
+    sched = placed_schedule(plan.schedule, plan.num_stages, plan.microbatches, None)
+    n = torch.cuda.device_count()
+    return [f"cuda:{sched.stage_to_rank[s] % n}" for s in range(plan.num_stages)]
+
+
+def _nccl() -> bool:
+    return dist.is_initialized() and dist.get_backend() == "nccl"
+
+
+# Settings a resumed run must share with the run that wrote the checkpoint to continue it exactly.
+_SAME_ON_RESUME = ("model", "data", "seed", "seq_len", "global_batch", "data_dtype", "lr", "warmup", "min_lr",
+                   "decay_steps", "weight_decay", "max_norm", "precision")
+
+
+def _warn_if_changed(path: Path, cfg: TrainConfig) -> None:
+    """Log a warning when a rerun changes a setting that decides what the resumed steps compute."""
+    if not path.is_file():
+        return
+    try:
+        before = resolve(read_toml(path), {})
+    except PipecutError:
+        return  # an unreadable old file is overwritten; the checkpoint still decides where to resume
+    changed = [f"{k}: {getattr(before, k)!r} -> {getattr(cfg, k)!r}" for k in _SAME_ON_RESUME
+               if getattr(before, k) != getattr(cfg, k)]
+    if changed:
+        log.warning("%s: this run changes %s; resumed steps will differ from the run being continued",
+                    path.parent, "; ".join(changed))
+
+
+def _truncate(path: Path, step: int) -> None:
+    """Keep the metrics of steps up to ``step`` (those a resumed run does not repeat)."""
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    path.write_text("".join(line + "\n" for line in kept))

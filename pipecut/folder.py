@@ -53,7 +53,9 @@ TOKENIZER_FILES = (
 # Beside config.json, what an export carries over unchanged.
 _CONFIG_FILES = ("config.json", "generation_config.json")
 
-# The name prefix the pipeline's wrapper adds to every parameter (see pipeline_model).
+# The name prefix ``partitioner.tracing.trace.CausalLMLogits`` adds to every parameter: what a plan,
+# checkpoint or export made with that wrapper (before partition took Hugging Face models as they
+# are) carries; pipeline_model no longer adds it.
 WEIGHT_PREFIX = "model."
 
 
@@ -73,14 +75,13 @@ def is_hf_folder(path: str | os.PathLike[str]) -> bool:
 def pipeline_model(model: nn.Module) -> tuple[nn.Module, str]:
     """The module the pipeline traces for a Hugging Face causal LM, and the prefix it adds to names.
 
-    Today a causal LM is wrapped in ``partitioner.tracing.trace.CausalLMLogits`` (cache off, the
-    logits as a plain tensor), which prefixes every name with ``model.``; checkpoints and exports
-    drop that prefix. This is the one place that knows it: when ``partition`` takes Hugging Face
-    models directly, this returns ``(model, "")``.
+    The model itself, and no prefix: ``partition`` takes a Hugging Face model as it is (its cache
+    off for the trace, its ``ModelOutput`` from the last stage, its own parameter names;
+    ``partitioner.tracing.hf``), so checkpoints and exports hold the folder's own keys. This is
+    the one place that decides it (it used to wrap the model in ``CausalLMLogits``, prefix
+    ``model.``).
     """
-    from partitioner.tracing.trace import CausalLMLogits
-
-    return CausalLMLogits(model), WEIGHT_PREFIX
+    return model, ""
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ and of the non-tensor inputs export specialised, and given back the model's own 
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any
 
@@ -98,7 +99,7 @@ def _export_dynamic_or_static(
     """Export with a dynamic batch (and sequence); if that fails, with the static micro-batch shapes."""
     if dynamic:
         args, kwargs = _widen_unit_batch(args, kwargs)
-    specs = _dynamic_specs(args, kwargs) if dynamic else None
+    specs = _dynamic_specs(model, args, kwargs) if dynamic else None
     try:
         return _export(model, args, kwargs, specs)
     except Exception as e:
@@ -175,8 +176,11 @@ def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], spe
     return torch.export.export(model, args, kwargs, dynamic_shapes=specs, strict=False)
 
 
-def _dynamic_specs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-    """``dynamic_shapes`` for export: positional specs, then keyword specs in order."""
+def _dynamic_specs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``dynamic_shapes`` for export, by ``forward``'s parameter names (export binds the inputs to
+    the signature: keywords in signature order, the ones ``**kwargs`` takes as one dict, as a
+    Hugging Face model's ``return_dict``); positional specs, then keyword specs in order, when
+    the signature cannot be read or bound."""
 
     def spec(t: Any) -> Any:
         if not isinstance(t, torch.Tensor) or t.dim() == 0:
@@ -186,7 +190,21 @@ def _dynamic_specs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, 
             dims[1] = Dim.AUTO  # token ids, attention masks: (batch, sequence)
         return dims
 
-    return tuple(pytree.tree_map(spec, a) for a in (*args, *kwargs.values()))
+    try:
+        params = inspect.signature(model.forward).parameters
+        bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
+    except (TypeError, ValueError):
+        return tuple(pytree.tree_map(spec, a) for a in (*args, *kwargs.values()))
+    specs: dict[str, Any] = {}
+    for name, value in bound.items():
+        kind = params[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            specs[name] = {k: pytree.tree_map(spec, v) for k, v in value.items()}
+        elif kind is inspect.Parameter.VAR_POSITIONAL:
+            specs[name] = tuple(pytree.tree_map(spec, v) for v in value)
+        else:
+            specs[name] = pytree.tree_map(spec, value)
+    return specs
 
 
 def _widen_unit_batch(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:

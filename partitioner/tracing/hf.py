@@ -4,10 +4,10 @@ A model is a Hugging Face model when ``transformers`` is already imported and th
 its ``PreTrainedModel`` s; pipecut never imports ``transformers`` itself, so it stays an optional
 dependency. For such a model ``trace`` (and so ``partition`` and ``Plan.bind``):
 
-* passes ``use_cache=False`` (where the forward takes it) and ``return_dict=True`` as keyword
-  inputs of the trace, unless the caller gave them: the key/value cache is an object no pipeline
-  stage can send, and the output becomes the model's ``ModelOutput``, whose tensors are its fields.
-  Nothing is written to the model or its config;
+* passes ``use_cache=False`` (where the forward takes it) and, where the model would return a
+  tuple, ``return_dict=True`` as keyword inputs of the trace, unless the caller gave them: the
+  key/value cache is an object no pipeline stage can send, and the output is the model's
+  ``ModelOutput``, whose tensors are its fields. Nothing is written to the model or its config;
 * uses ``torch.export`` (transformers v5 has no ``torch.fx`` tracer; ``symbolic_trace`` fails on
   every model's ``**kwargs`` forward), so ``method='auto'`` goes straight to export;
 * names, when the trace still fails, the fix that applies to a Hugging Face model
@@ -55,15 +55,16 @@ def is_hf_model(model: nn.Module) -> bool:
 
 def trace_kwargs(model: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
     """The keyword inputs to trace a Hugging Face model with: ``kwargs`` plus ``use_cache=False``
-    (when ``forward`` has that parameter) and ``return_dict=True`` (when it takes that or
-    ``**kwargs``), the caller's values kept.
+    (when ``forward`` has that parameter) and ``return_dict=True`` (when ``forward`` names it, or
+    takes ``**kwargs`` and the config does not already ask for a ModelOutput), the caller's
+    values kept.
 
     Non-tensor keywords are specialised into the graph, so the stages take the tensors only.
 
     Example:
         >>> from torch import nn
         >>> class Lm(nn.Module):
-        ...     def forward(self, input_ids, use_cache=None, **kwargs):
+        ...     def forward(self, input_ids, use_cache=None, return_dict=None):
         ...         return input_ids
         >>> trace_kwargs(Lm(), {"attention_mask": None})
         {'attention_mask': None, 'use_cache': False, 'return_dict': True}
@@ -80,8 +81,13 @@ def trace_kwargs(model: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
         return out
     if "use_cache" in params:
         out.setdefault("use_cache", False)
-    # transformers' own models take return_dict (v4) or **kwargs (v5); a custom forward may take neither.
-    if "return_dict" in params or any(p.kind is p.VAR_KEYWORD for p in params.values()):
+    # A ModelOutput, not a tuple: return_dict=True where forward names it (transformers v4). v5's
+    # forwards take it through **kwargs and default to config.return_dict; a non-tensor there
+    # makes torch.export refuse dynamic sizes (torch 2.13), so it is passed only when the config
+    # says otherwise (that trace then fixes every size). A custom forward may take neither.
+    takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    config_dicts = getattr(getattr(model, "config", None), "return_dict", True) is not False
+    if "return_dict" in params or (takes_kwargs and not config_dicts):
         out.setdefault("return_dict", True)
     if out.get("use_cache"):
         log.warning(

@@ -163,10 +163,10 @@ def trace(
             micro-batch size (see ``InputMeta.dynamic``).
 
     A Hugging Face ``transformers`` model is traced as it is, with no wrapper: with
-    ``use_cache=False`` and ``return_dict=True`` added to ``example_kwargs`` (the caller's
-    values win; the model and its config are not changed), so ``out_spec`` is its
-    ``ModelOutput`` (``unflatten_outputs(flat).logits``) and parameter names are its own
-    (``partitioner.tracing.hf``).
+    ``use_cache=False`` (and ``return_dict=True`` where it would return a tuple) added to
+    ``example_kwargs`` (the caller's values win; the model and its config are not changed), so
+    ``out_spec`` is its ``ModelOutput`` (``unflatten_outputs(flat).logits``) and parameter names
+    are its own (``partitioner.tracing.hf``).
         example_microbatches: how many micro-batches the example holds along dimension 0; the
             recorded shapes (and so the costs) are those of one micro-batch.
 

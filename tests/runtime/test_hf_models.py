@@ -109,6 +109,21 @@ def test_attention_mask_and_labels_pass_through_and_loss_fn_reads_out_loss() -> 
         trainer.forward_backward({"input_ids": ids})
 
 
+def test_one_plan_trains_other_batch_sizes_and_sequence_lengths() -> None:
+    torch.manual_seed(4)
+    model = transformers.LlamaForCausalLM(_config()).train()
+    ref = copy.deepcopy(model)
+    ids, _ = _batch()
+    plan = partition(model, (ids[:2],), 2, microbatches=4,
+                     example_kwargs={"attention_mask": torch.ones_like(ids[:2])})
+    trainer = PipelineTrainer(plan, _logits_loss)
+    ids, y = _batch(rows=12, seq=5)  # micro-batches of 3 rows of 5 tokens; traced with 2 of 8
+    x = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    want_loss, want = reference(ref, _logits_loss, x, y)
+    torch.testing.assert_close(trainer.forward_backward(x, y), want_loss, **TOL)
+    check_grads(trainer, want)
+
+
 def test_a_plan_file_carries_the_output_structure(tmp_path: Path) -> None:
     torch.manual_seed(3)
     model = transformers.LlamaForCausalLM(_config()).train()

@@ -60,6 +60,20 @@ def test_keyword_inputs_follow_the_positional_ones_by_name(llama: nn.Module) -> 
     t = trace(llama, (_ids(),), example_kwargs={"attention_mask": mask, "labels": _ids()})
     assert t.input_names == ("input_ids", "attention_mask", "labels")
     assert t.out_spec.context == ["loss", "logits"]
+    # Batch and sequence stay free, keyword inputs included (export binds them by name).
+    assert [i.dynamic for i in t.example_inputs] == [(0, 1)] * 3
+
+
+def test_keyword_inputs_out_of_signature_order_keep_their_free_sizes() -> None:
+    with torch.device("meta"):
+        t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(
+            vocab_size=32, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_decoder_layers=1, num_heads=4))
+    ids = torch.randint(0, 32, (2, 8))
+    kw = {"decoder_input_ids": torch.randint(0, 32, (2, 5)), "attention_mask": torch.ones(2, 8, dtype=torch.long)}
+    t = trace(t5.train(), (ids,), example_kwargs=kw)
+    assert [(i.name, i.shape) for i in t.example_inputs] == [
+        ("input_ids", (2, 8)), ("decoder_input_ids", (2, 5)), ("attention_mask", (2, 8))]
+    assert all(i.dynamic == (0, 1) for i in t.example_inputs)
 
 
 def test_blocks_are_the_no_split_modules_outermost() -> None:

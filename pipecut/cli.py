@@ -72,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--method", default="exact", choices=METHODS)
     plan.add_argument("--no-refine", action="store_true", help="skip the DAG refinement after 'exact'")
     plan.add_argument("--split-points", default=None, help="comma-separated module names where stages begin")
-    plan.add_argument("--granularity", default="node", choices=("node", "module"))
+    plan.add_argument("--granularity", default=None, choices=("node", "module"),
+                      help="where stages may be cut (default: between blocks for Hugging Face models, else anywhere)")
     plan.add_argument("--recompute", default="auto", choices=("auto", "on", "off"),
                       help="activation recomputation: 'auto' (only the stages that do not fit memory otherwise; "
                       "default), 'on' (every stage) or 'off'")

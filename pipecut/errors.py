@@ -69,9 +69,11 @@ from runtime.precision import PrecisionError as PrecisionError
 from runtime.state.checkpoint import CheckpointError as CheckpointError
 from runtime.state.materialize import MaterializeError as MaterializeError
 from runtime.state.weight_errors import AmbiguousPrefixError as AmbiguousPrefixError
+from runtime.state.weight_errors import CorruptFileError as CorruptFileError
 from runtime.state.weight_errors import MissingWeightsError as MissingWeightsError
 from runtime.state.weight_errors import PartialLoadError as PartialLoadError
 from runtime.state.weight_errors import UnexpectedWeightsError as UnexpectedWeightsError
+from runtime.state.weight_errors import UnsafeFileError as UnsafeFileError
 from runtime.state.weight_errors import WeightDtypeError as WeightDtypeError
 from runtime.state.weight_errors import WeightsDestinationError as WeightsDestinationError
 from runtime.state.weight_errors import WeightsError as WeightsError

@@ -37,9 +37,11 @@ from runtime.parallel.data_parallel import GradAverager, PipelineMesh, pipeline_
 from runtime.state.materialize import MaterializeError, empty_weights, initialize, materialize
 from runtime.state.weight_errors import (
     AmbiguousPrefixError,
+    CorruptFileError,
     MissingWeightsError,
     PartialLoadError,
     UnexpectedWeightsError,
+    UnsafeFileError,
     WeightDtypeError,
     WeightProblem,
     WeightsDestinationError,
@@ -159,6 +161,8 @@ __all__ = [
     "WeightsSourceError",
     "WeightsDestinationError",
     "PartialLoadError",
+    "UnsafeFileError",
+    "CorruptFileError",
     "RecomputeOptionError",
     "SavedBytes",
 ]

@@ -358,7 +358,8 @@ class PipelineTrainer:
         loads under any plan, schedule or world size, and into the plain model
         (``runtime.state.checkpoint.load_model``). Written beside ``directory`` and renamed into place
         when every rank is done: a crash midway never leaves something that loads as a whole
-        checkpoint. Collective under torch.distributed. See ``runtime.state.checkpoint``.
+        checkpoint, and the next save to ``directory`` removes what it left. Every entry is a
+        tensor (no pickle). Collective under torch.distributed. See ``runtime.state.checkpoint``.
         """
         return checkpoint.save(self, directory)
 
@@ -371,6 +372,8 @@ class PipelineTrainer:
 
         Raises:
             CheckpointError: not a checkpoint, or it lacks an entry this trainer needs.
+            UnsafeFileError: a file would import a class or function (no code of it runs).
+            CorruptFileError: a file is missing, truncated or damaged (named, with the entry).
         """
         checkpoint.load(self, directory, optimizer=optimizer)
 
@@ -391,6 +394,8 @@ class PipelineTrainer:
         Raises:
             WeightsError: a missing or unexpected key, a shape or dtype mismatch (typed
                 subclasses name the key, the stage and the fix); see ``runtime.state.weights``.
+            UnsafeFileError: a torch.distributed.checkpoint's ``.metadata`` would import a class
+                or function (no code of it runs).
         """
         spec = weights if isinstance(weights, Weights) else Weights(weights)
         into, stage_of = stage_tensors({s: st.module for s, st in self.stages.items()})

@@ -7,12 +7,17 @@ A checkpoint is a torch.distributed.checkpoint (DCP) directory holding one flat 
 
 * ``model.<name>``: every tensor of the model's ``state_dict``, each rank writing its stages'
   (a tied weight under each of its names; DCP writes a key several ranks hold once);
-* ``optim.state.<name>.<key>`` and ``optim.group.<name>.<key>``: the optimizer's per-parameter
-  state (``exp_avg``, ``step``...) and its group settings (``lr``...), by parameter name, so
-  that any plan, schedule or world size, and the plain model, can read them;
-* ``trainer.step``, ``trainer.scheduler`` (the LR scheduler's ``state_dict``), and
-  ``rng.rank<r>.cpu`` / ``.cuda``: each rank's RNG states (restored where the world size is
-  the same).
+* ``optim.state.<name>.<key>`` and ``optim.group.<name>.record``: the optimizer's per-parameter
+  state (``exp_avg``, ``step``...) and its group settings (``lr``, ``betas``...; a tensor-valued
+  one at ``optim.group.<name>.<key>``), by parameter name, so that any plan, schedule or world
+  size, and the plain model, can read them;
+* ``trainer.step``, ``trainer.world<N>``, ``trainer.scheduler`` (the LR scheduler's
+  ``state_dict``), ``trainer.loss_scaler`` (fp16), and ``rng.rank<r>.cpu`` / ``.cuda``: each
+  rank's RNG states (restored where the world size is the same).
+
+Every entry is a tensor: non-tensor values are JSON records in ``uint8`` tensors
+(``runtime.state.safe_dcp.to_record``), so a checkpoint holds no pickle; checkpoints of older
+versions, which DCP pickled those values into, still load (read with ``weights_only``).
 
 Names, not stage or rank numbers, key everything, so a checkpoint saved under a 2-stage plan
 loads into a 4-stage plan, another schedule, or the unpartitioned model (:func:`load_model`).
@@ -20,7 +25,11 @@ loads into a 4-stage plan, another schedule, or the unpartitioned model (:func:`
 Crash safety: the state is written to a sibling folder ``.<dir>.partial-step<N>`` and renamed
 to ``dir`` only after every rank has finished (DCP writes its ``.metadata`` last); an existing
 ``dir`` is replaced only then. A save that dies midway leaves the previous checkpoint in place
-and a partial folder that is not at ``dir``, so it never loads as a whole checkpoint.
+and a partial folder that is not at ``dir``, so it never loads as a whole checkpoint; the next
+save to ``dir`` that succeeds deletes such leftovers.
+
+Loading runs no code from the files (``runtime.state.safe_dcp``): metadata and non-tensor
+entries are read through allow-listing unpicklers, and a damaged file is named in the error.
 """
 
 from __future__ import annotations
@@ -114,6 +123,7 @@ def save(trainer: Checkpointable, directory: PathLike) -> Path:
     _barrier()  # every rank's files are written, and the metadata
     if leader:
         _commit(partial, target)
+        _remove_stale_partials(target)
     _barrier()
     log.info("saved step %d to %s", trainer.step_count, target)
     return target
@@ -131,6 +141,9 @@ def load(trainer: Checkpointable, directory: PathLike, *, optimizer: bool = True
 
     Raises:
         CheckpointError: ``directory`` is not a checkpoint, or lacks an entry this trainer needs.
+        UnsafeFileError: a file would import a class or function a checkpoint never holds
+            (nothing of it ran); raised before anything is changed when it is ``.metadata``.
+        CorruptFileError: a file is missing, truncated or damaged (the error names it and the entry).
     """
     path = Path(directory)
     if not (path / ".metadata").is_file():
@@ -138,10 +151,11 @@ def load(trainer: Checkpointable, directory: PathLike, *, optimizer: bool = True
             f"{path} is not a pipecut checkpoint (no .metadata): pass the directory trainer.save() "
             "wrote; a folder named .<dir>.partial-* is a save that did not finish"
         )
+    saved = _safe_dcp().read_metadata(path).state_dict_metadata  # first: a bad .metadata changes nothing
+    present = set(saved)
     if optimizer and trainer.optimizer is not None:
         _init_optimizer_state(trainer.optimizer)
-    state = _state(trainer, for_load=True, optimizer=optimizer)
-    present = _keys(path)
+    state = _state(trainer, for_load=True, optimizer=optimizer, saved=saved)
     world = dist.get_world_size() if _distributed() else 1
     rng = [k for k in _rng_keys() if k in present] if f"trainer.world{world}" in present else []
     for key in rng:  # the same world size: this rank continues its own random streams
@@ -156,8 +170,7 @@ def load(trainer: Checkpointable, directory: PathLike, *, optimizer: bool = True
             f"{path} lacks {len(missing)} entries this trainer needs, e.g. {missing[:4]}; it was saved "
             "from another model, or without an optimizer (load(..., optimizer=False) reads weights only)"
         )
-    with _single_process_quiet():
-        _dcp().load(state, checkpoint_id=str(path), no_dist=not _distributed())
+    _safe_dcp().load(state, path, collective=_distributed())
     _apply(trainer, state, optimizer=optimizer)
     for key in rng:
         if key.endswith(".cpu"):
@@ -186,8 +199,7 @@ def load_model(model: nn.Module, directory: PathLike, *, strict: bool = True) ->
             f"{path} lacks {len(missing)} of the model's tensors, e.g. {[k[6:] for k in missing[:4]]}; "
             "it was saved from another model (or pass strict=False)"
         )
-    with _single_process_quiet():
-        _dcp().load(wanted, checkpoint_id=str(path), no_dist=True)
+    _safe_dcp().load(wanted, path, collective=False)
     model.load_state_dict({k[len("model."):]: v for k, v in wanted.items()}, strict=strict)
     return [k[len("model."):] for k in wanted]
 
@@ -258,34 +270,64 @@ def _commit(partial: Path, target: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _remove_stale_partials(target: Path) -> None:
+    """Delete the ``.<dir>.partial-step<N>`` folders that saves to ``target`` which died left."""
+    for stale in sorted(target.parent.glob(f".{target.name}.partial-step*")):
+        log.info("removing %s, left by a save to %s that did not finish", stale, target)
+        shutil.rmtree(stale, ignore_errors=True)
+
+
 # -- the state ---------------------------------------------------------------------------------
 
 
-def _state(trainer: Checkpointable, *, for_load: bool, optimizer: bool = True) -> dict[str, Any]:
-    """The flat state this rank writes or reads (tensors are the live ones: loads land in place)."""
+def _state(trainer: Checkpointable, *, for_load: bool, optimizer: bool = True,
+           saved: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The flat state this rank writes or reads (tensors are the live ones: loads land in place).
+
+    Non-tensor values (the step, settings, the scheduler's and scaler's state) are written as
+    tensors (:func:`~runtime.state.safe_dcp.to_record`), so a checkpoint holds no pickle. A load
+    reads each in the form ``saved`` (the checkpoint's metadata) has, which for checkpoints of
+    older pipecut versions is DCP's pickled form (read with ``weights_only``).
+    """
+    records = _safe_dcp()
+    saved = saved or {}
+
+    def put(key: str, value: Any) -> None:
+        # setdefault: a tied weight's copy on another device repeats the first's name.
+        if isinstance(value, torch.Tensor):
+            state.setdefault(key, value.detach())
+        elif not for_load:
+            state.setdefault(key, records.to_record(value))
+        else:
+            state.setdefault(key, records.record_slot(saved.get(key), value))
+
     # Detached views: DCP loads into them in place, which a parameter that requires grad refuses.
     state: dict[str, Any] = {f"model.{name}": t.detach() for name, t in _owned_tensors(trainer).items()}
     names = {id(p): n for n, p in trainer.named_parameters()}
     opt = trainer.optimizer
     if opt is not None and optimizer:
         for group in opt.param_groups:
+            settings = {k: v for k, v in group.items() if k != "params" and not isinstance(v, torch.Tensor)}
             for p in group["params"]:
                 name = names[id(p)]
-                # setdefault: a tied weight's copy on another device repeats the first's name.
                 for key, value in opt.state.get(p, {}).items():
-                    state.setdefault(f"optim.state.{name}.{key}",
-                                     value.detach() if isinstance(value, torch.Tensor) else value)
+                    put(f"optim.state.{name}.{key}", value)
                 for key, value in group.items():
-                    if key != "params":
+                    if isinstance(value, torch.Tensor):
+                        state.setdefault(f"optim.group.{name}.{key}", value)
+                if not (for_load and any(f"optim.group.{name}.{k}" in saved for k in settings)):
+                    put(f"optim.group.{name}.record", settings)
+                else:  # saved by an older version: one pickled entry per setting
+                    for key, value in settings.items():
                         state.setdefault(f"optim.group.{name}.{key}", value)
         if trainer.scheduler is not None:
-            state["trainer.scheduler"] = trainer.scheduler.state_dict()
+            put("trainer.scheduler", trainer.scheduler.state_dict())
     if trainer.scaler is not None:  # fp16: resume with the scale reached (absent from older saves)
-        state["trainer.loss_scaler"] = trainer.scaler.state_dict()
-    state["trainer.step"] = trainer.step_count
+        put("trainer.loss_scaler", trainer.scaler.state_dict())
+    put("trainer.step", torch.tensor(trainer.step_count) if not for_load else trainer.step_count)
     if not for_load:
         world = dist.get_world_size() if _distributed() else 1
-        state[f"trainer.world{world}"] = world  # RNG states continue only under the same world size
+        state[f"trainer.world{world}"] = torch.tensor(world)  # RNG states continue only under the same world size
         for key in _rng_keys():
             state[key] = torch.get_rng_state() if key.endswith(".cpu") else torch.cuda.get_rng_state()
     return state
@@ -301,24 +343,28 @@ def _rng_keys() -> list[str]:
 
 def _apply(trainer: Checkpointable, state: Mapping[str, Any], *, optimizer: bool) -> None:
     """Write back what DCP loaded by replacement (non-tensor values), and the RNG states."""
+    decode = _safe_dcp().from_record
     trainer.step_count = int(state["trainer.step"])
     opt = trainer.optimizer
     if opt is not None and optimizer:
         names = {id(p): n for n, p in trainer.named_parameters()}
         for group in opt.param_groups:
             first = names[id(group["params"][0])]
+            record = f"optim.group.{first}.record"  # a suffix: a prefix + name would look like weights
+            settings = decode(state[record]) if record in state else {}
             for key in list(group):
-                if key != "params" and f"optim.group.{first}.{key}" in state:
+                if key in settings:
+                    group[key] = settings[key]
+                elif key != "params" and f"optim.group.{first}.{key}" in state:
                     group[key] = state[f"optim.group.{first}.{key}"]
             for p in group["params"]:
-                for key in list(opt.state.get(p, {})):
-                    value = state[f"optim.state.{names[id(p)]}.{key}"]
-                    if not isinstance(value, torch.Tensor):
-                        opt.state[p][key] = value
+                for key, live in list(opt.state.get(p, {}).items()):
+                    if not isinstance(live, torch.Tensor):
+                        opt.state[p][key] = decode(state[f"optim.state.{names[id(p)]}.{key}"])
         if trainer.scheduler is not None and "trainer.scheduler" in state:
-            trainer.scheduler.load_state_dict(state["trainer.scheduler"])
+            trainer.scheduler.load_state_dict(decode(state["trainer.scheduler"]))
     if trainer.scaler is not None and "trainer.loss_scaler" in state:
-        trainer.scaler.load_state_dict(state["trainer.loss_scaler"])
+        trainer.scaler.load_state_dict(decode(state["trainer.loss_scaler"]))
     trainer.sync_tied_copies()
 
 
@@ -367,8 +413,7 @@ def _init_optimizer_state(opt: torch.optim.Optimizer) -> None:
 
 
 def _keys(path: Path) -> set[str]:
-    meta = _dcp().FileSystemReader(str(path)).read_metadata()
-    return set(meta.state_dict_metadata)
+    return set(_safe_dcp().read_metadata(path).state_dict_metadata)
 
 
 @contextmanager
@@ -384,6 +429,13 @@ def _dcp() -> Any:
     import torch.distributed.checkpoint as dcp
 
     return dcp
+
+
+def _safe_dcp() -> Any:
+    """runtime.state.safe_dcp (DCP read without pickle), imported on first use like DCP itself."""
+    from runtime.state import safe_dcp as module
+
+    return module
 
 
 def _distributed() -> bool:

@@ -1,4 +1,4 @@
-"""Errors of loading and exporting weights: which key, stage and file, what was expected, the fix.
+"""Errors of loading and exporting weights and checkpoints: which key, stage and file, what was expected, the fix.
 
 A *name* is the model's fully qualified name of a tensor (``model.state_dict()``'s key), a *key*
 the checkpoint's name for it; ``s`` is a stage. Every refusal before any data is copied is a
@@ -15,9 +15,11 @@ from partitioner.errors import PipecutError
 
 __all__ = [
     "AmbiguousPrefixError",
+    "CorruptFileError",
     "MissingWeightsError",
     "PartialLoadError",
     "UnexpectedWeightsError",
+    "UnsafeFileError",
     "WeightDtypeError",
     "WeightProblem",
     "WeightShapeError",
@@ -118,6 +120,35 @@ class WeightsSourceError(WeightsError):
 
 class WeightsDestinationError(WeightsError):
     """A destination cannot take weights: on ``meta``, not a tensor, or not a name of the model."""
+
+
+class UnsafeFileError(PipecutError, ValueError):
+    """A file holds a pickled class or function pipecut does not admit; nothing of it ran.
+
+    Attributes:
+        file: the file refused.
+        refused: the ``module.name`` of each class or function it would have imported.
+    """
+
+    # Defaults, so that the error survives the pickling DCP does to report it to other ranks.
+    def __init__(self, message: str = "", *, file: str = "", refused: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.file = file
+        self.refused = tuple(refused)
+
+
+class CorruptFileError(PipecutError, ValueError):
+    """A checkpoint file is missing, truncated or damaged.
+
+    Attributes:
+        file: the file.
+        key: the entry that could not be read (``''`` when the whole file is unreadable).
+    """
+
+    def __init__(self, message: str = "", *, file: str = "", key: str = "") -> None:
+        super().__init__(message)
+        self.file = file
+        self.key = key
 
 
 class PartialLoadError(WeightsError, RuntimeError):

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import ExitStack
@@ -27,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors import safe_open
 
-from runtime.state.weight_errors import WeightsSourceError
+from runtime.state.weight_errors import CorruptFileError, WeightsSourceError
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self from Python 3.11
@@ -323,15 +322,16 @@ class _DcpSource(Source):
     def __init__(self, path: Path) -> None:
         super().__init__(path)
         # Imported here: torch.distributed.checkpoint takes seconds to import, and most runs never read one.
-        from torch.distributed.checkpoint.filesystem import FileSystemReader
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        try:
-            metadata = FileSystemReader(str(path)).read_metadata()
-        except Exception as e:
+        from runtime.state.safe_dcp import SafeReader
+
+        self._reader = SafeReader(path)
+        try:  # without pickle: an UnsafeFileError (a crafted .metadata) goes up as it is
+            metadata = self._reader.read_metadata()
+        except CorruptFileError as e:
             raise WeightsSourceError(
-                f"cannot read the torch.distributed.checkpoint metadata of {path}: {type(e).__name__}: {e}; "
-                "the save was interrupted or the directory is damaged: save it again",
+                f"cannot read the torch.distributed.checkpoint metadata of {path}: {e}",
                 source=str(path),
             ) from e
         self.touched.append(str(path / _DCP_METADATA))
@@ -350,14 +350,18 @@ class _DcpSource(Source):
         return ", ".join(self._files[key]) or str(self.path)
 
     def info(self, keys: Iterable[str]) -> dict[str, TensorInfo]:
+        keys = list(keys)
+        try:  # the files exist and are long enough (a stat each), before any data is copied
+            self._reader.check_files(set(keys))
+        except CorruptFileError as e:
+            raise WeightsSourceError(str(e), source=str(self.path)) from e
         return {
             k: TensorInfo(tuple(self._meta[k].size), self._meta[k].properties.dtype, self._files[k])
             for k in keys
         }
 
     def read(self, plan: Mapping[str, Sequence[torch.Tensor]], done: Done) -> int:
-        from torch.distributed.checkpoint.filesystem import FileSystemReader
-        from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+        from runtime.state.safe_dcp import load
 
         nbytes = 0
         groups: dict[tuple[str, ...], list[str]] = {}
@@ -368,12 +372,7 @@ class _DcpSource(Source):
         # for the same keys at the same time, and a pipeline's ranks hold different stages.
         for files, keys in sorted(groups.items()):
             state = {k: plan[k][0] for k in keys}
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp_load(
-                    state, checkpoint_id=str(self.path),
-                    storage_reader=FileSystemReader(str(self.path)), no_dist=True,
-                )
+            load(state, self.path, collective=False)
             self.touched.extend(f for f in files if f not in self.touched)
             for k in keys:
                 first, *others = plan[k]

@@ -217,6 +217,8 @@ def load_weights(
         WeightShapeError: shapes differ.
         WeightDtypeError: dtypes differ and ``cast=False``.
         WeightsSourceError: the checkpoint, a shard or the index cannot be read.
+        UnsafeFileError: a torch.distributed.checkpoint's ``.metadata`` would import a class or
+            function such a checkpoint never holds (nothing of it ran).
         PartialLoadError: reading failed midway; the message says which destinations are filled.
 
     Example:

@@ -23,6 +23,7 @@ from pathlib import Path
 __all__ = ["checkpoint_dir", "complete", "latest", "prune"]
 
 _NAME = re.compile(r"step-(\d+)")
+_PARTIAL = re.compile(r"\.step-(\d+)\.partial-.*")
 
 
 def checkpoint_dir(root: Path, step: int) -> Path:
@@ -49,9 +50,19 @@ def latest(root: Path) -> Path | None:
 
 
 def prune(root: Path, *, keep: int) -> list[str]:
-    """Delete all but the newest ``keep`` complete checkpoints; returns the names deleted."""
+    """Delete all but the newest ``keep`` complete checkpoints, and the ``.step-N.partial-*``
+    folders of saves that died before the newest complete one; returns the names deleted.
+
+    (A save to the same ``step-N`` removes its own leftovers; a run resumed from an earlier step
+    with another cadence may never save that ``N`` again, so the folder would stay forever.)
+    """
     found = complete(root)
     gone = [p for _, p in found[: max(0, len(found) - keep)]]
+    if found:
+        for p in sorted(root.glob(".step-*.partial-*")):
+            m = _PARTIAL.fullmatch(p.name)
+            if m and int(m.group(1)) < found[-1][0]:
+                gone.append(p)
     for p in gone:
         shutil.rmtree(p, ignore_errors=True)
     return [p.name for p in gone]

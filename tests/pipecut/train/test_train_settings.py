@@ -102,9 +102,11 @@ def test_only_complete_checkpoints_count_and_the_last_k_are_kept(tmp_path: Path)
         (tmp_path / f"step-{n}").mkdir()
         (tmp_path / f"step-{n}" / ".metadata").touch()
     (tmp_path / ".step-8.partial-step8").mkdir()  # a save that died
+    (tmp_path / ".step-3.partial-step3").mkdir()  # one that died before step 6 was saved
     assert [n for n, _ in complete(tmp_path)] == [2, 4, 6]
-    assert prune(tmp_path, keep=1) == ["step-2", "step-4"]
+    assert prune(tmp_path, keep=1) == ["step-2", "step-4", ".step-3.partial-step3"]
     assert [n for n, _ in complete(tmp_path)] == [6]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".step-8.partial-step8", "step-6"]
 
 
 def test_text_files_are_tokenised_with_the_folders_tokenizer(llama_folder: Path, tmp_path: Path) -> None:

@@ -45,12 +45,12 @@ def _payload(marker: Path) -> bytes:
     return data
 
 
-def _trainer(*, weights: str | Weights | None = None, seed: int = 3) -> PipelineTrainer:
+def _trainer(*, weights: str | Weights | None = None, seed: int = 3, transport: str = "local") -> PipelineTrainer:
     torch.manual_seed(seed)
     model = MLPChain((8, 16, 16, 4))
     plan = partition(model, (torch.zeros(2, 8),), 2, microbatches=2)
     return PipelineTrainer(
-        plan, nn.functional.mse_loss, lambda ps: torch.optim.AdamW(ps, lr=1e-2), transport="local",
+        plan, nn.functional.mse_loss, lambda ps: torch.optim.AdamW(ps, lr=1e-2), transport=transport, timeout=60,
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (1 + k)),
         init=Init(weights=weights),
     )
@@ -178,6 +178,34 @@ def test_flipped_bytes_in_a_distcp_file_name_the_file_and_key(saved: Path, tmp_p
     with pytest.raises(CorruptFileError, match=r"entry '.+' of .*\.distcp cannot be read") as info:
         _trainer(seed=4).load(directory)
     assert info.value.file == str(target) and info.value.key
+
+
+def _damaged_on_one_rank(rank: int, world: int, directory: str) -> dict[str, str]:
+    """Save over 2 ranks, flip bytes of rank 1's file, load: what each rank raised."""
+    import torch.distributed as dist
+
+    trainer = _trainer(transport="dist")
+    trainer.step(torch.randn(4, 8, generator=torch.Generator().manual_seed(0)), torch.zeros(4, 4))
+    trainer.save(directory)
+    if rank == 0:
+        target = Path(directory) / "__1_0.distcp"
+        data = bytearray(target.read_bytes())
+        data[:64] = bytes(b ^ 0xFF for b in data[:64])
+        target.write_bytes(bytes(data))
+    dist.barrier()
+    try:
+        _trainer(transport="dist", seed=4).load(directory)
+    except CorruptFileError as e:
+        return {"file": e.file, "key": e.key}
+    return {}
+
+
+@pytest.mark.multiprocess
+def test_a_damaged_file_is_raised_on_every_rank(tmp_path: Path) -> None:
+    from runtime.transport.launch import spawn
+
+    got = spawn(_damaged_on_one_rank, 2, str(tmp_path / "ckpt"), timeout=300)
+    assert got[0] == got[1] and got[0]["file"].endswith("__1_0.distcp") and got[0]["key"]
 
 
 @pytest.mark.parametrize("cut", [0, 10, -5])

@@ -205,12 +205,32 @@ class SafeReader(FileSystemReader):
                     file=file, refused=e.refused,
                 ) from None
             except Exception as e:
+                refused = self._refused(item) if isinstance(e, pickle.UnpicklingError) else ()
+                if refused:  # a tensor entry DCP read with weights_only=True, which refused it
+                    raise UnsafeFileError(
+                        f"refused to load entry {key!r} of {file}: it would import {', '.join(refused)}, "
+                        "which a tensor never needs (a crafted file can run code this way, so nothing "
+                        "of it was run). Use only checkpoints from a source you trust",
+                        file=file, refused=refused,
+                    ) from None
                 raise CorruptFileError(
                     f"entry {key!r} of {file} cannot be read ({type(e).__name__}: "
                     f"{str(e).splitlines()[0] if str(e) else ''}); the file is truncated or damaged: {_FIX}",
                     file=file, key=key,
                 ) from e
         return future if future is not None else super().read_data(plan, planner)
+
+
+    def _refused(self, item: ReadItem) -> tuple[str, ...]:
+        """The globals outside torch's ``weights_only`` allow-list in ``item``'s bytes, if any."""
+        info = self.storage_data[item.storage_index]
+        with open(Path(self.path) / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            blob = io.BytesIO(f.read(info.length))
+        try:
+            return tuple(torch.serialization.get_unsafe_globals_in_checkpoint(blob))
+        except Exception:  # not even a torch file: damaged, not crafted
+            return ()
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):

@@ -23,7 +23,7 @@ from partitioner.zoo import MLPChain
 from runtime import PipelineTrainer, checkpoint_index
 from runtime.options import Init
 from runtime.state import checkpoint as ckpt
-from runtime.state.weight_errors import CorruptFileError, UnsafeFileError, WeightsSourceError
+from runtime.state.weight_errors import CorruptFileError, PartialLoadError, UnsafeFileError, WeightsSourceError
 from runtime.state.weights import Weights
 
 
@@ -140,6 +140,35 @@ def test_a_crafted_entry_in_a_distcp_file_runs_nothing(saved: Path, tmp_path: Pa
     assert not marker.exists()
     for n, t in _params(loaded).items():
         assert torch.equal(t, dict(trainer.named_parameters())[n])
+
+
+def test_a_crafted_tensor_entry_runs_nothing(saved: Path, tmp_path: Path) -> None:
+    import dataclasses
+    import io
+
+    from runtime.state.safe_dcp import read_metadata
+
+    marker = tmp_path / "pwned"
+    _payload(marker)
+    directory = _copy(saved, tmp_path)
+    blob = io.BytesIO()
+    torch.save(_Exploit(marker), blob)  # where the metadata promises a tensor
+    (directory / "evil.distcp").write_bytes(blob.getvalue())
+    meta = read_metadata(directory)
+    key = sorted(k for k in meta.state_dict_metadata if k.startswith("model."))[0]
+    for index, info in list(meta.storage_data.items()):
+        if index.fqn == key:
+            meta.storage_data[index] = dataclasses.replace(
+                info, relative_path="evil.distcp", offset=0, length=len(blob.getvalue()))
+    (directory / ".metadata").write_bytes(pickle.dumps(meta))
+    with pytest.raises(UnsafeFileError) as info:
+        _trainer(seed=4).load(directory)
+    assert not marker.exists()
+    assert info.value.file == str(directory / "evil.distcp") and repr(key) in str(info.value)
+    assert info.value.refused == (f"{os.name}.system",)
+    with pytest.raises(PartialLoadError) as partial:  # as weights: refused while copying
+        _trainer(weights=Weights(str(directory), strict=False), seed=4)
+    assert not marker.exists() and isinstance(partial.value.__cause__, UnsafeFileError)
 
 
 def test_errors_survive_the_trip_between_ranks() -> None:

@@ -21,7 +21,7 @@ from itertools import chain
 
 from partitioner.schedule.errors import ScheduleFormatError
 
-__all__ = ["Action", "Kind", "Key", "Numbered", "dependencies", "dependency_keys", "number"]
+__all__ = ["Action", "KIND_CODE", "Kind", "Key", "Numbered", "dependencies", "dependency_keys", "number"]
 
 
 class Kind(str, Enum):
@@ -37,7 +37,8 @@ class Kind(str, Enum):
 
 
 F, B, I, W = Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT
-_KIND_CODE = {"F": 0, "B": 1, "I": 2, "W": 3}  # number's codes
+# Each kind's number, by letter (F B I W: 0 1 2 3): ``number``'s codes and the simulator's classes.
+KIND_CODE = {kind.value: code for code, kind in enumerate(Kind)}
 
 # ASCII digits without leading zeros, so that parse(text) prints back as text.
 _ACTION_RE = re.compile(r"(0|[1-9][0-9]*)([FBIW])(0|[1-9][0-9]*)")
@@ -210,7 +211,7 @@ def number(actions: Sequence[Sequence[Action]], num_stages: int) -> Numbered:
     # MAX_ACTIONS actions. An action's code is (mb * width + stage) * 4 + its kind's number
     # (F B I W: 0 1 2 3), unique for stages below width - 1: its neighbours' codes are sums.
     width = 2 + max((a.stage for row in actions for a in row), default=0)
-    rows = [[(a.mb * width + a.stage) * 4 + _KIND_CODE[a.kind._value_] for a in row] for row in actions]
+    rows = [[(a.mb * width + a.stage) * 4 + KIND_CODE[a.kind._value_] for a in row] for row in actions]
     # Code -> action, in first-run order; a repeated action is equal to its first.
     by_code: dict[int, Action] = dict(zip(chain.from_iterable(rows), chain.from_iterable(actions)))
     distinct = list(by_code.values())

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
-from partitioner.schedule.actions import Action, Kind, Numbered
+from partitioner.schedule.actions import KIND_CODE, Action, Kind, Numbered
 from partitioner.schedule.errors import SimulationError
 from partitioner.schedule.ir import Schedule
 from partitioner.schedule.timeline import Message, Span, Timeline
@@ -238,16 +238,12 @@ class _Classes:
     nbytes: tuple[float, ...]
 
 
-_CODE = {F: 0, B: 1, I: 2, W: 3}
-_KINDS = (F, B, I, W)
-
-
 def _classes(schedule: Schedule, costs: StageCosts, links: tuple[Link, ...], out_bytes: tuple[float, ...]) -> _Classes:
     S, place = schedule.num_stages, schedule.stage_to_rank
     link_ids: dict[tuple[int, int], int] = {}  # (src rank, dst rank) -> its index, 0.. in first use
     rows = []
     for s in range(S):
-        for kind in _KINDS:
+        for kind in Kind:  # in KIND_CODE order
             dst = s + 1 if kind is F and s + 1 < S else s - 1 if kind in (B, I) and s > 0 else None
             route, key, occupy, transfer, nbytes = _OWN, -1, 0.0, 0.0, 0.0
             if dst is not None and place[dst] == place[s]:
@@ -313,7 +309,7 @@ def _run(schedule: Schedule, costs: StageCosts, links: tuple[Link, ...], numbere
     out_bytes = costs.output_bytes or (0.0,) * max(S - 1, 0)
     c = _classes(schedule, costs, links, out_bytes)
     ids, acts = numbered.ids, numbered.actions
-    cls = [4 * a.stage + _CODE[a.kind] for a in acts]
+    cls = [4 * a.stage + KIND_CODE[a.kind._value_] for a in acts]
     # Per id, the slots of ``ready`` its inputs are read from (``actions.dependency_keys``): an
     # ``F`` reads the previous stage's ``F`` (across); a ``W`` its own ``I``; a ``B`` or ``I`` its
     # own ``F``, then the next stage's gradient (across) unless it is the last stage.

@@ -40,7 +40,7 @@ from partitioner.plan.predict import prediction, simulate_stages
 from partitioner.plan.render import TEXT_WIDTH, fmt_bytes, fmt_time, render_text
 from partitioner.schedule.registry import TRAINING_SCHEDULES
 from partitioner.zoo import MODELS, load_model
-from pipecut.folder import HFFolder, is_hf_folder, max_positions, pipeline_model
+from pipecut.folder import HFFolder, is_hf_folder, max_positions
 
 __all__ = ["main", "build_parser", "version"]
 
@@ -170,7 +170,7 @@ def _folder_model(path: str, seq_len: int | None, rows: int) -> tuple[nn.Module,
     length = seq_len or min(1024, longest or 1024)
     if longest is not None and length > longest:
         raise CliArgumentError(f"--seq-len {length} is longer than the model's {longest} positions")
-    module, _ = pipeline_model(folder.build(meta=True, config=config))
+    module = folder.build(meta=True, config=config)  # partition takes the Hugging Face model as it is
     return module, folder.example_inputs(seq_len=length, micro_batch_size=rows)
 
 

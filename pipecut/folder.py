@@ -38,7 +38,7 @@ from partitioner.errors import MissingDependencyError, PipecutError
 from runtime.state.materialize import empty_weights
 
 __all__ = [
-    "HFFolder", "FolderError", "UnsupportedModelError", "is_hf_folder", "pipeline_model", "WEIGHT_PREFIX",
+    "HFFolder", "FolderError", "UnsupportedModelError", "is_hf_folder",
     "TOKENIZER_FILES",
 ]
 
@@ -53,11 +53,6 @@ TOKENIZER_FILES = (
 # Beside config.json, what an export carries over unchanged.
 _CONFIG_FILES = ("config.json", "generation_config.json")
 
-# The name prefix ``partitioner.tracing.trace.CausalLMLogits`` adds to every parameter: what a plan,
-# checkpoint or export made with that wrapper (before partition took Hugging Face models as they
-# are) carries; pipeline_model no longer adds it.
-WEIGHT_PREFIX = "model."
-
 
 class FolderError(PipecutError, FileNotFoundError):
     """A path is not a Hugging Face model folder (no ``config.json``) or lacks a file it needs."""
@@ -70,18 +65,6 @@ class UnsupportedModelError(PipecutError, ValueError):
 def is_hf_folder(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` is a directory (the CLI's sign of a Hugging Face folder, not ``file.py:factory``)."""
     return Path(path).is_dir()
-
-
-def pipeline_model(model: nn.Module) -> tuple[nn.Module, str]:
-    """The module the pipeline traces for a Hugging Face causal LM, and the prefix it adds to names.
-
-    The model itself, and no prefix: ``partition`` takes a Hugging Face model as it is (its cache
-    off for the trace, its ``ModelOutput`` from the last stage, its own parameter names;
-    ``partitioner.tracing.hf``), so checkpoints and exports hold the folder's own keys. This is
-    the one place that decides it (it used to wrap the model in ``CausalLMLogits``, prefix
-    ``model.``).
-    """
-    return model, ""
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 def export_final(
     trainer: PipelineTrainer, folder: HFFolder, config: Any, directory: str | os.PathLike[str], *,
-    prefix: str, leader: bool,
+    leader: bool,
 ) -> Path:
     """Write ``directory`` as a Hugging Face folder of the trainer's weights. Collective.
 
@@ -35,10 +35,9 @@ def export_final(
         folder: the source folder (its tokenizer and generation config are copied).
         config: the model's ``transformers`` config.
         directory: where to write.
-        prefix: the prefix the pipeline's wrapper put on names (``pipecut.folder.pipeline_model``).
         leader: whether this process writes the shared files (global rank 0).
     """
-    target = trainer.export_safetensors(directory, prefix=prefix)
+    target = trainer.export_safetensors(directory)
     if leader:
         folder.copy_files_to(target)
         # transformers 4.56 renamed torch_dtype to dtype (the old name warns).

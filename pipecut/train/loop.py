@@ -33,7 +33,7 @@ from partitioner.api import partition
 from partitioner.cost.devices import Cluster
 from partitioner.errors import PipecutError
 from partitioner.plan.plan import Plan
-from pipecut.folder import HFFolder, max_positions, pipeline_model
+from pipecut.folder import HFFolder, max_positions
 from pipecut.train import checkpoints
 from pipecut.train.config import TrainConfig, TrainConfigError, read_toml, resolve, to_toml
 from pipecut.train.data import EVAL, TRAIN, TokenData, open_tokens
@@ -174,7 +174,7 @@ def train(cfg: TrainConfig, *, on_step: Callable[[Mapping[str, Any]], None] | No
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.toml").write_text(to_toml(cfg))
 
-    plan, trainer, prefix = _build(cfg, lay, folder, config, world)
+    plan, trainer = _build(cfg, lay, folder, config, world)
     if leader:
         plan.save(out / "plan.json")
     lay = dataclasses.replace(lay, dp_rank=trainer.mesh.dp_rank)  # the runtime's mesh decides
@@ -203,7 +203,7 @@ def train(cfg: TrainConfig, *, on_step: Callable[[Mapping[str, Any]], None] | No
             if leader:
                 gone = checkpoints.prune(ckpts, keep=cfg.keep)
                 log.info("checkpoint step-%d written%s", n, f"; removed {', '.join(gone)}" if gone else "")
-    result.final = export_final(trainer, folder, config, out / "final", prefix=prefix, leader=leader)
+    result.final = export_final(trainer, folder, config, out / "final", leader=leader)
     if dist.is_initialized():
         dist.barrier()
     return result
@@ -211,9 +211,11 @@ def train(cfg: TrainConfig, *, on_step: Callable[[Mapping[str, Any]], None] | No
 
 def _build(
     cfg: TrainConfig, lay: Layout, folder: HFFolder, config: Any, world: int
-) -> tuple[Plan, PipelineTrainer, str]:
+) -> tuple[Plan, PipelineTrainer]:
     """The plan (the same on every process) and this process's part of the pipeline."""
-    module, prefix = pipeline_model(folder.build(meta=True, config=config))
+    # The Hugging Face model as it is: its own parameter names, so the folder's weights load and
+    # export with their own keys (docs/train.md, *The model as it is*).
+    module = folder.build(meta=True, config=config)
     plan = partition(
         module, folder.example_inputs(seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size),
         cluster=Cluster.uniform(lay.pp, _preset(cfg.device)), microbatches=lay.m, schedule=cfg.schedule,
@@ -223,10 +225,10 @@ def _build(
     trainer = PipelineTrainer(
         plan, lm_loss, _adamw(cfg),
         execution=Execution(devices=_devices(plan) if world == 1 else None),
-        init=Init(seed=cfg.seed, weights=Weights(weights, prefix=prefix, cast=True) if weights else None),
+        init=Init(seed=cfg.seed, weights=Weights(weights, cast=True) if weights else None),
         data_parallel=DataParallel(size=lay.dp) if world > 1 else None,
     )
-    return plan, trainer, prefix
+    return plan, trainer
 
 
 def _step(

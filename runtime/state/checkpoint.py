@@ -38,9 +38,7 @@ import json
 import logging
 import os
 import shutil
-import warnings
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -118,7 +116,7 @@ def save(trainer: Checkpointable, directory: PathLike) -> Path:
         shutil.rmtree(partial, ignore_errors=True)  # a save of this step that died before
     _barrier()
     state = _state(trainer, for_load=False)
-    with _single_process_quiet():
+    with _safe_dcp().single_process_quiet():
         _dcp().save(state, checkpoint_id=str(partial), no_dist=not _distributed())
     _barrier()  # every rank's files are written, and the metadata
     if leader:
@@ -414,14 +412,6 @@ def _init_optimizer_state(opt: torch.optim.Optimizer) -> None:
 
 def _keys(path: Path) -> set[str]:
     return set(_safe_dcp().read_metadata(path).state_dict_metadata)
-
-
-@contextmanager
-def _single_process_quiet() -> Iterator[None]:
-    # DCP warns that it "assumes the intent is to save in a single process" even when told so.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        yield
 
 
 def _dcp() -> Any:

@@ -50,7 +50,10 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 
 from runtime.state.weight_errors import CorruptFileError, UnsafeFileError
 
-__all__ = ["SafeLoadPlanner", "SafeReader", "from_record", "load", "read_metadata", "record_slot", "to_record"]
+__all__ = [
+    "SafeLoadPlanner", "SafeReader", "from_record", "load", "read_metadata", "record_slot", "single_process_quiet",
+    "to_record",
+]
 
 log = logging.getLogger(__name__)
 
@@ -282,7 +285,7 @@ def load(state: dict[str, Any], directory: str | os.PathLike[str], *, collective
         reader.check_files({k for k in reader.read_metadata().state_dict_metadata
                             if k in wanted or any(p in wanted for p in _prefixes(k))})
     try:
-        with _quiet():
+        with single_process_quiet():
             dcp_load(state, checkpoint_id=str(directory), storage_reader=reader,
                      planner=SafeLoadPlanner(), no_dist=not collective)
     except CheckpointException as e:
@@ -302,10 +305,11 @@ def _prefixes(key: str) -> Iterator[str]:
 
 
 @contextmanager
-def _quiet() -> Iterator[None]:
-    # DCP warns that it "assumes the intent is to load in a single process" even when told so.
+def single_process_quiet() -> Iterator[None]:
+    """Silence DCP's warning that it "assumes the intent is to save/load in a single process",
+    which it gives even when told so (``no_dist=True``)."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         yield
 
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, replace
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
 
 from partitioner.errors import ClusterError, UnknownDeviceError
 
@@ -26,6 +28,10 @@ class DeviceSpec:
         link_bandwidth: default bandwidth of the link to the next device, bytes/s.
         link_latency: default latency of one transfer over that link, seconds.
         op_overhead: fixed cost per operator launch, seconds.
+        node_size: devices in one node of a typical machine of this part (they talk over
+            ``link_bandwidth``); ``0``: one node holds any number (a single host).
+        inter_node_bandwidth: bytes/s per device between nodes (its share of the node's network).
+        inter_node_latency: seconds per transfer between nodes.
 
     Example:
         >>> DeviceSpec.preset("A100-80GB").memory / 2**30
@@ -40,6 +46,9 @@ class DeviceSpec:
     link_bandwidth: float = 100 * _GB
     link_latency: float = 10e-6
     op_overhead: float = 4e-6
+    node_size: int = 0
+    inter_node_bandwidth: float = 25 * _GB
+    inter_node_latency: float = 5e-6
 
     @staticmethod
     def preset(name: str) -> DeviceSpec:
@@ -68,14 +77,23 @@ def _cpu_memory() -> float:
 
 
 # Vendor datasheet figures (dense, no sparsity). Link bandwidth is per direction between
-# neighbouring devices of one node (NVLink for SXM parts); latency is a typical P2P send.
+# neighbouring devices of one node (NVLink for SXM parts); latency is a typical P2P send. Nodes
+# are the vendor's 8-GPU boxes (DGX/HGX), one InfiniBand port per GPU between nodes: HDR
+# (200 Gb/s, 25 GB/s) for V100/A100, NDR (400 Gb/s, 50 GB/s) for H100/H200; L4 servers over
+# 100 Gb/s Ethernet shared by 8.
 DEVICE_PRESETS: dict[str, DeviceSpec] = {
-    "V100-32GB": DeviceSpec("V100-32GB", 125e12, 15.7e12, 900 * _GB, 32 * _GIB, 150 * _GB, 10e-6),
-    "A100-40GB": DeviceSpec("A100-40GB", 312e12, 19.5e12, 1555 * _GB, 40 * _GIB, 300 * _GB, 10e-6),
-    "A100-80GB": DeviceSpec("A100-80GB", 312e12, 19.5e12, 2039 * _GB, 80 * _GIB, 300 * _GB, 10e-6),
-    "H100-80GB": DeviceSpec("H100-80GB", 989e12, 67e12, 3350 * _GB, 80 * _GIB, 450 * _GB, 8e-6),
-    "H200-141GB": DeviceSpec("H200-141GB", 989e12, 67e12, 4800 * _GB, 141 * _GIB, 450 * _GB, 8e-6),
-    "L4-24GB": DeviceSpec("L4-24GB", 121e12, 30.3e12, 300 * _GB, 24 * _GIB, 32 * _GB, 15e-6),
+    "V100-32GB": DeviceSpec("V100-32GB", 125e12, 15.7e12, 900 * _GB, 32 * _GIB, 150 * _GB, 10e-6,
+                            node_size=8, inter_node_bandwidth=12.5 * _GB),
+    "A100-40GB": DeviceSpec("A100-40GB", 312e12, 19.5e12, 1555 * _GB, 40 * _GIB, 300 * _GB, 10e-6,
+                            node_size=8, inter_node_bandwidth=25 * _GB),
+    "A100-80GB": DeviceSpec("A100-80GB", 312e12, 19.5e12, 2039 * _GB, 80 * _GIB, 300 * _GB, 10e-6,
+                            node_size=8, inter_node_bandwidth=25 * _GB),
+    "H100-80GB": DeviceSpec("H100-80GB", 989e12, 67e12, 3350 * _GB, 80 * _GIB, 450 * _GB, 8e-6,
+                            node_size=8, inter_node_bandwidth=50 * _GB),
+    "H200-141GB": DeviceSpec("H200-141GB", 989e12, 67e12, 4800 * _GB, 141 * _GIB, 450 * _GB, 8e-6,
+                             node_size=8, inter_node_bandwidth=50 * _GB),
+    "L4-24GB": DeviceSpec("L4-24GB", 121e12, 30.3e12, 300 * _GB, 24 * _GIB, 32 * _GB, 15e-6,
+                          node_size=8, inter_node_bandwidth=1.5 * _GB),
     # One CPU core running fp32 matmuls; gloo over loopback between processes.
     "cpu": DeviceSpec("cpu", 50e9, 50e9, 10 * _GB, _cpu_memory(), 2 * _GB, 50e-6, 2e-6),
 }
@@ -88,6 +106,12 @@ class Cluster:
     ``devices[s]`` runs stage ``s``; ``link_bandwidth[s]`` and ``link_latency[s]`` describe the
     link from stage ``s`` to stage ``s + 1`` (so both have ``len(devices) - 1`` entries).
 
+    The layout search (``partitioner.plan.layout``) also reads how the devices talk as a group:
+    ``collective_bandwidth`` and ``collective_latency``, when set (measured by
+    ``partitioner.cost.calibrate``), price every data-parallel collective; otherwise a
+    collective runs at the link bandwidth inside a node of ``devices[0].node_size`` and at
+    ``devices[0].inter_node_bandwidth`` once its group spans nodes.
+
     Example:
         >>> c = Cluster.uniform(4, "H100-80GB")
         >>> len(c), c.devices[0].name, len(c.link_bandwidth)
@@ -97,6 +121,10 @@ class Cluster:
     devices: tuple[DeviceSpec, ...]
     link_bandwidth: tuple[float, ...] = field(default=())
     link_latency: tuple[float, ...] = field(default=())
+    collective_bandwidth: float | None = None
+    """Bus bandwidth of an all-reduce (bytes/s per device, as ``nccl-tests`` reports it), measured."""
+    collective_latency: float | None = None
+    """Seconds a collective takes per step of its ring (``2 (n - 1)`` steps for an all-reduce), measured."""
 
     def __post_init__(self) -> None:
         if not self.devices:
@@ -118,6 +146,8 @@ class Cluster:
                 )
         if any(b <= 0 for b in self.link_bandwidth):
             raise ClusterError(f"link bandwidths must be positive, got {self.link_bandwidth}")
+        if self.collective_bandwidth is not None and self.collective_bandwidth <= 0:
+            raise ClusterError(f"collective_bandwidth must be positive, got {self.collective_bandwidth}")
 
     def __len__(self) -> int:
         return len(self.devices)
@@ -149,6 +179,36 @@ class Cluster:
             link_latency=(lat,) * (num_devices - 1),
         )
 
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready data (:meth:`from_dict` reads it back); the measured collective fields
+        only when set, so files written before they existed keep their bytes."""
+        data: dict[str, Any] = {
+            "devices": [asdict(d) for d in self.devices],
+            "link_bandwidth": list(self.link_bandwidth),
+            "link_latency": list(self.link_latency),
+        }
+        for key in ("collective_bandwidth", "collective_latency"):
+            if getattr(self, key) is not None:
+                data[key] = getattr(self, key)
+        return data
+
+    @staticmethod
+    def from_dict(data: Mapping[str, Any]) -> Cluster:
+        """The cluster :meth:`to_dict` wrote.
+
+        Example:
+            >>> c = Cluster.uniform(2, "cpu", link_bandwidth=1e9)
+            >>> Cluster.from_dict(c.to_dict()) == c
+            True
+        """
+        return Cluster(
+            devices=tuple(DeviceSpec(**d) for d in data["devices"]),
+            link_bandwidth=tuple(float(x) for x in data["link_bandwidth"]),
+            link_latency=tuple(float(x) for x in data["link_latency"]),
+            collective_bandwidth=_opt_float(data.get("collective_bandwidth")),
+            collective_latency=_opt_float(data.get("collective_latency")),
+        )
+
     def with_devices(self, num_devices: int) -> Cluster:
         """The first ``num_devices`` devices of this cluster (for planning fewer stages)."""
         if not 1 <= num_devices <= len(self.devices):
@@ -159,3 +219,7 @@ class Cluster:
             link_bandwidth=self.link_bandwidth[: num_devices - 1],
             link_latency=self.link_latency[: num_devices - 1],
         )
+
+
+def _opt_float(x: Any) -> float | None:
+    return None if x is None else float(x)

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from partitioner.cost.devices import Cluster, DeviceSpec
+from partitioner.cost.devices import Cluster
 from partitioner.cost.precision import check_precision
 from partitioner.errors import MissingArgumentError, PlanFormatError, PlanMismatchError
 from partitioner.plan.records import Candidate as Candidate
@@ -194,11 +194,7 @@ class Plan(PlanRecord):
             "lower_bound": self.lower_bound,
             "state_bytes_per_param": self.state_bytes_per_param,
             "input_names": list(self.input_names),
-            "cluster": {
-                "devices": [asdict(d) for d in self.cluster.devices],
-                "link_bandwidth": list(self.cluster.link_bandwidth),
-                "link_latency": list(self.cluster.link_latency),
-            },
+            "cluster": self.cluster.to_dict(),
             "stages": [_finite(asdict(st)) for st in self.stages],
             "predictions": [asdict(pr) for pr in self.predictions],
             "io": [
@@ -319,11 +315,7 @@ def _parse(data: Any, where: str = "plan") -> Plan:
     if data.get("checksum") != _checksum(data):
         raise fail("checksum mismatch: the content changed after the plan was saved")
     try:
-        cluster = Cluster(
-            devices=tuple(DeviceSpec(**d) for d in data["cluster"]["devices"]),
-            link_bandwidth=tuple(float(x) for x in data["cluster"]["link_bandwidth"]),
-            link_latency=tuple(float(x) for x in data["cluster"]["link_latency"]),
-        )
+        cluster = Cluster.from_dict(data["cluster"])
         names = {f.name for f in fields(StagePlan)}
         stages = []
         for raw in data["stages"]:

@@ -6,14 +6,14 @@ import difflib
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from torch import nn
 
 from partitioner import algorithms as alg
-from partitioner.cost.costs import cost_graph, node_time, weight_share
+from partitioner.cost.costs import NodeCost, cost_graph, node_time, weight_share
 from partitioner.cost.devices import Cluster
 from partitioner.cost.graph import (
     Unit,
@@ -24,6 +24,7 @@ from partitioner.cost.graph import (
     module_range,
     to_problem,
 )
+from partitioner.cost.nodecost import scale_cost
 from partitioner.cost.precision import check_precision, with_precision
 from partitioner.cost.recompute import (
     check_option,
@@ -228,25 +229,13 @@ def _partition(
         stages = num_stages if num_stages is not None else (devices or 1) * stages_per_rank(schedule)
         check_schedule_size(schedule, stages, microbatches)
 
-    t0 = time.perf_counter()
-    traced = trace(
-        model, tuple(example_inputs), example_kwargs=dict(example_kwargs or {}),
-        leaf_modules=leaf_modules, method=trace_method,
-        example_microbatches=_example_microbatches(example_is, microbatches),
-    )
-    t1 = time.perf_counter()
-    costs = with_precision(traced.gm, cost_graph(traced, profile=profile, device=profile_device), precision)
-    t2 = time.perf_counter()
-    g = build_graph(traced.gm, costs, traced.module_path)
-    units = group_units(g, granularity, module_depth)
-    ctx = _Context(
-        model=model, traced=traced, g=g, units=units, granularity=granularity, method=method,
-        refine=refine, split_points=split_points, state_bytes_per_param=state_bytes_per_param,
-        numel={name: prm.numel() for name, prm in traced.gm.named_parameters(remove_duplicate=False)},
-        precision=precision,
+    ctx = _context(
+        model, example_inputs, example_kwargs=example_kwargs, leaf_modules=leaf_modules, trace_method=trace_method,
+        example_microbatches=_example_microbatches(example_is, microbatches), profile=profile,
+        profile_device=profile_device, precision=precision, granularity=granularity, module_depth=module_depth,
+        method=method, refine=refine, split_points=split_points, state_bytes_per_param=state_bytes_per_param,
         recompute=recompute,
     )
-    log.info("partition: trace %.2fs (%s), cost %.2fs, %d units", t1 - t0, traced.method, t2 - t1, len(units))
     if auto:
         p = len(cluster) if cluster is not None else num_stages
         assert p is not None
@@ -268,6 +257,49 @@ def _partition(
     return ctx.plan(_stage_cluster(cluster, stages, schedule), schedule, microbatches, split=True)
 
 
+def _context(
+    model: nn.Module,
+    example_inputs: Sequence[Any],
+    *,
+    example_kwargs: Mapping[str, Any] | None,
+    leaf_modules: Sequence[type | str],
+    trace_method: TraceMethod,
+    example_microbatches: int,
+    profile: bool,
+    profile_device: str | torch.device | None,
+    precision: str,
+    granularity: str,
+    module_depth: int | None,
+    method: str,
+    refine: bool,
+    split_points: Sequence[str] | None,
+    state_bytes_per_param: float,
+    recompute: bool | str,
+) -> _Context:
+    """Trace and cost ``model`` once: what every candidate cut of it starts from."""
+    t0 = time.perf_counter()
+    traced = trace(
+        model, tuple(example_inputs), example_kwargs=dict(example_kwargs or {}),
+        leaf_modules=leaf_modules, method=trace_method,
+        example_microbatches=example_microbatches,
+    )
+    t1 = time.perf_counter()
+    costs = with_precision(traced.gm, cost_graph(traced, profile=profile, device=profile_device), precision)
+    t2 = time.perf_counter()
+    g = build_graph(traced.gm, costs, traced.module_path)
+    units = group_units(g, granularity, module_depth)
+    log.info("partition: trace %.2fs (%s), cost %.2fs, %d units", t1 - t0, traced.method, t2 - t1, len(units))
+    return _Context(
+        model=model, traced=traced, g=g, units=units, granularity=granularity, method=method,
+        refine=refine, split_points=split_points, state_bytes_per_param=state_bytes_per_param,
+        numel={name: prm.numel() for name, prm in traced.gm.named_parameters(remove_duplicate=False)},
+        precision=precision,
+        recompute=recompute,
+        costs=costs,
+        module_depth=module_depth,
+    )
+
+
 @dataclass
 class _Context:
     """A traced, costed model and the options that stay fixed while candidate plans are tried."""
@@ -284,11 +316,22 @@ class _Context:
     numel: dict[str, int]
     precision: str = "fp32"
     recompute: bool | str = "auto"
+    costs: Mapping[str, NodeCost] = field(default_factory=dict)
+    module_depth: int | None = None
 
-    def plan(self, cluster: Cluster, schedule: str, m: int, *, split: bool) -> Plan:
+    def scaled(self, factor: float) -> _Context:
+        """The same model costed for micro-batches ``factor`` times as large (``scale_cost``)."""
+        if factor == 1:
+            return self
+        costs = {name: scale_cost(c, factor) for name, c in self.costs.items()}
+        g = build_graph(self.traced.gm, costs, self.traced.module_path)
+        return replace(self, g=g, units=group_units(g, self.granularity, self.module_depth), costs=costs)
+
+    def plan(self, cluster: Cluster, schedule: str, m: int, *, split: bool, predictions: bool = True) -> Plan:
         """Cut into ``len(cluster)`` stages for ``schedule`` with ``m`` micro-batches.
 
-        ``split=False`` skips building the stage wiring (for candidates that are only priced).
+        ``split=False`` skips building the stage wiring (for candidates that are only priced);
+        ``predictions=False`` skips simulating the schedules (the layout search simulates its own).
         """
         p = len(cluster)
         if p > len(self.units):
@@ -330,6 +373,7 @@ class _Context:
             microbatches=m, held=held, granularity=self.granularity, numel=self.numel,
             state_bytes_per_param=self.state_bytes_per_param, staged_io=io, shared=shared,
             precision=self.precision, recompute=self.recompute, forward=forward, built=built,
+            predictions=predictions,
         )
 
     def _solve(self, problem: alg.Problem) -> alg.Partition:
@@ -491,6 +535,7 @@ def _make_plan(
     held: Sequence[int], granularity: str, numel: Mapping[str, int], state_bytes_per_param: float,
     staged_io: tuple[Any, ...], shared: Mapping[str, tuple[int, ...]], precision: str = "fp32",
     recompute: bool | str = False, forward: Sequence[Sequence[float]] = (), built: Schedule | None = None,
+    predictions: bool = True,
 ) -> Plan:
     """The Plan of a cut: its stages, the bound and predictions, and what it takes to build the stages again."""
     stages = _stage_plans(
@@ -507,7 +552,7 @@ def _make_plan(
     same = [k for k in TRAINING_SCHEDULES if k != schedule and stages_per_rank(k) == 1 == stages_per_rank(schedule)]
     preds = tuple(
         predict(stages, cluster, k, microbatches, built=built if k == schedule else None) for k in (schedule, *same)
-    )
+    ) if predictions else ()
     return Plan(
         stages=tuple(stages),
         method=method,

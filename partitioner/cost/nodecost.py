@@ -6,11 +6,11 @@ number is obtained); ``node_time`` turns it into seconds with a roofline.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from partitioner.cost.devices import DeviceSpec
 
-__all__ = ["NodeCost", "node_time", "weight_share"]
+__all__ = ["NodeCost", "node_time", "weight_share", "scale_cost"]
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,33 @@ class NodeCost:
     requires_grad: bool = True
     measured_fwd_s: float | None = None
     measured_bwd_s: float | None = None
+
+
+def scale_cost(cost: NodeCost, factor: float) -> NodeCost:
+    """The node's cost for micro-batches ``factor`` times as large (more or fewer rows).
+
+    What grows with the rows grows by ``factor``: FLOPs, saved activations, the result, and the
+    bytes read and written other than its parameters and buffers, which stay (every op of a
+    transformer or an MLP is row-wise in the batch dimension). Measured times scale by
+    ``factor`` too, which overrates small micro-batches on a device that runs them less
+    efficiently: re-profile at the size the plan trains for an exact figure.
+
+    Example:
+        >>> c = scale_cost(NodeCost(fwd_flops=8.0, bwd_flops=16.0, param_bytes=100, io_bytes=140, saved_bytes=4), 2)
+        >>> c.fwd_flops, c.bwd_flops, c.io_bytes, c.saved_bytes, c.param_bytes
+        (16.0, 32.0, 180, 8, 100)
+    """
+    fixed = min(cost.io_bytes, cost.param_bytes + cost.buffer_bytes)
+    return replace(
+        cost,
+        fwd_flops=cost.fwd_flops * factor,
+        bwd_flops=cost.bwd_flops * factor,
+        saved_bytes=round(cost.saved_bytes * factor),
+        output_bytes=round(cost.output_bytes * factor),
+        io_bytes=round(fixed + (cost.io_bytes - fixed) * factor),
+        measured_fwd_s=None if cost.measured_fwd_s is None else cost.measured_fwd_s * factor,
+        measured_bwd_s=None if cost.measured_bwd_s is None else cost.measured_bwd_s * factor,
+    )
 
 
 def node_time(cost: NodeCost, device: DeviceSpec) -> tuple[float, float]:

@@ -188,6 +188,23 @@ class Simulation:
         """Every action's span on its rank and every message between ranks."""
         return self._run.timeline()
 
+    @cached_property
+    def grads_ready(self) -> tuple[float, ...]:
+        """Per stage, when its last backward action (``B`` or ``W``) ends: from then on its
+        gradients are final and the data-parallel exchange may take them. Seconds from the
+        step's start, like ``step_time``; ``0.0`` for a stage without backward."""
+        run = self._run
+        acts, ready, S = run.numbered.actions, run.ready, run.schedule.num_stages
+        first = min((run.start[row[0]] for row in run.numbered.ids if row), default=0.0)
+        out = [first] * S
+        for k, a in enumerate(acts):
+            if a.kind is B or a.kind is W:
+                end = ready[2 * k]
+                assert end is not None  # every action ran
+                if end > out[a.stage]:
+                    out[a.stage] = end
+        return tuple(t - first for t in out)
+
     @property
     def max_peak_bytes(self) -> float | None:
         """The largest per-rank peak: the activation memory the fullest device needs."""

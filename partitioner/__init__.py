@@ -17,12 +17,16 @@ from partitioner.errors import (
     TraceError,
     UnknownDeviceError,
 )
+from partitioner.plan.layout import Layout
 from partitioner.plan.plan import Plan, Prediction, StagePlan
 from partitioner.plan.split import StagedModel, StageIO, ValueSpec
+from partitioner.search import plan_layout
 from partitioner.tracing.trace import TracedModel, trace
 
 __all__ = [
     "partition",
+    "plan_layout",
+    "Layout",
     "METHODS",
     "Plan",
     "StagePlan",

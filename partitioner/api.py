@@ -35,6 +35,7 @@ from partitioner.cost.recompute import (
 )
 from partitioner.errors import InfeasibleMemoryError, PartitionOptionError, SplitPointError, TooManyStagesError
 from partitioner.plan.choose import choose, microbatch_candidates
+from partitioner.plan.placement import per_stage_capacity, stage_cluster
 from partitioner.plan.plan import Plan
 from partitioner.plan.predict import predict
 from partitioner.plan.records import StagePlan, binding, structure_text
@@ -245,7 +246,7 @@ def _partition(
         ms = microbatch_candidates(p) if microbatches == "auto" else (int(microbatches),)
 
         def price(sched: str, stages: int, m: int, split: bool) -> Plan:
-            return ctx.plan(_stage_cluster(cluster, stages, sched), sched, m, split=split)
+            return ctx.plan(stage_cluster(cluster, stages, sched), sched, m, split=split)
 
         return choose(price, p, schedules, ms)
     assert isinstance(microbatches, int)  # checked above: not auto
@@ -254,7 +255,7 @@ def _partition(
     else:
         assert devices is not None  # checked above: num_stages or a cluster
         stages = devices * stages_per_rank(schedule)
-    return ctx.plan(_stage_cluster(cluster, stages, schedule), schedule, microbatches, split=True)
+    return ctx.plan(stage_cluster(cluster, stages, schedule), schedule, microbatches, split=True)
 
 
 def _context(
@@ -327,7 +328,10 @@ class _Context:
         g = build_graph(self.traced.gm, costs, self.traced.module_path)
         return replace(self, g=g, units=group_units(g, self.granularity, self.module_depth), costs=costs)
 
-    def plan(self, cluster: Cluster, schedule: str, m: int, *, split: bool, predictions: bool = True) -> Plan:
+    def plan(
+        self, cluster: Cluster, schedule: str, m: int, *, split: bool, predictions: bool = True,
+        built: Schedule | None = None,
+    ) -> Plan:
         """Cut into ``len(cluster)`` stages for ``schedule`` with ``m`` micro-batches.
 
         ``split=False`` skips building the stage wiring (for candidates that are only priced);
@@ -336,10 +340,10 @@ class _Context:
         p = len(cluster)
         if p > len(self.units):
             raise TooManyStagesError(p, len(self.units), self.granularity)
-        built = stage_schedule(schedule, p, m)  # built and checked once: its memory count, then its prediction
+        built = built or stage_schedule(schedule, p, m)  # built and checked once: its memory count, then its prediction
         held = peak_inflight(built)
         problem = to_problem(
-            self.g, self.units, _per_stage_capacity(cluster, schedule), inflight=held,
+            self.g, self.units, per_stage_capacity(cluster, schedule), inflight=held,
             param_numel=self.numel, state_bytes_per_param=self.state_bytes_per_param,
             param_aliases=self.traced.param_aliases,
         )
@@ -418,56 +422,6 @@ def _check_schedule(schedule: str) -> None:
         raise PartitionOptionError(
             f"unknown schedule {schedule!r}; choose one of {', '.join(TRAINING_SCHEDULES)} or 'auto'"
         )
-
-
-def _stage_cluster(cluster: Cluster | None, stages: int, schedule: str) -> Cluster:
-    """One entry per stage: a stage's device and the link to the next stage's device.
-
-    With several stages per device (interleaved, ZB-V), stage ``s`` runs on the device of its
-    rank; consecutive stages on one device get a free link; others the slower of the links.
-    """
-    v = stages_per_rank(schedule)
-    if stages % v:
-        raise PartitionOptionError(
-            f"schedule {schedule!r} places {v} stages on every device: ask for a multiple of {v} "
-            f"stages (got {stages})"
-        )
-    ranks = stages // v
-    if cluster is None:
-        cluster = Cluster.uniform(ranks, "cpu")
-    if len(cluster) < ranks:
-        raise PartitionOptionError(
-            f"the cluster has {len(cluster)} devices but {stages} stages need {ranks} "
-            f"({v} per device for {schedule!r}); give one device per rank"
-        )
-    cluster = cluster.with_devices(ranks)
-    if v == 1:
-        return cluster
-    to_rank = stage_schedule(schedule, stages, max(ranks, 1)).stage_to_rank
-    slow_bw = min(cluster.link_bandwidth, default=float("inf"))
-    slow_lat = max(cluster.link_latency, default=0.0)
-    bws, lats = [], []
-    for s in range(stages - 1):
-        a, b = to_rank[s], to_rank[s + 1]
-        if a == b:
-            bws.append(float("inf"))
-            lats.append(0.0)
-        elif abs(a - b) == 1:
-            bws.append(cluster.link_bandwidth[min(a, b)])
-            lats.append(cluster.link_latency[min(a, b)])
-        else:  # the wrap-around of a round-robin placement: no direct link in a chain
-            bws.append(slow_bw)
-            lats.append(slow_lat)
-    return Cluster(tuple(cluster.devices[r] for r in to_rank), tuple(bws), tuple(lats))
-
-
-def _per_stage_capacity(cluster: Cluster, schedule: str) -> Cluster:
-    """The cluster the Problem sees: with ``v`` stages per device each gets 1/v of its memory."""
-    v = stages_per_rank(schedule)
-    if v == 1:
-        return cluster
-    devices = tuple(replace(d, memory=d.memory / v) for d in cluster.devices)
-    return replace(cluster, devices=devices)
 
 
 def _stage_nodes(g: Any, units: Sequence[Unit], assignment: Sequence[int], p: int) -> list[list[str]]:

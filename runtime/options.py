@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,12 +28,16 @@ from typing import Any
 
 import torch
 
+from partitioner.cost.exchange import DEFAULT_BUCKET_BYTES
+from partitioner.plan.layout import Layout
 from runtime.errors import OptionKeywordError, TrainerOptionError
-from runtime.parallel.data_parallel import DEFAULT_BUCKET_BYTES
 from runtime.state.materialize import InitFn
 from runtime.state.weights import Weights
+from runtime.transport.placement import PlacementError
 
-__all__ = ["Execution", "Init", "DataParallel", "TrainerOptions", "SHORTCUTS", "resolve_options"]
+__all__ = ["Execution", "Init", "DataParallel", "TrainerOptions", "SHORTCUTS", "resolve_options", "apply_layout"]
+
+log = logging.getLogger(__name__)
 
 Devices = Sequence[str | torch.device] | str | torch.device | None
 
@@ -264,3 +269,39 @@ def _unknown(key: str) -> str:
     return (f"{text}{hint} It takes the keywords {', '.join(TRAINER_KEYWORDS)}, and for one release the "
             f"shortcuts {old} (runtime.options.SHORTCUTS says where each goes)")
 
+
+
+def apply_layout(options: TrainerOptions, layout: Layout | None, mode: str) -> TrainerOptions:
+    """The options with what the plan's layout decides filled in where the caller left it open.
+
+    A plan from ``partitioner.plan_layout`` records the replicas (``layout.dp``) and the
+    optimizer sharding (``layout.zero``); the schedule, micro-batches and recomputation are the
+    plan's own fields, which the trainer reads anyway. A ``DataParallel`` with a size or a mesh
+    wins over the layout (a different size is logged as a warning: the plan was priced for
+    another); with neither, the layout's are used.
+
+    Raises:
+        PlacementError: the layout has replicas and the trainer runs in one process.
+
+    Example:
+        >>> from partitioner.plan.layout import Layout
+        >>> lay = Layout(2, 2, 2, "1f1b", 4, 4, 32, "zero1", 1.0, 1.0, 0.0, 0.0, 0.1, 1.0, 2.0, 0.0, 0)
+        >>> opts = apply_layout(resolve_options(), lay, "dist").data_parallel
+        >>> opts.size, opts.shard_optimizer
+        (2, True)
+    """
+    if layout is None:
+        return options
+    dp = options.data_parallel
+    if dp.size is None and dp.mesh is None:
+        if layout.dp > 1 and mode != "dist":
+            raise PlacementError(
+                f"the plan's layout ({layout.label()}) runs {layout.dp} replicas of a {layout.pp}-rank "
+                f"pipeline: launch {layout.devices} processes (torchrun --nproc-per-node {layout.devices}); "
+                f"to run one replica here, pass data_parallel=1 (and microbatches={layout.microbatches * layout.dp} "
+                "for the same step)"
+            )
+        dp = dataclasses.replace(dp, size=layout.dp, shard_optimizer=dp.shard_optimizer or layout.zero == "zero1")
+    elif dp.size is not None and dp.size != layout.dp:
+        log.warning("running %d replicas; the plan's layout was priced for %d (%s)", dp.size, layout.dp, layout.label())
+    return dataclasses.replace(options, data_parallel=dp)

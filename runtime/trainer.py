@@ -40,7 +40,7 @@ from runtime.execute.recompute import RecomputeOption, stages_to_recompute
 from runtime.execute.shapes import wire_shapes
 from runtime.execute.wiring import model_output
 from runtime.metrics import step_metrics
-from runtime.options import DataParallel, Execution, Init, resolve_options
+from runtime.options import DataParallel, Execution, Init, apply_layout, resolve_options
 from runtime.parallel.clipping import clip_grad_norm_
 from runtime.parallel.tied import copy_tied_values, second_copies, sum_tied_grads
 from runtime.precision import LossScaler, MixedPrecision, resolve_precision, wire_dtypes
@@ -151,6 +151,7 @@ class PipelineTrainer:
         self.recompute = stages_to_recompute(recompute, [getattr(st, "recompute", False) for st in plan.stages])
         self._out_spec = plan.output_treespec()  # what the model returns; loss_fn and predict get it
         self.mode = resolve_mode(ex.transport)
+        self.options = apply_layout(self.options, getattr(plan, "layout", None), self.mode)
         built = assemble(plan, self.schedule, self.mode, self.m, ex, self.options.init, self.options.data_parallel)
         self.mesh, self.rank, self.devices = built.placement.mesh, built.placement.rank, built.placement.devices
         self._ranks, self.stages, self._ios = list(built.placement.ranks), built.stages, built.ios

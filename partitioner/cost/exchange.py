@@ -31,6 +31,8 @@ from partitioner.cost.devices import Cluster
 __all__ = [
     "OPTIMIZER_BYTES_PER_PARAM",
     "GRAD_BYTES_PER_PARAM",
+    "WEIGHT_GRAD_BYTES_PER_PARAM",
+    "DEFAULT_BUCKET_BYTES",
     "Collective",
     "collective",
     "pipeline_links",
@@ -42,6 +44,9 @@ __all__ = [
 
 OPTIMIZER_BYTES_PER_PARAM = 40.0  # AdamW (28) + clipping (read, scale: 12), fp32
 GRAD_BYTES_PER_PARAM = 4.0  # gradients are reduced in fp32 (master weights are fp32 under autocast)
+WEIGHT_GRAD_BYTES_PER_PARAM = 8.0  # of the training state, what every replica keeps whole: weight and gradient
+# DDP's default bucket: big enough to amortise a collective's latency, small enough to start early.
+DEFAULT_BUCKET_BYTES = 25 * 2**20
 
 
 @dataclass(frozen=True)
@@ -106,7 +111,7 @@ def _buckets(nbytes: float, bucket_bytes: float) -> int:
     return max(1, math.ceil(nbytes / bucket_bytes)) if nbytes > 0 else 0
 
 
-def allreduce_time(nbytes: float, n: int, ring: Collective, bucket_bytes: float = 25 * 2**20) -> float:
+def allreduce_time(nbytes: float, n: int, ring: Collective, bucket_bytes: float = DEFAULT_BUCKET_BYTES) -> float:
     """Seconds to all-reduce ``nbytes`` over ``n`` ranks in buckets of ``bucket_bytes``.
 
     Example:
@@ -121,7 +126,7 @@ def allreduce_time(nbytes: float, n: int, ring: Collective, bucket_bytes: float 
     return steps / n * nbytes / ring.bandwidth + _buckets(nbytes, bucket_bytes) * steps * ring.latency
 
 
-def reduce_time(nbytes: float, n: int, ring: Collective, bucket_bytes: float = 25 * 2**20) -> float:
+def reduce_time(nbytes: float, n: int, ring: Collective, bucket_bytes: float = DEFAULT_BUCKET_BYTES) -> float:
     """Seconds to reduce ``nbytes`` to one owner (or broadcast them from it): half an all-reduce.
 
     Example:

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from partitioner.errors import InfeasibleMemoryError, PartitionError, TooManyStagesError
-from partitioner.plan.render import fmt_bytes, fmt_time
+from partitioner.plan.units import fmt_bytes, fmt_time
 from partitioner.schedule.registry import TRAINING_SCHEDULES, stages_per_rank
 
 __all__ = ["Option", "Layout", "ZERO_OPTIONS", "TIE", "layout_space", "search", "pick", "divisors"]
@@ -179,10 +179,11 @@ def layout_space(
     microbatch_sizes: Sequence[int] | None = None,
     zero: Sequence[str] = ZERO_OPTIONS,
     max_stages: int | None = None,
+    dp_sizes: Sequence[int] | None = None,
 ) -> list[Option]:
     """Every layout of ``devices`` devices for a global batch of ``global_batch`` rows.
 
-    ``dp`` divides both the devices and the batch; ``b`` divides the replica's rows
+    ``dp`` divides both the devices and the batch (``dp_sizes``: only those); ``b`` divides the replica's rows
     (``microbatch_sizes``: only those; default: every divisor); ``zero1`` only with ``dp > 1``;
     a single-rank pipeline (``pp = 1``) takes only the schedules with one stage per rank, and
     stage counts above ``max_stages`` (the model's units) are left out.
@@ -194,7 +195,7 @@ def layout_space(
     """
     out: list[Option] = []
     for dp in divisors(devices):
-        if global_batch % dp:
+        if global_batch % dp or (dp_sizes is not None and dp not in dp_sizes):
             continue
         pp, rows = devices // dp, global_batch // dp
         sizes = [b for b in divisors(rows) if microbatch_sizes is None or b in microbatch_sizes]

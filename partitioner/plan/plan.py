@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from partitioner.cost.devices import Cluster
 from partitioner.cost.precision import check_precision
 from partitioner.errors import MissingArgumentError, PlanFormatError, PlanMismatchError
+from partitioner.plan.layout import Layout
 from partitioner.plan.records import Candidate as Candidate
 from partitioner.plan.records import PlanRecord, binding, structure_leaves, structure_text
 from partitioner.plan.records import Prediction as Prediction
@@ -211,6 +212,9 @@ class Plan(PlanRecord):
             body["precision"] = self.precision
         if self.output_structure:  # a model returning one tensor records none, as before
             body["output_structure"] = self.output_structure
+        if self.layout is not None:  # a plan from the layout search: its layout and the ranking
+            body["layout"] = _finite(asdict(self.layout))
+            body["layouts"] = [_finite(asdict(r)) for r in self.layouts]
         body["checksum"] = _checksum(body)
         return body
 
@@ -350,6 +354,8 @@ def _parse(data: Any, where: str = "plan") -> Plan:
             choice=str(data["choice"]),
             precision=check_precision(str(data.get("precision", "fp32"))),
             output_structure=str(data.get("output_structure", "")),
+            layout=Layout(**_infinite(data["layout"])) if data.get("layout") is not None else None,
+            layouts=tuple(Layout(**_infinite(r)) for r in data.get("layouts", ())),
         )
     except PlanFormatError:
         raise

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from partitioner.cost.devices import Cluster
 from partitioner.errors import MissingPredictionError, PlanFormatError
+from partitioner.plan.layout import Layout
 from partitioner.plan.split import GRAPH_INPUT, StageIO
 
 if TYPE_CHECKING:
@@ -191,6 +192,8 @@ class PlanRecord:
     choice: str = ""
     precision: str = "fp32"
     output_structure: str = ""
+    layout: Layout | None = None
+    layouts: tuple[Layout, ...] = ()
     _binding: _Binding | None = field(default=None, compare=False, repr=False)
 
     @property
@@ -236,7 +239,12 @@ class PlanRecord:
 
     @property
     def microbatch_size(self) -> int | None:
-        """Rows (dimension 0) of the micro-batch the plan is costed for; ``None`` if no input says."""
+        """Rows (dimension 0) of the micro-batch the plan is costed for; ``None`` if no input says.
+
+        A plan from the layout search is costed for its layout's micro-batch size (the example it
+        was traced with may have had another)."""
+        if self.layout is not None:
+            return self.layout.microbatch_size
         sizes = [shape[0] for shape in self.microbatch_shapes.values() if shape]
         return sizes[0] if sizes else None
 

@@ -8,7 +8,6 @@ the terminal) and never reads rich markup in them; DOT strings escape backslashe
 from __future__ import annotations
 
 import io
-import math
 from typing import TYPE_CHECKING
 
 from rich import box
@@ -17,9 +16,11 @@ from rich.console import Console, JustifyMethod
 from rich.table import Table
 from rich.text import Text
 
+from partitioner.plan.units import fmt_bytes, fmt_count, fmt_flops, fmt_time
 from partitioner.schedule.registry import stages_per_rank
 
 if TYPE_CHECKING:
+    from partitioner.plan.layout import Layout
     from partitioner.plan.records import PlanRecord, StagePlan
 
 __all__ = ["TEXT_WIDTH", "render_text", "render_dot", "printable", "fmt_bytes", "fmt_time", "fmt_flops", "fmt_count"]
@@ -43,42 +44,6 @@ def printable(s: str) -> str:
 def _text(s: str) -> Text:
     """A cell or line as plain text: printable, and ``[bold]`` in a name stays ``[bold]``."""
     return Text(printable(s))
-
-
-def fmt_bytes(n: float) -> str:
-    """``1536 -> '1.5 KiB'``; infinity reads as 'unlimited'."""
-    if math.isinf(n):
-        return "unlimited"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"  # unreachable: the loop returns at TiB
-
-
-def fmt_time(seconds: float) -> str:
-    """``0.0123 -> '12.3 ms'``."""
-    if seconds >= 1:
-        return f"{seconds:.2f} s"
-    if seconds >= 1e-3:
-        return f"{seconds * 1e3:.2f} ms"
-    return f"{seconds * 1e6:.1f} µs"
-
-
-def fmt_flops(n: float) -> str:
-    """``2.5e12 -> '2.50 T'``."""
-    for unit, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f}"
-
-
-def fmt_count(n: float) -> str:
-    """``124_000_000 -> '124.0M'``."""
-    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.1f}{unit}"
-    return f"{n:.0f}"
 
 
 def _title(plan: PlanRecord) -> str:
@@ -125,6 +90,7 @@ def _stage_row(plan: PlanRecord, st: StagePlan, *, worst: int, recompute_column:
 # schedule, micro-batches and whether it fits stay.
 _STAGE_DROP_ORDER = ("fwd FLOPs", "bwd FLOPs", "nodes", "F", "B", "comm", "sends", "params", "recompute", "device")
 _CANDIDATE_DROP_ORDER = ("stages", "bubble", "step", "peak memory", "per micro-batch")
+_LAYOUT_DROP_ORDER = ("recompute", "exchanged", "bubble", "exchange", "#", "memory / device")
 _FOLD_MIN = 20  # the narrowest a folding column (modules, fits) gets before a column is left out
 
 
@@ -214,13 +180,14 @@ def _summary_lines(plan: PlanRecord) -> list[str]:
     return lines
 
 
-def render_text(plan: PlanRecord, width: int = TEXT_WIDTH) -> str:
+def render_text(plan: PlanRecord, width: int = TEXT_WIDTH, top: int = 5) -> str:
     """The stage table with the summary lines under it, as plain text no wider than ``width``.
 
     ``str(plan)`` uses the default, wide enough for every column of a typical plan; the command line
     passes the terminal's width. Narrower, the modules column folds, then the least read columns
     are left out (FLOPs first; stage, modules, memory and time always stay) and a line says which.
-    The summary lines wrap at ``width``.
+    The summary lines wrap at ``width``. A plan from the layout search (``plan.layout``) starts with
+    its layout and a table of the ``top`` fastest layouts that fit, with what each loses on.
 
     Example:
         >>> import torch
@@ -232,6 +199,16 @@ def render_text(plan: PlanRecord, width: int = TEXT_WIDTH) -> str:
     """
     buf = io.StringIO()
     console = Console(file=buf, width=width, no_color=True, highlight=False, soft_wrap=False)
+    if plan.layout is not None:
+        for line in _layout_lines(plan.layout):
+            console.print(_text(line))
+        table, dropped = _layouts_table(plan, width=width, top=top)
+        console.print(table)
+        if dropped:
+            console.print(_text(f"(left out at {width} columns: {', '.join(dropped)})"))
+        console.print(_text(_layout_counts(plan)))
+        console.print(_text(f"chose {plan.choice}"))
+        console.print()
     table, dropped = _stage_table(plan, width=width)
     console.print(table)
     if dropped:
@@ -246,6 +223,60 @@ def render_text(plan: PlanRecord, width: int = TEXT_WIDTH) -> str:
         console.print(_text(f"chose {plan.choice}"))
     # rich pads each line to the width; the padding only makes copied text ragged.
     return "\n".join(line.rstrip() for line in buf.getvalue().rstrip().splitlines()) + "\n"
+
+
+def _layout_lines(lay: Layout) -> list[str]:
+    """The chosen layout in two lines: how the devices are spent, and what one step costs."""
+    rate = f"{fmt_count(lay.tokens_per_s)} tokens/s" if lay.tokens_per_row else f"{fmt_count(lay.samples_per_s)} rows/s"
+    zero = ", optimizer state sharded over the replicas (ZeRO-1)" if lay.zero == "zero1" else ""
+    head = (
+        f"pipecut layout: {lay.devices} devices = {lay.dp} replica(s) x {lay.pp}-rank pipeline ({lay.stages} stages, "
+        f"{lay.schedule}); global batch {lay.global_batch} = {lay.dp} x {lay.microbatches} micro-batches of "
+        f"{lay.microbatch_size}{zero}"
+    )
+    cost = (
+        f"predicted step {fmt_time(lay.step_time)} = pipeline {fmt_time(lay.pipeline_time)} (bubble {lay.bubble:.1%}) "
+        f"+ exchange not hidden {fmt_time(lay.exchange_time)} + optimizer {fmt_time(lay.optimizer_time)}; {rate}; "
+        f"peak memory {fmt_bytes(lay.memory)} of {fmt_bytes(lay.capacity)} per device"
+    )
+    return [head, cost]
+
+
+def _layouts_table(plan: PlanRecord, *, width: int, top: int) -> tuple[Table, list[str]]:
+    tokens = bool(plan.layout and plan.layout.tokens_per_row)
+    names = ("#", "layout", "step", "tokens/s" if tokens else "rows/s", "memory / device", "bubble", "exchange",
+             "exchanged", "recompute", "vs chosen")
+    columns: list[tuple[str, JustifyMethod]] = [(c, "left" if c in ("layout", "vs chosen") else "right") for c in names]
+    rows = []
+    for i, lay in enumerate([r for r in plan.layouts if r.fits][:top], 1):
+        rows.append([
+            str(i), lay.label(), fmt_time(lay.step_time),
+            fmt_count(lay.tokens_per_s if tokens else lay.samples_per_s),
+            f"{fmt_bytes(lay.memory)} / {fmt_bytes(lay.capacity)}", f"{lay.bubble:.1%}", fmt_time(lay.exchange_time),
+            fmt_bytes(lay.exchange_bytes), f"{lay.recompute}/{lay.stages}" if lay.recompute else "-", lay.note,
+        ])
+    return _fitted(f"layouts ranked by predicted step time (the {len(rows)} fastest that fit)", columns, rows,
+                   width=width, wraps=("vs chosen",), drop_order=_LAYOUT_DROP_ORDER)
+
+
+def _layout_counts(plan: PlanRecord) -> str:
+    """How many layouts were searched, priced, pruned, and why the ones that lost without a price did."""
+    rows = plan.layouts
+    fit = sum(r.fits for r in rows)
+    priced = sum(r.priced for r in rows)
+    state = [r for r in rows if not r.priced and r.note.startswith("training state")]
+    bound = sum(1 for r in rows if not r.priced and r.note.startswith("not priced"))
+    other = [r for r in rows if (r.priced and not r.fits) or (not r.priced and r not in state and
+                                                              not r.note.startswith("not priced"))]
+    text = f"{len(rows)} layouts searched: {priced} priced, {fit} fit"
+    if bound:
+        text += f"; {bound} not priced (their lower bound cannot beat the ranked ones)"
+    if state:
+        most = max(state, key=lambda r: r.pp)
+        text += f"; {len(state)} cannot hold the training state (up to {most.label()}: {most.note})"
+    if other:
+        text += f"; {len(other)} do not fit memory once cut"
+    return text
 
 
 def _ranges(values: list[int]) -> str:

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from partitioner.cost.exchange import DEFAULT_BUCKET_BYTES
 from runtime.transport.collective import wait_bounded
 from runtime.transport.placement import PlacementError
 
@@ -42,8 +43,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# DDP's default bucket: big enough to amortise a collective's latency, small enough to start early.
-DEFAULT_BUCKET_BYTES = 25 * 2**20
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,298 @@
+"""``plan_layout()``: how to spend a cluster on a global batch, searched and priced, as one plan.
+
+Legend: ``N`` devices, ``dp`` replicas, ``pp`` ranks per pipeline, ``S`` stages, ``b`` rows per
+micro-batch, ``m`` micro-batches per replica, ``B`` the global batch, ``P`` parameters.
+
+The model is traced and costed once, at the example's micro-batch; every other micro-batch size
+scales those costs (``partitioner.cost.nodecost.scale_cost``). Each layout of
+``partitioner.plan.layout.layout_space`` is priced as the runtime runs it:
+
+* the exact cut for its ``S`` stages, with the memory its schedule holds at ``m`` micro-batches
+  and its training state (optimizer state over ``dp`` with ``zero1``), recomputing the stages
+  that do not fit otherwise (``recompute='auto'``);
+* one step of the schedule through the event simulator, on the first pipeline's links (a link
+  between two nodes at the inter-node bandwidth: ``partitioner.cost.exchange.pipeline_links``);
+* the gradient exchange of each stage over its "dp" group, leaving when the stage's last
+  backward ends (``Simulation.grads_ready``) as the runtime's overlapped exchange does: an
+  all-reduce, or with ``zero1`` a reduce to the owners; what runs past the pipeline's end shows;
+* the optimizer step on the fullest rank (its share with ``zero1``), and with ``zero1`` the
+  owners' broadcast of the new values after it.
+
+What it ignores: tensor parallelism (pipecut has none), compute slowed by concurrent
+communication, the tied-weight all-reduce (one tensor per tie), and the loss broadcast.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from partitioner.api import _Context, _context
+from partitioner.cost.costs import node_time
+from partitioner.cost.devices import Cluster
+from partitioner.cost.exchange import (
+    DEFAULT_BUCKET_BYTES,
+    GRAD_BYTES_PER_PARAM,
+    WEIGHT_GRAD_BYTES_PER_PARAM,
+    allreduce_time,
+    collective,
+    exchange_end,
+    optimizer_time,
+    pipeline_links,
+    reduce_time,
+)
+from partitioner.cost.precision import check_precision
+from partitioner.cost.recompute import check_option
+from partitioner.errors import PartitionOptionError
+from partitioner.plan.layout import ZERO_OPTIONS, Layout, Option, explain, layout_space, pick, search
+from partitioner.plan.placement import stage_cluster
+from partitioner.plan.plan import Plan
+from partitioner.plan.predict import prediction, simulate_stages
+from partitioner.schedule.registry import TRAINING_SCHEDULES, stage_schedule
+from partitioner.tracing.globalstate import preserved
+from partitioner.tracing.hf import block_depth, is_hf_model
+from partitioner.tracing.trace import Method as TraceMethod
+
+__all__ = ["plan_layout"]
+
+log = logging.getLogger(__name__)
+
+
+def plan_layout(
+    model: nn.Module,
+    example_inputs: Sequence[Any],
+    *,
+    cluster: Cluster,
+    global_batch: int,
+    schedules: Sequence[str] | None = None,
+    microbatch_sizes: Sequence[int] | None = None,
+    zero: Sequence[str] = ZERO_OPTIONS,
+    dp_sizes: Sequence[int] | None = None,
+    top: int = 5,
+    prune: bool = True,
+    precision: str = "fp32",
+    recompute: bool | str = "auto",
+    granularity: str | None = None,
+    module_depth: int | None = None,
+    leaf_modules: Sequence[type | str] = (),
+    state_bytes_per_param: float = 16.0,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    profile: bool = False,
+    profile_device: str | torch.device | None = None,
+    trace_method: TraceMethod = "auto",
+    example_kwargs: Mapping[str, Any] | None = None,
+) -> Plan:
+    """Choose the whole layout of a job on ``cluster`` for ``global_batch`` rows per step.
+
+    Searches every ``dp x pp = len(cluster)``, micro-batch size, schedule and optimizer sharding
+    (see the module docstring for how each is priced) and returns the fastest that fits as a
+    plan the trainer runs as it is: ``plan.layout`` holds dp, the micro-batch size and the
+    sharding, ``plan.schedule`` / ``plan.microbatches`` / each stage's ``recompute`` the rest.
+
+    Args:
+        model: the model (it may live on ``meta``).
+        example_inputs: one micro-batch of inputs (any number of rows ``b0``; other micro-batch
+            sizes scale its costs by ``b / b0``).
+        cluster: the devices (``Cluster.uniform(64, "A100-80GB")``, or one ``Cluster.measure``
+            made): their count is ``N``; the first device's kind, node size and links price all.
+        global_batch: rows per optimizer step over all replicas, ``B``.
+        schedules: the schedules to try (default: every training schedule).
+        microbatch_sizes: the rows per micro-batch to try (default: every divisor of ``B / dp``).
+        zero: the optimizer shardings to try: ``'none'``, ``'zero1'`` (``dp > 1`` only).
+        dp_sizes: the replica counts to try (default: every divisor of ``N`` that divides ``B``);
+            ``(1,)`` plans one pipeline over every device.
+        top: how many layouts are ranked exactly (the rest are pruned by a lower bound).
+        prune: ``False`` prices every layout whose state fits (the brute force; slow at scale).
+        precision, recompute, granularity, module_depth, leaf_modules, state_bytes_per_param,
+            profile, profile_device, trace_method, example_kwargs: as ``partition``.
+        bucket_bytes: the gradient buckets the exchange runs in (the runtime's default).
+
+    Returns:
+        The chosen layout's plan, bound to ``model``: ``print(plan)`` shows the layout and the
+        ranked alternatives (``plan.layouts``), with why each lost (``plan.choice`` says why the
+        winner won).
+
+    Raises:
+        PartitionOptionError: an argument has a value the search does not take.
+        InfeasibleMemoryError: no layout fits the devices.
+        TraceError: the model could not be captured.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from partitioner import Cluster, plan_layout
+        >>> m = nn.Sequential(*[nn.Linear(64, 64) for _ in range(8)])
+        >>> plan = plan_layout(m, (torch.randn(1, 64),), cluster=Cluster.uniform(4, "cpu"), global_batch=16)
+        >>> plan.layout.dp * plan.layout.pp, plan.layout.global_batch
+        (4, 16)
+    """
+    _check(cluster, global_batch, schedules, microbatch_sizes, zero, top)
+    check_precision(precision)
+    recompute = check_option(recompute)
+    with preserved(model, what="plan_layout()"):
+        if granularity is None:  # as partition: a Hugging Face model's blocks stay whole
+            depth = block_depth(model) if is_hf_model(model) else None
+            granularity, module_depth = ("module", module_depth or depth) if depth else ("node", module_depth)
+        t0 = time.perf_counter()
+        ctx = _context(
+            model, example_inputs, example_kwargs=example_kwargs, leaf_modules=leaf_modules,
+            trace_method=trace_method, example_microbatches=1, profile=profile, profile_device=profile_device,
+            precision=precision, granularity=granularity, module_depth=module_depth, method="exact", refine=True,
+            split_points=None, state_bytes_per_param=state_bytes_per_param, recompute=recompute,
+        )
+        pricer = _Pricer(ctx, cluster, _rows(example_inputs, example_kwargs), bucket_bytes)
+        options = layout_space(
+            len(cluster), global_batch, schedules=tuple(schedules or TRAINING_SCHEDULES),
+            microbatch_sizes=microbatch_sizes, zero=zero, max_stages=len(ctx.units), dp_sizes=dp_sizes,
+        )
+        if not options:
+            raise PartitionOptionError(
+                f"no layout of {len(cluster)} devices divides a global batch of {global_batch} rows "
+                f"into replicas and micro-batches (microbatch_sizes={microbatch_sizes}, dp_sizes={dp_sizes}); "
+                "pick a global batch "
+                "that a replica count divides"
+            )
+        rows = search(options, pricer.price, pricer.bound, capacity=pricer.capacity, top=top, prune=prune)
+        best, why = pick(rows)
+        rows = explain(rows, best)
+        t1 = time.perf_counter()
+        log.info("plan_layout: %d layouts, %.2fs: %s", len(rows), t1 - t0, why)
+        plan = pricer.plan(best.option)
+        chosen = next(r for r in rows if r.note == "chosen")
+        return replace(plan, layout=chosen, layouts=tuple(rows), choice=why)
+
+
+def _check(
+    cluster: Cluster, global_batch: int, schedules: Sequence[str] | None, sizes: Sequence[int] | None,
+    zero: Sequence[str], top: int,
+) -> None:
+    if not isinstance(cluster, Cluster):
+        raise PartitionOptionError(
+            f"cluster must be a Cluster (e.g. Cluster.uniform(8, 'A100-80GB')), got {type(cluster).__name__}"
+        )
+    if type(global_batch) is not int or global_batch < 1:
+        raise PartitionOptionError(f"global_batch must be a positive int (rows per step), got {global_batch!r}")
+    unknown = [s for s in schedules or () if s not in TRAINING_SCHEDULES]
+    if unknown:
+        raise PartitionOptionError(f"unknown schedules {unknown}; choose among {', '.join(TRAINING_SCHEDULES)}")
+    bad = [b for b in sizes or () if type(b) is not int or b < 1]
+    if bad or (sizes is not None and not sizes):
+        raise PartitionOptionError(f"microbatch_sizes must be positive ints, got {sizes!r}")
+    if not zero or any(z not in ZERO_OPTIONS for z in zero):
+        raise PartitionOptionError(f"zero must list some of {', '.join(ZERO_OPTIONS)}, got {list(zero)!r}")
+    if type(top) is not int or top < 1:
+        raise PartitionOptionError(f"top must be a positive int, got {top!r}")
+
+
+def _rows(example_inputs: Sequence[Any], example_kwargs: Mapping[str, Any] | None) -> tuple[int, int]:
+    """(rows of the example micro-batch, tokens per row when the first input is token ids, else 0)."""
+    given = (*example_inputs, *(example_kwargs or {}).values())
+    tensors = [x for x in given if isinstance(x, torch.Tensor) and x.dim()]
+    if not tensors:
+        raise PartitionOptionError(
+            "plan_layout needs a tensor input with a batch dimension, to scale the example's rows to "
+            "other micro-batch sizes"
+        )
+    x = tensors[0]
+    tokens = int(x.shape[1]) if x.dim() == 2 and not x.is_floating_point() else 0
+    return int(x.shape[0]), tokens
+
+
+class _Pricer:
+    """Prices layouts of one traced, costed model on one cluster; caches per micro-batch size."""
+
+    def __init__(self, ctx: _Context, cluster: Cluster, rows: tuple[int, int], bucket_bytes: int) -> None:
+        self.ctx, self.cluster, self.bucket_bytes = ctx, cluster, bucket_bytes
+        self.rows, self.tokens = rows
+        self.capacity = min(d.memory for d in cluster.devices)
+        canon: set[str] = set()
+        for name, prm in ctx.traced.gm.named_parameters():  # each tensor once, tied ones included
+            canon.add(name)
+            del prm
+        self.params = float(sum(ctx.numel.get(n, 0) for n in canon))
+        self._at: dict[int, tuple[_Context, float]] = {}
+
+    def _sized(self, b: int) -> tuple[_Context, float]:
+        """The context costed for ``b`` rows and one micro-batch's total work (forward and backward)."""
+        if b not in self._at:
+            ctx = self.ctx.scaled(b / self.rows)
+            dev = self.cluster.devices[0]
+            work = sum(sum(node_time(ctx.g.nodes[v]["cost"], dev)) for v in ctx.g.nodes)
+            self._at[b] = (ctx, work)
+        return self._at[b]
+
+    def _state_per_param(self, o: Option) -> float:
+        """Training state bytes per parameter on a rank: the optimizer's share over dp with zero1."""
+        sbpp = self.ctx.state_bytes_per_param
+        opt = max(0.0, sbpp - WEIGHT_GRAD_BYTES_PER_PARAM)
+        return sbpp - opt + opt / o.dp if o.zero == "zero1" else sbpp
+
+    def bound(self, o: Option) -> tuple[float, str | None, float]:
+        """A lower bound on the step time, why the state cannot fit (or ``None``), the state per rank."""
+        state = self.params * self._state_per_param(o) / o.pp
+        if state > self.capacity:
+            return 0.0, f"training state alone needs {state / 2**30:.1f} GiB per rank on average", state
+        _, work = self._sized(o.microbatch_size)
+        dev = self.cluster.devices[0]
+        share = self.params / o.pp / (o.dp if o.zero == "zero1" else 1)
+        lb = max(o.microbatches * work / o.pp, work) + optimizer_time(share, dev.mem_bandwidth)
+        if o.zero == "zero1":
+            lb += reduce_time(self.params / o.pp * GRAD_BYTES_PER_PARAM, o.dp, collective(self.cluster, o.dp, o.pp))
+        return lb, None, state
+
+    def _cut(self, o: Option, *, split: bool, built: Any = None) -> tuple[Plan, Cluster]:
+        ctx, _ = self._sized(o.microbatch_size)
+        ctx = replace(ctx, state_bytes_per_param=self._state_per_param(o))
+        stages = stage_cluster(pipeline_links(self.cluster, o.pp), o.stages, o.schedule)
+        plan = ctx.plan(stages, o.schedule, o.microbatches, split=split, predictions=split, built=built)
+        return plan, stages
+
+    def price(self, o: Option) -> Layout:
+        """The layout ``o`` as the cost model sees it (see the module docstring)."""
+        built = stage_schedule(o.schedule, o.stages, o.microbatches)
+        plan, stages = self._cut(o, split=False, built=built)
+        sched, sim = simulate_stages(plan.stages, stages, o.schedule, o.microbatches, built=built)
+        pr = prediction(plan.stages, o.schedule, o.microbatches, sched, sim)
+        grad_bytes = [st.params * GRAD_BYTES_PER_PARAM for st in plan.stages]
+        exch, per_rank_bytes = [], [0.0] * o.pp
+        for s, nbytes in enumerate(grad_bytes):
+            r = sched.stage_to_rank[s]
+            ring = collective(self.cluster, o.dp, o.pp, r)
+            move = reduce_time if o.zero == "zero1" else allreduce_time
+            exch.append(move(nbytes, o.dp, ring, self.bucket_bytes))
+            share = (1 if o.zero == "zero1" else 2) * (o.dp - 1) / o.dp
+            per_rank_bytes[r] += share * nbytes
+        ends = exchange_end(sim.grads_ready, exch, sched.stage_to_rank, o.pp)
+        tail = max(0.0, max(ends, default=0.0) - sim.step_time)
+        rank_params = [0.0] * o.pp
+        for s, st in enumerate(plan.stages):
+            rank_params[sched.stage_to_rank[s]] += st.params
+        dev = self.cluster.devices[0]
+        owned = max(rank_params) / (o.dp if o.zero == "zero1" else 1)
+        opt = optimizer_time(owned, dev.mem_bandwidth)
+        if o.zero == "zero1":  # the owners broadcast the new values after the step
+            tail += max(
+                reduce_time(p * GRAD_BYTES_PER_PARAM, o.dp, collective(self.cluster, o.dp, o.pp, r), self.bucket_bytes)
+                for r, p in enumerate(rank_params)
+            )
+            per_rank_bytes = [x * 2 for x in per_rank_bytes]
+        step = sim.step_time + tail + opt
+        return Layout(
+            o.dp, o.pp, o.stages, o.schedule, o.microbatch_size, o.microbatches, o.global_batch, o.zero,
+            step_time=step, pipeline_time=sim.step_time, exchange_time=tail, optimizer_time=opt,
+            bubble=sim.bubble_total, memory=pr.memory, capacity=self.capacity,
+            exchange_bytes=max(per_rank_bytes, default=0.0), recompute=sum(st.recompute for st in plan.stages),
+            tokens_per_row=self.tokens, fits=pr.memory <= self.capacity and math.isfinite(step), priced=True,
+        )
+
+    def plan(self, o: Option) -> Plan:
+        """The chosen layout's full plan: stages built, every schedule of its placement predicted."""
+        plan, _ = self._cut(o, split=True)
+        return plan

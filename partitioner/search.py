@@ -50,11 +50,12 @@ from partitioner.cost.exchange import (
 )
 from partitioner.cost.precision import check_precision
 from partitioner.cost.recompute import check_option
-from partitioner.errors import PartitionOptionError
+from partitioner.errors import InfeasibleMemoryError, PartitionOptionError
 from partitioner.plan.layout import ZERO_OPTIONS, Layout, Option, explain, layout_space, pick, search
 from partitioner.plan.placement import stage_cluster
 from partitioner.plan.plan import Plan
 from partitioner.plan.predict import prediction, simulate_stages
+from partitioner.schedule.ir import Schedule
 from partitioner.schedule.registry import TRAINING_SCHEDULES, stage_schedule
 from partitioner.tracing.globalstate import preserved
 from partitioner.tracing.hf import block_depth, is_hf_model
@@ -217,16 +218,27 @@ class _Pricer:
             canon.add(name)
             del prm
         self.params = float(sum(ctx.numel.get(n, 0) for n in canon))
-        self._at: dict[int, tuple[_Context, float]] = {}
+        self._at: dict[int, tuple[_Context, float, float, float]] = {}
+        self._schedules: dict[tuple[str, int, int], Schedule] = {}
+        self._no_fit: set[tuple[int, int, str, int]] = set()  # (dp, pp, schedule, b) cut too big with zero1
 
-    def _sized(self, b: int) -> tuple[_Context, float]:
-        """The context costed for ``b`` rows and one micro-batch's total work (forward and backward)."""
+    def _sized(self, b: int) -> tuple[_Context, float, float, float]:
+        """The context costed for ``b`` rows; one micro-batch's total work (forward and backward), its
+        activation bytes, and the largest any one unit saves (the memory bound's terms)."""
         if b not in self._at:
             ctx = self.ctx.scaled(b / self.rows)
             dev = self.cluster.devices[0]
             work = sum(sum(node_time(ctx.g.nodes[v]["cost"], dev)) for v in ctx.g.nodes)
-            self._at[b] = (ctx, work)
+            acts = [sum(ctx.g.nodes[v]["cost"].saved_bytes for v in u.nodes) for u in ctx.units]
+            self._at[b] = (ctx, work, float(sum(acts)), float(max(acts, default=0)))
         return self._at[b]
+
+    def _schedule(self, o: Option) -> Schedule:
+        """The option's schedule, built once for every option that shares it (the shardings, say)."""
+        key = (o.schedule, o.stages, o.microbatches)
+        if key not in self._schedules:
+            self._schedules[key] = stage_schedule(*key)
+        return self._schedules[key]
 
     def _state_per_param(self, o: Option) -> float:
         """Training state bytes per parameter on a rank: the optimizer's share over dp with zero1."""
@@ -239,7 +251,14 @@ class _Pricer:
         state = self.params * self._state_per_param(o) / o.pp
         if state > self.capacity:
             return 0.0, f"training state alone needs {state / 2**30:.1f} GiB per rank on average", state
-        _, work = self._sized(o.microbatch_size)
+        _, work, act, top_act = self._sized(o.microbatch_size)
+        # Every rank's peak holds at least one micro-batch's activations of its stages (a
+        # recomputing stage rebuilds them in its backward): the fullest holds the average of
+        # state and those, and at least the unit that saves the most.
+        least = max(state + act / o.pp, top_act)
+        if least > self.capacity:
+            return 0.0, (f"state and one micro-batch's activations need at least {least / 2**30:.1f} GiB "
+                         "per rank"), least
         dev = self.cluster.devices[0]
         share = self.params / o.pp / (o.dp if o.zero == "zero1" else 1)
         lb = max(o.microbatches * work / o.pp, work) + optimizer_time(share, dev.mem_bandwidth)
@@ -247,8 +266,8 @@ class _Pricer:
             lb += reduce_time(self.params / o.pp * GRAD_BYTES_PER_PARAM, o.dp, collective(self.cluster, o.dp, o.pp))
         return lb, None, state
 
-    def _cut(self, o: Option, *, split: bool, built: Any = None) -> tuple[Plan, Cluster]:
-        ctx, _ = self._sized(o.microbatch_size)
+    def _cut(self, o: Option, *, split: bool, built: Schedule | None = None) -> tuple[Plan, Cluster]:
+        ctx = self._sized(o.microbatch_size)[0]
         ctx = replace(ctx, state_bytes_per_param=self._state_per_param(o))
         stages = stage_cluster(pipeline_links(self.cluster, o.pp), o.stages, o.schedule)
         plan = ctx.plan(stages, o.schedule, o.microbatches, split=split, predictions=split, built=built)
@@ -256,8 +275,16 @@ class _Pricer:
 
     def price(self, o: Option) -> Layout:
         """The layout ``o`` as the cost model sees it (see the module docstring)."""
-        built = stage_schedule(o.schedule, o.stages, o.microbatches)
-        plan, stages = self._cut(o, split=False, built=built)
+        key = (o.dp, o.pp, o.schedule, o.microbatch_size)
+        if o.zero == "none" and key in self._no_fit:  # more state than zero1's, which no cut fits
+            raise InfeasibleMemoryError([0.0], [self.capacity], "no cut fits (it does not with zero1 either)")
+        built = self._schedule(o)
+        try:
+            plan, stages = self._cut(o, split=False, built=built)
+        except InfeasibleMemoryError:
+            if o.zero == "zero1":
+                self._no_fit.add(key)
+            raise
         sched, sim = simulate_stages(plan.stages, stages, o.schedule, o.microbatches, built=built)
         pr = prediction(plan.stages, o.schedule, o.microbatches, sched, sim)
         grad_bytes = [st.params * GRAD_BYTES_PER_PARAM for st in plan.stages]

@@ -7,6 +7,7 @@ Examples::
     pipecut plan gpt2-tiny --stages 4 --schedule auto --microbatches auto --json plan.json
     pipecut simulate plan.json --schedule zbv --microbatches 16 --trace out.json
     pipecut plan gpt2-175b --stages 64 --device A100-80GB --granularity module --json plan.json
+    pipecut plan gpt2-175b --devices 512 --global-batch 1536 --device A100-80GB --precision bf16 --granularity module
     pipecut plan examples/my_model.py:build --stages 2 --device cpu --dot plan.dot
     pipecut plan path/to/hf-folder --stages 8 --device H100-80GB --seq-len 4096
     pipecut train --model path/to/hf-folder --data tokens.bin --out run --pp 2 --steps 100
@@ -39,6 +40,7 @@ from partitioner.plan.plan import Plan
 from partitioner.plan.predict import prediction, simulate_stages
 from partitioner.plan.render import TEXT_WIDTH, fmt_bytes, fmt_time, render_text
 from partitioner.schedule.registry import TRAINING_SCHEDULES
+from partitioner.search import plan_layout
 from partitioner.zoo import MODELS, load_model
 from pipecut.folder import HFFolder, is_hf_folder, max_positions
 
@@ -61,14 +63,20 @@ def build_parser() -> argparse.ArgumentParser:
         "where factory() returns (model, example_inputs) for one micro-batch, or a Hugging Face "
         "folder (config.json; built on meta, so any size plans here)"
     )
-    plan.add_argument("--stages", type=int, required=True, help="number of pipeline stages")
+    plan.add_argument("--stages", type=int, default=None, help="number of pipeline stages (or --devices)")
+    plan.add_argument("--devices", type=_count, default=None,
+                      help="search the whole layout of this many devices (dp x pp, micro-batch size, schedule, "
+                      "ZeRO-1) for --global-batch rows per step, instead of cutting --stages")
+    plan.add_argument("--global-batch", type=_count, default=None, help="rows per optimizer step (with --devices)")
+    plan.add_argument("--top", type=_count, default=5, help="layouts ranked in the table (with --devices; default 5)")
     plan.add_argument(
         "--device", default="A100-80GB", help=f"device preset for every stage ({', '.join(DEVICE_PRESETS)})"
     )
     plan.add_argument("--microbatches", type=_count_or_auto, default=8,
                       help="micro-batches per step (default 8), or 'auto'")
-    plan.add_argument("--schedule", default="1f1b", choices=(*TRAINING_SCHEDULES, "auto"),
-                      help="pipeline schedule, or 'auto' to simulate them all and keep the fastest that fits")
+    plan.add_argument("--schedule", default=None, choices=(*TRAINING_SCHEDULES, "auto"),
+                      help="pipeline schedule (default 1f1b), or 'auto' to simulate them all and keep the fastest "
+                      "that fits; with --devices every schedule is searched unless one is named")
     plan.add_argument("--method", default="exact", choices=METHODS)
     plan.add_argument("--no-refine", action="store_true", help="skip the DAG refinement after 'exact'")
     plan.add_argument("--split-points", default=None, help="comma-separated module names where stages begin")
@@ -143,15 +151,30 @@ def _plan(args: argparse.Namespace) -> int:
         model, inputs = _folder_model(args.model, args.seq_len, args.micro_batch_size)
     else:
         model, inputs = load_model(args.model)
-    cluster = Cluster.uniform(args.stages, args.device, link_bandwidth=args.link_bandwidth)
-    split = [s.strip() for s in args.split_points.split(",")] if args.split_points else None
-    plan = partition(
-        model, inputs, args.stages, cluster=cluster, microbatches=args.microbatches,
-        schedule=args.schedule, method=args.method, refine=not args.no_refine, split_points=split,
-        granularity=args.granularity, state_bytes_per_param=args.state_bytes,
-        recompute=_RECOMPUTE[args.recompute], precision=args.precision,
-    )
-    print(render_text(plan, width=_console().width), end="")
+    if (args.stages is None) == (args.devices is None):
+        raise CliArgumentError("give --stages N (cut N stages) or --devices N --global-batch B (search the layout)")
+    if args.devices is not None:
+        if args.global_batch is None:
+            raise CliArgumentError(
+                "--devices searches layouts for a global batch: add --global-batch B (rows per step)"
+            )
+        plan = plan_layout(
+            model, inputs, cluster=Cluster.uniform(args.devices, args.device, link_bandwidth=args.link_bandwidth),
+            global_batch=args.global_batch, top=args.top,
+            schedules=(args.schedule,) if args.schedule not in (None, "auto") else None,
+            granularity=args.granularity, state_bytes_per_param=args.state_bytes,
+            recompute=_RECOMPUTE[args.recompute], precision=args.precision,
+        )
+    else:
+        cluster = Cluster.uniform(args.stages, args.device, link_bandwidth=args.link_bandwidth)
+        split = [s.strip() for s in args.split_points.split(",")] if args.split_points else None
+        plan = partition(
+            model, inputs, args.stages, cluster=cluster, microbatches=args.microbatches,
+            schedule=args.schedule or "1f1b", method=args.method, refine=not args.no_refine, split_points=split,
+            granularity=args.granularity, state_bytes_per_param=args.state_bytes,
+            recompute=_RECOMPUTE[args.recompute], precision=args.precision,
+        )
+    print(render_text(plan, width=_console().width, top=args.top), end="")
     if args.json_path:
         plan.save(args.json_path)
         print(f"plan written to {args.json_path}")

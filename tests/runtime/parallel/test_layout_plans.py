@@ -1,0 +1,93 @@
+"""A plan from the layout search trains as it is: the trainer takes its replicas and sharding, exactly."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from partitioner import Cluster, plan_layout
+from runtime import PipelineTrainer
+from runtime.transport.launch import spawn
+from runtime.transport.placement import PlacementError
+
+
+def _gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=4, n_embd=32, n_head=4, vocab_size=64, n_positions=16,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(cfg)
+
+
+def _loss(out: Any, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(out.logits.flatten(0, 1), y.flatten())
+
+
+def _reference(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    ref = copy.deepcopy(model)
+    loss = _loss(ref(x), y)
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in ref.named_parameters(remove_duplicate=False)}
+
+
+def test_a_one_replica_layout_trains_exactly_in_one_process() -> None:
+    model = _gpt2()
+    plan = plan_layout(model, (torch.randint(0, 64, (1, 8)),), cluster=Cluster.uniform(2, "cpu"),
+                       global_batch=8, dp_sizes=(1,))
+    assert plan.layout is not None and plan.layout.dp == 1
+    gen = torch.Generator().manual_seed(5)
+    x, y = torch.randint(0, 64, (8, 8), generator=gen), torch.randint(0, 64, (8, 8), generator=gen)
+    want_loss, want = _reference(model, x, y)
+    trainer = PipelineTrainer(plan, _loss)
+    assert trainer.m == plan.layout.microbatches and trainer.schedule_name == plan.layout.schedule
+    loss = trainer.forward_backward(x, y)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], rtol=1e-4, atol=1e-6)
+
+
+def test_a_layout_with_replicas_in_one_process_says_how_to_launch_it() -> None:
+    plan = plan_layout(_gpt2(), (torch.randint(0, 64, (1, 8)),), cluster=Cluster.uniform(2, "cpu"),
+                       global_batch=8, dp_sizes=(2,))
+    with pytest.raises(PlacementError, match="torchrun --nproc-per-node 2"):
+        PipelineTrainer(plan, _loss, transport="local")
+    PipelineTrainer(plan, _loss, transport="local", data_parallel=1)  # one replica, asked for
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4)])
+
+
+def _replicated(rank: int, world: int) -> dict[str, Any]:
+    model = _mlp()
+    plan = plan_layout(model, (torch.randn(1, 16),), cluster=Cluster.uniform(world, "cpu"),
+                       global_batch=8, dp_sizes=(2,), zero=("zero1",))
+    mse = nn.functional.mse_loss
+    trainer = PipelineTrainer(plan, mse, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), transport="dist")
+    gen = torch.Generator().manual_seed(9)
+    x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 16, generator=gen)
+    ref = copy.deepcopy(model)
+    want_loss = mse(ref(x), y)
+    want_loss.backward()
+    want = dict(ref.named_parameters())
+    loss = trainer.forward_backward(*trainer.local_batch(x, y))
+    held = [(n, p) for n, p in trainer.named_parameters() if p.grad is not None]
+    worst = max(float((p.grad - want[n].grad).abs().max() / want[n].grad.abs().max()) for n, p in held)
+    dp = trainer.options.data_parallel
+    return {"dp": dp.size, "shard": dp.shard_optimizer, "loss": float(loss), "want": float(want_loss),
+            "worst": worst, "held": len(held), "layout": plan.layout.label() if plan.layout else ""}
+
+
+@pytest.mark.multiprocess
+def test_the_trainer_takes_replicas_and_sharding_from_the_layout() -> None:
+    results = spawn(_replicated, 2, timeout=180)
+    for r in results:
+        assert (r["dp"], r["shard"]) == (2, True), r["layout"]
+        assert r["loss"] == pytest.approx(r["want"], rel=1e-5)
+        assert r["held"] > 0 and r["worst"] < 1e-5

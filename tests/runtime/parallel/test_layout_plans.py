@@ -91,3 +91,40 @@ def test_the_trainer_takes_replicas_and_sharding_from_the_layout() -> None:
         assert (r["dp"], r["shard"]) == (2, True), r["layout"]
         assert r["loss"] == pytest.approx(r["want"], rel=1e-5)
         assert r["held"] > 0 and r["worst"] < 1e-5
+
+
+def _memory(rank: int, world: int) -> dict[str, float]:
+    from runtime.execute.saved_memory import SavedBytes
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(8)])
+    plan = plan_layout(model, (torch.randn(1, 64),), cluster=Cluster.uniform(world, "cpu"), global_batch=16,
+                       dp_sizes=(2,), zero=("zero1",), microbatch_sizes=(2,), schedules=("1f1b",))
+    trainer = PipelineTrainer(plan, nn.functional.mse_loss, optimizer=lambda ps: torch.optim.AdamW(ps),
+                              transport="dist")
+    x, y = trainer.local_batch(torch.randn(16, 64), torch.randn(16, 64))
+    params = list(model.parameters())
+    # The micro-batches are views of the batch, which the caller holds anyway: not counted.
+    with SavedBytes(exclude=[*params, x, y]) as meter:
+        trainer.step(x, y)
+    moments = sum(t.numel() * t.element_size() for s in trainer.optimizer.state.values() for t in s.values()
+                  if torch.is_tensor(t) and t.dim())
+    weights = sum(p.numel() * p.element_size() for p in params)
+    assert plan.layout is not None
+    # Every rank accumulates whole gradients in backward (non-owners drop theirs after the reduction).
+    grads = weights
+    return {"state": weights + grads + moments, "act": meter.peak, "moments": moments, "weights": weights,
+            "predicted_state": sum(st.state_bytes for st in plan.stages),
+            "predicted_act": plan.layout.memory - sum(st.state_bytes for st in plan.stages)}
+
+
+@pytest.mark.multiprocess
+def test_each_rank_holds_the_memory_the_layout_predicts() -> None:
+    # ZeRO-1 over 2 replicas: weights and gradients whole, AdamW's moments on the owned half; the
+    # activations 1F1B holds at its peak (one micro-batch on a one-rank pipeline): as priced.
+    for r in spawn(_memory, 2, timeout=180):
+        assert r["moments"] == pytest.approx(r["weights"])  # 8 bytes per parameter of fp32 Adam, halved
+        assert r["state"] == pytest.approx(r["predicted_state"], rel=1e-6)
+        # The plan also charges the micro-batch's input the first layer saves (2 x 64 fp32), which
+        # the caller holds here as part of its batch.
+        assert r["act"] + 2 * 64 * 4 == pytest.approx(r["predicted_act"], rel=1e-6)

@@ -57,6 +57,7 @@ from partitioner.plan.plan import Plan
 from partitioner.plan.predict import prediction, simulate_stages
 from partitioner.schedule.ir import Schedule
 from partitioner.schedule.registry import TRAINING_SCHEDULES, stage_schedule
+from partitioner.schedule.validation import peak_inflight
 from partitioner.tracing.globalstate import preserved
 from partitioner.tracing.hf import block_depth, is_hf_model
 from partitioner.tracing.trace import Method as TraceMethod
@@ -221,6 +222,9 @@ class _Pricer:
         self._at: dict[int, tuple[_Context, float, float, float]] = {}
         self._schedules: dict[tuple[str, int, int], Schedule] = {}
         self._no_fit: set[tuple[int, int, str, int]] = set()  # (dp, pp, schedule, b) cut too big with zero1
+        # (dp, pp, schedule, zero, micro-batches held per stage) -> the smallest b no cut fits: with
+        # the same held counts, larger micro-batches only add activation bytes.
+        self._too_big: dict[tuple[int, int, str, str, tuple[int, ...]], int] = {}
 
     def _sized(self, b: int) -> tuple[_Context, float, float, float]:
         """The context costed for ``b`` rows; one micro-batch's total work (forward and backward), its
@@ -279,11 +283,17 @@ class _Pricer:
         if o.zero == "none" and key in self._no_fit:  # more state than zero1's, which no cut fits
             raise InfeasibleMemoryError([0.0], [self.capacity], "no cut fits (it does not with zero1 either)")
         built = self._schedule(o)
+        held = (o.dp, o.pp, o.schedule, o.zero, peak_inflight(built))
+        if self._too_big.get(held, o.microbatch_size + 1) <= o.microbatch_size:
+            raise InfeasibleMemoryError(
+                [0.0], [self.capacity], f"no cut fits (none does at micro-batch size {self._too_big[held]} either)"
+            )
         try:
             plan, stages = self._cut(o, split=False, built=built)
         except InfeasibleMemoryError:
             if o.zero == "zero1":
                 self._no_fit.add(key)
+            self._too_big[held] = min(self._too_big.get(held, o.microbatch_size), o.microbatch_size)
             raise
         sched, sim = simulate_stages(plan.stages, stages, o.schedule, o.microbatches, built=built)
         pr = prediction(plan.stages, o.schedule, o.microbatches, sched, sim)

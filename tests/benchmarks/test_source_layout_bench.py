@@ -1,4 +1,4 @@
-"""The layout benchmark measures this checkout and an older one alike, and writes what it promises."""
+"""The source-layout benchmark measures this checkout and an older one alike, and writes what it promises."""
 
 from __future__ import annotations
 
@@ -12,15 +12,15 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _bench(name: str) -> Any:
-    """A function of benchmarks/layout.py (the script run as a module that is not ``__main__``)."""
-    return runpy.run_path(str(ROOT / "benchmarks" / "layout.py"), run_name="_bench_layout")[name]
+    """A function of benchmarks/source_layout.py (the script run as a module that is not ``__main__``)."""
+    return runpy.run_path(str(ROOT / "benchmarks" / "source_layout.py"), run_name="_bench_source_layout")[name]
 
 
-def test_layout_benchmark_on_this_checkout(tmp_path: Path) -> None:
-    out = tmp_path / "layout.json"
+def test_source_layout_benchmark_on_this_checkout(tmp_path: Path) -> None:
+    out = tmp_path / "source_layout.json"
     assert _bench("main")(["--out", str(out)]) == 0
     data = json.loads(out.read_text())
-    assert data["benchmark"] == "layout"
+    assert data["benchmark"] == "source_layout"
     r = data["results"]
     assert r["module_circles"] == [] and r["room_circles"] == []
     assert max(r["modules_per_folder"].values()) <= 12
@@ -31,7 +31,7 @@ def test_layout_benchmark_on_this_checkout(tmp_path: Path) -> None:
     assert walk["handoffs"] <= walk["handoff_calls"] <= walk["calls"]
 
 
-def test_layout_benchmark_finds_circles_and_long_functions(tmp_path: Path) -> None:
+def test_source_layout_benchmark_finds_circles_and_long_functions(tmp_path: Path) -> None:
     # A tree of its own: two modules importing each other, one long function, a crowded folder.
     root = tmp_path / "tree"
     for pkg in ("partitioner", "runtime", "pipecut"):

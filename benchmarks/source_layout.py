@@ -1,9 +1,9 @@
 """Benchmark of the source tree's shape: rooms, circles, long code, and the walk of one training step.
 
-Run (CPU, a few seconds; writes ``benchmarks/results/layout.json``)::
+Run (CPU, a few seconds; writes ``benchmarks/results/source_layout.json``)::
 
-    python benchmarks/layout.py
-    python benchmarks/layout.py --root /path/to/another/checkout --out /tmp/layout.json
+    python benchmarks/source_layout.py
+    python benchmarks/source_layout.py --root /path/to/another/checkout --out /tmp/source_layout.json
 
 What it measures, from the source under ``--root`` (the import graph of ``tests/layout_graph.py``:
 every import, function-level and ``TYPE_CHECKING`` ones included):
@@ -186,14 +186,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--root", type=Path, default=ROOT, help="the checkout to measure (default: this one)")
     ap.add_argument("--no-walk", action="store_true", help="skip the traced training step")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "layout.json"))
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "source_layout.json"))
     args = ap.parse_args(argv)
     started = time.time()
     result = measure(args.root.resolve(), walk=not args.no_walk and args.root.resolve() == ROOT)
     report(result)
     write_result(args.out, {
-        "benchmark": "layout",
-        "command": " ".join(["python benchmarks/layout.py", *(argv if argv is not None else sys.argv[1:])]),
+        "benchmark": "source_layout",
+        "command": " ".join(["python benchmarks/source_layout.py", *(argv if argv is not None else sys.argv[1:])]),
         "git": git_state(),
         "seconds": round(time.time() - started, 2),
         "results": result,

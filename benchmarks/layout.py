@@ -2,10 +2,10 @@
 
 Run (CPU, 4 gloo processes of one thread each; writes ``benchmarks/results/layout.json``)::
 
-    python benchmarks/layout.py                                  # 51 layouts, about 6 minutes on 2 cores
-    python benchmarks/layout.py --rounds 12 --warmup 2 --n-layer 8 --n-embd 128 --n-head 4 --vocab 2048 \\
-        --seq 64 --batch 16 --microbatch-sizes 1,2,4
-    python benchmarks/layout.py --quick --out /tmp/layout.json   # a tiny GPT-2, 5 layouts, about 30 s
+    python benchmarks/layout.py                                  # 51 layouts, 5 to 10 minutes on 2 busy cores
+    python benchmarks/layout.py --rounds 10 --warmup 2 --n-layer 4 --n-embd 128 --n-head 4 --vocab 2048 \\
+        --seq 64 --batch 16 --microbatch-sizes 1,2,4 --schedules 1f1b,zbh1,interleaved,zbv,gpipe  # the same
+    python benchmarks/layout.py --quick --out /tmp/layout.json   # a tiny GPT-2, 5 layouts, 30 s to a minute
 
 Legend: ``dp`` replicas, ``pp`` ranks per pipeline (``dp * pp = 4``), ``b`` rows per micro-batch,
 ``m = B / (dp * b)`` micro-batches per step and replica, ``B`` the global batch (sequences), ``S``
@@ -88,7 +88,7 @@ PREDICTOR = (
     "device; no dp gradient exchange, no optimizer step); choice: the fastest predicted"
 )
 # --quick: a tiny GPT-2 and a few layouts (anything given explicitly on the command line wins).
-_QUICK = ["--rounds", "2", "--warmup", "1", "--n-layer", "4", "--n-embd", "32", "--n-head", "2", "--vocab", "128",
+_QUICK = ["--rounds", "2", "--warmup", "1", "--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--vocab", "128",
           "--seq", "16", "--batch", "8", "--microbatch-sizes", "2", "--schedules", "1f1b"]
 
 
@@ -399,9 +399,9 @@ def _print(cfg: dict[str, Any], rows: list[dict[str, Any]], summary: dict[str, A
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=12, help="timed rounds (median over these)")
+    ap.add_argument("--rounds", type=int, default=10, help="timed rounds (median over these)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed rounds first (>= 1: the first checks the loss)")
-    ap.add_argument("--n-layer", type=int, default=8)
+    ap.add_argument("--n-layer", type=int, default=4)
     ap.add_argument("--n-embd", type=int, default=128)
     ap.add_argument("--n-head", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=2048)

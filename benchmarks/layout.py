@@ -141,6 +141,12 @@ def layouts(
 
 
 # -- the planner's side: swap these for partitioner.plan_layout -------------------------------------
+# With the planner: layout_plan returns plan_layout(model, (example,), cluster=cluster, global_batch=B,
+# dp_sizes=(dp,), schedules=(schedule,), microbatch_sizes=(b,), zero=(zero,)), the layout forced;
+# plan_key returns the layout itself (the plan's state per rank depends on zero);
+# predicted_step_time returns plan.layout.step_time (pipeline + exchange left + optimizer step);
+# planner_choice runs one plan_layout(...) over the same space (prune=False) and names plan.layout
+# as Layout(l.dp, l.pp, l.schedule, l.microbatch_size, l.microbatches, l.zero).name; PREDICTOR says so.
 
 
 def layout_plan(model: nn.Module, example_row: torch.Tensor, layout: Layout, cluster: Cluster) -> Plan:
@@ -169,8 +175,17 @@ def predicted_step_time(plan: Plan, layout: Layout) -> float:
     return plan.prediction(layout.schedule).step_time
 
 
-def planner_choice(predicted: dict[str, float]) -> str:
-    """The layout the planner picks, by name: today the one of least predicted step time."""
+def planner_choice(
+    model: nn.Module, example_row: torch.Tensor, cluster: Cluster, space: Sequence[Layout], predicted: dict[str, float]
+) -> str:
+    """The layout the planner picks among ``space``, by name: today the one of least predicted step time.
+
+    Args:
+        model, example_row, cluster: as :func:`layout_plan` gets them (a planner searches with them).
+        space: every layout the benchmark runs (one global batch, micro-batch sizes, schedules).
+        predicted: :func:`predicted_step_time` of each, by name.
+    """
+    del model, example_row, cluster, space  # the planner's search will read them
     return min(predicted, key=lambda name: (predicted[name], name))
 
 
@@ -319,6 +334,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         t1 = time.perf_counter()
         trainers[layout.name] = _trainer(plan, layout, meshes, cfg["timeout"])
         build_s[layout.name] = (t1 - t0, time.perf_counter() - t1)
+    choice = planner_choice(copy.deepcopy(model), x[:1], cluster, todo, predicted) if rank == 0 else ""
     phases["build"] = time.perf_counter()
     runs: dict[str, Callable[[], torch.Tensor]] = {
         name: (lambda tr=tr: tr.step(*tr.local_batch(x, y))) for name, tr in trainers.items()  # type: ignore[misc]
@@ -343,7 +359,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     dist.barrier()
     phases["steps"] = time.perf_counter()
     marks = list(phases.values())
-    return {"spans": spans, "predicted": predicted, "build_s": build_s, "first_loss": first_loss,
+    return {"spans": spans, "predicted": predicted, "choice": choice, "build_s": build_s, "first_loss": first_loss,
             "reference_loss": float(want),
             "phases_s": {k: b - a for k, a, b in zip(list(phases)[1:], marks, marks[1:])}}
 
@@ -438,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     times = step_times([r["spans"] for r in ranks_out])
     predicted = ranks_out[0]["predicted"]
     measured = {name: statistics.median(ts) for name, ts in times.items()}
-    summary = {"predictor": PREDICTOR, **targets(predicted, measured, planner_choice(predicted))}
+    summary = {"predictor": PREDICTOR, **targets(predicted, measured, ranks_out[0]["choice"])}
     rows = _rows(todo, predicted, times, cfg)
     _print(cfg, rows, summary)
     result = {

@@ -74,6 +74,14 @@ def test_median_abs_error_and_targets(bench: ModuleType) -> None:
         bench.targets(predicted, {"a": 1.0}, "a")
 
 
+def test_planner_choice_is_the_fastest_predicted_until_the_planner_plugs_in(bench: ModuleType) -> None:
+    space = bench.layouts(4, 8, [2], ["1f1b"])
+    predicted = {"dp1 pp4 1f1b b2 m4 none": 0.3, "dp2 pp2 1f1b b2 m2 none": 0.2, "dp2 pp2 1f1b b2 m2 zero1": 0.2,
+                 "dp4 pp1 1f1b b2 m1 none": 0.25, "dp4 pp1 1f1b b2 m1 zero1": 0.25}
+    assert set(predicted) == {lay.name for lay in space}
+    assert bench.planner_choice(None, None, None, space, predicted) == "dp2 pp2 1f1b b2 m2 none"  # ties: by name
+
+
 def test_layouts_cover_every_divisible_layout(bench: ModuleType) -> None:
     got = bench.layouts(4, 8, [1, 2, 4], ["1f1b", "interleaved"])
     names = {lay.name for lay in got}

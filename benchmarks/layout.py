@@ -146,7 +146,8 @@ def layouts(
 # plan_key returns the layout itself (the plan's state per rank depends on zero);
 # predicted_step_time returns plan.layout.step_time (pipeline + exchange left + optimizer step);
 # planner_choice runs one plan_layout(...) over the same space (prune=False) and names plan.layout
-# as Layout(l.dp, l.pp, l.schedule, l.microbatch_size, l.microbatches, l.zero).name; PREDICTOR says so.
+# as Layout(l.dp, l.pp, l.schedule, l.microbatch_size, l.microbatches, l.zero).name (a pp = 1 layout under
+# the space's one pp = 1 schedule: the search prices 1f1b, zbh1 and gpipe there, the same run); PREDICTOR says so.
 
 
 def layout_plan(model: nn.Module, example_row: torch.Tensor, layout: Layout, cluster: Cluster) -> Plan:

@@ -1,205 +1,485 @@
-"""Benchmark of the source tree's shape: rooms, circles, long code, and the walk of one training step.
+"""Benchmark: every layout of a GPT-2 on 4 gloo processes, its predicted step time against the measured one.
 
-Run (CPU, a few seconds; writes ``benchmarks/results/layout.json``)::
+Run (CPU, 4 gloo processes of one thread each; writes ``benchmarks/results/layout.json``)::
 
-    python benchmarks/layout.py
-    python benchmarks/layout.py --root /path/to/another/checkout --out /tmp/layout.json
+    python benchmarks/layout.py                                  # 51 layouts, 5 to 10 minutes on 2 busy cores
+    python benchmarks/layout.py --rounds 10 --warmup 2 --n-layer 4 --n-embd 128 --n-head 4 --vocab 2048 \\
+        --seq 64 --batch 16 --microbatch-sizes 1,2,4 --schedules 1f1b,zbh1,interleaved,zbv,gpipe  # the same
+    python benchmarks/layout.py --quick --out /tmp/layout.json   # a tiny GPT-2, 5 layouts, 30 s to a minute
 
-What it measures, from the source under ``--root`` (the import graph of ``tests/layout_graph.py``:
-every import, function-level and ``TYPE_CHECKING`` ones included):
+Legend: ``dp`` replicas, ``pp`` ranks per pipeline (``dp * pp = 4``), ``b`` rows per micro-batch,
+``m = B / (dp * b)`` micro-batches per step and replica, ``B`` the global batch (sequences), ``S``
+stages (``2 * pp`` for ``'interleaved'`` and ``'zbv'``, else ``pp``).
 
-* modules per folder (``__init__`` aside) and lines of the longest modules;
-* circles between modules and between rooms (a room is a subfolder, or a module at a package's
-  top), and which top-level packages import which;
-* functions over 80 lines (with their docstring, and without it) and the longest bodies;
-* ``PipelineTrainer.__init__``: its parameters and lines;
-* the walk of one ``trainer.step()`` (a 2-stage 1F1B pipeline of a small MLP, in one process, 4
-  micro-batches; only with the checkout this script belongs to): every call into a function of
-  the three packages is traced with ``sys.setprofile``. *Modules passed*: distinct modules
-  entered; *hand-offs*: calls from one module into another; *re-entries*: calls into a module
-  already on the call stack below the caller's (control returning by call to a module it left,
-  such as a helper calling back into the trainer).
+A *layout* (:class:`Layout`) is ``(dp, pp, schedule, b, zero)``: every one that the global batch
+divides into whole micro-batches is run; a one-rank pipeline (``pp = 1``) runs ``'1f1b'`` only
+(its schedules are all plain gradient accumulation), and ``zero = 'zero1'`` (ZeRO-style optimizer
+sharding, ``DataParallel(shard_optimizer=True)``) only where ``dp > 1``.
+
+How the three columns are made:
+
+* **predicted**: :func:`layout_plan` gives the plan that trains a layout and
+  :func:`predicted_step_time` reads its step time off it; :func:`planner_choice` names the layout
+  the planner picks. Today these are ``partition`` (one plan per layout, cut for its stages, schedule
+  and ``m``), the pipeline's simulated step alone (no data-parallel exchange, no optimizer step, the
+  roofline ``'cpu'`` device), and the fastest predicted. They are the functions to swap for
+  ``partitioner.plan_layout`` (with :func:`plan_key`, which layouts share a cut, and :data:`PREDICTOR`,
+  the words the JSON records for what was used).
+* **measured**: ONE job of 4 processes (``runtime.transport.launch.spawn``: file rendezvous, one
+  thread per process, a deadline, stragglers killed) builds a trainer for every layout, each from
+  its own copy of one seeded model, and then runs rounds: each round runs one step of every layout
+  in turn (the order rotated each round, a barrier before each step, so ranks never overlap two
+  layouts and a noisy machine slows them alike). A step lasts from the first rank's start to the
+  last rank's end; the first ``--warmup`` rounds are not timed; the median of the ``--rounds``
+  others is the layout's time.
+* **checked**: the first step of every layout returns the loss of the plain model on the same global
+  batch (within ``RTOL``), or the run fails: no layout is timed that trains something else.
+
+Reported, for every layout: predicted and measured seconds, their ratio, measured tokens per second,
+and the rank of each (1 = fastest); then the issue's three targets: the planner's choice within 10%
+of the measured best, the median ``|predicted / measured - 1|`` at most 0.15, and the Spearman rank
+correlation of predicted and measured step times at least 0.8.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
+import copy
+import math
+import os
+import shlex
+import statistics
 import sys
 import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
+# This checkout's packages first (an editable install may point at another one), and _common.
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-from _common import git_state, write_result  # noqa: E402
-from layout_graph import Layout  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
 
-LONG_FUNCTION = 80
+from _common import int_list, load_before, run_env, step_times, write_result  # noqa: E402
+from partitioner import Cluster, Plan, partition  # noqa: E402
+from partitioner.schedule.registry import TRAINING_SCHEDULES, stages_per_rank  # noqa: E402
+from partitioner.zoo import gpt2  # noqa: E402
+from runtime import DataParallel, Execution, PipelineTrainer  # noqa: E402
+from runtime.transport.launch import spawn  # noqa: E402
 
+__all__ = [
+    "Layout", "layouts", "layout_plan", "plan_key", "predicted_step_time", "planner_choice", "PREDICTOR",
+    "ranks", "spearman", "median_abs_error", "targets", "main",
+]
 
-def functions(layout: Layout) -> list[dict[str, Any]]:
-    """Every function and method: its module, name, lines with and without its docstring."""
-    rows = []
-    for module, path in layout.modules.items():
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                lines = (node.end_lineno or node.lineno) - node.lineno + 1
-                doc = node.body[0] if node.body else None
-                is_doc = isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and isinstance(
-                    doc.value.value, str
-                )
-                doc_lines = ((doc.end_lineno or doc.lineno) - doc.lineno + 1) if is_doc and doc else 0
-                rows.append({"module": module, "function": node.name, "lines": lines, "code_lines": lines - doc_lines})
-    return sorted(rows, key=lambda r: (-r["lines"], r["module"], r["function"]))
-
-
-def trainer_init(layout: Layout) -> dict[str, Any]:
-    """Parameters (``self`` aside) and lines of ``PipelineTrainer.__init__``."""
-    tree = ast.parse(layout.modules["runtime.trainer"].read_text())
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ClassDef) and node.name == "PipelineTrainer":
-            for item in node.body:
-                if isinstance(item, ast.FunctionDef) and item.name == "__init__":
-                    a = item.args
-                    params = len(a.posonlyargs) + len(a.args) - 1 + len(a.kwonlyargs)
-                    params += (a.vararg is not None) + (a.kwarg is not None)
-                    body = (item.end_lineno or 0) - item.body[0].lineno + 1
-                    return {"parameters": params, "lines": (item.end_lineno or 0) - item.lineno + 1, "body_lines": body}
-    raise LookupError("PipelineTrainer.__init__ not found")
+PROCESSES = 4
+ZERO = ("none", "zero1")
+RTOL = 1e-4  # first-step loss against the plain model's
+# The issue's targets: choice within 10% of the best; median |pred / meas - 1| <= 0.15; Spearman >= 0.8.
+CHOICE_WITHIN, MEDIAN_ERROR_AT_MOST, SPEARMAN_AT_LEAST = 0.10, 0.15, 0.8
+PREDICTOR = (
+    "partition(model, (one micro-batch,), num_stages=S, cluster=Cluster.uniform(4, 'cpu'), schedule=..., "
+    "microbatches=m).prediction(schedule).step_time: the pipeline's simulated step only (roofline 'cpu' "
+    "device; no dp gradient exchange, no optimizer step); choice: the fastest predicted"
+)
+# --quick: a tiny GPT-2 and a few layouts (anything given explicitly on the command line wins).
+_QUICK = ["--rounds", "2", "--warmup", "1", "--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--vocab", "128",
+          "--seq", "16", "--batch", "8", "--microbatch-sizes", "2", "--schedules", "1f1b"]
 
 
-def walk_one_step() -> dict[str, Any]:
-    """Trace one in-process training step and count how it moves between the project's modules."""
-    import torch
-    from torch import nn
+@dataclass(frozen=True)
+class Layout:
+    """How the 4 processes train one global batch: ``dp`` replicas of a ``pp``-rank pipeline.
 
-    import partitioner
-    import runtime
+    Example:
+        >>> Layout(2, 2, "interleaved", 2, 4, "zero1").name, Layout(2, 2, "interleaved", 2, 4).stages
+        ('dp2 pp2 interleaved b2 m4 zero1', 4)
+    """
 
-    torch.manual_seed(0)
-    torch.set_num_threads(1)
-    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
-    x, y = torch.randn(8, 16), torch.randn(8, 4)
-    plan = partitioner.partition(model, (x[:2],), num_stages=2)
-    trainer = runtime.PipelineTrainer(
-        plan, nn.functional.mse_loss, lambda ps: torch.optim.SGD(ps, lr=0.1), schedule="1f1b", microbatches=4,
-        transport="sequential",
-    )
-    trainer.step(x, y)  # warm-up: first-step setup (shapes, buffers) is not the steady walk
-    prefixes = tuple(str(ROOT / pkg) for pkg in ("partitioner", "runtime", "pipecut"))
-    stack: list[str | None] = []
-    calls: list[tuple[str | None, str]] = []
-    reentries: list[tuple[str, str]] = []
+    dp: int
+    pp: int
+    schedule: str
+    microbatch_size: int  # b, rows per micro-batch
+    microbatches: int  # m, per step and replica
+    zero: str = "none"  # 'none' or 'zero1' (optimizer state sharded over dp)
 
-    def module_of(frame: Any) -> str | None:
-        path = frame.f_code.co_filename
-        if not path.startswith(prefixes):
-            return None
-        return ".".join(Path(path).relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+    @property
+    def name(self) -> str:
+        return f"dp{self.dp} pp{self.pp} {self.schedule} b{self.microbatch_size} m{self.microbatches} {self.zero}"
 
-    def profile(frame: Any, event: str, arg: Any) -> None:
-        if event == "call":
-            mod = module_of(frame)
-            if mod is not None:
-                caller = next((m for m in reversed(stack) if m is not None), None)
-                calls.append((caller, mod))
-                if caller is not None and mod != caller and mod in stack:
-                    reentries.append((caller, mod))
-            stack.append(mod)
-        elif event == "return" and stack:
-            stack.pop()
+    @property
+    def stages(self) -> int:
+        """``S``: the stages the plan cuts (two per rank for the interleaved and V placements)."""
+        return self.pp * stages_per_rank(self.schedule)
 
-    sys.setprofile(profile)
-    try:
-        trainer.step(x, y)
-    finally:
-        sys.setprofile(None)
-    handoffs = [(a, b) for a, b in calls if a is not None and a != b]
+
+def layouts(
+    processes: int, global_batch: int, microbatch_sizes: Sequence[int], schedules: Sequence[str] = TRAINING_SCHEDULES
+) -> list[Layout]:
+    """Every layout of ``processes`` ranks that trains ``global_batch`` rows in whole micro-batches.
+
+    Example:
+        >>> [x.name for x in layouts(2, 4, [2], ["1f1b", "gpipe"])]
+        ['dp1 pp2 1f1b b2 m2 none', 'dp1 pp2 gpipe b2 m2 none', 'dp2 pp1 1f1b b2 m1 none', 'dp2 pp1 1f1b b2 m1 zero1']
+    """
+    out = []
+    for dp in (d for d in range(1, processes + 1) if processes % d == 0):
+        pp = processes // dp
+        for b in microbatch_sizes:
+            if global_batch % (dp * b):
+                continue
+            m = global_batch // (dp * b)
+            for schedule in schedules if pp > 1 else schedules[:1]:
+                for zero in ZERO if dp > 1 else ZERO[:1]:
+                    out.append(Layout(dp, pp, schedule, b, m, zero))
+    return out
+
+
+# -- the planner's side: swap these for partitioner.plan_layout -------------------------------------
+# With the planner: layout_plan returns plan_layout(model, (example,), cluster=cluster, global_batch=B,
+# dp_sizes=(dp,), schedules=(schedule,), microbatch_sizes=(b,), zero=(zero,)), the layout forced;
+# plan_key returns the layout itself (the plan's state per rank depends on zero);
+# predicted_step_time returns plan.layout.step_time (pipeline + exchange left + optimizer step);
+# planner_choice runs one plan_layout(...) over the same space (prune=False) and names plan.layout
+# as Layout(l.dp, l.pp, l.schedule, l.microbatch_size, l.microbatches, l.zero).name (a pp = 1 layout under
+# the space's one pp = 1 schedule: the search prices 1f1b, zbh1 and gpipe there, the same run); PREDICTOR says so.
+
+
+def layout_plan(model: nn.Module, example_row: torch.Tensor, layout: Layout, cluster: Cluster) -> Plan:
+    """The plan that trains ``layout``: its stages cut for its schedule and micro-batch count.
+
+    Args:
+        model: the model (this layout's own copy: the trainer's stages share its parameters).
+        example_row: one row of the inputs, ``(1, T)`` token ids.
+        layout: the layout.
+        cluster: the whole machine, one device per process (the plan takes the first ``pp``).
+    """
+    example = example_row.expand(layout.microbatch_size, *example_row.shape[1:]).contiguous()
+    return partition(model, (example,), layout.stages, cluster=cluster, schedule=layout.schedule,
+                     microbatches=layout.microbatches)
+
+
+def plan_key(layout: Layout) -> Layout:
+    """What :func:`layout_plan`'s plan depends on: layouts of one key share a cut (copied per layout).
+    ``partition`` knows nothing of optimizer sharding, so ``zero`` is left out; a planner whose
+    plan depends on it returns ``layout`` itself."""
+    return replace(layout, zero="none")
+
+
+def predicted_step_time(plan: Plan, layout: Layout) -> float:
+    """Seconds one step of ``layout`` is predicted to take, read off its plan."""
+    return plan.prediction(layout.schedule).step_time
+
+
+def planner_choice(
+    model: nn.Module, example_row: torch.Tensor, cluster: Cluster, space: Sequence[Layout], predicted: dict[str, float]
+) -> str:
+    """The layout the planner picks among ``space``, by name: today the one of least predicted step time.
+
+    Args:
+        model, example_row, cluster: as :func:`layout_plan` gets them (a planner searches with them).
+        space: every layout the benchmark runs (one global batch, micro-batch sizes, schedules).
+        predicted: :func:`predicted_step_time` of each, by name.
+    """
+    del model, example_row, cluster, space  # the planner's search will read them
+    return min(predicted, key=lambda name: (predicted[name], name))
+
+
+# -- statistics (pure) ---------------------------------------------------------------------------------
+# Written here rather than taken from scipy.stats: scipy is not a dependency of the project.
+
+
+def ranks(values: Sequence[float]) -> list[float]:
+    """1-based ranks, smallest first; tied values share the mean of the ranks they span.
+
+    Example:
+        >>> ranks([0.3, 0.1, 0.2, 0.1])
+        [4.0, 1.5, 3.0, 1.5]
+    """
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    out = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in order[i:j + 1]:
+            out[k] = (i + j) / 2 + 1
+        i = j + 1
+    return out
+
+
+def spearman(x: Sequence[float], y: Sequence[float]) -> float:
+    """Spearman's rank correlation: Pearson's over the tie-averaged ranks; NaN when either side is constant.
+
+    Raises:
+        ValueError: ``x`` and ``y`` differ in length or hold fewer than two values.
+
+    Example:
+        >>> spearman([1, 2, 3, 4], [10, 20, 30, 40]), spearman([1, 2, 3], [3, 2, 1])
+        (1.0, -1.0)
+    """
+    if len(x) != len(y) or len(x) < 2:
+        raise ValueError(f"spearman needs two sequences of equal length >= 2, got {len(x)} and {len(y)} values")
+    rx, ry = ranks(x), ranks(y)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    vx, vy = sum((a - mx) ** 2 for a in rx), sum((b - my) ** 2 for b in ry)
+    return cov / math.sqrt(vx * vy) if vx and vy else math.nan
+
+
+def median_abs_error(predicted: Sequence[float], measured: Sequence[float]) -> float:
+    """The median of ``|predicted / measured - 1|``.
+
+    Example:
+        >>> median_abs_error([1.1, 0.5, 2.0], [1.0, 1.0, 1.0])
+        0.5
+    """
+    return statistics.median(abs(p / m - 1) for p, m in zip(predicted, measured, strict=True))
+
+
+def targets(predicted: dict[str, float], measured: dict[str, float], choice: str) -> dict[str, Any]:
+    """The issue's three figures and whether each meets its target.
+
+    Args:
+        predicted, measured: seconds per step, by layout name (the same names).
+        choice: the planner's layout.
+
+    Example:
+        >>> t = targets({"a": 1.0, "b": 2.0, "c": 3.0}, {"a": 1.2, "b": 1.0, "c": 3.0}, "a")
+        >>> t["choice_measured_rank"], round(t["choice_vs_best"], 3), t["choice_within_10pct"], t["spearman"]
+        (2, 0.2, False, 0.5)
+    """
+    if predicted.keys() != measured.keys() or choice not in measured:
+        raise ValueError(f"predicted and measured must name the same layouts, and the choice {choice!r} one of them")
+    names = list(measured)
+    pred, meas = [predicted[n] for n in names], [measured[n] for n in names]
+    best = min(meas)
+    by_measured = sorted(names, key=lambda n: measured[n])
+    vs_best = measured[choice] / best - 1
+    error = median_abs_error(pred, meas)
+    rho = spearman(pred, meas)
     return {
-        "modules": sorted({m for _, m in calls}),
-        "modules_passed": len({m for _, m in calls}),
-        "calls": len(calls),
-        "handoffs": len(set(handoffs)),
-        "handoff_calls": len(handoffs),
-        "reentries": len(reentries),
-        "reentry_pairs": sorted({f"{a} -> {b}" for a, b in reentries}),
+        "choice": choice, "measured_best": by_measured[0], "choice_measured_rank": by_measured.index(choice) + 1,
+        "layouts": len(names), "choice_vs_best": vs_best, "choice_within_10pct": vs_best <= CHOICE_WITHIN,
+        "median_abs_error": error, "median_abs_error_ok": error <= MEDIAN_ERROR_AT_MOST,
+        "spearman": None if math.isnan(rho) else rho, "spearman_ok": rho >= SPEARMAN_AT_LEAST,
     }
 
 
-def measure(root: Path, walk: bool) -> dict[str, Any]:
-    """Everything the module docstring lists, for the tree under ``root``."""
-    layout = Layout.read(root)
-    folders = {str(f.relative_to(root)): len(ms) for f, ms in sorted(layout.folders().items())}
-    lines = {m: len(p.read_text().splitlines()) for m, p in layout.modules.items()}
-    funcs = functions(layout)
-    result: dict[str, Any] = {
-        "modules": len(layout.modules),
-        "modules_per_folder": folders,
-        "longest_modules": sorted(lines.items(), key=lambda kv: -kv[1])[:6],
-        "module_circles": layout.module_circles(),
-        "room_circles": layout.room_circles(),
-        "package_imports": sorted(f"{a} -> {b}" for a, b in layout.package_edges()),
-        "functions_over_80_lines": [f for f in funcs if f["lines"] > LONG_FUNCTION],
-        "longest_code_bodies": sorted(funcs, key=lambda f: -f["code_lines"])[:5],
-        "trainer_init": trainer_init(layout),
+# -- the measured side -----------------------------------------------------------------------------------
+
+
+def _lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # (B, T, V), (B, T)
+    return nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def _model(cfg: dict[str, Any]) -> nn.Module:
+    torch.manual_seed(1234)
+    model, _ = gpt2(n_layer=cfg["n_layer"], n_embd=cfg["n_embd"], n_head=cfg["n_head"], vocab_size=cfg["vocab"],
+                    n_positions=cfg["seq"], batch=1, seq=cfg["seq"])
+    return model
+
+
+def _data(cfg: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)  # the same global batch on every rank
+    x = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=gen)
+    y = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=gen)
+    return x, y
+
+
+def _trainer(plan: Plan, layout: Layout, meshes: dict[tuple[int, int], Any], timeout: float) -> PipelineTrainer:
+    """A trainer of ``layout`` on its own copy of the model; replicas on one DeviceMesh per ``(dp, pp)`` shape
+    (layouts run one at a time, so those of one shape share its process groups: fewer gloo contexts)."""
+    if layout.dp > 1 and (layout.dp, layout.pp) not in meshes:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        meshes[layout.dp, layout.pp] = init_device_mesh("cpu", (layout.dp, layout.pp), mesh_dim_names=("dp", "pp"))
+    dp = (DataParallel(mesh=meshes[layout.dp, layout.pp], shard_optimizer=layout.zero == "zero1")
+          if layout.dp > 1 else DataParallel(size=1))
+    return PipelineTrainer(plan, _lm_loss, lambda ps: torch.optim.AdamW(ps, lr=1e-4),
+                           execution=Execution(schedule=layout.schedule, microbatches=layout.microbatches,
+                                               transport="dist", timeout=timeout),
+                           data_parallel=dp)
+
+
+def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    phases = {"start": time.perf_counter()}
+    model = _model(cfg)
+    x, y = _data(cfg)
+    with torch.no_grad():
+        want = _lm_loss(model(x), y)
+    cluster = Cluster.uniform(world, "cpu")
+    todo = [Layout(**d) for d in cfg["layouts"]]
+    trainers: dict[str, PipelineTrainer] = {}
+    predicted: dict[str, float] = {}
+    meshes: dict[tuple[int, int], Any] = {}
+    plans: dict[Layout, Plan] = {}
+    build_s: dict[str, tuple[float, float]] = {}  # per layout: seconds to plan, to build the trainer
+    for layout in todo:  # the same order on every rank: meshes and trainers are collective
+        key = plan_key(layout)
+        t0 = time.perf_counter()
+        if key not in plans:
+            plans[key] = layout_plan(copy.deepcopy(model), x[:1], layout, cluster)
+        # Every layout's own copy (plan and model together: a tracing's worth of time saved per copy).
+        with warnings.catch_warnings():  # torch's pytree warns about its own LeafSpec as it is copied
+            warnings.simplefilter("ignore", FutureWarning)
+            plan = copy.deepcopy(plans[key])
+        predicted[layout.name] = predicted_step_time(plan, layout)
+        t1 = time.perf_counter()
+        trainers[layout.name] = _trainer(plan, layout, meshes, cfg["timeout"])
+        build_s[layout.name] = (t1 - t0, time.perf_counter() - t1)
+    choice = planner_choice(copy.deepcopy(model), x[:1], cluster, todo, predicted) if rank == 0 else ""
+    phases["build"] = time.perf_counter()
+    runs: dict[str, Callable[[], torch.Tensor]] = {
+        name: (lambda tr=tr: tr.step(*tr.local_batch(x, y))) for name, tr in trainers.items()  # type: ignore[misc]
     }
-    if walk:
-        result["step_walk"] = walk_one_step()
-    return result
+    names = list(trainers)
+    spans: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
+    first_loss: dict[str, float] = {}
+    for rnd in range(cfg["warmup"] + cfg["rounds"]):
+        for k in range(len(names)):
+            name = names[(rnd + k) % len(names)]  # rotate the order: no layout always runs first
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = runs[name]()
+            t1 = time.perf_counter()
+            if rnd == 0:  # the first step: the untouched model's loss on the global batch
+                first_loss[name] = float(loss)
+                if not math.isclose(float(loss), float(want), rel_tol=RTOL):
+                    raise AssertionError(f"layout {name!r}: first-step loss {float(loss):.6f} differs from the "
+                                         f"plain model's {float(want):.6f} on the same global batch")
+            elif rnd >= cfg["warmup"]:
+                spans[name].append((t0, t1))
+    dist.barrier()
+    phases["steps"] = time.perf_counter()
+    marks = list(phases.values())
+    return {"spans": spans, "predicted": predicted, "choice": choice, "build_s": build_s, "first_loss": first_loss,
+            "reference_loss": float(want),
+            "phases_s": {k: b - a for k, a, b in zip(list(phases)[1:], marks, marks[1:])}}
 
 
-def report(result: dict[str, Any]) -> None:
-    """Print the measurements as rich tables."""
+def _rows(todo: list[Layout], predicted: dict[str, float], times: dict[str, list[float]],
+          cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per layout: predicted and measured seconds, their ratio, tokens per second, ranks."""
+    measured = {name: statistics.median(ts) for name, ts in times.items()}
+    names = [lay.name for lay in todo]
+    rank_p = dict(zip(names, ranks([predicted[n] for n in names])))
+    rank_m = dict(zip(names, ranks([measured[n] for n in names])))
+    rows = []
+    for lay in todo:
+        ts = times[lay.name]
+        q = statistics.quantiles(ts, n=4) if len(ts) >= 2 else [ts[0]] * 3
+        meas = measured[lay.name]
+        rows.append({**asdict(lay), "name": lay.name, "stages": lay.stages, "predicted_s": predicted[lay.name],
+                     "measured_s": meas, "p25_s": q[0], "p75_s": q[2], "n": len(ts),
+                     "pred_over_meas": predicted[lay.name] / meas,
+                     "tokens_per_s": cfg["batch"] * cfg["seq"] / meas,
+                     "rank_predicted": rank_p[lay.name], "rank_measured": rank_m[lay.name]})
+    return sorted(rows, key=lambda r: r["measured_s"])
+
+
+def _print(cfg: dict[str, Any], rows: list[dict[str, Any]], summary: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(width=120)
-    table = Table(title="Modules per folder (__init__ aside)")
-    table.add_column("folder")
-    table.add_column("modules", justify="right")
-    for folder, n in result["modules_per_folder"].items():
-        table.add_row(folder, str(n))
+    title = (f"GPT-2 {cfg['n_layer']} layers x {cfg['n_embd']}, vocab {cfg['vocab']}, seq {cfg['seq']}; global batch "
+             f"{cfg['batch']}; {PROCESSES} gloo processes x 1 thread on {os.cpu_count()} CPUs; AdamW; median of "
+             f"{cfg['rounds']} interleaved rounds after {cfg['warmup']} warm-up")
+    table = Table(title=title, title_justify="left")
+    for col in ("layout", "S", "predicted s", "measured s", "pred/meas", "tokens/s", "rank pred", "rank meas"):
+        table.add_column(col, justify="left" if col == "layout" else "right")
+    for r in rows:
+        mark = " *" if r["name"] == summary["choice"] else ""
+        table.add_row(r["name"] + mark, str(r["stages"]), f"{r['predicted_s']:.4f}", f"{r['measured_s']:.4f}",
+                      f"{r['pred_over_meas']:.2f}", f"{r['tokens_per_s']:.0f}", f"{r['rank_predicted']:g}",
+                      f"{r['rank_measured']:g}")
+    console = Console(width=140)
     console.print(table)
-    table = Table(title=f"Functions over {LONG_FUNCTION} lines")
-    for col in ("module", "function", "lines", "without docstring"):
-        table.add_column(col, justify="right" if col != "module" and col != "function" else "left")
-    for f in result["functions_over_80_lines"]:
-        table.add_row(f["module"], f["function"], str(f["lines"]), str(f["code_lines"]))
-    console.print(table)
-    console.print(f"longest modules: {result['longest_modules']}")
-    console.print(f"circles: modules {result['module_circles']}, rooms {result['room_circles']}")
-    console.print(f"package imports: {result['package_imports']}")
-    console.print(f"PipelineTrainer.__init__: {result['trainer_init']}")
-    if "step_walk" in result:
-        w = result["step_walk"]
-        console.print(
-            f"one trainer.step(): {w['modules_passed']} modules, {w['handoffs']} hand-offs "
-            f"({w['handoff_calls']} calls across modules, {w['calls']} calls in all), {w['reentries']} re-entries "
-            f"{w['reentry_pairs']}"
-        )
+    ok = {True: "[green]met[/]", False: "[red]missed[/]"}
+    rho = summary["spearman"]
+    console.print(f"predictor: {summary['predictor']}")
+    console.print(f"planner's choice (*) {summary['choice']}: measured rank {summary['choice_measured_rank']} of "
+                  f"{summary['layouts']}, {summary['choice_vs_best']:+.1%} vs the measured best "
+                  f"({summary['measured_best']}); target <= +{CHOICE_WITHIN:.0%}: {ok[summary['choice_within_10pct']]}")
+    console.print(f"median |predicted / measured - 1|: {summary['median_abs_error']:.3f}; target <= "
+                  f"{MEDIAN_ERROR_AT_MOST}: {ok[summary['median_abs_error_ok']]}")
+    console.print(f"Spearman rank correlation: {'n/a' if rho is None else f'{rho:.3f}'}; target >= "
+                  f"{SPEARMAN_AT_LEAST}: {ok[summary['spearman_ok']]}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Measure, print, and write the JSON."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--root", type=Path, default=ROOT, help="the checkout to measure (default: this one)")
-    ap.add_argument("--no-walk", action="store_true", help="skip the traced training step")
+    ap.add_argument("--rounds", type=int, default=10, help="timed rounds (median over these)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed rounds first (>= 1: the first checks the loss)")
+    ap.add_argument("--n-layer", type=int, default=4)
+    ap.add_argument("--n-embd", type=int, default=128)
+    ap.add_argument("--n-head", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=2048)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=16, help="global batch (sequences), the same in every layout")
+    ap.add_argument("--microbatch-sizes", type=int_list, default=[1, 2, 4], help="b values to try, e.g. 1,2,4")
+    ap.add_argument("--schedules", default=",".join(TRAINING_SCHEDULES), help="schedules to try (pp > 1)")
+    ap.add_argument("--quick", action="store_true", help="shorthand for a smoke test: " + " ".join(_QUICK))
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds for the whole run")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "layout.json"))
-    args = ap.parse_args(argv)
-    started = time.time()
-    result = measure(args.root.resolve(), walk=not args.no_walk and args.root.resolve() == ROOT)
-    report(result)
-    write_result(args.out, {
+    cli = sys.argv[1:] if argv is None else list(argv)
+    args = ap.parse_args(cli)
+    if args.quick:
+        args = ap.parse_args(_QUICK + cli)
+    schedules = [s for s in args.schedules.split(",") if s]
+    unknown = sorted(set(schedules) - set(TRAINING_SCHEDULES))
+    if unknown or args.rounds < 1 or args.warmup < 1:
+        ap.error(f"need --rounds >= 1, --warmup >= 1 and schedules among {', '.join(TRAINING_SCHEDULES)} "
+                 f"(unknown: {unknown})")
+    todo = layouts(PROCESSES, args.batch, args.microbatch_sizes, schedules)
+    if len(todo) < 2:
+        ap.error(f"--batch {args.batch} and --microbatch-sizes {args.microbatch_sizes} give {len(todo)} layout(s); "
+                 "a ranking needs at least two")
+    keys = ("rounds", "warmup", "n_layer", "n_embd", "n_head", "vocab", "seq", "batch", "microbatch_sizes")
+    cfg = {k: getattr(args, k) for k in keys}
+    cfg.update(schedules=schedules, layouts=[asdict(lay) for lay in todo],
+               timeout=min(300.0, args.timeout))  # a peer waited on longer than this has failed
+
+    t0 = time.time()
+    load = load_before(f"the {PROCESSES} processes")
+    print(f"{len(todo)} layouts; building a trainer for each on every rank, then {args.warmup} + {args.rounds} rounds")
+    ranks_out = spawn(_worker, PROCESSES, cfg, timeout=args.timeout, threads=1)
+    print("phases (s, rank 0): " + ", ".join(f"{k} {v:.1f}" for k, v in ranks_out[0]["phases_s"].items()))
+    times = step_times([r["spans"] for r in ranks_out])
+    predicted = ranks_out[0]["predicted"]
+    measured = {name: statistics.median(ts) for name, ts in times.items()}
+    summary = {"predictor": PREDICTOR, **targets(predicted, measured, ranks_out[0]["choice"])}
+    rows = _rows(todo, predicted, times, cfg)
+    _print(cfg, rows, summary)
+    result = {
         "benchmark": "layout",
-        "command": " ".join(["python benchmarks/layout.py", *(argv if argv is not None else sys.argv[1:])]),
-        "git": git_state(),
-        "seconds": round(time.time() - started, 2),
-        "results": result,
-    })
+        "command": shlex.join(["python", "benchmarks/layout.py", *cli]),
+        "config": {**{k: v for k, v in cfg.items() if k != "layouts"}, "processes": PROCESSES,
+                   "threads_per_process": 1, "model": "partitioner.zoo.gpt2 (Hugging Face GPT-2, tied embedding, "
+                   "dropout 0)", "loss": "cross_entropy", "optimizer": "AdamW(lr=1e-4)",
+                   "tokens_per_step": args.batch * args.seq, "cluster": "Cluster.uniform(4, 'cpu')"},
+        "env": run_env(load, t0),
+        "summary": summary,
+        "targets": {"choice_within": CHOICE_WITHIN, "median_abs_error_at_most": MEDIAN_ERROR_AT_MOST,
+                    "spearman_at_least": SPEARMAN_AT_LEAST},
+        "layouts": rows,
+        "check": {"reference_loss": ranks_out[0]["reference_loss"], "rtol": RTOL,
+                  "first_step_loss": ranks_out[0]["first_loss"]},
+        "phases_s": {f"rank {r}": res["phases_s"] for r, res in enumerate(ranks_out)},
+        "build_s_rank0": {k: {"plan": round(a, 3), "trainer": round(b, 3)}
+                          for k, (a, b) in ranks_out[0]["build_s"].items()},
+        "times_ms": {k: [round(t * 1e3, 3) for t in v] for k, v in times.items()},
+    }
+    write_result(args.out, result)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

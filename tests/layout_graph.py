@@ -1,6 +1,6 @@
 """The project's import graph, read from the source with ast: every import, function-level ones too.
 
-Shared by ``tests/test_layout.py`` and ``benchmarks/layout.py``.
+Shared by ``tests/test_layout.py`` and ``benchmarks/source_layout.py``.
 
 Legend: a *module* is a dotted name (``partitioner.plan.split``; a package's ``__init__`` is the
 package's name); a *room* is a subpackage (``partitioner.plan``) or, for a module at a package's

@@ -1,49 +1,136 @@
-"""The layout benchmark measures this checkout and an older one alike, and writes what it promises."""
+"""The layout benchmark's statistics on plain data, and its --quick run end to end on 4 gloo processes."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import runpy
-import shutil
+import math
+import os
+import subprocess
+import sys
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+
+import pytest
+
+pytest.importorskip("transformers")  # the benchmark trains a GPT-2
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _bench(name: str) -> Any:
-    """A function of benchmarks/layout.py (the script run as a module that is not ``__main__``)."""
-    return runpy.run_path(str(ROOT / "benchmarks" / "layout.py"), run_name="_bench_layout")[name]
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    """``benchmarks/layout.py`` imported as a module (a script folder, not a package)."""
+    spec = importlib.util.spec_from_file_location("_bench_layout", ROOT / "benchmarks" / "layout.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # @dataclass looks its module up there
+    spec.loader.exec_module(module)
+    return module
 
 
-def test_layout_benchmark_on_this_checkout(tmp_path: Path) -> None:
+def test_ranks_average_ties(bench: ModuleType) -> None:
+    assert bench.ranks([3.0, 1.0, 2.0]) == [3.0, 1.0, 2.0]
+    assert bench.ranks([0.3, 0.1, 0.2, 0.1]) == [4.0, 1.5, 3.0, 1.5]
+    assert bench.ranks([5.0, 5.0, 5.0]) == [2.0, 2.0, 2.0]
+    assert bench.ranks([]) == []
+
+
+def test_spearman_on_known_inputs(bench: ModuleType) -> None:
+    assert bench.spearman([1, 2, 3, 4, 5], [2, 4, 6, 8, 100]) == pytest.approx(1.0)  # monotone, not linear
+    assert bench.spearman([1, 2, 3, 4, 5], [5, 4, 3, 2, 1]) == pytest.approx(-1.0)
+    # 1 - 6 sum d^2 / (n (n^2 - 1)) without ties: d = (0, -2, 1, 1, 0), sum d^2 = 6.
+    assert bench.spearman([1, 2, 3, 4, 5], [1, 4, 2, 3, 5]) == pytest.approx(1 - 6 * 6 / (5 * 24))
+    # With ties: Pearson's r of the tie-averaged ranks (x: 1.5 1.5 3 4, y: 1 2 3 4).
+    rx, ry = [1.5, 1.5, 3, 4], [1, 2, 3, 4]
+    mx, my = sum(rx) / 4, sum(ry) / 4
+    want = sum((a - mx) * (b - my) for a, b in zip(rx, ry)) / math.sqrt(
+        sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
+    assert bench.spearman([1, 1, 2, 3], [10, 20, 30, 40]) == pytest.approx(want)
+    assert math.isnan(bench.spearman([1, 1, 1], [1, 2, 3]))  # a constant side has no ranking
+    with pytest.raises(ValueError, match="equal length"):
+        bench.spearman([1, 2], [1, 2, 3])
+
+
+def test_spearman_matches_scipy_with_ties(bench: ModuleType) -> None:
+    stats = pytest.importorskip("scipy.stats")
+    x = [0.1, 0.4, 0.4, 0.2, 0.9, 0.9, 0.9, 0.3]
+    y = [1.0, 3.0, 2.0, 2.0, 5.0, 4.0, 6.0, 0.5]
+    assert bench.spearman(x, y) == pytest.approx(float(stats.spearmanr(x, y).statistic))
+
+
+def test_median_abs_error_and_targets(bench: ModuleType) -> None:
+    assert bench.median_abs_error([1.1, 0.8, 2.0, 1.0], [1.0, 1.0, 1.0, 1.0]) == pytest.approx(0.15)
+    predicted = {"a": 0.10, "b": 0.20, "c": 0.30, "d": 0.40}
+    measured = {"a": 0.105, "b": 0.10, "c": 0.33, "d": 0.44}
+    t = bench.targets(predicted, measured, "a")
+    assert t["measured_best"] == "b" and t["choice_measured_rank"] == 2 and t["layouts"] == 4
+    assert t["choice_vs_best"] == pytest.approx(0.05) and t["choice_within_10pct"]
+    # |pred/meas - 1|: 0.0476, 1.0, 0.0909, 0.0909 -> median 0.0909
+    assert t["median_abs_error"] == pytest.approx(1 / 11) and t["median_abs_error_ok"]
+    assert t["spearman"] == pytest.approx(0.8) and t["spearman_ok"]  # ranks 1234 vs 2134
+    assert not bench.targets(predicted, measured, "d")["choice_within_10pct"]
+    with pytest.raises(ValueError, match="same layouts"):
+        bench.targets(predicted, {"a": 1.0}, "a")
+
+
+def test_planner_choice_is_the_fastest_predicted_until_the_planner_plugs_in(bench: ModuleType) -> None:
+    space = bench.layouts(4, 8, [2], ["1f1b"])
+    predicted = {"dp1 pp4 1f1b b2 m4 none": 0.3, "dp2 pp2 1f1b b2 m2 none": 0.2, "dp2 pp2 1f1b b2 m2 zero1": 0.2,
+                 "dp4 pp1 1f1b b2 m1 none": 0.25, "dp4 pp1 1f1b b2 m1 zero1": 0.25}
+    assert set(predicted) == {lay.name for lay in space}
+    assert bench.planner_choice(None, None, None, space, predicted) == "dp2 pp2 1f1b b2 m2 none"  # ties: by name
+
+
+def test_layouts_cover_every_divisible_layout(bench: ModuleType) -> None:
+    got = bench.layouts(4, 8, [1, 2, 4], ["1f1b", "interleaved"])
+    names = {lay.name for lay in got}
+    assert len(names) == len(got)
+    for lay in got:
+        assert lay.dp * lay.pp == 4 and lay.dp * lay.microbatch_size * lay.microbatches == 8
+        assert lay.pp > 1 or lay.schedule == "1f1b"  # one rank: one schedule
+        assert lay.dp > 1 or lay.zero == "none"
+    # dp 1: 2 schedules x 3 b; dp 2: 2 x 3 x 2 zero; dp 4: b 1, 2 (b 4 leaves half a micro-batch) x 2 zero
+    assert len(got) == 6 + 12 + 4
+    assert bench.Layout(1, 4, "zbv", 2, 4).stages == 8 and bench.Layout(2, 2, "zbh1", 2, 2).stages == 2
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_layout_quick(bench: ModuleType, tmp_path: Path) -> None:
+    # A subprocess, as users run it: its spawned ranks re-import the script as __main__.
     out = tmp_path / "layout.json"
-    assert _bench("main")(["--out", str(out)]) == 0
+    argv = ["--quick", "--timeout", "240", "--out", str(out)]
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "layout.py"), *argv], capture_output=True,
+                         text=True, timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["benchmark"] == "layout"
-    r = data["results"]
-    assert r["module_circles"] == [] and r["room_circles"] == []
-    assert max(r["modules_per_folder"].values()) <= 12
-    assert r["trainer_init"]["parameters"] <= 12
-    walk = r["step_walk"]
-    assert walk["reentries"] == 0 and walk["modules_passed"] == len(walk["modules"]) > 5
-    assert "runtime.trainer" in walk["modules"] and "runtime.execute.executor" in walk["modules"]
-    assert walk["handoffs"] <= walk["handoff_calls"] <= walk["calls"]
-
-
-def test_layout_benchmark_finds_circles_and_long_functions(tmp_path: Path) -> None:
-    # A tree of its own: two modules importing each other, one long function, a crowded folder.
-    root = tmp_path / "tree"
-    for pkg in ("partitioner", "runtime", "pipecut"):
-        (root / pkg).mkdir(parents=True)
-        (root / pkg / "__init__.py").write_text('"""A package."""\n')
-    (root / "partitioner" / "a.py").write_text("def f():\n    from partitioner import b\n")
-    (root / "partitioner" / "b.py").write_text("import partitioner.a\n" + "def g():\n" + "    x = 1\n" * 90)
-    for i in range(13):
-        (root / "runtime" / f"m{i}.py").write_text("")
-    shutil.copy(ROOT / "runtime" / "trainer.py", root / "runtime" / "trainer.py")
-    result = _bench("measure")(root, walk=False)
-    assert result["module_circles"] == [["partitioner.a", "partitioner.b"]]
-    assert result["modules_per_folder"]["runtime"] == 14
-    assert [f["function"] for f in result["functions_over_80_lines"]][:1] == ["g"]
-    assert "step_walk" not in result
+    assert data["command"] == "python benchmarks/layout.py " + " ".join(argv)
+    rows = data["layouts"]
+    assert {r["name"] for r in rows} == {"dp1 pp4 1f1b b2 m4 none", "dp2 pp2 1f1b b2 m2 none",
+                                         "dp2 pp2 1f1b b2 m2 zero1", "dp4 pp1 1f1b b2 m1 none",
+                                         "dp4 pp1 1f1b b2 m1 zero1"}
+    for r in rows:
+        assert r["measured_s"] > 0 and r["predicted_s"] > 0 and r["n"] == 2 and r["tokens_per_s"] > 0
+        assert r["pred_over_meas"] == pytest.approx(r["predicted_s"] / r["measured_s"])
+        assert len(data["times_ms"][r["name"]]) == 2
+    # The summary is the statistics of the rows it prints.
+    s = data["summary"]
+    pred = [r["predicted_s"] for r in rows]
+    meas = [r["measured_s"] for r in rows]
+    assert s["layouts"] == len(rows) and s["predictor"]
+    assert s["median_abs_error"] == pytest.approx(sorted(abs(p / m - 1) for p, m in zip(pred, meas))[len(rows) // 2])
+    by_measured = sorted(rows, key=lambda r: r["measured_s"])
+    assert s["measured_best"] == by_measured[0]["name"]
+    assert s["choice"] == min(rows, key=lambda r: (r["predicted_s"], r["name"]))["name"]
+    assert s["choice_measured_rank"] == [r["name"] for r in by_measured].index(s["choice"]) + 1
+    assert [r["rank_measured"] for r in by_measured] == [1, 2, 3, 4, 5]
+    assert [r["rank_predicted"] for r in rows] == bench.ranks(pred)
+    rho = bench.spearman(pred, meas)
+    assert s["spearman"] is None if math.isnan(rho) else s["spearman"] == pytest.approx(rho)
+    # Every layout's first step trained the plain model on the global batch.
+    check = data["check"]
+    assert set(check["first_step_loss"]) == {r["name"] for r in rows}
+    for loss in check["first_step_loss"].values():
+        assert loss == pytest.approx(check["reference_loss"], rel=1e-4)

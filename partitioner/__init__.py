@@ -20,12 +20,13 @@ from partitioner.errors import (
 from partitioner.plan.layout import Layout
 from partitioner.plan.plan import Plan, Prediction, StagePlan
 from partitioner.plan.split import StagedModel, StageIO, ValueSpec
-from partitioner.search import plan_layout
+from partitioner.search import LayoutSearch, plan_layout
 from partitioner.tracing.trace import TracedModel, trace
 
 __all__ = [
     "partition",
     "plan_layout",
+    "LayoutSearch",
     "Layout",
     "METHODS",
     "Plan",

@@ -62,7 +62,7 @@ from partitioner.tracing.globalstate import preserved
 from partitioner.tracing.hf import block_depth, is_hf_model
 from partitioner.tracing.trace import Method as TraceMethod
 
-__all__ = ["plan_layout"]
+__all__ = ["plan_layout", "LayoutSearch"]
 
 log = logging.getLogger(__name__)
 
@@ -135,52 +135,141 @@ def plan_layout(
         >>> plan.layout.dp * plan.layout.pp, plan.layout.global_batch
         (4, 16)
     """
-    _check(cluster, global_batch, schedules, microbatch_sizes, zero, top)
-    check_precision(precision)
-    recompute = check_option(recompute)
-    with preserved(model, what="plan_layout()"):
-        if granularity is None:  # as partition: a Hugging Face model's blocks stay whole
-            depth = block_depth(model) if is_hf_model(model) else None
-            granularity, module_depth = ("module", module_depth or depth) if depth else ("node", module_depth)
-        t0 = time.perf_counter()
-        ctx = _context(
-            model, example_inputs, example_kwargs=example_kwargs, leaf_modules=leaf_modules,
-            trace_method=trace_method, example_microbatches=1, profile=profile, profile_device=profile_device,
-            precision=precision, granularity=granularity, module_depth=module_depth, method="exact", refine=True,
-            split_points=None, state_bytes_per_param=state_bytes_per_param, recompute=recompute,
-        )
-        pricer = _Pricer(ctx, cluster, _rows(example_inputs, example_kwargs), bucket_bytes)
+    _check_space(schedules, microbatch_sizes, zero, top)
+    found = LayoutSearch(
+        model, example_inputs, cluster=cluster, global_batch=global_batch, precision=precision,
+        recompute=recompute, granularity=granularity, module_depth=module_depth, leaf_modules=leaf_modules,
+        state_bytes_per_param=state_bytes_per_param, bucket_bytes=bucket_bytes, profile=profile,
+        profile_device=profile_device, trace_method=trace_method, example_kwargs=example_kwargs,
+    )
+    return found.run(schedules=schedules, microbatch_sizes=microbatch_sizes, zero=zero, dp_sizes=dp_sizes, top=top,
+                     prune=prune)
+
+
+class LayoutSearch:
+    """A model traced and costed once for a cluster and a global batch: search, price or plan any layout of it.
+
+    ``plan_layout(...)`` is ``LayoutSearch(...).run(...)``. Keep the object to price or plan other
+    layouts of the same model without tracing it again (a benchmark that runs every layout, say).
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from partitioner import Cluster
+        >>> from partitioner.plan.layout import Option
+        >>> found = LayoutSearch(nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)]), (torch.randn(1, 32),),
+        ...                      cluster=Cluster.uniform(2, "cpu"), global_batch=8)
+        >>> plan = found.plan(Option(dp=1, pp=2, schedule="zbh1", microbatch_size=2, zero="none", global_batch=8))
+        >>> plan.layout.microbatches, plan.schedule, plan.layout.step_time > 0
+        (4, 'zbh1', True)
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        example_inputs: Sequence[Any],
+        *,
+        cluster: Cluster,
+        global_batch: int,
+        precision: str = "fp32",
+        recompute: bool | str = "auto",
+        granularity: str | None = None,
+        module_depth: int | None = None,
+        leaf_modules: Sequence[type | str] = (),
+        state_bytes_per_param: float = 16.0,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        profile: bool = False,
+        profile_device: str | torch.device | None = None,
+        trace_method: TraceMethod = "auto",
+        example_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Trace and cost ``model``; the arguments are :func:`plan_layout`'s."""
+        _check(cluster, global_batch)
+        check_precision(precision)
+        recompute = check_option(recompute)
+        self.model, self.cluster, self.global_batch = model, cluster, global_batch
+        with preserved(model, what="plan_layout()"):
+            if granularity is None:  # as partition: a Hugging Face model's blocks stay whole
+                depth = block_depth(model) if is_hf_model(model) else None
+                granularity, module_depth = ("module", module_depth or depth) if depth else ("node", module_depth)
+            ctx = _context(
+                model, example_inputs, example_kwargs=example_kwargs, leaf_modules=leaf_modules,
+                trace_method=trace_method, example_microbatches=1, profile=profile, profile_device=profile_device,
+                precision=precision, granularity=granularity, module_depth=module_depth, method="exact",
+                refine=True, split_points=None, state_bytes_per_param=state_bytes_per_param, recompute=recompute,
+            )
+        self._pricer = _Pricer(ctx, cluster, _rows(example_inputs, example_kwargs), bucket_bytes)
+
+    def space(
+        self,
+        *,
+        schedules: Sequence[str] | None = None,
+        microbatch_sizes: Sequence[int] | None = None,
+        zero: Sequence[str] = ZERO_OPTIONS,
+        dp_sizes: Sequence[int] | None = None,
+    ) -> list[Option]:
+        """Every layout of the cluster for the global batch (``layout_space``), within the model's units."""
+        _check_space(schedules, microbatch_sizes, zero, 1)
         options = layout_space(
-            len(cluster), global_batch, schedules=tuple(schedules or TRAINING_SCHEDULES),
-            microbatch_sizes=microbatch_sizes, zero=zero, max_stages=len(ctx.units), dp_sizes=dp_sizes,
+            len(self.cluster), self.global_batch, schedules=tuple(schedules or TRAINING_SCHEDULES),
+            microbatch_sizes=microbatch_sizes, zero=zero, max_stages=len(self._pricer.ctx.units), dp_sizes=dp_sizes,
         )
         if not options:
             raise PartitionOptionError(
-                f"no layout of {len(cluster)} devices divides a global batch of {global_batch} rows "
+                f"no layout of {len(self.cluster)} devices divides a global batch of {self.global_batch} rows "
                 f"into replicas and micro-batches (microbatch_sizes={microbatch_sizes}, dp_sizes={dp_sizes}); "
-                "pick a global batch "
-                "that a replica count divides"
+                "pick a global batch that a replica count divides"
             )
-        rows = search(options, pricer.price, pricer.bound, capacity=pricer.capacity, top=top, prune=prune)
-        best, why = pick(rows)
-        rows = explain(rows, best)
-        t1 = time.perf_counter()
-        log.info("plan_layout: %d layouts, %.2fs: %s", len(rows), t1 - t0, why)
-        plan = pricer.plan(best.option)
+        return options
+
+    def price(self, option: Option) -> Layout:
+        """What the cost model says ``option`` does (see the module docstring).
+
+        Raises:
+            InfeasibleMemoryError: no cut of it fits the devices.
+        """
+        with preserved(self.model, what="plan_layout()"):
+            return self._pricer.price(option)
+
+    def run(self, *, top: int = 5, prune: bool = True, **space: Any) -> Plan:
+        """Search the space (``space``'s keywords as :meth:`space` takes them) and return the chosen plan."""
+        _check_space(None, None, ZERO_OPTIONS, top)
+        t0 = time.perf_counter()
+        options = self.space(**space)
+        p = self._pricer
+        with preserved(self.model, what="plan_layout()"):
+            rows = search(options, p.price, p.bound, capacity=p.capacity, top=top, prune=prune)
+            best, why = pick(rows)
+            rows = explain(rows, best)
+            log.info("plan_layout: %d layouts, %.2fs: %s", len(rows), time.perf_counter() - t0, why)
+            plan = p.plan(best.option)
         chosen = next(r for r in rows if r.note == "chosen")
         return replace(plan, layout=chosen, layouts=tuple(rows), choice=why)
 
+    def plan(self, option: Option) -> Plan:
+        """The plan that trains ``option`` (its stages built, bound to the model), priced: ``plan.layout``.
 
-def _check(
-    cluster: Cluster, global_batch: int, schedules: Sequence[str] | None, sizes: Sequence[int] | None,
-    zero: Sequence[str], top: int,
-) -> None:
+        Raises:
+            InfeasibleMemoryError: no cut of it fits the devices.
+        """
+        with preserved(self.model, what="plan_layout()"):
+            lay = self._pricer.price(option)
+            plan = self._pricer.plan(option)
+        return replace(plan, layout=lay)
+
+
+def _check(cluster: Cluster, global_batch: int) -> None:
     if not isinstance(cluster, Cluster):
         raise PartitionOptionError(
             f"cluster must be a Cluster (e.g. Cluster.uniform(8, 'A100-80GB')), got {type(cluster).__name__}"
         )
     if type(global_batch) is not int or global_batch < 1:
         raise PartitionOptionError(f"global_batch must be a positive int (rows per step), got {global_batch!r}")
+
+
+def _check_space(
+    schedules: Sequence[str] | None, sizes: Sequence[int] | None, zero: Sequence[str], top: int
+) -> None:
     unknown = [s for s in schedules or () if s not in TRAINING_SCHEDULES]
     if unknown:
         raise PartitionOptionError(f"unknown schedules {unknown}; choose among {', '.join(TRAINING_SCHEDULES)}")

@@ -18,13 +18,13 @@ sharding, ``DataParallel(shard_optimizer=True)``) only where ``dp > 1``.
 
 How the three columns are made:
 
-* **predicted**: :func:`layout_plan` gives the plan that trains a layout and
-  :func:`predicted_step_time` reads its step time off it; :func:`planner_choice` names the layout
-  the planner picks. Today these are ``partition`` (one plan per layout, cut for its stages, schedule
-  and ``m``), the pipeline's simulated step alone (no data-parallel exchange, no optimizer step, the
-  roofline ``'cpu'`` device), and the fastest predicted. They are the functions to swap for
-  ``partitioner.plan_layout`` (with :func:`plan_key`, which layouts share a cut, and :data:`PREDICTOR`,
-  the words the JSON records for what was used).
+* **predicted**: one ``partitioner.LayoutSearch`` per process traces and costs the model once;
+  :func:`layout_plan` is its plan for a layout (the exact cut, priced: ``plan.layout``) and
+  :func:`predicted_step_time` its predicted step: the simulated pipeline, the data-parallel
+  exchange the drain does not hide, the optimizer step. :func:`planner_choice` is what
+  ``plan_layout`` chooses over the same space. ``--cluster FILE`` prices on a calibrated cluster
+  (``pipecut calibrate --devices 4 --out FILE``: this host's measured matmul speed with 4 processes
+  sharing its cores, gloo's links and all-reduce); without it, the roofline ``'cpu'`` preset.
 * **measured**: ONE job of 4 processes (``runtime.transport.launch.spawn``: file rendezvous, one
   thread per process, a deadline, stragglers killed) builds a trainer for every layout, each from
   its own copy of one seeded model, and then runs rounds: each round runs one step of every layout
@@ -53,7 +53,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -66,14 +66,15 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 from _common import int_list, load_before, run_env, step_times, write_result  # noqa: E402
-from partitioner import Cluster, Plan, partition  # noqa: E402
+from partitioner import Cluster, LayoutSearch, Plan  # noqa: E402
+from partitioner.plan.layout import Option  # noqa: E402
 from partitioner.schedule.registry import TRAINING_SCHEDULES, stages_per_rank  # noqa: E402
 from partitioner.zoo import gpt2  # noqa: E402
 from runtime import DataParallel, Execution, PipelineTrainer  # noqa: E402
 from runtime.transport.launch import spawn  # noqa: E402
 
 __all__ = [
-    "Layout", "layouts", "layout_plan", "plan_key", "predicted_step_time", "planner_choice", "PREDICTOR",
+    "Layout", "layouts", "option", "layout_plan", "predicted_step_time", "planner_choice", "PREDICTOR",
     "ranks", "spearman", "median_abs_error", "targets", "main",
 ]
 
@@ -83,9 +84,9 @@ RTOL = 1e-4  # first-step loss against the plain model's
 # The issue's targets: choice within 10% of the best; median |pred / meas - 1| <= 0.15; Spearman >= 0.8.
 CHOICE_WITHIN, MEDIAN_ERROR_AT_MOST, SPEARMAN_AT_LEAST = 0.10, 0.15, 0.8
 PREDICTOR = (
-    "partition(model, (one micro-batch,), num_stages=S, cluster=Cluster.uniform(4, 'cpu'), schedule=..., "
-    "microbatches=m).prediction(schedule).step_time: the pipeline's simulated step only (roofline 'cpu' "
-    "device; no dp gradient exchange, no optimizer step); choice: the fastest predicted"
+    "partitioner.LayoutSearch(model, (one row,), cluster=CLUSTER, global_batch=B): .plan(layout).layout.step_time "
+    "(the exact cut, the simulated pipeline, the dp exchange the drain leaves, the optimizer step); choice: "
+    ".run(schedules, microbatch_sizes, prune=False).layout"
 )
 # --quick: a tiny GPT-2 and a few layouts (anything given explicitly on the command line wins).
 _QUICK = ["--rounds", "2", "--warmup", "1", "--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--vocab", "128",
@@ -140,54 +141,41 @@ def layouts(
     return out
 
 
-# -- the planner's side: swap these for partitioner.plan_layout -------------------------------------
-# With the planner: layout_plan returns plan_layout(model, (example,), cluster=cluster, global_batch=B,
-# dp_sizes=(dp,), schedules=(schedule,), microbatch_sizes=(b,), zero=(zero,)), the layout forced;
-# plan_key returns the layout itself (the plan's state per rank depends on zero);
-# predicted_step_time returns plan.layout.step_time (pipeline + exchange left + optimizer step);
-# planner_choice runs one plan_layout(...) over the same space (prune=False) and names plan.layout
-# as Layout(l.dp, l.pp, l.schedule, l.microbatch_size, l.microbatches, l.zero).name (a pp = 1 layout under
-# the space's one pp = 1 schedule: the search prices 1f1b, zbh1 and gpipe there, the same run); PREDICTOR says so.
+# -- the planner's side -----------------------------------------------------------------------------
 
 
-def layout_plan(model: nn.Module, example_row: torch.Tensor, layout: Layout, cluster: Cluster) -> Plan:
-    """The plan that trains ``layout``: its stages cut for its schedule and micro-batch count.
-
-    Args:
-        model: the model (this layout's own copy: the trainer's stages share its parameters).
-        example_row: one row of the inputs, ``(1, T)`` token ids.
-        layout: the layout.
-        cluster: the whole machine, one device per process (the plan takes the first ``pp``).
-    """
-    example = example_row.expand(layout.microbatch_size, *example_row.shape[1:]).contiguous()
-    return partition(model, (example,), layout.stages, cluster=cluster, schedule=layout.schedule,
-                     microbatches=layout.microbatches)
+def option(layout: Layout, global_batch: int) -> Option:
+    """The planner's name for ``layout``."""
+    return Option(layout.dp, layout.pp, layout.schedule, layout.microbatch_size, layout.zero, global_batch)
 
 
-def plan_key(layout: Layout) -> Layout:
-    """What :func:`layout_plan`'s plan depends on: layouts of one key share a cut (copied per layout).
-    ``partition`` knows nothing of optimizer sharding, so ``zero`` is left out; a planner whose
-    plan depends on it returns ``layout`` itself."""
-    return replace(layout, zero="none")
+def layout_plan(search: LayoutSearch, layout: Layout) -> Plan:
+    """The plan that trains ``layout``, priced by the planner (``plan.layout``), on its own copy of the model."""
+    with warnings.catch_warnings():  # torch's pytree warns about its own LeafSpec as it is copied
+        warnings.simplefilter("ignore", FutureWarning)
+        return copy.deepcopy(search.plan(option(layout, search.global_batch)))
 
 
 def predicted_step_time(plan: Plan, layout: Layout) -> float:
-    """Seconds one step of ``layout`` is predicted to take, read off its plan."""
-    return plan.prediction(layout.schedule).step_time
+    """Seconds one step of ``layout`` is predicted to take: pipeline, exchange left, optimizer step."""
+    assert plan.layout is not None and plan.layout.label() == option(layout, plan.layout.global_batch).label()
+    return plan.layout.step_time
 
 
-def planner_choice(
-    model: nn.Module, example_row: torch.Tensor, cluster: Cluster, space: Sequence[Layout], predicted: dict[str, float]
-) -> str:
-    """The layout the planner picks among ``space``, by name: today the one of least predicted step time.
+def planner_choice(search: LayoutSearch, space: Sequence[Layout]) -> str:
+    """The layout ``plan_layout`` picks over the benchmark's space, by the benchmark's name.
 
-    Args:
-        model, example_row, cluster: as :func:`layout_plan` gets them (a planner searches with them).
-        space: every layout the benchmark runs (one global batch, micro-batch sizes, schedules).
-        predicted: :func:`predicted_step_time` of each, by name.
+    The search prices every schedule on a one-rank pipeline too (1F1B, ZB-H1 and GPipe are the same
+    run there); the benchmark runs that run once, under the space's one schedule for ``pp = 1``.
     """
-    del model, example_row, cluster, space  # the planner's search will read them
-    return min(predicted, key=lambda name: (predicted[name], name))
+    schedules = sorted({lay.schedule for lay in space}, key=TRAINING_SCHEDULES.index)
+    sizes = sorted({lay.microbatch_size for lay in space})
+    plan = search.run(schedules=schedules, microbatch_sizes=sizes, prune=False)
+    lay = plan.layout
+    assert lay is not None
+    single = next((x.schedule for x in space if x.pp == 1), lay.schedule)
+    return Layout(lay.dp, lay.pp, single if lay.pp == 1 else lay.schedule, lay.microbatch_size, lay.microbatches,
+                  lay.zero).name
 
 
 # -- statistics (pure) ---------------------------------------------------------------------------------
@@ -275,6 +263,11 @@ def targets(predicted: dict[str, float], measured: dict[str, float], choice: str
 # -- the measured side -----------------------------------------------------------------------------------
 
 
+def _cluster(cfg: dict[str, Any], world: int) -> Cluster:
+    """The cluster the planner prices: a calibration file (``--cluster``) or the roofline ``'cpu'`` preset."""
+    return Cluster.load(cfg["cluster"]) if cfg.get("cluster") else Cluster.uniform(world, "cpu")
+
+
 def _lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # (B, T, V), (B, T)
     return nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
 
@@ -315,27 +308,21 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     x, y = _data(cfg)
     with torch.no_grad():
         want = _lm_loss(model(x), y)
-    cluster = Cluster.uniform(world, "cpu")
+    cluster = _cluster(cfg, world)
     todo = [Layout(**d) for d in cfg["layouts"]]
     trainers: dict[str, PipelineTrainer] = {}
     predicted: dict[str, float] = {}
     meshes: dict[tuple[int, int], Any] = {}
-    plans: dict[Layout, Plan] = {}
     build_s: dict[str, tuple[float, float]] = {}  # per layout: seconds to plan, to build the trainer
+    search = LayoutSearch(copy.deepcopy(model), (x[:1],), cluster=cluster, global_batch=cfg["batch"])
     for layout in todo:  # the same order on every rank: meshes and trainers are collective
-        key = plan_key(layout)
         t0 = time.perf_counter()
-        if key not in plans:
-            plans[key] = layout_plan(copy.deepcopy(model), x[:1], layout, cluster)
-        # Every layout's own copy (plan and model together: a tracing's worth of time saved per copy).
-        with warnings.catch_warnings():  # torch's pytree warns about its own LeafSpec as it is copied
-            warnings.simplefilter("ignore", FutureWarning)
-            plan = copy.deepcopy(plans[key])
+        plan = layout_plan(search, layout)  # every layout's own copy of the model
         predicted[layout.name] = predicted_step_time(plan, layout)
         t1 = time.perf_counter()
         trainers[layout.name] = _trainer(plan, layout, meshes, cfg["timeout"])
         build_s[layout.name] = (t1 - t0, time.perf_counter() - t1)
-    choice = planner_choice(copy.deepcopy(model), x[:1], cluster, todo, predicted) if rank == 0 else ""
+    choice = planner_choice(search, todo) if rank == 0 else ""
     phases["build"] = time.perf_counter()
     runs: dict[str, Callable[[], torch.Tensor]] = {
         name: (lambda tr=tr: tr.step(*tr.local_batch(x, y))) for name, tr in trainers.items()  # type: ignore[misc]
@@ -428,6 +415,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--schedules", default=",".join(TRAINING_SCHEDULES), help="schedules to try (pp > 1)")
     ap.add_argument("--quick", action="store_true", help="shorthand for a smoke test: " + " ".join(_QUICK))
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds for the whole run")
+    ap.add_argument("--cluster", default=None, help="a cluster JSON to price on (pipecut calibrate --devices 4 "
+                    "--out FILE); default: the 'cpu' preset")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "layout.json"))
     cli = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(cli)
@@ -442,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(todo) < 2:
         ap.error(f"--batch {args.batch} and --microbatch-sizes {args.microbatch_sizes} give {len(todo)} layout(s); "
                  "a ranking needs at least two")
-    keys = ("rounds", "warmup", "n_layer", "n_embd", "n_head", "vocab", "seq", "batch", "microbatch_sizes")
+    keys = ("rounds", "warmup", "n_layer", "n_embd", "n_head", "vocab", "seq", "batch", "microbatch_sizes", "cluster")
     cfg = {k: getattr(args, k) for k in keys}
     cfg.update(schedules=schedules, layouts=[asdict(lay) for lay in todo],
                timeout=min(300.0, args.timeout))  # a peer waited on longer than this has failed
@@ -464,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": {**{k: v for k, v in cfg.items() if k != "layouts"}, "processes": PROCESSES,
                    "threads_per_process": 1, "model": "partitioner.zoo.gpt2 (Hugging Face GPT-2, tied embedding, "
                    "dropout 0)", "loss": "cross_entropy", "optimizer": "AdamW(lr=1e-4)",
-                   "tokens_per_step": args.batch * args.seq, "cluster": "Cluster.uniform(4, 'cpu')"},
+                   "tokens_per_step": args.batch * args.seq, "cluster": args.cluster or "Cluster.uniform(4, 'cpu')"},
         "env": run_env(load, t0),
         "summary": summary,
         "targets": {"choice_within": CHOICE_WITHIN, "median_abs_error_at_most": MEDIAN_ERROR_AT_MOST,

@@ -74,12 +74,23 @@ def test_median_abs_error_and_targets(bench: ModuleType) -> None:
         bench.targets(predicted, {"a": 1.0}, "a")
 
 
-def test_planner_choice_is_the_fastest_predicted_until_the_planner_plugs_in(bench: ModuleType) -> None:
-    space = bench.layouts(4, 8, [2], ["1f1b"])
-    predicted = {"dp1 pp4 1f1b b2 m4 none": 0.3, "dp2 pp2 1f1b b2 m2 none": 0.2, "dp2 pp2 1f1b b2 m2 zero1": 0.2,
-                 "dp4 pp1 1f1b b2 m1 none": 0.25, "dp4 pp1 1f1b b2 m1 zero1": 0.25}
-    assert set(predicted) == {lay.name for lay in space}
-    assert bench.planner_choice(None, None, None, space, predicted) == "dp2 pp2 1f1b b2 m2 none"  # ties: by name
+def test_the_planner_prices_and_chooses_among_the_benchmarks_layouts(bench: ModuleType) -> None:
+    from partitioner import Cluster, LayoutSearch
+
+    cfg = {"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab": 64, "seq": 8, "batch": 8}
+    model = bench._model(cfg)
+    x, _ = bench._data(cfg)
+    search = LayoutSearch(model, (x[:1],), cluster=Cluster.uniform(4, "cpu"), global_batch=8)
+    space = bench.layouts(4, 8, [1, 2], ["1f1b", "zbh1"])
+    predicted = {}
+    for lay in space:
+        plan = bench.layout_plan(search, lay)
+        assert plan.model is not model  # every layout trains its own copy
+        predicted[lay.name] = bench.predicted_step_time(plan, lay)
+        assert plan.microbatches == lay.microbatches and plan.num_stages == lay.stages
+    choice = bench.planner_choice(search, space)
+    assert choice in predicted
+    assert predicted[choice] <= min(predicted.values()) * 1.01  # the fastest, up to the planner's 1% ties
 
 
 def test_layouts_cover_every_divisible_layout(bench: ModuleType) -> None:
@@ -123,7 +134,8 @@ def test_layout_quick(bench: ModuleType, tmp_path: Path) -> None:
     assert s["median_abs_error"] == pytest.approx(sorted(abs(p / m - 1) for p, m in zip(pred, meas))[len(rows) // 2])
     by_measured = sorted(rows, key=lambda r: r["measured_s"])
     assert s["measured_best"] == by_measured[0]["name"]
-    assert s["choice"] == min(rows, key=lambda r: (r["predicted_s"], r["name"]))["name"]
+    fastest = min(r["predicted_s"] for r in rows)  # the planner's choice: the fastest, up to its 1% ties
+    assert s["choice"] in {r["name"] for r in rows if r["predicted_s"] <= fastest * 1.01}
     assert s["choice_measured_rank"] == [r["name"] for r in by_measured].index(s["choice"]) + 1
     assert [r["rank_measured"] for r in by_measured] == [1, 2, 3, 4, 5]
     assert [r["rank_predicted"] for r in rows] == bench.ranks(pred)

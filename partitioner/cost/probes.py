@@ -168,8 +168,9 @@ class Probe:
             dtype left out takes the other's speed.
         elementwise: element counts of the float32 additions that measure memory bandwidth.
         messages: byte sizes of the p2p and all-reduce messages.
-        min_time: seconds of timed calls per compute point (at least ``repeat`` calls): several
-            scheduler slices, so processes sharing a core see their share.
+        min_time: seconds of timed calls per compute point (at least ``repeat`` calls), in five
+            windows of several scheduler slices each, so processes sharing a core see their share
+            (see :func:`time_call`).
         repeat: timed calls per point at least; round trips and all-reduces: exactly this many
             (their median is kept).
 
@@ -228,20 +229,27 @@ class ComputeSpeed:
 # -- compute probes (in one process) ----------------------------------------------------------
 
 
-def time_call(fn: Callable[[], Any], *, min_time: float, repeat: int) -> float:
-    """Mean seconds of one ``fn()`` call: one untimed call, then at least ``repeat`` calls and at
-    least ``min_time`` seconds of them. The mean over a window of several scheduler slices, not
-    the median call: with more busy processes than cores, most single calls still run
-    uninterrupted, and only the window shows the share of a core each process really gets."""
+def time_call(fn: Callable[[], Any], *, min_time: float, repeat: int, windows: int = 5) -> float:
+    """Seconds of one ``fn()`` call: one untimed call, then ``windows`` windows of at least
+    ``repeat / windows`` calls and ``min_time / windows`` seconds each; the median window's mean.
+
+    A window's mean, not the median call: with more busy processes than cores most single calls
+    still run uninterrupted, and only a window of several scheduler slices shows each process's
+    share of a core. The median window, not the whole run's mean: a burst of other work on a
+    shared machine spoils one window, not the measurement."""
     fn()
-    calls = 0
-    t0 = time.perf_counter()
-    while True:
-        fn()
-        calls += 1
-        elapsed = time.perf_counter() - t0
-        if calls >= repeat and elapsed >= min_time:
-            return elapsed / calls
+    means = []
+    for _ in range(windows):
+        calls = 0
+        t0 = time.perf_counter()
+        while True:
+            fn()
+            calls += 1
+            elapsed = time.perf_counter() - t0
+            if calls * windows >= repeat and elapsed * windows >= min_time:
+                break
+        means.append(elapsed / calls)
+    return statistics.median(means)
 
 
 def gemm_flops(probe: Probe, dtype: str) -> float:

@@ -40,7 +40,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from _common import load_before, run_env, step_times, write_result  # noqa: E402
 from partitioner import Cluster, partition  # noqa: E402
 from partitioner.cost import calibrate  # noqa: E402
-from partitioner.cost.probes import Probe, model_gemms  # noqa: E402
+from partitioner.cost.gemms import model_gemms  # noqa: E402
+from partitioner.cost.probes import Probe  # noqa: E402
 from partitioner.tracing.trace import trace  # noqa: E402
 from partitioner.zoo import gpt2  # noqa: E402
 from runtime.options import Execution  # noqa: E402
@@ -105,8 +106,9 @@ def main() -> None:
     rounds = []
     for r in range(cfg["rounds"]):  # the machine is shared: measure the host and the run together, each round
         cal = calibrate.measure(2, probe=probe)
-        calibrated = next(p.step_time for p in _plan(cfg, cal.cluster()).predictions if p.schedule == "1f1b")
-        per_rank = spawn(_worker, 2, cfg, cal.cluster(), timeout=1200)
+        cluster = Cluster.from_calibration(cal)
+        calibrated = next(p.step_time for p in _plan(cfg, cluster).predictions if p.schedule == "1f1b")
+        per_rank = spawn(_worker, 2, cfg, cluster, timeout=1200)
         measured = step_times([{"step": spans} for spans in per_rank])["step"]
         median = statistics.median(measured)
         rounds.append({"measured_step_s": measured, "measured_median_s": median, "preset_predicted_s": preset,

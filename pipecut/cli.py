@@ -36,7 +36,8 @@ from torch import nn
 
 from partitioner.api import METHODS, partition
 from partitioner.cost.devices import DEVICE_PRESETS, Cluster
-from partitioner.cost.probes import Probe, model_gemms
+from partitioner.cost.gemms import model_gemms
+from partitioner.cost.probes import Probe
 from partitioner.errors import CliArgumentError, PipecutError
 from partitioner.plan.plan import Plan
 from partitioner.plan.predict import prediction, simulate_stages
@@ -307,7 +308,7 @@ def _measure_and_save(path: str, devices: int, probe: Probe, *, processes: int |
     console = _console()
     console.print(f"measuring {devices} gloo processes of this host ({os.cpu_count()} CPUs)...")
     cal = calibrate.measure(devices, processes=processes, probe=probe, timeout=timeout)
-    cluster = cal.cluster()
+    cluster = Cluster.from_calibration(cal)
     cluster.save(path, details=cal.summary())
     dev, cpu = cluster.devices[0], DEVICE_PRESETS["cpu"]
     table = Table(show_edge=False)

@@ -1,5 +1,5 @@
 """Calibration: what this host's processes really get -- matmul FLOP/s at the model's sizes, memory
-bandwidth, per-op overhead, and the backend's p2p and all-reduce speed -- as a ``Cluster``.
+bandwidth, per-op overhead, and the backend's p2p and all-reduce speed -- for ``Cluster.measure``.
 
 The preset ``"cpu"`` is a guess; a calibrated cluster is measured. The compute probes
 (``partitioner.cost.probes``) run in every one of ``processes`` spawned processes *at once* (one
@@ -20,7 +20,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -28,7 +28,6 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException, start_processes
 
-from partitioner.cost.devices import Cluster, DeviceSpec
 from partitioner.cost.probes import ComputeSpeed, LinearFit, Probe, allreduce, measure_compute, pingpong
 from partitioner.errors import CalibrationError, ClusterError
 
@@ -41,8 +40,15 @@ log = logging.getLogger(__name__)
 class Calibration:
     """A measurement of this host: what each rank's compute got, and the links between ranks.
 
-    ``p2p`` is ``None`` with one device, ``allreduce`` too; :meth:`cluster` then keeps the preset
-    ``"cpu"`` links (no link is used by a one-device plan).
+    ``p2p`` is ``None`` with one device, ``allreduce`` too. ``Cluster.from_calibration`` turns it
+    into the cluster the planner reads (this module stays below ``devices``: it builds no cluster).
+
+    Example:
+        >>> from partitioner.cost.devices import Cluster
+        >>> speed = ComputeSpeed({"float32": 8e10}, LinearFit(0.0, 2e10), 5e-6)
+        >>> cal = Calibration(2, 2, "gloo", speed, LinearFit(1e-4, 2e9), LinearFit(3e-5, 1e9), wall_s=1.0)
+        >>> Cluster.from_calibration(cal).collective_bandwidth
+        1000000000.0
     """
 
     devices: int
@@ -53,30 +59,6 @@ class Calibration:
     allreduce: LinearFit | None
     wall_s: float
     details: Mapping[str, Any] = field(default_factory=dict)
-
-    def device_spec(self) -> DeviceSpec:
-        """The measured device: FLOP/s, bandwidth and overhead of one rank; memory is the host's
-        shared by ``processes``; the link is the measured p2p one."""
-        cpu = DeviceSpec.preset("cpu")
-        flops = dict(self.compute.flops)
-        fp32 = flops.get("float32", flops.get("bfloat16", cpu.peak_flops_fp32))
-        return DeviceSpec(
-            name="cpu (measured)",
-            peak_flops=flops.get("bfloat16", fp32),
-            peak_flops_fp32=fp32,
-            mem_bandwidth=self.compute.memory.bandwidth,
-            memory=cpu.memory / self.processes,
-            link_bandwidth=self.p2p.bandwidth if self.p2p else cpu.link_bandwidth,
-            link_latency=self.p2p.latency if self.p2p else cpu.link_latency,
-            op_overhead=self.compute.op_overhead,
-        )
-
-    def cluster(self) -> Cluster:
-        """``devices`` of :meth:`device_spec` with the measured links and all-reduce."""
-        base = Cluster.uniform(self.devices, self.device_spec())
-        if self.allreduce is None:
-            return base
-        return replace(base, collective_bandwidth=self.allreduce.bandwidth, collective_latency=self.allreduce.latency)
 
     def summary(self) -> dict[str, Any]:
         """Plain JSON-ready numbers (saved beside the cluster by ``Cluster.save(details=...)``)."""
@@ -156,7 +138,7 @@ def measure(
     )
     _, p2p, allreduce = results[0]
     cal = Calibration(devices, processes, backend, compute, p2p, allreduce, time.perf_counter() - t0)
-    log.info("measured %s", cal.summary())
+    log.info("measured %s", cal.summary())  # Cluster.from_calibration(cal) is the cluster
     return cal
 
 

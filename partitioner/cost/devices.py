@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from partitioner.errors import ClusterError, ClusterFormatError, UnknownDeviceError
 
 if TYPE_CHECKING:
+    from partitioner.cost.calibrate import Calibration
     from partitioner.cost.probes import Probe
 
 __all__ = ["DeviceSpec", "Cluster", "DEVICE_PRESETS"]
@@ -229,7 +230,7 @@ class Cluster:
 
         Spawns ``max(devices, processes)`` one-thread processes joined by ``backend``; the first
         ``processes`` time matrix products (``probe.gemms``: pass ``Probe().with_gemms(
-        model_gemms(traced))`` for the model's own sizes), memory bandwidth and per-op overhead
+        gemms.model_gemms(traced))`` for the model's own sizes), memory bandwidth and per-op overhead
         all at once, so cores they share show as the speed each gets; then the p2p link and the
         all-reduce are timed between them. See ``partitioner.cost.calibrate`` for the method;
         ``calibrate.measure`` returns the raw numbers too. Takes a few seconds per probe size.
@@ -252,7 +253,35 @@ class Cluster:
         """
         from partitioner.cost import calibrate  # torch and processes only when measuring
 
-        return calibrate.measure(devices, backend=backend, processes=processes, probe=probe, timeout=timeout).cluster()
+        cal = calibrate.measure(devices, backend=backend, processes=processes, probe=probe, timeout=timeout)
+        return Cluster.from_calibration(cal)
+
+    @staticmethod
+    def from_calibration(cal: Calibration) -> Cluster:
+        """``cal.devices`` identical devices as ``cal`` measured them, with its links and all-reduce.
+
+        The device, ``"cpu (measured)"``, has one rank's GEMM FLOP/s (bf16 as ``peak_flops``, fp32
+        as ``peak_flops_fp32``; a dtype not measured takes the other's), memory bandwidth and
+        per-op overhead, the host's memory shared by ``cal.processes``, and the measured p2p link
+        (the preset ``"cpu"`` link when one device measured none).
+        """
+        cpu = DEVICE_PRESETS["cpu"]
+        flops = dict(cal.compute.flops)
+        fp32 = flops.get("float32", flops.get("bfloat16", cpu.peak_flops_fp32))
+        spec = DeviceSpec(
+            name="cpu (measured)",
+            peak_flops=flops.get("bfloat16", fp32),
+            peak_flops_fp32=fp32,
+            mem_bandwidth=cal.compute.memory.bandwidth,
+            memory=cpu.memory / cal.processes,
+            link_bandwidth=cal.p2p.bandwidth if cal.p2p else cpu.link_bandwidth,
+            link_latency=cal.p2p.latency if cal.p2p else cpu.link_latency,
+            op_overhead=cal.compute.op_overhead,
+        )
+        base = Cluster.uniform(cal.devices, spec)
+        if cal.allreduce is None:
+            return base
+        return replace(base, collective_bandwidth=cal.allreduce.bandwidth, collective_latency=cal.allreduce.latency)
 
     def save(self, path: str | os.PathLike[str], *, details: Mapping[str, Any] | None = None) -> Path:
         """Write this cluster as JSON (a format tag and version, the cluster, and ``details``, e.g.

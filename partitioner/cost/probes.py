@@ -1,6 +1,6 @@
 """Timing probes run inside one process: matmul FLOP/s, memory bandwidth and per-op overhead of
-this process's threads, p2p and all-reduce speed over an initialised process group, the model's
-own GEMM shapes, and the least-squares fits that turn timings into speeds.
+this process's threads, p2p and all-reduce speed over an initialised process group, and the
+least-squares fits that turn timings into speeds. Plain torch: no graph, no cluster.
 
 ``partitioner.cost.calibrate`` runs these in several processes at once and builds a ``Cluster``.
 
@@ -15,21 +15,14 @@ import logging
 import math
 import statistics
 import time
-from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.fx as fx
-from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from partitioner.cost.analytic import Coster
 from partitioner.errors import CalibrationError, ClusterError
-from partitioner.tracing.globalstate import preserved
-from partitioner.tracing.trace import TracedModel
 
 __all__ = [
     "GemmShape",
@@ -39,7 +32,6 @@ __all__ = [
     "DEFAULT_GEMMS",
     "fit_linear",
     "fit_allreduce",
-    "model_gemms",
     "measure_compute",
     "pingpong",
     "allreduce",
@@ -161,7 +153,7 @@ class Probe:
 
     Args:
         gemms: GEMM shapes and their weights (how often the model runs each); the FLOP/s kept is
-            the weighted total FLOPs over the weighted total time (see :func:`model_gemms`).
+            the weighted total FLOPs over the weighted total time (see ``partitioner.cost.gemms.model_gemms``).
         max_gemm_flops: each product is shrunk to at most this many FLOPs (``GemmShape.capped``).
         max_gemms: time only the heaviest products (by weighted FLOPs), at most this many.
         dtypes: ``"float32"`` (``peak_flops_fp32``) and/or ``"bfloat16"`` (``peak_flops``); a
@@ -208,7 +200,7 @@ class Probe:
         )
 
     def with_gemms(self, gemms: Mapping[GemmShape, float]) -> Probe:
-        """This probe measuring ``gemms`` (e.g. :func:`model_gemms` of the model to plan)."""
+        """This probe measuring ``gemms`` (e.g. ``partitioner.cost.gemms.model_gemms`` of the model to plan)."""
         if not gemms:
             raise ClusterError(
                 "no GEMM shapes given; pass model_gemms(traced) of a model with matmuls, or DEFAULT_GEMMS"
@@ -313,77 +305,6 @@ def measure_compute(probe: Probe | None = None) -> ComputeSpeed:
         flops = {d: gemm_flops(probe, d) for d in probe.dtypes}
         memory = memory_fit(probe)
     return ComputeSpeed(flops=flops, memory=memory, op_overhead=op_overhead(probe))
-
-
-# -- the model's own GEMM sizes ---------------------------------------------------------------
-
-
-class _GemmRecorder(TorchDispatchMode):
-    """Records the shape of every matrix product that reaches ATen (forward and backward)."""
-
-    def __init__(self) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self.shapes: list[GemmShape] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        shape = _gemm_shape(func, args)
-        if shape is not None:
-            self.shapes.append(shape)
-        return func(*args, **(kwargs or {}))
-
-
-def _gemm_shape(func: Any, args: Sequence[Any]) -> GemmShape | None:
-    aten = torch.ops.aten
-    if func in (aten.mm.default, aten.bmm.default):
-        a, b = args[0], args[1]
-    elif func in (aten.addmm.default, aten.baddbmm.default):
-        a, b = args[1], args[2]
-    else:
-        return None
-    try:
-        if a.dim() == 2:
-            return GemmShape(int(a.shape[0]), int(a.shape[1]), int(b.shape[1]))
-        return GemmShape(int(a.shape[1]), int(a.shape[2]), int(b.shape[2]), batch=int(a.shape[0]))
-    except (TypeError, RuntimeError):  # a symbolic size without a hint: not a shape to time
-        return None
-
-
-def model_gemms(traced: TracedModel | fx.GraphModule) -> dict[GemmShape, int]:
-    """The matrix products one micro-batch of the model runs, forward and backward, with how many
-    times each runs: "the sizes the model uses", for ``Probe.with_gemms``.
-
-    Every distinct call of the graph (as the cost model groups them) is replayed once on fake
-    tensors under a dispatch mode that records ``mm``/``addmm``/``bmm``/``baddbmm`` shapes, and
-    counted as often as the graph repeats it. Fused attention kernels are no GEMM here; the
-    roofline prices their FLOPs at the measured GEMM speed too.
-
-    Example:
-        >>> from torch import nn
-        >>> from partitioner.tracing.trace import trace
-        >>> t = trace(nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 8)), (torch.randn(4, 64),))
-        >>> sorted(model_gemms(t).items())[:2]
-        [(GemmShape(rows=4, inner=8, cols=32, batch=1), 1), (GemmShape(rows=4, inner=32, cols=8, batch=1), 1)]
-    """
-    gm = traced.gm if isinstance(traced, TracedModel) else traced
-    with preserved(what="model_gemms()"):
-        coster = Coster(gm)
-        coster.run()
-        counts = Counter(key for key, _ in coster.calls.values())
-        first = dict(coster.calls.values())  # one call per distinct key
-        found: Counter[GemmShape] = Counter()
-        for key, prepared in first.items():
-            recorder = _GemmRecorder()
-            try:
-                with coster.mode:
-                    call = coster.fake_call(prepared)
-                    with recorder:
-                        out = call.fn(*call.args, **call.kwargs)
-                        call.backward([o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)])
-            except Exception as e:  # a node fake tensors cannot run: the cost model warned already
-                log.debug("no GEMM shapes from %s: %s", prepared[0].name, e)
-            for shape in recorder.shapes:
-                found[shape] += counts[key]
-    return dict(found)
 
 
 # -- links (inside an initialised process group) ----------------------------------------------

@@ -43,7 +43,7 @@ def test_calibrate_prints_a_table_and_writes_a_cluster(
     text = capsys.readouterr().out
     assert "matmul fp32" in text and "80.0 GFLOP/s" in text and "all-reduce bus bandwidth" in text
     assert f"cluster written to {out}" in text
-    assert Cluster.load(out) == _fake(3).cluster()
+    assert Cluster.load(out) == Cluster.from_calibration(_fake(3))
     assert json.loads(out.read_text())["details"]["devices"] == 3
     assert measured[0]["devices"] == 3 and measured[0]["probe"] == Probe.tiny()
 
@@ -73,7 +73,7 @@ def test_plan_uses_the_first_devices_of_a_larger_saved_cluster(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     cfile, pfile = tmp_path / "cluster.json", tmp_path / "plan.json"
-    _fake(4).cluster().save(cfile)
+    Cluster.from_calibration(_fake(4)).save(cfile)
     assert main(["plan", "mlp", "--stages", "2", "--calibrate", str(cfile), "--json", str(pfile)]) == 0
     cluster = Plan.load(pfile).cluster
     assert len(cluster) == 2 and cluster.collective_bandwidth == 1e9
@@ -82,10 +82,11 @@ def test_plan_uses_the_first_devices_of_a_larger_saved_cluster(
 @pytest.mark.parametrize(
     ("setup", "args", "says"),
     [
-        (lambda p: _fake(2).cluster().save(p), ["--stages", "3"],
+        (lambda p: Cluster.from_calibration(_fake(2)).save(p), ["--stages", "3"],
          "describes 2 devices but the plan needs 3; measure again"),
         (lambda p: p.write_text("{oops"), ["--stages", "2"], "is not JSON"),
-        (lambda p: _fake(2).cluster().save(p), ["--stages", "2", "--link-bandwidth", "1e9"], "both set the links"),
+        (lambda p: Cluster.from_calibration(_fake(2)).save(p), ["--stages", "2", "--link-bandwidth", "1e9"],
+         "both set the links"),
     ],
 )
 def test_plan_calibrate_errors_are_one_line_with_a_fix(

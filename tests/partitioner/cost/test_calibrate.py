@@ -18,6 +18,7 @@ from torch import nn
 from partitioner.cost.calibrate import Calibration, measure
 from partitioner.cost.costs import cost_graph
 from partitioner.cost.devices import Cluster, DeviceSpec
+from partitioner.cost.gemms import model_gemms
 from partitioner.cost.probes import (
     ComputeSpeed,
     GemmShape,
@@ -26,7 +27,6 @@ from partitioner.cost.probes import (
     fit_allreduce,
     fit_linear,
     measure_compute,
-    model_gemms,
 )
 from partitioner.errors import CalibrationError, ClusterError, ClusterFormatError
 from partitioner.tracing.trace import trace
@@ -166,7 +166,7 @@ def _calibration(devices: int, p2p: LinearFit | None, allreduce: LinearFit | Non
 
 def test_a_calibration_becomes_a_uniform_cluster_of_the_measured_device() -> None:
     cal = _calibration(3, LinearFit(1e-4, 2e9), LinearFit(3e-5, 1e9))
-    c = cal.cluster()
+    c = Cluster.from_calibration(cal)
     d = c.devices[0]
     assert len(c) == 3 and set(c.devices) == {d}
     assert (d.name, d.peak_flops_fp32, d.peak_flops, d.mem_bandwidth, d.op_overhead) == (
@@ -175,7 +175,7 @@ def test_a_calibration_becomes_a_uniform_cluster_of_the_measured_device() -> Non
     assert d.memory == DeviceSpec.preset("cpu").memory / 4  # the host's memory shared by 4 processes
     assert c.link_bandwidth == (2e9, 2e9) and c.link_latency == (1e-4, 1e-4)
     assert (c.collective_bandwidth, c.collective_latency) == (1e9, 3e-5)
-    one = _calibration(1, None, None).cluster()
+    one = Cluster.from_calibration(_calibration(1, None, None))
     assert one.collective_bandwidth is None and len(one) == 1
 
 
@@ -183,7 +183,7 @@ def test_a_calibration_becomes_a_uniform_cluster_of_the_measured_device() -> Non
 
 
 def test_cluster_file_round_trips_measured_fields(tmp_path: Path) -> None:
-    c = _calibration(2, LinearFit(1e-4, 2e9), LinearFit(3e-5, 1e9)).cluster()
+    c = Cluster.from_calibration(_calibration(2, LinearFit(1e-4, 2e9), LinearFit(3e-5, 1e9)))
     path = c.save(tmp_path / "c.json", details={"note": "test"})
     assert Cluster.load(path) == c
     doc = json.loads(path.read_text())

@@ -19,7 +19,7 @@ import pickle
 import statistics
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -31,7 +31,7 @@ from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedExc
 from partitioner.cost.probes import ComputeSpeed, LinearFit, Probe, allreduce, measure_compute, pingpong
 from partitioner.errors import CalibrationError, ClusterError
 
-__all__ = ["Calibration", "measure"]
+__all__ = ["Calibration", "measure", "combine"]
 
 log = logging.getLogger(__name__)
 
@@ -127,19 +127,32 @@ def measure(
         for r in range(world):
             with open(os.path.join(tmp, f"rank{r}.pkl"), "rb") as f:
                 results.append(pickle.load(f))
-    speeds: list[ComputeSpeed] = [c for c, _, _ in results if c is not None]
-    compute = ComputeSpeed(
-        flops={d: statistics.median(s.flops[d] for s in speeds) for d in probe.dtypes},
+    compute = combine([c for c, _, _ in results if c is not None])
+    _, p2p, allreduce = results[0]
+    cal = Calibration(devices, processes, backend, compute, p2p, allreduce, time.perf_counter() - t0)
+    log.info("measured %s", cal.summary())  # Cluster.from_calibration(cal) is the cluster
+    return cal
+
+
+def combine(speeds: Sequence[ComputeSpeed]) -> ComputeSpeed:
+    """One rank's speed from what several ranks measured at once: the median of each number.
+
+    Example:
+        >>> a = ComputeSpeed({"float32": 1e10}, LinearFit(0.0, 1e9), 1e-5)
+        >>> b = ComputeSpeed({"float32": 3e10}, LinearFit(2e-6, 3e9), 3e-5)
+        >>> combine([a, b]).flops, combine([a, b]).op_overhead
+        ({'float32': 20000000000.0}, 2e-05)
+    """
+    if not speeds:
+        raise CalibrationError("no compute measurements to combine; measure with processes >= 1")
+    return ComputeSpeed(
+        flops={d: statistics.median(s.flops[d] for s in speeds) for d in speeds[0].flops},
         memory=LinearFit(
             latency=statistics.median(s.memory.latency for s in speeds),
             bandwidth=statistics.median(s.memory.bandwidth for s in speeds),
         ),
         op_overhead=statistics.median(s.op_overhead for s in speeds),
     )
-    _, p2p, allreduce = results[0]
-    cal = Calibration(devices, processes, backend, compute, p2p, allreduce, time.perf_counter() - t0)
-    log.info("measured %s", cal.summary())  # Cluster.from_calibration(cal) is the cluster
-    return cal
 
 
 def _run_all(args: tuple[Any, ...], world: int, timeout: float) -> None:

@@ -281,6 +281,7 @@ def op_overhead(probe: Probe, chain: int = 64) -> float:
     autograd, run forward and backward, per op and pass (the roofline adds ``op_overhead`` once to
     each node's forward and once to its backward)."""
 
+    @torch.enable_grad()  # a caller under no_grad still measures what training pays
     def run() -> None:
         x = torch.ones(1, requires_grad=True)
         y = x

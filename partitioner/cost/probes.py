@@ -47,7 +47,7 @@ class GemmShape:
         >>> GemmShape(256, 128, 384).flops
         25165824
         >>> GemmShape(4096, 1024, 1024).capped(1e9)
-        GemmShape(rows=476, inner=1024, cols=1024, batch=1)
+        GemmShape(rows=2000, inner=500, cols=500, batch=1)
     """
 
     rows: int
@@ -60,14 +60,18 @@ class GemmShape:
         return 2 * self.batch * self.rows * self.inner * self.cols
 
     def capped(self, max_flops: float) -> GemmShape:
-        """The same product with fewer batches, then fewer rows, so it costs at most ``max_flops``
-        (at least one row): a big GEMM runs at the speed of a smaller one with the same inner
-        sizes, and timing 175B-sized products on a laptop would take minutes."""
+        """The same product made smaller so it costs at most ``max_flops``: fewer batches first,
+        then rows, inner and columns all shrunk by the same factor (a product of 175B-model sizes
+        would take minutes on a laptop, and its speed is that of a smaller product of the same
+        proportions; shrinking one side alone would leave a matrix-vector product, which is
+        bandwidth-bound). Sides stop at 1, so a shape with a side of 1 may stay above the cap."""
         shape = self
         if shape.flops > max_flops and shape.batch > 1:
-            shape = replace(shape, batch=max(1, int(max_flops // GemmShape(shape.rows, shape.inner, shape.cols).flops)))
+            shape = replace(shape, batch=max(1, int(max_flops // (2 * shape.rows * shape.inner * shape.cols))))
         if shape.flops > max_flops:
-            shape = replace(shape, rows=max(1, int(max_flops // (2 * shape.batch * shape.inner * shape.cols))))
+            f = (max_flops / shape.flops) ** (1 / 3)
+            shape = replace(shape, rows=max(1, int(shape.rows * f)), inner=max(1, int(shape.inner * f)),
+                            cols=max(1, int(shape.cols * f)))
         return shape
 
 
@@ -195,7 +199,7 @@ class Probe:
     def tiny() -> Probe:
         """Small sizes and few repeats: a rough measurement in well under a second (tests)."""
         return Probe(
-            gemms=((GemmShape(64, 64, 64), 1.0),), elementwise=(2**10, 2**18), messages=(2**10, 2**23),
+            gemms=((GemmShape(64, 64, 64), 1.0),), elementwise=(2**10, 2**18), messages=(2**10, 2**24),
             min_time=0.0, repeat=3,
         )
 

@@ -102,16 +102,20 @@ def test_fit_allreduce_needs_two_ranks() -> None:
 
 
 @given(st.integers(1, 4096), st.integers(1, 4096), st.integers(1, 4096), st.integers(1, 64), st.floats(1e3, 1e10))
-def test_capped_gemm_keeps_inner_sizes_and_fits_the_cap(
+def test_capped_gemm_fits_the_cap_and_keeps_its_proportions(
     rows: int, inner: int, cols: int, batch: int, cap: float
 ) -> None:
     shape = GemmShape(rows, inner, cols, batch)
     small = shape.capped(cap)
-    assert (small.inner, small.cols) == (inner, cols)
-    assert 1 <= small.rows <= rows and 1 <= small.batch <= batch
-    assert small.flops <= cap or (small.rows == 1 and small.batch == 1)
+    sides, small_sides = (rows, inner, cols, batch), (small.rows, small.inner, small.cols, small.batch)
+    assert all(1 <= s <= o for s, o in zip(small_sides, sides))
+    assert small.flops <= cap or 1 in (small.rows, small.inner, small.cols)
     if shape.flops <= cap:
         assert small == shape
+    elif small.batch == 1 and min(small.rows, small.inner, small.cols) > 1:
+        # one factor for the three sides (up to rounding each side down)
+        ratios = [s / o for s, o in zip(small_sides[:3], sides[:3])]
+        assert max(ratios) - min(ratios) <= max(1 / o for o in sides[:3]) + 1e-9
 
 
 # --- the model's GEMMs ---------------------------------------------------------------------------

@@ -105,7 +105,7 @@ def measure(
 
     Example:
         >>> cal = measure(2, probe=Probe.tiny())  # doctest: +SKIP
-        >>> cal.cluster().collective_bandwidth > 0  # doctest: +SKIP
+        >>> Cluster.from_calibration(cal).collective_bandwidth > 0  # doctest: +SKIP
         True
     """
     processes = devices if processes is None else processes

@@ -30,6 +30,8 @@ __all__ = [
     "TraceInputError",
     "ModeRegionError",
     "ClusterError",
+    "ClusterFormatError",
+    "CalibrationError",
     "CostOptionError",
     "AlgorithmInputError",
     "StageIndexError",
@@ -145,6 +147,16 @@ class ModeRegionError(PipecutError, RuntimeError):
 class ClusterError(PipecutError, ValueError):
     """A ``Cluster`` is inconsistent (no devices, a link count that does not match the devices, a
     bandwidth that is not positive) or is asked for more devices than it has."""
+
+
+class ClusterFormatError(ClusterError):
+    """A saved cluster file (``Cluster.save``, ``pipecut calibrate --out``) is not JSON, is not a
+    cluster file, is of an unknown format version, or holds fields a ``Cluster`` does not take."""
+
+
+class CalibrationError(PipecutError, RuntimeError):
+    """Measuring this host (``Cluster.measure``) failed: a measuring process raised or did not
+    finish in time, or the timings cannot be fitted to a positive speed."""
 
 
 class CostOptionError(PipecutError, ValueError):

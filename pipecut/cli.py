@@ -10,6 +10,8 @@ Examples::
     pipecut plan gpt2-175b --devices 512 --global-batch 1536 --device A100-80GB --precision bf16 --granularity module
     pipecut plan examples/my_model.py:build --stages 2 --device cpu --dot plan.dot
     pipecut plan path/to/hf-folder --stages 8 --device H100-80GB --seq-len 4096
+    pipecut calibrate --devices 4 --model gpt2-tiny --out cluster.json
+    pipecut plan gpt2-tiny --stages 4 --calibrate cluster.json
     pipecut train --model path/to/hf-folder --data tokens.bin --out run --pp 2 --steps 100
     torchrun --standalone --nproc-per-node 4 -m pipecut train --model ... --pp 2 --dp 2
     pipecut --version
@@ -35,6 +37,8 @@ from torch import nn
 
 from partitioner.api import METHODS, partition
 from partitioner.cost.devices import DEVICE_PRESETS, Cluster
+from partitioner.cost.gemms import model_gemms
+from partitioner.cost.probes import Probe
 from partitioner.errors import CliArgumentError, PipecutError
 from partitioner.plan.plan import Plan
 from partitioner.plan.predict import prediction, simulate_stages
@@ -95,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a Hugging Face folder's example sequence length (default: 1024, or the model's maximum)")
     plan.add_argument("--micro-batch-size", type=_count, default=1,
                       help="a Hugging Face folder's example rows per micro-batch (default 1)")
+    plan.add_argument("--calibrate", metavar="FILE", default=None,
+                      help="plan for the measured cluster in FILE (from `pipecut calibrate`); if FILE does "
+                      "not exist, measure this host for the plan's devices at the model's sizes and save it there")
+    _add_calibrate_parser(sub)
 
     sim = sub.add_parser("simulate", help="simulate a saved plan under a schedule; print the step and write a trace")
     sim.add_argument("plan", help="a plan JSON file written by `pipecut plan ... --json`")
@@ -137,7 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the process exit code."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
-    commands = {"plan": _plan, "simulate": _simulate, "train": _train}
+    commands = {"plan": _plan, "simulate": _simulate, "train": _train, "calibrate": _calibrate}
     try:
         return commands[args.command](args)
     except (PipecutError, ImportError, FileNotFoundError, ValueError) as e:
@@ -153,20 +161,23 @@ def _plan(args: argparse.Namespace) -> int:
         model, inputs = load_model(args.model)
     if (args.stages is None) == (args.devices is None):
         raise CliArgumentError("give --stages N (cut N stages) or --devices N --global-batch B (search the layout)")
+    count = args.devices if args.devices is not None else args.stages
+    if args.calibrate:
+        cluster = _calibrated(args.calibrate, count, model, inputs, args.link_bandwidth)
+    else:
+        cluster = Cluster.uniform(count, args.device, link_bandwidth=args.link_bandwidth)
     if args.devices is not None:
         if args.global_batch is None:
             raise CliArgumentError(
                 "--devices searches layouts for a global batch: add --global-batch B (rows per step)"
             )
         plan = plan_layout(
-            model, inputs, cluster=Cluster.uniform(args.devices, args.device, link_bandwidth=args.link_bandwidth),
-            global_batch=args.global_batch, top=args.top,
+            model, inputs, cluster=cluster, global_batch=args.global_batch, top=args.top,
             schedules=(args.schedule,) if args.schedule not in (None, "auto") else None,
             granularity=args.granularity, state_bytes_per_param=args.state_bytes,
             recompute=_RECOMPUTE[args.recompute], precision=args.precision,
         )
     else:
-        cluster = Cluster.uniform(args.stages, args.device, link_bandwidth=args.link_bandwidth)
         split = [s.strip() for s in args.split_points.split(",")] if args.split_points else None
         plan = partition(
             model, inputs, args.stages, cluster=cluster, microbatches=args.microbatches,
@@ -253,6 +264,113 @@ def _simulate(args: argparse.Namespace) -> int:
         save_gantt_png(sim.timeline, args.gantt, title=f"{schedule}, {m} micro-batches")
         console.print(f"Gantt chart written to {args.gantt}")
     return 0
+
+
+# -- pipecut calibrate / plan --calibrate ------------------------------------------------------
+
+
+def _add_calibrate_parser(sub: Any) -> None:
+    cal = sub.add_parser(
+        "calibrate", help="measure this host (compute per process, gloo links) and save it for `plan --calibrate`",
+        description="Measure what DEVICES one-thread processes of this host really get when they run at "
+        "once: matmul FLOP/s (fp32, bf16), memory bandwidth, per-op overhead, and the gloo p2p and "
+        "all-reduce speed between them; save the cluster as JSON (docs/partitioning.md, Calibration).",
+    )
+    cal.add_argument("--devices", type=_count, required=True, help="pipeline devices (processes) to measure")
+    cal.add_argument("--backend", default="gloo", choices=("gloo",), help="torch.distributed backend (gloo)")
+    cal.add_argument("--processes", type=_count, default=None,
+                     help="processes computing at once (default: --devices)")
+    cal.add_argument("--model", default=None,
+                     help="time this model's matrix products (a plan MODEL) instead of a small GPT-2's")
+    cal.add_argument("--quick", action="store_true", help="tiny sizes: a rough measurement in seconds")
+    cal.add_argument("--timeout", type=float, default=600.0, help="seconds before the measurement is stopped")
+    cal.add_argument("--out", required=True, help="write the measured cluster (JSON) here")
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    probe = Probe.tiny() if args.quick else Probe()
+    if args.model:
+        model, inputs = _folder_model(args.model, None, 1) if is_hf_folder(args.model) else load_model(args.model)
+        probe = _model_probe(probe, model, inputs)
+    _measure_and_save(args.out, args.devices, probe, processes=args.processes, timeout=args.timeout)
+    return 0
+
+
+def _calibrated(path: str, devices: int, model: nn.Module, inputs: tuple[Any, ...], link: float | None) -> Cluster:
+    """The cluster in ``path`` for ``devices`` devices; measured there first when it does not exist."""
+    if link is not None:
+        raise CliArgumentError(f"--link-bandwidth {link:g} and --calibrate {path} both set the links; give one")
+    if os.path.exists(path):
+        cluster = Cluster.load(path)
+        print(f"cluster measured earlier, read from {path}")
+    else:
+        limit = 8 * (os.cpu_count() or 1)
+        if devices > limit:
+            raise CliArgumentError(
+                f"--calibrate measures this host with one process per device, and {devices} devices are more than "
+                f"it runs ({limit} at most here): plan another machine's cluster with --device, or measure on it"
+            )
+        cluster = _measure_and_save(path, devices, _model_probe(None, model, inputs))
+    if len(cluster) < devices:
+        raise CliArgumentError(
+            f"{path} describes {len(cluster)} devices but the plan needs {devices}; measure again: "
+            f"pipecut calibrate --devices {devices} --out {path}"
+        )
+    return cluster.with_devices(devices)
+
+
+def _model_probe(probe: Probe | None, model: nn.Module, inputs: tuple[Any, ...]) -> Probe:
+    """``probe`` (default ``Probe()``) timing the model's own matrix products."""
+    from partitioner.tracing.trace import trace
+
+    probe = probe or Probe()
+    gemms = model_gemms(trace(model, inputs))
+    return probe.with_gemms(gemms) if gemms else probe
+
+
+def _measure_and_save(path: str, devices: int, probe: Probe, *, processes: int | None = None,
+                      timeout: float = 600.0) -> Cluster:
+    from rich.table import Table
+
+    from partitioner.cost import calibrate
+
+    console = _console()
+    console.print(f"measuring {devices} gloo processes of this host ({os.cpu_count()} CPUs)...")
+    cal = calibrate.measure(devices, processes=processes, probe=probe, timeout=timeout)
+    cluster = Cluster.from_calibration(cal)
+    cluster.save(path, details=cal.summary())
+    dev, cpu = cluster.devices[0], DEVICE_PRESETS["cpu"]
+    table = Table(show_edge=False)
+    for col in ("per process", "measured", "preset 'cpu'"):
+        table.add_column(col, justify="right")
+
+    def flops(x: float) -> str:
+        return f"{x / 1e9:.1f} GFLOP/s"
+
+    def rate(x: float | None) -> str:
+        return "-" if x is None else f"{fmt_bytes(x)}/s"
+
+    def secs(x: float | None) -> str:
+        return "-" if x is None else fmt_time(x)
+
+    rows = [
+        ("matmul fp32", flops(dev.peak_flops_fp32), flops(cpu.peak_flops_fp32)),
+        ("matmul bf16", flops(dev.peak_flops), flops(cpu.peak_flops)),
+        ("memory bandwidth", rate(dev.mem_bandwidth), rate(cpu.mem_bandwidth)),
+        ("op overhead", secs(dev.op_overhead), secs(cpu.op_overhead)),
+    ]
+    if devices > 1:
+        rows += [
+            ("p2p bandwidth", rate(cluster.link_bandwidth[0]), rate(cpu.link_bandwidth)),
+            ("p2p latency", secs(cluster.link_latency[0]), secs(cpu.link_latency)),
+            ("all-reduce bus bandwidth", rate(cluster.collective_bandwidth), "-"),
+            ("all-reduce latency per step", secs(cluster.collective_latency), "-"),
+        ]
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+    console.print(f"{cal.processes} processes measured at once in {cal.wall_s:.1f} s; cluster written to {path}")
+    return cluster
 
 
 # -- pipecut train -----------------------------------------------------------------------------

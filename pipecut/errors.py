@@ -14,8 +14,10 @@ Example:
 from __future__ import annotations
 
 from partitioner.errors import AlgorithmInputError as AlgorithmInputError
+from partitioner.errors import CalibrationError as CalibrationError
 from partitioner.errors import CliArgumentError as CliArgumentError
 from partitioner.errors import ClusterError as ClusterError
+from partitioner.errors import ClusterFormatError as ClusterFormatError
 from partitioner.errors import CostOptionError as CostOptionError
 from partitioner.errors import InfeasibleMemoryError as InfeasibleMemoryError
 from partitioner.errors import InputCountError as InputCountError

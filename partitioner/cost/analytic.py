@@ -243,6 +243,16 @@ class Coster:
                 out_requires_grad=tuple(bool(o.requires_grad) for o in outs),
             )
 
+    def fake_call(self, call: Prepared) -> Call:
+        """``call`` (from :attr:`calls`) prepared again on fresh fake tensors of its recorded
+        shapes, to replay one node under another dispatch mode; run it inside ``self.mode``."""
+        node, module, leaves, spec = call
+
+        def swap(v: Any) -> Any:
+            return torch.device("cpu") if isinstance(v, torch.device) and v.type == "meta" else v
+
+        return Call.prepare(node, module, leaves, spec, self.needs_grad, _fresh, swap)
+
     def needs_grad(self, t: torch.Tensor) -> bool:
         """Whether the value ``t`` (a recorded fake tensor) needs grad in the traced graph."""
         return self.requires_grad.get(id(t), False)

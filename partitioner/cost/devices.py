@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from partitioner.errors import ClusterError, UnknownDeviceError
+from partitioner.errors import ClusterError, ClusterFormatError, UnknownDeviceError
+
+if TYPE_CHECKING:
+    from partitioner.cost.calibrate import Calibration
+    from partitioner.cost.probes import Probe
 
 __all__ = ["DeviceSpec", "Cluster", "DEVICE_PRESETS"]
 
 _GB = 1e9
 _GIB = 2**30
+CLUSTER_FORMAT = "pipecut.cluster"
+CLUSTER_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -208,6 +216,126 @@ class Cluster:
             collective_bandwidth=_opt_float(data.get("collective_bandwidth")),
             collective_latency=_opt_float(data.get("collective_latency")),
         )
+
+    @staticmethod
+    def measure(
+        devices: int = 1,
+        *,
+        backend: str = "gloo",
+        processes: int | None = None,
+        probe: Probe | None = None,
+        timeout: float = 120.0,
+    ) -> Cluster:
+        """``devices`` identical devices as this host's processes really run them, measured.
+
+        Spawns ``max(devices, processes)`` one-thread processes joined by ``backend``; the first
+        ``processes`` time matrix products (``probe.gemms``: pass ``Probe().with_gemms(
+        gemms.model_gemms(traced))`` for the model's own sizes), memory bandwidth and per-op overhead
+        all at once, so cores they share show as the speed each gets; then the p2p link and the
+        all-reduce are timed between them. See ``partitioner.cost.calibrate`` for the method;
+        ``calibrate.measure`` returns the raw numbers too. Takes a few seconds per probe size.
+
+        Args:
+            devices: pipeline devices (processes that talk), one stage or replica rank each.
+            backend: torch.distributed backend; ``"gloo"`` (CPU processes).
+            processes: processes computing at once (default ``devices``).
+            probe: what to time (default ``Probe()``; ``Probe.tiny()`` for a rough look in a second).
+            timeout: seconds for the whole measurement; processes past it are killed.
+
+        Raises:
+            CalibrationError: a measuring process failed or ran past ``timeout``.
+
+        Example:
+            >>> from partitioner.cost.probes import Probe
+            >>> c = Cluster.measure(2, probe=Probe.tiny())  # doctest: +SKIP
+            >>> c.devices[0].name, c.collective_bandwidth > 0  # doctest: +SKIP
+            ('cpu (measured)', True)
+        """
+        from partitioner.cost import calibrate  # torch and processes only when measuring
+
+        cal = calibrate.measure(devices, backend=backend, processes=processes, probe=probe, timeout=timeout)
+        return Cluster.from_calibration(cal)
+
+    @staticmethod
+    def from_calibration(cal: Calibration) -> Cluster:
+        """``cal.devices`` identical devices as ``cal`` measured them, with its links and all-reduce.
+
+        The device, ``"cpu (measured)"``, has one rank's GEMM FLOP/s (bf16 as ``peak_flops``, fp32
+        as ``peak_flops_fp32``; a dtype not measured takes the other's), memory bandwidth and
+        per-op overhead, the host's memory shared by ``cal.processes``, and the measured p2p link
+        (the preset ``"cpu"`` link when one device measured none).
+        """
+        cpu = DEVICE_PRESETS["cpu"]
+        flops = dict(cal.compute.flops)
+        fp32 = flops.get("float32", flops.get("bfloat16", cpu.peak_flops_fp32))
+        spec = DeviceSpec(
+            name="cpu (measured)",
+            peak_flops=flops.get("bfloat16", fp32),
+            peak_flops_fp32=fp32,
+            mem_bandwidth=cal.compute.memory.bandwidth,
+            memory=cpu.memory / cal.processes,
+            link_bandwidth=cal.p2p.bandwidth if cal.p2p else cpu.link_bandwidth,
+            link_latency=cal.p2p.latency if cal.p2p else cpu.link_latency,
+            op_overhead=cal.compute.op_overhead,
+        )
+        base = Cluster.uniform(cal.devices, spec)
+        if cal.allreduce is None:
+            return base
+        return replace(base, collective_bandwidth=cal.allreduce.bandwidth, collective_latency=cal.allreduce.latency)
+
+    def save(self, path: str | os.PathLike[str], *, details: Mapping[str, Any] | None = None) -> Path:
+        """Write this cluster as JSON (a format tag and version, the cluster, and ``details``, e.g.
+        a calibration's raw numbers, which :meth:`load` ignores); returns the path.
+
+        Example:
+            >>> import tempfile
+            >>> path = Cluster.uniform(2, "cpu").save(tempfile.mkdtemp() + "/cluster.json")
+            >>> Cluster.load(path) == Cluster.uniform(2, "cpu")
+            True
+        """
+        out = Path(path)
+        doc = {"format": CLUSTER_FORMAT, "version": CLUSTER_VERSION, "cluster": self.to_dict(),
+               "details": dict(details or {})}
+        out.write_text(json.dumps(doc, indent=1) + "\n")
+        return out
+
+    @staticmethod
+    def load(path: str | os.PathLike[str]) -> Cluster:
+        """The cluster :meth:`save` (or ``pipecut calibrate --out``) wrote.
+
+        Raises:
+            FileNotFoundError: no file at ``path``.
+            ClusterFormatError: not JSON, not a cluster file, a newer format version, or fields a
+                ``Cluster``/``DeviceSpec`` does not take (the message names the file and field).
+        """
+        text = Path(path).read_text()
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ClusterFormatError(
+                f"{path} is not JSON ({e}); write it with Cluster.save or `pipecut calibrate --out {path}`"
+            ) from None
+        if not isinstance(doc, dict) or doc.get("format") != CLUSTER_FORMAT:
+            found = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
+            raise ClusterFormatError(
+                f"{path} is not a cluster file (format {found!r}, expected {CLUSTER_FORMAT!r}); "
+                f"write it with Cluster.save or `pipecut calibrate --out {path}`"
+            )
+        version = doc.get("version")
+        if not isinstance(version, int) or not 1 <= version <= CLUSTER_VERSION:
+            raise ClusterFormatError(
+                f"{path} has cluster format version {version!r}; this pipecut reads versions 1 to "
+                f"{CLUSTER_VERSION}: upgrade pipecut, or measure again with `pipecut calibrate --out {path}`"
+            )
+        try:
+            return Cluster.from_dict(doc["cluster"])
+        except ClusterError as e:
+            raise ClusterFormatError(f"{path}: {e}") from None
+        except (KeyError, TypeError, ValueError) as e:
+            raise ClusterFormatError(
+                f"{path} holds a cluster that cannot be read ({type(e).__name__}: {e}); measure it again "
+                f"with `pipecut calibrate --out {path}`"
+            ) from None
 
     def with_devices(self, num_devices: int) -> Cluster:
         """The first ``num_devices`` devices of this cluster (for planning fewer stages)."""

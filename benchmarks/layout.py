@@ -265,7 +265,21 @@ def targets(predicted: dict[str, float], measured: dict[str, float], choice: str
 
 def _cluster(cfg: dict[str, Any], world: int) -> Cluster:
     """The cluster the planner prices: a calibration file (``--cluster``) or the roofline ``'cpu'`` preset."""
-    return Cluster.load(cfg["cluster"]) if cfg.get("cluster") else Cluster.uniform(world, "cpu")
+    return Cluster.load(cfg["cluster"]).with_devices(world) if cfg.get("cluster") else Cluster.uniform(world, "cpu")
+
+
+def calibrate(cfg: dict[str, Any], path: str) -> Cluster:
+    """Measure this host as the benchmark's 4 processes get it, at the model's matrix sizes, and save it."""
+    from partitioner.cost.gemms import model_gemms
+    from partitioner.cost.probes import Probe
+    from partitioner.tracing.trace import trace
+
+    x, _ = _data(cfg)
+    b = max(cfg["microbatch_sizes"])
+    gemms = model_gemms(trace(_model(cfg), (x[:b],)))
+    cluster = Cluster.measure(PROCESSES, probe=Probe().with_gemms(gemms) if gemms else Probe(), timeout=600)
+    cluster.save(path)
+    return cluster
 
 
 def _lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # (B, T, V), (B, T)
@@ -417,6 +431,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds for the whole run")
     ap.add_argument("--cluster", default=None, help="a cluster JSON to price on (pipecut calibrate --devices 4 "
                     "--out FILE); default: the 'cpu' preset")
+    ap.add_argument("--calibrate", action="store_true",
+                    help="measure this host right before the run (4 processes at the model's matrix sizes), save it "
+                    "beside --out as *.cluster.json and price on it")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "layout.json"))
     cli = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(cli)
@@ -437,6 +454,14 @@ def main(argv: list[str] | None = None) -> int:
                timeout=min(300.0, args.timeout))  # a peer waited on longer than this has failed
 
     t0 = time.time()
+    if args.calibrate:
+        cfg["cluster"] = str(Path(args.out).with_suffix(".cluster.json"))
+        measured = calibrate(cfg, cfg["cluster"])
+        dev = measured.devices[0]
+        print(f"calibrated: {dev.peak_flops_fp32 / 1e9:.0f} GFLOP/s fp32, {dev.mem_bandwidth / 1e9:.1f} GB/s, "
+              f"op overhead {dev.op_overhead * 1e6:.1f} us, link {measured.link_bandwidth[0] / 1e9:.2f} GB/s + "
+              f"{measured.link_latency[0] * 1e6:.0f} us, all-reduce "
+              f"{(measured.collective_bandwidth or 0) / 1e9:.2f} GB/s -> {cfg['cluster']}")
     load = load_before(f"the {PROCESSES} processes")
     print(f"{len(todo)} layouts; building a trainer for each on every rank, then {args.warmup} + {args.rounds} rounds")
     ranks_out = spawn(_worker, PROCESSES, cfg, timeout=args.timeout, threads=1)

@@ -53,7 +53,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +71,7 @@ from partitioner.plan.layout import Option  # noqa: E402
 from partitioner.schedule.registry import TRAINING_SCHEDULES, stages_per_rank  # noqa: E402
 from partitioner.zoo import gpt2  # noqa: E402
 from runtime import DataParallel, Execution, PipelineTrainer  # noqa: E402
+from runtime.overheads import measure_action_overhead, with_action_overhead  # noqa: E402
 from runtime.transport.launch import spawn  # noqa: E402
 
 __all__ = [
@@ -268,6 +269,28 @@ def _cluster(cfg: dict[str, Any], world: int) -> Cluster:
     return Cluster.load(cfg["cluster"]).with_devices(world) if cfg.get("cluster") else Cluster.uniform(world, "cpu")
 
 
+def _fit(search: LayoutSearch, world: int, out: dict[str, float]) -> Cluster:
+    """The cluster fitted, on every rank at once, to the model's own step and the runtime's actions.
+
+    Every rank times the model's forward and backward at two sizes (``LayoutSearch.fit_to_model``)
+    while the others do too, so the cores they share are in the figures; the ranks take the mean
+    (one cluster, one plan everywhere); then the runtime's cost per action
+    (``runtime.overheads.measure_action_overhead``), and the cores they share (``Cluster.cores``).
+    """
+    dist.barrier()
+    mine = search.fit_to_model().devices[0]
+    keys = ("peak_flops", "peak_flops_fp32", "mem_bandwidth", "op_overhead")
+    mean = torch.tensor([float(getattr(mine, k)) for k in keys], dtype=torch.float64)
+    dist.all_reduce(mean)
+    mean /= world
+    dev = replace(mine, **{k: float(v) for k, v in zip(keys, mean.tolist())})
+    cluster = replace(search.cluster, devices=(dev,) * world, cores=os.cpu_count())
+    cluster = with_action_overhead(cluster, measure_action_overhead(cluster))
+    out.update({k: float(getattr(cluster.devices[0], k)) for k in (*keys, "action_overhead")})
+    out["cores"] = float(cluster.cores or 0)
+    return cluster
+
+
 def calibrate(cfg: dict[str, Any], path: str) -> Cluster:
     """Measure this host as the benchmark's 4 processes get it, at the model's matrix sizes, and save it."""
     from partitioner.cost.gemms import model_gemms
@@ -329,6 +352,9 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     meshes: dict[tuple[int, int], Any] = {}
     build_s: dict[str, tuple[float, float]] = {}  # per layout: seconds to plan, to build the trainer
     search = LayoutSearch(copy.deepcopy(model), (x[:1],), cluster=cluster, global_batch=cfg["batch"])
+    fitted: dict[str, float] = {}
+    if cfg.get("calibrate"):
+        search.use_cluster(_fit(search, world, fitted))
     for layout in todo:  # the same order on every rank: meshes and trainers are collective
         t0 = time.perf_counter()
         plan = layout_plan(search, layout)  # every layout's own copy of the model
@@ -362,6 +388,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     phases["steps"] = time.perf_counter()
     marks = list(phases.values())
     return {"spans": spans, "predicted": predicted, "choice": choice, "build_s": build_s, "first_loss": first_loss,
+            "fitted": fitted,
             "reference_loss": float(want),
             "phases_s": {k: b - a for k, a, b in zip(list(phases)[1:], marks, marks[1:])}}
 
@@ -454,6 +481,7 @@ def main(argv: list[str] | None = None) -> int:
                timeout=min(300.0, args.timeout))  # a peer waited on longer than this has failed
 
     t0 = time.time()
+    cfg["calibrate"] = args.calibrate
     if args.calibrate:
         cfg["cluster"] = str(Path(args.out).with_suffix(".cluster.json"))
         measured = calibrate(cfg, cfg["cluster"])
@@ -466,6 +494,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(todo)} layouts; building a trainer for each on every rank, then {args.warmup} + {args.rounds} rounds")
     ranks_out = spawn(_worker, PROCESSES, cfg, timeout=args.timeout, threads=1)
     print("phases (s, rank 0): " + ", ".join(f"{k} {v:.1f}" for k, v in ranks_out[0]["phases_s"].items()))
+    if ranks_out[0]["fitted"]:
+        f = ranks_out[0]["fitted"]
+        print(f"fitted to the model on the 4 ranks: {f['peak_flops_fp32'] / 1e9:.1f} GFLOP/s, "
+              f"{f['mem_bandwidth'] / 1e9:.1f} GB/s, {f['op_overhead'] * 1e6:.1f} us per op, "
+              f"{f['action_overhead'] * 1e3:.2f} ms per action, {f['cores']:.0f} cores shared")
     times = step_times([r["spans"] for r in ranks_out])
     predicted = ranks_out[0]["predicted"]
     measured = {name: statistics.median(ts) for name, ts in times.items()}
@@ -481,6 +514,7 @@ def main(argv: list[str] | None = None) -> int:
                    "tokens_per_step": args.batch * args.seq, "cluster": args.cluster or "Cluster.uniform(4, 'cpu')"},
         "env": run_env(load, t0),
         "summary": summary,
+        "fitted": ranks_out[0]["fitted"],
         "targets": {"choice_within": CHOICE_WITHIN, "median_abs_error_at_most": MEDIAN_ERROR_AT_MOST,
                     "spearman_at_least": SPEARMAN_AT_LEAST},
         "layouts": rows,

@@ -48,6 +48,7 @@ from partitioner.cost.exchange import (
     pipeline_links,
     reduce_time,
 )
+from partitioner.cost.model_fit import fit_speed_and_overhead, rows_like, time_forward_backward, with_fit
 from partitioner.cost.precision import check_precision
 from partitioner.cost.recompute import check_option
 from partitioner.errors import InfeasibleMemoryError, PartitionOptionError
@@ -187,7 +188,7 @@ class LayoutSearch:
         _check(cluster, global_batch)
         check_precision(precision)
         recompute = check_option(recompute)
-        self.model, self.cluster, self.global_batch = model, cluster, global_batch
+        self.model, self.global_batch = model, global_batch
         with preserved(model, what="plan_layout()"):
             if granularity is None:  # as partition: a Hugging Face model's blocks stay whole
                 depth = block_depth(model) if is_hf_model(model) else None
@@ -199,6 +200,60 @@ class LayoutSearch:
                 refine=True, split_points=None, state_bytes_per_param=state_bytes_per_param, recompute=recompute,
             )
         self._pricer = _Pricer(ctx, cluster, _rows(example_inputs, example_kwargs), bucket_bytes)
+        self._example = (tuple(example_inputs), dict(example_kwargs or {}))
+
+    @property
+    def cluster(self) -> Cluster:
+        """The cluster layouts are priced on (:meth:`use_cluster` replaces it)."""
+        return self._pricer.cluster
+
+    def use_cluster(self, cluster: Cluster) -> None:
+        """Price on ``cluster`` from now on (same device count): a calibrated or fitted one, say."""
+        if len(cluster) != len(self.cluster):
+            raise PartitionOptionError(
+                f"the search is for {len(self.cluster)} devices; the new cluster has {len(cluster)}: make it "
+                f"with cluster.with_devices({len(self.cluster)})"
+            )
+        p = self._pricer
+        self._pricer = _Pricer(p.ctx, cluster, (p.rows, p.tokens), p.bucket_bytes)
+
+    def fit_to_model(self, sizes: tuple[int, int] = (1, 4), *, repeat: int = 5) -> Cluster:
+        """The cluster with its devices' speed and per-op overhead fitted to the model's own step here.
+
+        Times one forward and backward of the whole model (in this process, on the example's
+        device) at ``sizes`` rows and solves for the speed factor and the overhead that make the
+        roofline match both (``partitioner.cost.model_fit``). Run it in every process of a job at
+        once (after a barrier) and the figures include the cores they share; agree on one result
+        before :meth:`use_cluster` (plans must be the same on every rank). Measures: the model runs
+        with gradients, and they are cleared after.
+
+        Raises:
+            CalibrationError: the model is on meta, or the timings do not grow with the size.
+        """
+        inputs, kwargs = self._example
+        p = self._pricer
+        times = []
+        with preserved(self.model, what="LayoutSearch.fit_to_model()"):
+            for b in sizes:
+                times.append(time_forward_backward(
+                    self.model, [rows_like(x, b) for x in inputs], {k: rows_like(v, b) for k, v in kwargs.items()},
+                    repeat=repeat,
+                ))
+        bare = with_fit(p.cluster, 1.0, 0.0)
+        roof, ops = [], 0
+        for b in sizes:
+            ctx = p.ctx.scaled(b / p.rows)
+            total = 0.0
+            ops = 0
+            for v in ctx.g.nodes:
+                fwd, bwd = node_time(ctx.g.nodes[v]["cost"], bare.devices[0])
+                total += fwd + bwd
+                ops += 1 + (ctx.g.nodes[v]["cost"].requires_grad is True)
+            roof.append(total)
+        speed, overhead = fit_speed_and_overhead((roof[0], roof[1]), (times[0], times[1]), ops)
+        log.info("fit to the model: %d ops, %s rows: %.4gs, %.4gs measured; speed x%.3g, %.3g s per op",
+                 ops, sizes, times[0], times[1], speed, overhead)
+        return with_fit(p.cluster, speed, overhead)
 
     def space(
         self,
@@ -256,6 +311,26 @@ class LayoutSearch:
             lay = self._pricer.price(option)
             plan = self._pricer.plan(option)
         return replace(plan, layout=lay)
+
+
+def _shared_cores_speedup(cluster: Cluster, processes: int, dp: int, busy: Sequence[float], step: float) -> float:
+    """How much faster the ranks compute than the cluster's figures say, when they share too few cores.
+
+    A measured CPU cluster (``cluster.cores``: the cores its processes share) times compute with
+    every process busy, each getting ``cores / processes`` of a core. A pipeline's ranks idle in its
+    bubble, ``k`` of them busy on average (every replica alike), and the busy ones get
+    ``min(1, cores / k)`` of a core instead.
+
+    Example:
+        >>> c = replace(Cluster.uniform(4, "cpu"), cores=2)
+        >>> _shared_cores_speedup(c, 4, 1, [1.0, 1.0, 0.5, 0.5], 2.0)   # 1.5 busy of 4: a core each, not half
+        2.0
+    """
+    cores = cluster.cores
+    if not cores or processes <= cores or step <= 0:
+        return 1.0
+    busy_on_average = dp * sum(busy) / step
+    return min(1.0, cores / max(busy_on_average, 1e-9)) / (cores / processes)
 
 
 def _check(cluster: Cluster, global_batch: int) -> None:
@@ -385,6 +460,11 @@ class _Pricer:
             self._too_big[held] = min(self._too_big.get(held, o.microbatch_size), o.microbatch_size)
             raise
         sched, sim = simulate_stages(plan.stages, stages, o.schedule, o.microbatches, built=built)
+        faster = _shared_cores_speedup(self.cluster, o.devices, o.dp, sim.busy, sim.step_time)
+        if faster > 1:  # idle ranks leave their share of the cores to the busy ones
+            quick = [replace(st, fwd_time=st.fwd_time / faster, bwd_time=st.bwd_time / faster,
+                             wgrad_time=st.wgrad_time / faster) for st in plan.stages]
+            sched, sim = simulate_stages(quick, stages, o.schedule, o.microbatches, built=built)
         pr = prediction(plan.stages, o.schedule, o.microbatches, sched, sim)
         grad_bytes = [st.params * GRAD_BYTES_PER_PARAM for st in plan.stages]
         exch, per_rank_bytes = [], [0.0] * o.pp

@@ -40,6 +40,11 @@ class DeviceSpec:
             ``link_bandwidth``); ``0``: one node holds any number (a single host).
         inter_node_bandwidth: bytes/s per device between nodes (its share of the node's network).
         inter_node_latency: seconds per transfer between nodes.
+        action_overhead: seconds the pipeline runtime spends per action (a stage's forward,
+            backward, input- or weight-gradient of one micro-batch) beyond the ops it runs:
+            scheduling, stashing, posting sends and waiting to be woken. Negligible beside GPU
+            kernels (0 in the presets); on shared CPU cores it is measured
+            (``runtime.overheads.measure_action_overhead``).
 
     Example:
         >>> DeviceSpec.preset("A100-80GB").memory / 2**30
@@ -57,6 +62,7 @@ class DeviceSpec:
     node_size: int = 0
     inter_node_bandwidth: float = 25 * _GB
     inter_node_latency: float = 5e-6
+    action_overhead: float = 0.0
 
     @staticmethod
     def preset(name: str) -> DeviceSpec:
@@ -133,7 +139,9 @@ class Cluster:
     """Bus bandwidth of an all-reduce (bytes/s per device, as ``nccl-tests`` reports it), measured."""
     collective_latency: float | None = None
     """Seconds a collective takes per step of its ring (``2 (n - 1)`` steps for an all-reduce), measured."""
-
+    cores: int | None = None
+    """The CPU cores the devices share, when they are processes of one host measured busy all at once
+    (``Cluster.measure``): the layout search then lets the busy ones run faster while others idle."""
     def __post_init__(self) -> None:
         if not self.devices:
             raise ClusterError("a Cluster needs at least one device")
@@ -195,7 +203,7 @@ class Cluster:
             "link_bandwidth": list(self.link_bandwidth),
             "link_latency": list(self.link_latency),
         }
-        for key in ("collective_bandwidth", "collective_latency"):
+        for key in ("collective_bandwidth", "collective_latency", "cores"):
             if getattr(self, key) is not None:
                 data[key] = getattr(self, key)
         return data
@@ -215,6 +223,7 @@ class Cluster:
             link_latency=tuple(float(x) for x in data["link_latency"]),
             collective_bandwidth=_opt_float(data.get("collective_bandwidth")),
             collective_latency=_opt_float(data.get("collective_latency")),
+            cores=None if data.get("cores") is None else int(data["cores"]),
         )
 
     @staticmethod

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from partitioner.cost.devices import Cluster
 
@@ -104,7 +104,7 @@ def pipeline_links(cluster: Cluster, pp: int) -> Cluster:
         if _node(r, dev.node_size) != _node(r + 1, dev.node_size):
             bws[r] = min(bws[r], dev.inter_node_bandwidth)
             lats[r] = max(lats[r], dev.inter_node_latency)
-    return Cluster(chain.devices, tuple(bws), tuple(lats), cluster.collective_bandwidth, cluster.collective_latency)
+    return replace(chain, link_bandwidth=tuple(bws), link_latency=tuple(lats))
 
 
 def _buckets(nbytes: float, bucket_bytes: float) -> int:

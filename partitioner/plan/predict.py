@@ -95,6 +95,8 @@ def simulate_stages(
         output_bytes=tuple(st.send_bytes for st in stages[:-1]),
         replay_bytes=tuple(st.act_bytes if st.recompute else 0.0 for st in stages)
         if any(st.recompute for st in stages) else None,
+        action_overhead=tuple(d.action_overhead for d in cluster.devices)
+        if any(d.action_overhead for d in cluster.devices) else None,
     )
     links = [Link(latency=lat, bandwidth=bw) for lat, bw in zip(cluster.link_latency, cluster.link_bandwidth)]
     return sched, simulate(sched, costs, links=links)

@@ -64,6 +64,9 @@ class StageCosts:
             first backward action to its last: what a recomputing stage rebuilds (then its
             ``activation_bytes`` are only its inputs, and its ``backward_input`` includes the
             forward it runs again). ``None``: no stage recomputes.
+        action_overhead: seconds every action of the stage costs on top of its work, whatever its
+            kind (the runtime's scheduling, stashing and posting of sends: a fused ``B`` pays it
+            once, ``I`` and ``W`` once each). Default: 0.
 
     Example:
         >>> StageCosts.uniform(2, forward=1.0, backward_input=2.0, output_bytes=8e6).output_bytes
@@ -76,11 +79,12 @@ class StageCosts:
     activation_bytes: tuple[float, ...] | None = None
     output_bytes: tuple[float, ...] | None = None
     replay_bytes: tuple[float, ...] | None = None
+    action_overhead: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         for field in ("forward", "backward_input", "backward_weight"):
             object.__setattr__(self, field, tuple(getattr(self, field)))
-        for field in ("activation_bytes", "output_bytes", "replay_bytes"):
+        for field in ("activation_bytes", "output_bytes", "replay_bytes", "action_overhead"):
             if getattr(self, field) is not None:
                 object.__setattr__(self, field, tuple(getattr(self, field)))
         S = len(self.forward)
@@ -91,6 +95,8 @@ class StageCosts:
             _check("activation_bytes", self.activation_bytes, S)
         if self.replay_bytes is not None:
             _check("replay_bytes", self.replay_bytes, S)
+        if self.action_overhead is not None:
+            _check("action_overhead", self.action_overhead, S)
         if self.output_bytes is not None:
             _check("output_bytes", self.output_bytes, max(S - 1, 0), "boundary between stages")
 
@@ -123,7 +129,8 @@ class StageCosts:
     def duration(self, action: Action) -> float:
         """Seconds ``action`` takes."""
         s = action.stage
-        return {
+        extra = self.action_overhead[s] if self.action_overhead is not None else 0.0
+        return extra + {
             F: self.forward[s],
             I: self.backward_input[s],
             W: self.backward_weight[s],

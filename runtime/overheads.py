@@ -1,0 +1,103 @@
+"""Measure what this runtime costs per pipeline action on this host, for the planner's cost model.
+
+Legend: ``p`` ranks, ``m`` micro-batches, ``T(m)`` a measured step, ``S(m)`` the simulated one.
+
+Each action (a stage's forward, backward, input- or weight-gradient of one micro-batch) costs the
+executor some scheduling, stashing, posting of sends and waiting to be woken, whatever the ops
+inside it. Beside GPU kernels that is nothing; on CPU processes sharing cores it can decide which
+layout is fastest. It is measured here on a pipeline of ``p`` stages, one per rank of the job,
+run with 1F1B at two micro-batch counts: each extra micro-batch adds one forward and one
+backward action per rank, and what the step grows by beyond what the simulator already predicts
+for it (the ops, the messages on the cluster's links) is two actions' overhead. The pipeline is
+the model to be planned when one is given (a trial run, as DeepSpeed's autotuner runs trials:
+its processes then compete for the cores as the job's will), else one tiny layer per rank. The
+result goes into ``DeviceSpec.action_overhead``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from partitioner import Cluster, partition
+from partitioner.plan.predict import predict
+from runtime.options import Execution
+from runtime.trainer import PipelineTrainer
+
+__all__ = ["fit_action_overhead", "measure_action_overhead", "with_action_overhead"]
+
+
+def fit_action_overhead(measured: tuple[float, float], simulated: tuple[float, float], extra_actions: int) -> float:
+    """Seconds per action: how much more the measured step grew than the simulated one, per added action.
+
+    Example:
+        >>> fit_action_overhead((0.010, 0.050), (0.002, 0.010), extra_actions=16)   # (0.040 - 0.008) / 16
+        0.002
+    """
+    grew = (measured[1] - measured[0]) - (simulated[1] - simulated[0])
+    return max(0.0, grew / extra_actions)
+
+
+def with_action_overhead(cluster: Cluster, seconds: float) -> Cluster:
+    """``cluster`` with every device's ``action_overhead`` set to ``seconds``."""
+    return replace(cluster, devices=tuple(replace(d, action_overhead=seconds) for d in cluster.devices))
+
+
+def measure_action_overhead(
+    cluster: Cluster,
+    *,
+    model: nn.Module | None = None,
+    batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] = nn.functional.mse_loss,
+    microbatches: tuple[int, int] = (1, 9),
+    repeat: int = 7,
+    timeout: float = 120.0,
+) -> float:
+    """Seconds per pipeline action on this host, measured over the job's ranks (call on every rank).
+
+    Args:
+        cluster: the cluster the planner prices on (its links and speeds give the simulated
+            steps the measurement is compared with); one device per rank of the job.
+        model: the model to time, cut into one stage per rank (default: a tiny layer per rank);
+            it is trained without an optimizer (its gradients are left set).
+        batch: ``batch(rows) -> (inputs, targets)`` for ``model`` (the same on every rank).
+        loss_fn: ``loss_fn(output, target)`` for ``model``.
+        microbatches: the two micro-batch counts timed.
+        repeat: timed steps per count (the median is kept), after one untimed.
+        timeout: seconds any wait for a peer may take.
+
+    Returns:
+        The same value on every rank (the ranks' mean).
+    """
+    p = dist.get_world_size()
+    if model is None or batch is None:
+        gen = torch.Generator().manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(p)])
+        batch = lambda rows: (torch.randn(rows, 4, generator=gen), torch.randn(rows, 4, generator=gen))  # noqa: E731
+    measured, simulated = [], []
+    for m in microbatches:
+        x, y = batch(m)
+        plan = partition(model, (x[:1],), p, cluster=cluster.with_devices(p), microbatches=m)
+        trainer = PipelineTrainer(plan, loss_fn, execution=Execution(transport="dist", timeout=timeout),
+                                  data_parallel=1)
+        times = []
+        for k in range(repeat + 1):
+            dist.barrier()
+            t0 = time.perf_counter()
+            trainer.forward_backward(x, y)
+            if k:
+                times.append(time.perf_counter() - t0)
+        measured.append(statistics.median(times))
+        simulated.append(predict(plan.stages, plan.cluster, "1f1b", m).step_time)
+    mine = fit_action_overhead((measured[0], measured[1]), (simulated[0], simulated[1]),
+                               2 * (microbatches[1] - microbatches[0]))
+    total = torch.tensor([mine], dtype=torch.float64)
+    dist.all_reduce(total)
+    return float(total) / p

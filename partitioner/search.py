@@ -217,12 +217,12 @@ class LayoutSearch:
         p = self._pricer
         self._pricer = _Pricer(p.ctx, cluster, (p.rows, p.tokens), p.bucket_bytes)
 
-    def fit_to_model(self, sizes: tuple[int, int] = (1, 4), *, repeat: int = 5) -> Cluster:
+    def fit_to_model(self, sizes: tuple[int, int] = (1, 4), *, repeat: int = 7) -> Cluster:
         """The cluster with its devices' speed and per-op overhead fitted to the model's own step here.
 
-        Times one forward and backward of the whole model (in this process, on the example's
-        device) at ``sizes`` rows and solves for the speed factor and the overhead that make the
-        roofline match both (``partitioner.cost.model_fit``). Run it in every process of a job at
+        Times one forward and backward of the whole traced model (one stage of it, as the runtime
+        runs it, in this process, on the example's device) at ``sizes`` rows and solves for the
+        speed factor and the overhead that make the roofline match both (``partitioner.cost.model_fit``). Run it in every process of a job at
         once (after a barrier) and the figures include the cores they share; agree on one result
         before :meth:`use_cluster` (plans must be the same on every rank). Measures: the model runs
         with gradients, and they are cleared after.
@@ -232,13 +232,14 @@ class LayoutSearch:
         """
         inputs, kwargs = self._example
         p = self._pricer
-        times = []
+        # What the runtime runs: the traced graph (as one stage), not the model's own Python.
+        batches: list[tuple[Sequence[Any], Mapping[str, Any]]] = [
+            ([rows_like(x, b) for x in (*inputs, *kwargs.values())], {}) for b in sizes
+        ]
         with preserved(self.model, what="LayoutSearch.fit_to_model()"):
-            for b in sizes:
-                times.append(time_forward_backward(
-                    self.model, [rows_like(x, b) for x in inputs], {k: rows_like(v, b) for k, v in kwargs.items()},
-                    repeat=repeat,
-                ))
+            whole = p.ctx.plan(p.cluster.with_devices(1), "1f1b", 1, split=True, predictions=False).build_stages()
+            times = time_forward_backward(whole, batches, repeat=repeat)
+            self.model.zero_grad(set_to_none=True)
         bare = with_fit(p.cluster, 1.0, 0.0)
         roof, ops = [], 0
         for b in sizes:

@@ -80,26 +80,31 @@ def rows_like(x: Any, rows: int) -> Any:
 
 
 def time_forward_backward(
-    model: nn.Module, inputs: Sequence[Any], kwargs: Mapping[str, Any], *, repeat: int = 5,
-    warmup: int = 2, clock: Callable[[], float] = time.perf_counter,
-) -> float:
-    """Median seconds of ``model(*inputs, **kwargs)`` and a backward from the sum of its float outputs.
+    model: Callable[..., Any], batches: Sequence[tuple[Sequence[Any], Mapping[str, Any]]], *, repeat: int = 7,
+    warmup: int = 3, clock: Callable[[], float] = time.perf_counter,
+) -> list[float]:
+    """Per batch (inputs, keyword inputs), the median seconds of ``model``'s forward (a module, or
+    the stages a plan builds) and a backward from the sum of its float outputs. The batches take
+    turns, round by round, so a burst of other work on the machine slows them alike.
 
     Raises:
         CalibrationError: the inputs are on ``meta`` (nothing to run), or the outputs need no gradient.
     """
-    if any(isinstance(x, torch.Tensor) and x.device.type == "meta" for x in (*inputs, *kwargs.values())):
-        raise CalibrationError("the example inputs are on meta: fitting to the model needs real inputs and weights")
-    times = []
+    for inputs, kwargs in batches:
+        if any(isinstance(x, torch.Tensor) and x.device.type == "meta" for x in (*inputs, *kwargs.values())):
+            raise CalibrationError("the example inputs are on meta: fitting to the model needs real inputs and weights")
+    times: list[list[float]] = [[] for _ in batches]
     for k in range(warmup + repeat):
-        t0 = clock()
-        out = model(*inputs, **kwargs)
-        leaves = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)
-                  and t.is_floating_point() and t.requires_grad]
-        if not leaves:
-            raise CalibrationError("the model's outputs need no gradient: nothing to time a backward of")
-        sum(t.float().sum() for t in leaves).backward()  # type: ignore[union-attr]
-        if k >= warmup:
-            times.append(clock() - t0)
-    model.zero_grad(set_to_none=True)
-    return statistics.median(times)
+        for i, (inputs, kwargs) in enumerate(batches):
+            t0 = clock()
+            out = model(*inputs, **kwargs)
+            leaves = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)
+                      and t.is_floating_point() and t.requires_grad]
+            if not leaves:
+                raise CalibrationError("the model's outputs need no gradient: nothing to time a backward of")
+            sum(t.float().sum() for t in leaves).backward()  # type: ignore[union-attr]
+            if k >= warmup:
+                times[i].append(clock() - t0)
+    if isinstance(model, nn.Module):
+        model.zero_grad(set_to_none=True)
+    return [statistics.median(t) for t in times]

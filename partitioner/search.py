@@ -222,10 +222,11 @@ class LayoutSearch:
 
         Times one forward and backward of the whole traced model (one stage of it, as the runtime
         runs it, in this process, on the example's device) at ``sizes`` rows and solves for the
-        speed factor and the overhead that make the roofline match both (``partitioner.cost.model_fit``). Run it in every process of a job at
-        once (after a barrier) and the figures include the cores they share; agree on one result
-        before :meth:`use_cluster` (plans must be the same on every rank). Measures: the model runs
-        with gradients, and they are cleared after.
+        speed factor and the overhead that make the roofline match both
+        (``partitioner.cost.model_fit``). Run it in every process of a job at once (after a
+        barrier) and the figures include the cores they share; agree on one result before
+        :meth:`use_cluster` (plans must be the same on every rank). The model runs with
+        gradients, and they are cleared after.
 
         Raises:
             CalibrationError: the model is on meta, or the timings do not grow with the size.

@@ -168,3 +168,38 @@ def test_costs_scale_with_the_rows_but_not_the_weights() -> None:
     assert x.io_bytes == 80 + 3 * 100 and x.param_bytes == 64 and x.measured_fwd_s == 3.0
     assert scale_cost(c, 1) == c
     assert divisors(1) == [1] and math.prod(divisors(7)) == 7
+
+
+# -- processes sharing a host: overheads and cores ---------------------------------------------
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.sampled_from(TRAINING_SCHEDULES), st.integers(1, 3), st.integers(1, 6), st.floats(0.0, 0.5))
+def test_an_action_overhead_is_paid_once_per_action(name: str, p: int, m: int, extra: float) -> None:
+    sched = get_schedule(name, p, m)
+    S = sched.num_stages
+    plain = StageCosts.uniform(S, forward=1.0, backward_input=1.0, backward_weight=0.5)
+    taxed = StageCosts(plain.forward, plain.backward_input, plain.backward_weight, action_overhead=(extra,) * S)
+    spans = simulate(sched, taxed).timeline.spans
+    for span in spans:
+        assert span.duration == pytest.approx(plain.duration(_action(span)) + extra)
+
+
+def _action(span):  # type: ignore[no-untyped-def]
+    from partitioner.schedule.actions import Action
+
+    return Action(span.stage, span.kind, span.mb)
+
+
+def test_busy_ranks_take_the_cores_idle_ones_leave() -> None:
+    from dataclasses import replace as dc_replace
+
+    from partitioner.search import _shared_cores_speedup
+
+    c = dc_replace(Cluster.uniform(4, "cpu"), cores=2)
+    assert _shared_cores_speedup(c, 4, 1, [2.0] * 4, 2.0) == 1.0  # all busy: the measured share
+    assert _shared_cores_speedup(c, 4, 1, [0.5] * 4, 2.0) == 2.0  # one busy on average: a whole core
+    assert _shared_cores_speedup(c, 4, 2, [2.0, 2.0], 2.0) == 1.0  # two replicas of two, all busy
+    assert _shared_cores_speedup(c, 4, 2, [1.0, 1.0], 2.0) == 2.0  # half idle: two busy, a core each
+    assert _shared_cores_speedup(Cluster.uniform(4, "cpu"), 4, 1, [0.5] * 4, 2.0) == 1.0  # not shared
+    assert Cluster.from_dict(c.to_dict()) == c

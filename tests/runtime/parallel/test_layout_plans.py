@@ -128,3 +128,18 @@ def test_each_rank_holds_the_memory_the_layout_predicts() -> None:
         # The plan also charges the micro-batch's input the first layer saves (2 x 64 fp32), which
         # the caller holds here as part of its batch.
         assert r["act"] + 2 * 64 * 4 == pytest.approx(r["predicted_act"], rel=1e-6)
+
+
+def _overhead(rank: int, world: int) -> float:
+    from runtime.overheads import measure_action_overhead
+
+    return measure_action_overhead(Cluster.uniform(world, "cpu"), repeat=3)
+
+
+@pytest.mark.multiprocess
+def test_the_runtimes_cost_per_action_is_measured_alike_on_every_rank() -> None:
+    from runtime.overheads import fit_action_overhead
+
+    got = spawn(_overhead, 2, timeout=120)
+    assert got[0] == got[1] and 0.0 <= got[0] < 0.5
+    assert fit_action_overhead((1.0, 0.5), (0.0, 0.0), 4) == 0.0  # noise never gives a negative cost

@@ -42,7 +42,8 @@ def fit_speed_and_overhead(
             the roofline does not grow with the size.
 
     Example:
-        >>> fit_speed_and_overhead((1.0, 4.0), (0.6, 2.1), ops=100)   # s = 3 / 1.5 = 2; 0.1 / 100
+        >>> s, overhead = fit_speed_and_overhead((1.0, 4.0), (0.6, 2.1), ops=100)   # s = 3 / 1.5; 0.1 / 100
+        >>> s, round(overhead, 9)
         (2.0, 0.001)
     """
     (r1, r2), (t1, t2) = roofline, measured

@@ -36,7 +36,7 @@ from torch import nn
 
 from partitioner.api import _Context, _context
 from partitioner.cost.costs import node_time
-from partitioner.cost.devices import Cluster
+from partitioner.cost.devices import Cluster, DeviceSpec
 from partitioner.cost.exchange import (
     DEFAULT_BUCKET_BYTES,
     GRAD_BYTES_PER_PARAM,
@@ -48,8 +48,8 @@ from partitioner.cost.exchange import (
     pipeline_links,
     reduce_time,
 )
-from partitioner.cost.model_fit import fit_speed_and_overhead, rows_like, time_forward_backward, with_fit
 from partitioner.cost.precision import check_precision
+from partitioner.cost.probes import fit_speed_and_overhead, rows_like, time_forward_backward
 from partitioner.cost.recompute import check_option
 from partitioner.errors import InfeasibleMemoryError, PartitionOptionError
 from partitioner.plan.layout import ZERO_OPTIONS, Layout, Option, explain, layout_space, pick, search
@@ -63,7 +63,7 @@ from partitioner.tracing.globalstate import preserved
 from partitioner.tracing.hf import block_depth, is_hf_model
 from partitioner.tracing.trace import Method as TraceMethod
 
-__all__ = ["plan_layout", "LayoutSearch"]
+__all__ = ["plan_layout", "LayoutSearch", "with_fit"]
 
 log = logging.getLogger(__name__)
 
@@ -223,7 +223,7 @@ class LayoutSearch:
         Times one forward and backward of the whole traced model (one stage of it, as the runtime
         runs it, in this process, on the example's device) at ``sizes`` rows and solves for the
         speed factor and the overhead that make the roofline match both
-        (``partitioner.cost.model_fit``). Run it in every process of a job at once (after a
+        (``partitioner.cost.probes.fit_speed_and_overhead``). Run it in every process of a job at once (after a
         barrier) and the figures include the cores they share; agree on one result before
         :meth:`use_cluster` (plans must be the same on every rank). The model runs with
         gradients, and they are cleared after.
@@ -313,6 +313,23 @@ class LayoutSearch:
             lay = self._pricer.price(option)
             plan = self._pricer.plan(option)
         return replace(plan, layout=lay)
+
+
+def with_fit(cluster: Cluster, speed: float, overhead: float) -> Cluster:
+    """``cluster`` with every device ``speed`` times as fast (FLOP/s and bandwidth) and ``overhead`` per op.
+
+    Example:
+        >>> c = with_fit(Cluster.uniform(2, "cpu"), 0.5, 1e-5)
+        >>> c.devices[0].peak_flops_fp32, c.devices[0].op_overhead, c.devices[0].name
+        (25000000000.0, 1e-05, 'cpu (fitted to the model)')
+    """
+    def fitted(d: DeviceSpec) -> DeviceSpec:
+        name = d.name if d.name.endswith("(fitted to the model)") else f"{d.name} (fitted to the model)"
+        return replace(d, name=name, peak_flops=d.peak_flops * speed, peak_flops_fp32=d.peak_flops_fp32 * speed,
+                       mem_bandwidth=d.mem_bandwidth * speed, op_overhead=overhead)
+
+    return replace(cluster, devices=tuple(fitted(d) for d in cluster.devices))
+
 
 
 def _shared_cores_speedup(cluster: Cluster, processes: int, dp: int, busy: Sequence[float], step: float) -> float:

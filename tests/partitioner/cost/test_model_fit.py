@@ -9,8 +9,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 from partitioner import Cluster, LayoutSearch
-from partitioner.cost.model_fit import fit_speed_and_overhead, rows_like, with_fit
+from partitioner.cost.probes import fit_speed_and_overhead, rows_like
 from partitioner.errors import CalibrationError
+from partitioner.search import with_fit
 
 
 @given(st.floats(0.01, 10), st.floats(0.1, 10), st.floats(0, 1e-3), st.integers(1, 1000))

@@ -120,13 +120,14 @@ def _dp_worker(rank: int, world: int, runs: dict[str, tuple[str, str, bool, bool
         out["refused"] = ""
     except PlacementError as e:
         out["refused"] = str(e)
+    out["combined"] = _combined_worker(rank, world)
     return out
 
 
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], Path]:
-    """Each rank's results of every run in ``_RUNS``, and the folder the runs wrote into: one
-    spawn for the file (starting 4 processes and importing torch cost more than a run)."""
+    """Each rank's results of every run in ``_RUNS`` and of ``_combined_worker``, and the folder the
+    runs wrote into: one spawn for the file (starting 4 processes and importing torch cost more than a run)."""
     tmp = tmp_path_factory.mktemp("dp")
     for label, (*_, files) in _RUNS.items():
         if files:
@@ -268,11 +269,14 @@ def _combined_worker(rank: int, world: int) -> list[float]:
 
 
 @pytest.mark.multiprocess
-def test_data_parallel_with_recomputation_sharding_and_mixed_precision() -> None:
+def test_data_parallel_with_recomputation_sharding_and_mixed_precision(
+    replicas: tuple[list[dict[str, Any]], Path]
+) -> None:
     # ZB-V and interleaved (two stages per rank) with recomputation, sharded optimizer state, bf16
     # and fp16 with loss scaling: each rank's kept gradients equal the plain model's (under the
-    # same autocast, over the same micro-batches) on the global batch.
-    results = spawn(_combined_worker, 4, timeout=300)
+    # same autocast, over the same micro-batches) on the global batch. In the shared spawn.
+    results = [r["combined"] for r in replicas[0]]
+    assert len(results) == 4
     for errors in results:
         assert errors[0] < 1e-5  # fp32
         assert errors[1] < 1e-5 and errors[2] < 1e-5  # wire in the autocast dtypes: round-off only

@@ -1,7 +1,9 @@
-"""The examples keep working, with what their output promises (tests/test_readme.py runs the README's commands)."""
+"""The examples keep working, with what their output promises (the README's demo and Training blocks run here,
+handed over by `run-by`; tests/test_readme.py runs its other commands)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
@@ -10,15 +12,21 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
+
+from test_readme import readme_block
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_demo_runs(capsys: pytest.CaptureFixture[str]) -> None:
-    runpy.run_path(str(ROOT / "examples" / "demo.py"), run_name="__main__")
+    # The README's first block, run here once (tests/test_readme.py checks its pip steps' form).
+    *_, demo = readme_block("tests/test_examples.py::test_demo_runs").commands
+    assert demo.argv == ("python", "examples/demo.py")
+    runpy.run_path(str(ROOT / demo.argv[1]), run_name="__main__")  # in this process: no interpreter start
     out = capsys.readouterr().out
     assert "pipecut plan: 4 stages" in out
     diff = float(re.search(r"largest gradient difference (\S+)", out).group(1))  # type: ignore[union-attr]
@@ -54,28 +62,51 @@ def test_train_pipelined_zbv_writes_its_trace(tmp_path: Path) -> None:
 
 
 @pytest.mark.multiprocess
-def test_train_pipelined_under_torchrun() -> None:
+@pytest.mark.slow
+def test_the_readme_training_commands() -> None:
+    # The README's Training block, run here once, with what its output promises: one process, a
+    # stage per process, and 2 replicas x 2 stages over 4 processes all train the same model on
+    # the same data. 5 steps: the script prints the loss of step 1 (the initial model's) and 5.
     torchrun = shutil.which("torchrun")
     if torchrun is None:
         pytest.skip("torchrun is not on PATH")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    run = subprocess.run(
-        [torchrun, "--standalone", "--nproc-per-node", "4", str(ROOT / "examples" / "train_pipelined.py"),
-         "--dp", "2", "--pp", "2", "--steps", "5"],
-        capture_output=True, text=True, timeout=300, env=env,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "'dist' transport, torchrun, 2 x 2 (dp x pp)" in run.stdout
-    # One process, one pipeline of 2 stages on the same global batch (micro-batches twice as large).
-    one = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "train_pipelined.py"), "--dp", "2", "--pp", "2", "--steps", "5"],
-        capture_output=True, text=True, timeout=300, env=env,
-    )
-    # The same losses in one process and across 2 replicas of 2 ranks: exact either way.
-    def last_loss(out: str) -> float:
-        return float(re.findall(r"loss (\d+\.\d+)", out)[-1])
+    one, pp, dp_pp = readme_block("tests/test_examples.py::test_the_readme_training_commands").commands
+    script = "examples/train_pipelined.py"
+    assert one.argv == ("python", script)
+    assert pp.argv == ("torchrun", "--standalone", "--nproc-per-node", "4", script)
+    assert dp_pp.argv == ("torchrun", "--standalone", "--nproc-per-node", "4", script, "--dp", "2", "--pp", "2")
+    main = _example("train_pipelined").main
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 
-    assert last_loss(run.stdout) == pytest.approx(last_loss(one.stdout), rel=1e-4)
+    def launch(argv: tuple[str, ...], nproc: str) -> str:
+        run = subprocess.run([torchrun, *argv[1:3], nproc, *argv[4:], "--steps", "5"],  # argv[3]: the README's 4
+                             cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+        assert run.returncode == 0, run.stderr[-3000:]
+        return run.stdout
+
+    def last_loss(out: str) -> float:
+        return float(re.findall(r"step +5 +loss (\d+\.\d+)", out)[-1])
+
+    # One process, 4 stages on threads (main() returns the last step's loss), and the same 1F1B
+    # pipeline cut in 2 across 2 processes (the README says 4: each process costs 7-8 s of CPU
+    # here, and the 4-process launch below already runs). A cut moves layers, not arithmetic.
+    alone = main([*one.argv[2:], "--steps", "5"])
+    out = launch(pp.argv, "2")
+    assert "'dist' transport, torchrun, 1 x 2 (dp x pp)" in out
+    assert last_loss(out) == pytest.approx(alone, rel=1e-4)
+    # 2 replicas of 2 stages over 4 processes, and one process, one pipeline of 2 stages on the
+    # same global batch (micro-batches twice as large): the same losses, exact either way.
+    out = launch(dp_pp.argv, "4")
+    assert "'dist' transport, torchrun, 2 x 2 (dp x pp)" in out
+    assert last_loss(out) == pytest.approx(main([*dp_pp.argv[5:], "--steps", "5"]), rel=1e-4)
+
+
+def _example(name: str) -> ModuleType:
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)
 
 
 def _train_big() -> object:

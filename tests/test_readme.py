@@ -17,10 +17,11 @@ What each command gets, by its program:
   the repository's top-level entries (so ``examples/demo.py`` resolves and a written ``plan.json``
   lands in the temporary folder), its commands in order.
   A block with ``torchrun`` is marked ``multiprocess`` and ``slow``: each launch costs 7-8 s of
-  CPU a process (torch, transformers, tracing), so the README's directives launch 2 processes
-  where it says 4 (tests/test_examples.py runs the 4-process dp x pp example). The whole file
-  takes about 80 s of CPU: 60 s the two torchrun blocks (their processes share both cores), 21 s
-  the rest (``-m "not slow"``: about 20 s on 2 cores).
+  CPU a process (torch, transformers, tracing), so a directive launches 2 processes where the
+  README says 4, or hands the block to a test that checks its output (``run-by``: the demo and
+  the Training block, with its 4-process dp x pp launch, run in tests/test_examples.py). The
+  whole file takes about 40 s of CPU: 26 s the Quickstart's torchrun block, 14 s the rest
+  (``-m "not slow"``).
 - form only, ``pip install ...``: no network in tests. Each requirement must parse, a pinned
   version must satisfy pyproject.toml's requirement for that package, ``-e PATH[extras]`` must name
   this repository and extras it declares.
@@ -34,6 +35,12 @@ directives separated by ``;`` or new lines::
     <!-- test: --steps 2 -->                                   appended to each command the block runs
     <!-- test: gpt2-175b --stages 64 => gpt2-tiny --stages 4 -->   text replaced in the block's commands
     <!-- test: skip: needs 8 GPUs -->                           the block's commands are checked for form only
+    <!-- test: run-by: tests/test_examples.py::test_demo_runs -->   form only here: that test runs them
+
+``run-by`` hands a block to a test that runs its commands once and checks their output (the
+demo's falling loss, the training commands' equal losses): an expensive command runs once in
+the suite, not here and again there. The test named must exist (checked below) and read its
+commands from the README (``readme_block``), so neither side can drift.
 
 A new README command therefore needs no edit here, at most a directive next to it.
 """
@@ -82,6 +89,7 @@ class Block:
     append: tuple[str, ...] = ()
     replace: tuple[tuple[str, str], ...] = ()
     skip: str = ""
+    run_by: str = ""
 
 
 def read_blocks(text: str) -> list[Block]:
@@ -141,16 +149,25 @@ def _commands(body: str, first: int, *, console: bool) -> tuple[Command, ...]:
 def _with_directives(block: Block, directives: str) -> Block:
     append: list[str] = []
     replace: list[tuple[str, str]] = []
-    skip = ""
+    skip = run_by = ""
     for d in (d.strip() for d in re.split(r"[;\n]", directives)):
         if d.startswith("skip:"):
             skip = d[len("skip:"):].strip() or "skipped"
+        elif d.startswith("run-by:"):
+            run_by = d[len("run-by:"):].strip()
         elif "=>" in d:
             old, new = (s.strip() for s in d.split("=>", 1))
             replace.append((old, new))
         elif d:
             append += shlex.split(d)
-    return Block(block.line, block.commands, tuple(append), tuple(replace), skip)
+    return Block(block.line, block.commands, tuple(append), tuple(replace), skip, run_by)
+
+
+def readme_block(test: str) -> Block:
+    """The one README block whose ``run-by`` directive names ``test`` (``tests/FILE.py::NAME``)."""
+    blocks = [b for b in read_blocks(README.read_text()) if b.run_by == test]
+    assert len(blocks) == 1, f"README.md has {len(blocks)} blocks marked `<!-- test: run-by: {test} -->`, expected 1"
+    return blocks[0]
 
 
 def kind(cmd: Command) -> str:
@@ -273,7 +290,7 @@ def run_block(block: Block, cwd: Path, monkeypatch: pytest.MonkeyPatch) -> None:
             check_pip(cmd)
         elif what == "ci":
             check_ci(cmd)
-        elif block.skip:
+        elif block.skip or block.run_by:
             continue
         elif (args := _pipecut_args(cmd)) is not None:
             _run_here(cmd, args, cwd, monkeypatch)
@@ -322,7 +339,7 @@ def _run_here(cmd: Command, args: list[str], cwd: Path, monkeypatch: pytest.Monk
 def _params() -> list[object]:
     params = []
     for b in read_blocks(README.read_text()):
-        launches = any(Path(c.argv[0]).name == "torchrun" for c in b.commands)
+        launches = not b.run_by and any(Path(c.argv[0]).name == "torchrun" for c in b.commands)
         marks = [pytest.mark.multiprocess, pytest.mark.slow] if launches else []
         params.append(pytest.param(b, id=f"README.md:{b.line}", marks=marks))
     return params
@@ -331,6 +348,25 @@ def _params() -> list[object]:
 @pytest.mark.parametrize("block", _params())
 def test_readme_block(block: Block, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     run_block(block, tmp_path, monkeypatch)
+
+
+def test_run_by_names_a_test_that_reads_its_block() -> None:
+    handed = [b for b in read_blocks(README.read_text()) if b.run_by]
+    for b in handed:
+        path, _, name = b.run_by.partition("::")
+        where = f"README.md:{b.line}: run-by: {b.run_by}"
+        assert (ROOT / path).is_file() and name, f"{where}: expected an existing tests/FILE.py::test_name"
+        source = (ROOT / path).read_text()
+        # The test itself, and the block it runs taken from the README by this same name.
+        assert re.search(rf"^def {re.escape(name)}\(", source, re.MULTILINE), f"{where}: {path} has no {name}"
+        assert f'readme_block("{b.run_by}")' in source, f"{where}: {name} does not read its commands from the README"
+
+
+def test_a_block_run_by_another_test_is_checked_for_form_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fails = Command(1, ("python", "-c", "raise SystemExit(1)"))
+    run_block(Block(1, (fails,), run_by="tests/test_examples.py::test_demo_runs"), tmp_path, monkeypatch)
+    with pytest.raises(AssertionError, match="exited with 1"):
+        run_block(Block(1, (fails,)), tmp_path, monkeypatch)
 
 
 def test_the_top_commands_install_and_run_the_demo_and_the_test_suite() -> None:
@@ -377,12 +413,17 @@ torchrun --nproc-per-node 8 x.py
 ```python
 print("not a shell block")
 ```
+
+<!-- test: run-by: tests/test_examples.py::test_demo_runs -->
+```bash
+python examples/demo.py
+```
 """
 
 
 def test_reader_splits_chains_joins_lines_and_skips_comments() -> None:
     blocks = read_blocks(_SAMPLE)
-    assert [b.line for b in blocks] == [5, 17, 23]
+    assert [b.line for b in blocks] == [5, 17, 23, 32]
     first = blocks[0]
     assert [c.argv for c in first.commands] == [
         ("pip", "install", "torch==2.13.0"), ("python", "examples/demo.py", "--x", "1"),
@@ -393,6 +434,7 @@ def test_reader_splits_chains_joins_lines_and_skips_comments() -> None:
     console = blocks[1].commands[0]
     assert console.argv == ("pipecut", "plan", "old", "text") and console.env == (("COLUMNS", "80"),)
     assert blocks[2].skip == "needs a GPU" and blocks[2].append == ()
+    assert blocks[3].run_by == "tests/test_examples.py::test_demo_runs" and not blocks[3].skip
 
 
 def test_directives_apply_to_the_commands_that_run() -> None:

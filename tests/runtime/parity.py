@@ -183,6 +183,14 @@ def _fresh_y(c: dict[str, Any], gen: torch.Generator) -> torch.Tensor:
     return torch.randint(0, 64, y.shape, generator=gen)
 
 
+def dist_workers(
+    rank: int, world: int, cases: list[tuple[str, str]], grouped: list[tuple[str, str]], trace: str | None = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``dist_worker`` on ``cases``, then on the ``grouped`` cases with grouped messages, in one
+    spawn: starting the processes and importing torch cost more than most cases."""
+    return dist_worker(rank, world, cases, trace), dist_worker(rank, world, grouped, None, True)
+
+
 def dist_worker(
     rank: int, world: int, cases: list[tuple[str, str]], trace: str | None = None, grouped: bool = False
 ) -> dict[str, Any]:

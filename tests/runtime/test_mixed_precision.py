@@ -256,12 +256,25 @@ def _fp16_rank(rank: int, world: int, precision: str) -> dict[str, Any]:
     return {"err": err, "inf_skipped": inf_skipped}
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_mixed_precision_over_gloo_ranks(precision: str) -> None:
+GLOO_PRECISIONS = ["bf16", "fp16"]
+
+
+def _precisions_rank(rank: int, world: int, precisions: list[str]) -> dict[str, dict[str, Any]]:
+    return {p: _fp16_rank(rank, world, p) for p in precisions}
+
+
+@pytest.fixture(scope="module")
+def over_gloo() -> list[dict[str, dict[str, Any]]]:
+    """Each rank's results for every precision of ``GLOO_PRECISIONS``, from one spawn of 2 processes."""
     from runtime.transport.launch import spawn
 
-    results = spawn(_fp16_rank, 2, precision, timeout=240)
+    return spawn(_precisions_rank, 2, GLOO_PRECISIONS, timeout=360)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("precision", GLOO_PRECISIONS)
+def test_mixed_precision_over_gloo_ranks(precision: str, over_gloo: list[dict[str, dict[str, Any]]]) -> None:
+    results = [r[precision] for r in over_gloo]
     assert all(r["err"] < TIGHT for r in results), results
     if precision == "fp16":
         assert all(r["inf_skipped"] for r in results), results

@@ -5,18 +5,20 @@ from __future__ import annotations
 import copy
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
-from parity import _fresh, _fresh_y, case, check_case, check_grads, dist_worker, make_trainer, stages_for
+from parity import _fresh, _fresh_y, case, check_case, check_grads, dist_workers, make_trainer, stages_for
 from partitioner.schedule.registry import get_schedule
 from partitioner.schedule.validation import peak_inflight
 from runtime.errors import StageError, TrainerStateError
 from runtime.trainer import MicrobatchError, PipelineTrainer, split_microbatches
-from runtime.transport.launch import spawn
+from runtime.transport.launch import LaunchError, spawn
 
 MODELS = ["mlp", "gpt2", "skip"]
 SCHEDULES = ["gpipe", "1f1b"]
@@ -62,15 +64,48 @@ def test_sequential_transport_runs_new_schedules(name: str, schedule: str) -> No
     assert [res["peak"][s] for s in range(len(res["want_peak"]))] == res["want_peak"]
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("world", [2, 4])
-def test_gloo_processes_match_reference(world: int, tmp_path: Path) -> None:
-    # One spawn per world size runs every case (processes and imports are the slow part).
+def _gloo_cases(world: int) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """Per world size, the (model, schedule) cases run over gloo, and those run with grouped messages."""
     cases = [(n, s) for n in MODELS for s in SCHEDULES + NEW_SCHEDULES] + [("mlp-mb4", "1f1b")]
     if world == 2:
         cases.append(("mlp-mb4", "zbv"))
-    trace = tmp_path / "zbv.json" if world == 2 else None
-    results = spawn(dist_worker, world, cases, trace and str(trace), timeout=600)
+    # The skip model's stem feeds the last stage: over 4 ranks 1F1B's and ZB-H1's grouped
+    # programs could wait in a circle, and NCCL refuses them (test_placement); GPipe's finishes.
+    grouped = [(n, s) for n in MODELS for s in ("gpipe", "1f1b", "zbh1")
+               if not (n == "skip" and world > 2 and s != "gpipe")] + [("mlp-mb4", "1f1b")]
+    return cases, grouped
+
+
+_Gloo = tuple[list[dict[str, Any]], list[dict[str, Any]], Path | None]
+
+
+@pytest.fixture(scope="module")
+def over_gloo(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], _Gloo]:
+    """Per world size, one spawn runs every case, plain then grouped (processes and imports are
+    the slow part): each rank's results of both, and the ZB-V trace written at world 2."""
+    runs: dict[int, _Gloo | BaseException] = {}
+
+    def run(world: int) -> _Gloo:
+        if world not in runs:
+            trace = tmp_path_factory.mktemp("gloo") / "zbv.json" if world == 2 else None
+            try:
+                results = spawn(dist_workers, world, *_gloo_cases(world), trace and str(trace), timeout=600)
+                runs[world] = ([r[0] for r in results], [r[1] for r in results], trace)
+            except LaunchError as e:  # both tests of this world size report it, without a second spawn
+                runs[world] = e
+        got = runs[world]
+        if isinstance(got, BaseException):
+            raise got
+        return got
+
+    return run
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world", [2, 4])
+def test_gloo_processes_match_reference(world: int, over_gloo: Callable[[int], _Gloo]) -> None:
+    plain, _, trace = over_gloo(world)
+    results = [dict(res) for res in plain]
     extra = [res.pop("_extra", None) for res in results]
     for key in results[0]:  # together the ranks checked every tensor of the model
         aliases = results[0][key]["aliases"]
@@ -105,18 +140,16 @@ def test_gloo_processes_match_reference(world: int, tmp_path: Path) -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("world", [2, 4])
-def test_grouped_messages_match_reference(world: int) -> None:
+def test_grouped_messages_match_reference(world: int, over_gloo: Callable[[int], _Gloo]) -> None:
     """The program NCCL runs (each action's sends posted with the next one's receives, as one
     ``batch_isend_irecv``), run over gloo: exact for the schedules NCCL accepts."""
     from partitioner.schedule.comm import needs_early_receives
     from partitioner.schedule.registry import get_schedule
 
-    # The skip model's stem feeds the last stage: over 4 ranks 1F1B's and ZB-H1's grouped
-    # programs could wait in a circle, and NCCL refuses them (test_placement); GPipe's finishes.
-    cases = [(n, s) for n in MODELS for s in ("gpipe", "1f1b", "zbh1")
-             if not (n == "skip" and world > 2 and s != "gpipe")] + [("mlp-mb4", "1f1b")]
+    cases = _gloo_cases(world)[1]
     assert not any(needs_early_receives(get_schedule(s, world, 4)) for _, s in cases)
-    results = spawn(dist_worker, world, cases, None, True, timeout=600)
+    _, results, _ = over_gloo(world)
+    assert [set(res) for res in results] == [{f"{n}/{s}" for n, s in cases}] * world
     for key in results[0]:
         aliases = results[0][key]["aliases"]
         covered = {aliases[n] for res in results for n in res[key]["checked"]}

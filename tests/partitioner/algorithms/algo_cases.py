@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import random
 from collections.abc import Iterator
 
@@ -18,6 +19,13 @@ from partitioner.algorithms import Partition, Problem, Tensor, check_assignment,
 from partitioner.errors import PartitionError
 
 INF = math.inf
+LONG = os.environ.get("PIPECUT_FUZZ") == "long"
+
+
+def examples(n: int) -> int:
+    """Hypothesis examples for a property: ``n`` with ``PIPECUT_FUZZ=long``, a quarter (at least 25)
+    in the default run, which CI's 2 cores pay for on every push; the long run is the search."""
+    return n if LONG else max(25, n // 4)
 
 
 @st.composite

@@ -7,7 +7,7 @@ import math
 import pytest
 from hypothesis import given, settings
 
-from algo_cases import contiguous_partitions, is_valid, problems
+from algo_cases import contiguous_partitions, examples, is_valid, problems
 from partitioner.algorithms import (
     METHODS,
     Partition,
@@ -60,7 +60,7 @@ def _pippy_cuts(weights: list[float], p: int) -> list[int]:
     return [k for k in before if k < len(weights)][: p - 1]
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(problems(memory=False))
 def test_every_baseline_gives_p_valid_contiguous_stages(pb: Problem) -> None:
     blocks = len(set(pb.allowed_cuts())) + 1
@@ -76,7 +76,7 @@ def test_every_baseline_gives_p_valid_contiguous_stages(pb: Problem) -> None:
         assert len(part.cuts()) == pb.p - 1
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(problems(memory=False))
 def test_balanced_params_is_the_min_max_parameter_partition(pb: Problem) -> None:
     if pb.p > len(set(pb.allowed_cuts())) + 1:
@@ -111,7 +111,7 @@ def test_balanced_params_uses_param_counts_then_state_bytes() -> None:
     assert balanced_params(pb).cuts() == (3,)
 
 
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=examples(120), deadline=None)
 @given(problems(memory=False, cuts=False))
 def test_equal_size_is_pippy_when_pippy_makes_enough_stages(pb: Problem) -> None:
     if pb.p > pb.n:

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from algo_cases import all_assignments, brute_best, forward_valid, is_valid, problems
+from algo_cases import all_assignments, brute_best, examples, forward_valid, is_valid, problems
 from partitioner.algorithms import Partition, Problem, Tensor, check_assignment, evaluate, lower_bound
 from partitioner.errors import PartitionError
 
@@ -104,7 +104,7 @@ def test_check_assignment_names_the_problem() -> None:
         check_assignment(named, [1, 0, 1, 1, 2])
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(problems(max_n=6, max_p=3))
 def test_check_assignment_matches_an_independent_statement(pb: Problem) -> None:
     import itertools
@@ -135,7 +135,7 @@ def test_lower_bound_stays_a_bound_for_unrelated_devices() -> None:
     assert lower_bound(pb) <= 1.0
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(problems(max_n=6, max_p=3, memory=False))
 def test_lower_bound_never_exceeds_any_valid_assignment(pb: Problem) -> None:
     bound = lower_bound(pb)

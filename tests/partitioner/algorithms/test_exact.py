@@ -10,14 +10,14 @@ import math
 import pytest
 from hypothesis import given, settings
 
-from algo_cases import brute_best, contiguous_partitions, dp_best, is_valid, problems, transformer_problem
+from algo_cases import brute_best, contiguous_partitions, dp_best, examples, is_valid, problems, transformer_problem
 from partitioner.algorithms import Partition, Problem, Tensor, evaluate, exact, lower_bound
 from partitioner.errors import InfeasibleMemoryError, PartitionError, TooManyStagesError
 
 INF = math.inf
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(problems())
 def test_exact_equals_brute_force(pb: Problem) -> None:
     blocks = len(set(pb.allowed_cuts())) + 1
@@ -39,7 +39,7 @@ def test_exact_equals_brute_force(pb: Problem) -> None:
     assert ev.bottleneck == pytest.approx(best, rel=1e-9, abs=1e-12)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(problems(max_n=8, max_p=3))
 def test_independent_dp_agrees_with_brute_force(pb: Problem) -> None:
     """The reference DP used at large sizes is itself checked here."""
@@ -114,7 +114,7 @@ def test_infeasible_memory_reports_the_closest_partition() -> None:
     assert info.value.needed == [12.0, 4.0]
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(problems(max_n=7, max_p=3))
 def test_infeasible_needed_is_the_least_max_memory_ratio(pb: Problem) -> None:
     if pb.p > len(set(pb.allowed_cuts())) + 1 or brute_best(pb) is not None:

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from algo_cases import all_assignments, forward_valid, is_valid, problems
+from algo_cases import all_assignments, examples, forward_valid, is_valid, problems
 from partitioner.algorithms import Partition, Problem, Tensor, evaluate, exact, refine
 from partitioner.errors import PartitionError
 
@@ -84,7 +84,7 @@ def _blocks(pb: Problem) -> list[range]:
     return [range(bounds[b], bounds[b + 1]) for b in range(len(bounds) - 1)]
 
 
-@settings(max_examples=250, deadline=None)
+@settings(max_examples=examples(250), deadline=None)
 @given(problems(max_n=6, max_p=3, min_p=2, dyadic=True), st.randoms(use_true_random=False))
 def test_refine_is_valid_never_worse_and_locally_optimal(pb: Problem, rnd) -> None:
     starts = list(all_assignments(pb))
@@ -118,7 +118,7 @@ def test_refine_is_valid_never_worse_and_locally_optimal(pb: Problem, rnd) -> No
             assert _sorted_times(pb, stage) >= here, (block, d)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(problems(max_n=7, max_p=3, min_p=2))
 def test_refine_of_exact_is_between_the_dag_optimum_and_exact(pb: Problem) -> None:
     try:

@@ -94,28 +94,55 @@ def _dp_case(name: str, schedule: str, dp: int, pp: int, tmp: str | None, overla
     return out
 
 
-def _dp_worker(
-    rank: int, world: int, cases: list[tuple[str, str]], tmp: str, overlap: bool, shard: bool = False
-) -> dict[str, Any]:
+# Every data-parallel run of this file, in one spawn of 4 processes (2 replicas x 2 stages):
+# label: (model, schedule, all-reduce overlapped with the drain, optimizer state sharded, writes
+# a checkpoint, an export and a trace into its own folder).
+_RUNS: dict[str, tuple[str, str, bool, bool, bool]] = {
+    **{f"gpt2/{s}": ("gpt2", s, True, False, s == SCHEDULES[0]) for s in SCHEDULES},
+    "mlp/1f1b": ("mlp", "1f1b", True, False, False),
+    "after the step/gpt2/1f1b": ("gpt2", "1f1b", False, False, True),
+    "sharded/gpt2/zbh1": ("gpt2", "zbh1", True, True, True),
+}
+_REPLICATED = [label for label, (*_, overlap, shard, _files) in _RUNS.items() if overlap and not shard]
+
+
+def _folder(tmp: Path, label: str) -> Path:
+    return tmp / label.replace("/", "-").replace(" ", "-")
+
+
+def _dp_worker(rank: int, world: int, runs: dict[str, tuple[str, str, bool, bool, bool]], tmp: str) -> dict[str, Any]:
     out = {}
-    for i, (name, schedule) in enumerate(cases):
-        out[f"{name}/{schedule}"] = _dp_case(name, schedule, 2, world // 2, tmp if i == 0 else None, overlap, shard)
+    for label, (name, schedule, overlap, shard, files) in runs.items():
+        where = str(_folder(Path(tmp), label)) if files else None
+        out[label] = _dp_case(name, schedule, 2, world // 2, where, overlap, shard)
     try:
         make_trainer(case("mlp", 2), 2, "1f1b", transport="dist", data_parallel=3)
         out["refused"] = ""
     except PlacementError as e:
         out["refused"] = str(e)
+    out["combined"] = _combined_worker(rank, world)
     return out
 
 
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], Path]:
+    """Each rank's results of every run in ``_RUNS`` and of ``_combined_worker``, and the folder the
+    runs wrote into: one spawn for the file (starting 4 processes and importing torch cost more than a run)."""
+    tmp = tmp_path_factory.mktemp("dp")
+    for label, (*_, files) in _RUNS.items():
+        if files:
+            _folder(tmp, label).mkdir()
+    return spawn(_dp_worker, 4, _RUNS, str(tmp), timeout=900), tmp
+
+
 @pytest.mark.multiprocess
-def test_two_replicas_of_a_two_rank_pipeline_equal_the_plain_model(tmp_path: Path) -> None:
-    cases = [("gpt2", s) for s in SCHEDULES] + [("mlp", "1f1b")]
-    results = spawn(_dp_worker, 4, cases, str(tmp_path), True, timeout=600)
+def test_two_replicas_of_a_two_rank_pipeline_equal_the_plain_model(
+    replicas: tuple[list[dict[str, Any]], Path]
+) -> None:
+    results, tmp = replicas
     assert [(r["gpt2/1f1b"]["dp_rank"], r["gpt2/1f1b"]["pp_rank"]) for r in results] == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    for key in results[0]:
-        if key == "refused":
-            continue
+    assert _REPLICATED == ["gpt2/gpipe", "gpt2/1f1b", "gpt2/zbh1", "mlp/1f1b"]
+    for key in _REPLICATED:
         # The same loss and norms everywhere; both ranks of each replica checked their stages.
         assert len({round(r[key]["loss"], 6) for r in results}) == 1, key
         for r in results:
@@ -126,6 +153,7 @@ def test_two_replicas_of_a_two_rank_pipeline_equal_the_plain_model(tmp_path: Pat
     # GPT-2's tied embedding spans both ranks of each replica: one group per process.
     assert [r["gpt2/gpipe"]["tied_groups"] for r in results] == [1, 1, 1, 1]
     assert [r["gpt2/gpipe"]["trace"] for r in results] == [True, False, False, False]
+    tmp_path = _folder(tmp, "gpt2/gpipe")
     assert (tmp_path / "trace.json").is_file() and (tmp_path / "ckpt" / ".metadata").is_file()
     # The first replica's two ranks write the export; the copies in the second are not written again.
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [
@@ -134,17 +162,20 @@ def test_two_replicas_of_a_two_rank_pipeline_equal_the_plain_model(tmp_path: Pat
 
 
 @pytest.mark.multiprocess
-def test_all_reduce_after_the_step_gives_the_same_gradients(tmp_path: Path) -> None:
-    results = spawn(_dp_worker, 4, [("gpt2", "1f1b")], str(tmp_path), False, timeout=300)
-    assert len({round(r["gpt2/1f1b"]["loss"], 6) for r in results}) == 1
+def test_all_reduce_after_the_step_gives_the_same_gradients(replicas: tuple[list[dict[str, Any]], Path]) -> None:
+    results, tmp = replicas
+    assert len({round(r["after the step/gpt2/1f1b"]["loss"], 6) for r in results}) == 1
+    assert (_folder(tmp, "after the step/gpt2/1f1b") / "ckpt" / ".metadata").is_file()
 
 
 @pytest.mark.multiprocess
-def test_sharded_optimizer_state_steps_exactly_and_halves_the_state(tmp_path: Path) -> None:
+def test_sharded_optimizer_state_steps_exactly_and_halves_the_state(
+    replicas: tuple[list[dict[str, Any]], Path]
+) -> None:
     # ZeRO-style: the two replicas' ranks of each stage split its parameters; each keeps the
     # momentum of its share, the gradients of its share, and broadcasts its new values.
-    results = spawn(_dp_worker, 4, [("gpt2", "zbh1")], str(tmp_path), True, True, timeout=300)
-    r = [res["gpt2/zbh1"] for res in results]
+    results, _ = replicas
+    r = [res["sharded/gpt2/zbh1"] for res in results]
     for pp in (0, 1):  # ranks pp and 2 + pp hold the same stages
         a, b = r[pp], r[2 + pp]
         assert a["params"] == b["params"] and a["state"] + b["state"] == a["params"]
@@ -238,11 +269,14 @@ def _combined_worker(rank: int, world: int) -> list[float]:
 
 
 @pytest.mark.multiprocess
-def test_data_parallel_with_recomputation_sharding_and_mixed_precision() -> None:
+def test_data_parallel_with_recomputation_sharding_and_mixed_precision(
+    replicas: tuple[list[dict[str, Any]], Path]
+) -> None:
     # ZB-V and interleaved (two stages per rank) with recomputation, sharded optimizer state, bf16
     # and fp16 with loss scaling: each rank's kept gradients equal the plain model's (under the
-    # same autocast, over the same micro-batches) on the global batch.
-    results = spawn(_combined_worker, 4, timeout=300)
+    # same autocast, over the same micro-batches) on the global batch. In the shared spawn.
+    results = [r["combined"] for r in replicas[0]]
+    assert len(results) == 4
     for errors in results:
         assert errors[0] < 1e-5  # fp32
         assert errors[1] < 1e-5 and errors[2] < 1e-5  # wire in the autocast dtypes: round-off only

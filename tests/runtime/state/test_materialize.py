@@ -189,11 +189,25 @@ def test_the_trainer_materialises_a_meta_model_and_trains_it_exactly() -> None:
     assert out["real"] == out["held"] and out["checked"]
 
 
-@pytest.mark.multiprocess
-def test_over_gloo_each_rank_allocates_only_its_own_stages() -> None:
+def _train_meta_twice(rank: int, world: int, weights: str) -> tuple[dict[str, object], dict[str, object]]:
+    return _train_meta(rank, world), _train_meta(rank, world, weights)
+
+
+@pytest.fixture(scope="module")
+def over_gloo(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[dict[str, object], dict[str, object]]]:
+    """Each of 2 gloo ranks' ``_train_meta``, initialised and then loaded from a sharded checkpoint:
+    one spawn for both (starting the processes costs more than the steps)."""
     from runtime.transport.launch import spawn
 
-    results = spawn(_train_meta, 2, timeout=240)
+    source = _checkpoint_of_a_twin(tmp_path_factory.mktemp("twin"))
+    return spawn(_train_meta_twice, 2, source, timeout=360)
+
+
+@pytest.mark.multiprocess
+def test_over_gloo_each_rank_allocates_only_its_own_stages(
+    over_gloo: list[tuple[dict[str, object], dict[str, object]]]
+) -> None:
+    results = [initialised for initialised, _ in over_gloo]
     for r in results:
         assert r["real"] == r["held"], "a rank allocated tensors of another rank's stage"
     both = set(results[0]["real"]) & set(results[1]["real"])
@@ -217,12 +231,11 @@ def _checkpoint_of_a_twin(directory: Path) -> str:
 
 
 @pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.multiprocess)])
-def test_the_trainer_loads_its_stages_from_a_sharded_checkpoint(tmp_path: Path, world: int) -> None:
-    source = _checkpoint_of_a_twin(tmp_path)
+def test_the_trainer_loads_its_stages_from_a_sharded_checkpoint(
+    tmp_path: Path, world: int, request: pytest.FixtureRequest
+) -> None:
     if world == 1:
-        out = _train_meta(0, 2, source)
-    else:
-        from runtime.transport.launch import spawn
-
-        out = spawn(_train_meta, 2, source, timeout=240)[0]
+        out = _train_meta(0, 2, _checkpoint_of_a_twin(tmp_path))
+    else:  # rank 0 of the spawn the gloo test above shares
+        out = request.getfixturevalue("over_gloo")[0][1]
     assert out["real"] == out["held"] and out["checked"]

@@ -71,7 +71,7 @@ from partitioner.plan.layout import Option  # noqa: E402
 from partitioner.schedule.registry import TRAINING_SCHEDULES, stages_per_rank  # noqa: E402
 from partitioner.zoo import gpt2  # noqa: E402
 from runtime import DataParallel, Execution, PipelineTrainer  # noqa: E402
-from runtime.overheads import measure_action_overhead, with_action_overhead  # noqa: E402
+from runtime.overheads import fit_to_runtime, measure_action_overhead, with_action_overhead  # noqa: E402
 from runtime.transport.launch import spawn  # noqa: E402
 
 __all__ = [
@@ -269,16 +269,23 @@ def _cluster(cfg: dict[str, Any], world: int) -> Cluster:
     return Cluster.load(cfg["cluster"]).with_devices(world) if cfg.get("cluster") else Cluster.uniform(world, "cpu")
 
 
-def _fit(search: LayoutSearch, world: int, out: dict[str, float]) -> Cluster:
+def _fit(search: LayoutSearch, world: int, out: dict[str, float], x: torch.Tensor, y: torch.Tensor) -> Cluster:
     """The cluster fitted, on every rank at once, to the model's own step and the runtime's actions.
 
-    Every rank times the model's forward and backward at two sizes (``LayoutSearch.fit_to_model``)
-    while the others do too, so the cores they share are in the figures; the ranks take the mean
-    (one cluster, one plan everywhere); then the runtime's cost per action
-    (``runtime.overheads.measure_action_overhead``), and the cores they share (``Cluster.cores``).
+    Every rank times a one-stage trainer step of the model at two sizes (``runtime.overheads.
+    fit_to_runtime``: the traced graph and the loss, as the runtime runs them) while the others do
+    too, so the cores they share are in the figures; the ranks take the mean (one cluster, one plan
+    everywhere); then the runtime's cost per action (``runtime.overheads.measure_action_overhead``),
+    and the cores they share (``Cluster.cores``).
     """
     dist.barrier()
-    mine = search.fit_to_model().devices[0]
+    rows = x.shape[0]
+
+    def batch(b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pick = torch.arange(b) % rows
+        return x[pick], y[pick]
+
+    mine = fit_to_runtime(search, _lm_loss, batch).devices[0]
     keys = ("peak_flops", "peak_flops_fp32", "mem_bandwidth", "op_overhead")
     mean = torch.tensor([float(getattr(mine, k)) for k in keys], dtype=torch.float64)
     dist.all_reduce(mean)
@@ -354,7 +361,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     search = LayoutSearch(copy.deepcopy(model), (x[:1],), cluster=cluster, global_batch=cfg["batch"])
     fitted: dict[str, float] = {}
     if cfg.get("calibrate"):
-        search.use_cluster(_fit(search, world, fitted))
+        search.use_cluster(_fit(search, world, fitted, x, y))
     for layout in todo:  # the same order on every rank: meshes and trainers are collective
         t0 = time.perf_counter()
         plan = layout_plan(search, layout)  # every layout's own copy of the model

@@ -241,6 +241,17 @@ class LayoutSearch:
             whole = p.ctx.plan(p.cluster.with_devices(1), "1f1b", 1, split=True, predictions=False).build_stages()
             times = time_forward_backward(whole, batches, repeat=repeat)
             self.model.zero_grad(set_to_none=True)
+        return self.fit_to_timings(sizes, (times[0], times[1]))
+
+    def fit_to_timings(self, sizes: tuple[int, int], seconds: tuple[float, float]) -> Cluster:
+        """The cluster fitted to a forward and backward of the whole model measured at ``sizes`` rows
+        (``seconds``), however they were timed: :meth:`fit_to_model` times the traced graph, and
+        ``runtime.overheads.fit_to_runtime`` a one-stage trainer step, loss included.
+
+        Raises:
+            CalibrationError: the timings do not grow with the size.
+        """
+        p, times = self._pricer, seconds
         bare = with_fit(p.cluster, 1.0, 0.0)
         roof, ops = [], 0
         for b in sizes:

@@ -26,12 +26,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from partitioner import Cluster, partition
+from partitioner import Cluster, LayoutSearch, partition
 from partitioner.plan.predict import predict
 from runtime.options import Execution
 from runtime.trainer import PipelineTrainer
 
-__all__ = ["fit_action_overhead", "measure_action_overhead", "with_action_overhead"]
+__all__ = ["fit_action_overhead", "measure_action_overhead", "with_action_overhead", "fit_to_runtime"]
 
 
 def fit_action_overhead(measured: tuple[float, float], simulated: tuple[float, float], extra_actions: int) -> float:
@@ -101,3 +101,34 @@ def measure_action_overhead(
     total = torch.tensor([mine], dtype=torch.float64)
     dist.all_reduce(total)
     return float(total) / p
+
+
+def fit_to_runtime(
+    search: LayoutSearch,
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+    batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    *,
+    sizes: tuple[int, int] = (1, 4),
+    repeat: int = 7,
+) -> Cluster:
+    """``search``'s cluster fitted to the model as this runtime trains it: a one-stage trainer's
+    ``forward_backward`` of one micro-batch (the loss included), timed here at ``sizes`` rows in
+    turns (``LayoutSearch.fit_to_timings``). Run on every rank of a job at once, and agree on one
+    result: the timing is this process's own.
+
+    Raises:
+        CalibrationError: the timings do not grow with the size.
+    """
+    model = search.model
+    one = partition(model, (batch(1)[0],), 1, cluster=search.cluster.with_devices(1), microbatches=1)
+    trainer = PipelineTrainer(one, loss_fn, execution=Execution(transport="sequential"), data_parallel=1)
+    data = [batch(b) for b in sizes]
+    times: list[list[float]] = [[] for _ in sizes]
+    for k in range(repeat + 2):
+        for i, (x, y) in enumerate(data):
+            t0 = time.perf_counter()
+            trainer.forward_backward(x, y)
+            if k >= 2:
+                times[i].append(time.perf_counter() - t0)
+    model.zero_grad(set_to_none=True)
+    return search.fit_to_timings(sizes, (statistics.median(times[0]), statistics.median(times[1])))

@@ -253,16 +253,12 @@ class LayoutSearch:
         """
         p, times = self._pricer, seconds
         bare = with_fit(p.cluster, 1.0, 0.0)
-        roof, ops = [], 0
+        # Every node runs a forward, and a backward where it needs one (scaling keeps the nodes).
+        ops = sum(1 + (c.requires_grad is True) for c in p.ctx.costs.values())
+        roof = []
         for b in sizes:
-            ctx = p.ctx.scaled(b / p.rows)
-            total = 0.0
-            ops = 0
-            for v in ctx.g.nodes:
-                fwd, bwd = node_time(ctx.g.nodes[v]["cost"], bare.devices[0])
-                total += fwd + bwd
-                ops += 1 + (ctx.g.nodes[v]["cost"].requires_grad is True)
-            roof.append(total)
+            g = p.ctx.scaled(b / p.rows).g
+            roof.append(sum(sum(node_time(g.nodes[v]["cost"], bare.devices[0])) for v in g.nodes))
         speed, overhead = fit_speed_and_overhead((roof[0], roof[1]), (times[0], times[1]), ops)
         log.info("fit to the model: %d ops, %s rows: %.4gs, %.4gs measured; speed x%.3g, %.3g s per op",
                  ops, sizes, times[0], times[1], speed, overhead)
@@ -408,13 +404,10 @@ class _Pricer:
         self.ctx, self.cluster, self.bucket_bytes = ctx, cluster, bucket_bytes
         self.rows, self.tokens = rows
         self.capacity = min(d.memory for d in cluster.devices)
-        canon: set[str] = set()
-        for name, prm in ctx.traced.gm.named_parameters():  # each tensor once, tied ones included
-            canon.add(name)
-            del prm
-        self.params = float(sum(ctx.numel.get(n, 0) for n in canon))
+        once = {name for name, _ in ctx.traced.gm.named_parameters()}  # each tensor once, tied ones included
+        self.params = float(sum(ctx.numel.get(n, 0) for n in once))
         self._at: dict[int, tuple[_Context, float, float, float]] = {}
-        self._schedules: dict[tuple[str, int, int], Schedule] = {}
+        self._schedules: dict[tuple[str, int, int], tuple[Schedule, tuple[int, ...]]] = {}
         self._no_fit: set[tuple[int, int, str, int]] = set()  # (dp, pp, schedule, b) cut too big with zero1
         # (dp, pp, schedule, zero, micro-batches held per stage) -> the smallest b no cut fits: with
         # the same held counts, larger micro-batches only add activation bytes.
@@ -431,11 +424,13 @@ class _Pricer:
             self._at[b] = (ctx, work, float(sum(acts)), float(max(acts, default=0)))
         return self._at[b]
 
-    def _schedule(self, o: Option) -> Schedule:
-        """The option's schedule, built once for every option that shares it (the shardings, say)."""
+    def _schedule(self, o: Option) -> tuple[Schedule, tuple[int, ...]]:
+        """The option's schedule and the micro-batches each stage holds at its peak, built and
+        counted once for every option that shares them (the shardings, say)."""
         key = (o.schedule, o.stages, o.microbatches)
         if key not in self._schedules:
-            self._schedules[key] = stage_schedule(*key)
+            built = stage_schedule(*key)
+            self._schedules[key] = (built, peak_inflight(built))
         return self._schedules[key]
 
     def _state_per_param(self, o: Option) -> float:
@@ -476,8 +471,8 @@ class _Pricer:
         key = (o.dp, o.pp, o.schedule, o.microbatch_size)
         if o.zero == "none" and key in self._no_fit:  # more state than zero1's, which no cut fits
             raise InfeasibleMemoryError([0.0], [self.capacity], "no cut fits (it does not with zero1 either)")
-        built = self._schedule(o)
-        held = (o.dp, o.pp, o.schedule, o.zero, peak_inflight(built))
+        built, inflight = self._schedule(o)
+        held = (o.dp, o.pp, o.schedule, o.zero, inflight)
         if self._too_big.get(held, o.microbatch_size + 1) <= o.microbatch_size:
             raise InfeasibleMemoryError(
                 [0.0], [self.capacity], f"no cut fits (none does at micro-batch size {self._too_big[held]} either)"
@@ -496,20 +491,17 @@ class _Pricer:
                              wgrad_time=st.wgrad_time / faster) for st in plan.stages]
             sched, sim = simulate_stages(quick, stages, o.schedule, o.microbatches, built=built)
         pr = prediction(plan.stages, o.schedule, o.microbatches, sched, sim)
-        grad_bytes = [st.params * GRAD_BYTES_PER_PARAM for st in plan.stages]
-        exch, per_rank_bytes = [], [0.0] * o.pp
-        for s, nbytes in enumerate(grad_bytes):
+        # Each stage's gradients leave over its rank's "dp" ring: an all-reduce, or with zero1 a
+        # reduce to the owners now and their broadcast after the step (an all-reduce's bytes).
+        move = reduce_time if o.zero == "zero1" else allreduce_time
+        exch, rank_params = [], [0.0] * o.pp
+        for s, st in enumerate(plan.stages):
             r = sched.stage_to_rank[s]
-            ring = collective(self.cluster, o.dp, o.pp, r)
-            move = reduce_time if o.zero == "zero1" else allreduce_time
-            exch.append(move(nbytes, o.dp, ring, self.bucket_bytes))
-            share = (1 if o.zero == "zero1" else 2) * (o.dp - 1) / o.dp
-            per_rank_bytes[r] += share * nbytes
+            exch.append(move(st.params * GRAD_BYTES_PER_PARAM, o.dp, collective(self.cluster, o.dp, o.pp, r),
+                             self.bucket_bytes))
+            rank_params[r] += st.params
         ends = exchange_end(sim.grads_ready, exch, sched.stage_to_rank, o.pp)
         tail = max(0.0, max(ends, default=0.0) - sim.step_time)
-        rank_params = [0.0] * o.pp
-        for s, st in enumerate(plan.stages):
-            rank_params[sched.stage_to_rank[s]] += st.params
         dev = self.cluster.devices[0]
         owned = max(rank_params) / (o.dp if o.zero == "zero1" else 1)
         opt = optimizer_time(owned, dev.mem_bandwidth)
@@ -518,13 +510,13 @@ class _Pricer:
                 reduce_time(p * GRAD_BYTES_PER_PARAM, o.dp, collective(self.cluster, o.dp, o.pp, r), self.bucket_bytes)
                 for r, p in enumerate(rank_params)
             )
-            per_rank_bytes = [x * 2 for x in per_rank_bytes]
+        sent = 2 * (o.dp - 1) / o.dp * max(rank_params, default=0.0) * GRAD_BYTES_PER_PARAM
         step = sim.step_time + tail + opt
         return Layout(
             o.dp, o.pp, o.stages, o.schedule, o.microbatch_size, o.microbatches, o.global_batch, o.zero,
             step_time=step, pipeline_time=sim.step_time, exchange_time=tail, optimizer_time=opt,
             bubble=sim.bubble_total, memory=pr.memory, capacity=self.capacity,
-            exchange_bytes=max(per_rank_bytes, default=0.0), recompute=sum(st.recompute for st in plan.stages),
+            exchange_bytes=sent, recompute=sum(st.recompute for st in plan.stages),
             tokens_per_row=self.tokens, fits=pr.memory <= self.capacity and math.isfinite(step), priced=True,
         )
 

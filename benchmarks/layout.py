@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import math
 import os
 import shlex
@@ -90,7 +91,8 @@ PREDICTOR = (
     ".run(schedules, microbatch_sizes, prune=False).layout"
 )
 # --quick: a tiny GPT-2 and a few layouts (anything given explicitly on the command line wins).
-_QUICK = ["--rounds", "2", "--warmup", "1", "--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--vocab", "128",
+_QUICK = ["--rounds", "2", "--warmup", "1", "--consecutive", "2",
+          "--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--vocab", "128",
           "--seq", "16", "--batch", "8", "--microbatch-sizes", "2", "--schedules", "1f1b"]
 
 
@@ -274,26 +276,24 @@ def _fit(search: LayoutSearch, world: int, out: dict[str, float], x: torch.Tenso
 
     Every rank times a one-stage trainer step of the model at two sizes (``runtime.overheads.
     fit_to_runtime``: the traced graph and the loss, as the runtime runs them) while the others do
-    too, so the cores they share are in the figures; the ranks take the mean (one cluster, one plan
-    everywhere); then the runtime's cost per action (``runtime.overheads.measure_action_overhead``),
-    and the cores they share (``Cluster.cores``).
+    too, so the cores they share are in the figures, and the slowest rank's times are fitted (one
+    cluster, one plan everywhere); then the runtime's cost per action, on the model cut into one
+    stage per rank by the search and priced by it (``runtime.overheads.measure_action_overhead``),
+    and the cores the ranks share (``Cluster.cores``).
     """
-    dist.barrier()
     rows = x.shape[0]
 
     def batch(b: int) -> tuple[torch.Tensor, torch.Tensor]:
         pick = torch.arange(b) % rows
         return x[pick], y[pick]
 
-    mine = fit_to_runtime(search, _lm_loss, batch).devices[0]
-    keys = ("peak_flops", "peak_flops_fp32", "mem_bandwidth", "op_overhead")
-    mean = torch.tensor([float(getattr(mine, k)) for k in keys], dtype=torch.float64)
-    dist.all_reduce(mean)
-    mean /= world
-    dev = replace(mine, **{k: float(v) for k, v in zip(keys, mean.tolist())})
-    cluster = replace(search.cluster, devices=(dev,) * world, cores=os.cpu_count())
-    cluster = with_action_overhead(cluster, measure_action_overhead(cluster))
-    out.update({k: float(getattr(cluster.devices[0], k)) for k in (*keys, "action_overhead")})
+    fitted = fit_to_runtime(search, _lm_loss, batch)
+    cluster = replace(fitted, cores=os.cpu_count())
+    search.use_cluster(cluster)
+    cluster = with_action_overhead(cluster, measure_action_overhead(cluster, search=search, batch=batch,
+                                                                    loss_fn=_lm_loss))
+    keys = ("peak_flops", "peak_flops_fp32", "mem_bandwidth", "op_overhead", "action_overhead")
+    out.update({k: float(getattr(cluster.devices[0], k)) for k in keys})
     out["cores"] = float(cluster.cores or 0)
     return cluster
 
@@ -370,6 +370,10 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         trainers[layout.name] = _trainer(plan, layout, meshes, cfg["timeout"])
         build_s[layout.name] = (t1 - t0, time.perf_counter() - t1)
     choice = planner_choice(search, todo) if rank == 0 else ""
+    # A job holds one trainer; this one holds them all, and Python's full collections would scan
+    # every one of them during the timed steps: set what was built aside from the collector.
+    gc.collect()
+    gc.freeze()
     phases["build"] = time.perf_counter()
     runs: dict[str, Callable[[], torch.Tensor]] = {
         name: (lambda tr=tr: tr.step(*tr.local_batch(x, y))) for name, tr in trainers.items()  # type: ignore[misc]
@@ -380,18 +384,20 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     for rnd in range(cfg["warmup"] + cfg["rounds"]):
         for k in range(len(names)):
             name = names[(rnd + k) % len(names)]  # rotate the order: no layout always runs first
-            dist.barrier()
-            t0 = time.perf_counter()
-            loss = runs[name]()
-            t1 = time.perf_counter()
-            if rnd == 0:  # the first step: the untouched model's loss on the global batch
-                first_loss[name] = float(loss)
-                if not math.isclose(float(loss), float(want), rel_tol=RTOL):
-                    raise AssertionError(f"layout {name!r}: first-step loss {float(loss):.6f} differs from the "
-                                         f"plain model's {float(want):.6f} on the same global batch")
-            elif rnd >= cfg["warmup"]:
-                spans[name].append((t0, t1))
+            for rep in range(cfg["consecutive"]):  # the first of a layout's steps in a row warms its caches
+                dist.barrier()
+                t0 = time.perf_counter()
+                loss = runs[name]()
+                t1 = time.perf_counter()
+                if rnd == 0 and rep == 0:  # the first step: the untouched model's loss on the global batch
+                    first_loss[name] = float(loss)
+                    if not math.isclose(float(loss), float(want), rel_tol=RTOL):
+                        raise AssertionError(f"layout {name!r}: first-step loss {float(loss):.6f} differs from the "
+                                             f"plain model's {float(want):.6f} on the same global batch")
+                elif rnd >= cfg["warmup"] and (rep or cfg["consecutive"] == 1):
+                    spans[name].append((t0, t1))
     dist.barrier()
+    gc.unfreeze()
     phases["steps"] = time.perf_counter()
     marks = list(phases.values())
     return {"spans": spans, "predicted": predicted, "choice": choice, "build_s": build_s, "first_loss": first_loss,
@@ -453,6 +459,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=10, help="timed rounds (median over these)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed rounds first (>= 1: the first checks the loss)")
+    ap.add_argument("--consecutive", type=int, default=3,
+                    help="steps of a layout in a row per round; the first is not timed (it warms the caches)")
     ap.add_argument("--n-layer", type=int, default=4)
     ap.add_argument("--n-embd", type=int, default=128)
     ap.add_argument("--n-head", type=int, default=4)
@@ -482,7 +490,8 @@ def main(argv: list[str] | None = None) -> int:
     if len(todo) < 2:
         ap.error(f"--batch {args.batch} and --microbatch-sizes {args.microbatch_sizes} give {len(todo)} layout(s); "
                  "a ranking needs at least two")
-    keys = ("rounds", "warmup", "n_layer", "n_embd", "n_head", "vocab", "seq", "batch", "microbatch_sizes", "cluster")
+    keys = ("rounds", "warmup", "consecutive", "n_layer", "n_embd", "n_head", "vocab", "seq", "batch",
+            "microbatch_sizes", "cluster")
     cfg = {k: getattr(args, k) for k in keys}
     cfg.update(schedules=schedules, layouts=[asdict(lay) for lay in todo],
                timeout=min(300.0, args.timeout))  # a peer waited on longer than this has failed

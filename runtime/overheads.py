@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from partitioner import Cluster, LayoutSearch, partition
+from partitioner.plan.layout import Option
 from partitioner.plan.predict import predict
 from runtime.options import Execution
 from runtime.trainer import PipelineTrainer
@@ -59,6 +60,7 @@ def measure_action_overhead(
     microbatches: tuple[int, int] = (1, 9),
     repeat: int = 7,
     timeout: float = 120.0,
+    search: LayoutSearch | None = None,
 ) -> float:
     """Seconds per pipeline action on this host, measured over the job's ranks (call on every rank).
 
@@ -72,11 +74,20 @@ def measure_action_overhead(
         microbatches: the two micro-batch counts timed.
         repeat: timed steps per count (the median is kept), after one untimed.
         timeout: seconds any wait for a peer may take.
+        search: the layout search that will plan the job (one device per rank): the pipeline is
+            then its model, cut by it into one stage per rank at ``batch``'s one-row micro-batches,
+            and the simulated steps are its prices of those runs (the cores idle ranks leave to
+            busy ones included), so what is left over is the runtime's alone; ``model`` is not
+            needed, ``batch`` is.
 
     Returns:
         The same value on every rank (the ranks' mean).
     """
     p = dist.get_world_size()
+    if search is not None:
+        if batch is None:
+            raise ValueError("measure_action_overhead(search=...) needs batch=: rows -> (inputs, targets)")
+        return _on_search(search, batch, loss_fn, microbatches, repeat, timeout)
     if model is None or batch is None:
         gen = torch.Generator().manual_seed(0)
         model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(p)])
@@ -87,20 +98,55 @@ def measure_action_overhead(
         plan = partition(model, (x[:1],), p, cluster=cluster.with_devices(p), microbatches=m)
         trainer = PipelineTrainer(plan, loss_fn, execution=Execution(transport="dist", timeout=timeout),
                                   data_parallel=1)
-        times = []
-        for k in range(repeat + 1):
-            dist.barrier()
-            t0 = time.perf_counter()
-            trainer.forward_backward(x, y)
-            if k:
-                times.append(time.perf_counter() - t0)
-        measured.append(statistics.median(times))
+        measured.append(_median_step(trainer, x, y, repeat))
         simulated.append(predict(plan.stages, plan.cluster, "1f1b", m).step_time)
+    return _agreed(measured, simulated, microbatches)
+
+
+def _on_search(
+    search: LayoutSearch, batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor], microbatches: tuple[int, int], repeat: int, timeout: float,
+) -> float:
+    """:func:`measure_action_overhead` on ``search``'s model, plans and prices (one row per micro-batch)."""
+    p = dist.get_world_size()
+    before = search.cluster
+    search.use_cluster(with_action_overhead(before, 0.0))  # price the runs without the overhead measured
+    try:
+        measured, simulated = [], []
+        for m in microbatches:
+            opt = Option(1, p, "1f1b", 1, "none", m)
+            plan = search.plan(opt)
+            trainer = PipelineTrainer(plan, loss_fn, execution=Execution(transport="dist", timeout=timeout,
+                                                                         microbatches=m), data_parallel=1)
+            x, y = batch(m)
+            measured.append(_median_step(trainer, x, y, repeat))
+            simulated.append(search.price(opt).pipeline_time)
+        search.model.zero_grad(set_to_none=True)
+    finally:
+        search.use_cluster(before)
+    return _agreed(measured, simulated, microbatches)
+
+
+def _agreed(measured: list[float], simulated: list[float], microbatches: tuple[int, int]) -> float:
+    """The overhead per action this rank measured, averaged over the ranks (the same everywhere)."""
     mine = fit_action_overhead((measured[0], measured[1]), (simulated[0], simulated[1]),
                                2 * (microbatches[1] - microbatches[0]))
     total = torch.tensor([mine], dtype=torch.float64)
     dist.all_reduce(total)
-    return float(total) / p
+    return float(total) / dist.get_world_size()
+
+
+def _median_step(trainer: PipelineTrainer, x: torch.Tensor, y: torch.Tensor, repeat: int) -> float:
+    """The median seconds of the trainer's ``forward_backward(x, y)`` after one untimed call, every
+    rank starting together."""
+    times = []
+    for k in range(repeat + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        trainer.forward_backward(x, y)
+        if k:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def fit_to_runtime(
@@ -113,8 +159,12 @@ def fit_to_runtime(
 ) -> Cluster:
     """``search``'s cluster fitted to the model as this runtime trains it: a one-stage trainer's
     ``forward_backward`` of one micro-batch (the loss included), timed here at ``sizes`` rows in
-    turns (``LayoutSearch.fit_to_timings``). Run on every rank of a job at once, and agree on one
-    result: the timing is this process's own.
+    turns (``LayoutSearch.fit_to_timings``).
+
+    Under torch.distributed, call it on every rank of the job at once: the ranks time the step
+    together, sharing the host's cores as the job will, and each size's time is the slowest
+    rank's (a synchronous step waits for it: processes that share cores do not get equal shares
+    over a few milliseconds), so every rank gets the same cluster.
 
     Raises:
         CalibrationError: the timings do not grow with the size.
@@ -124,6 +174,8 @@ def fit_to_runtime(
     trainer = PipelineTrainer(one, loss_fn, execution=Execution(transport="sequential"), data_parallel=1)
     data = [batch(b) for b in sizes]
     times: list[list[float]] = [[] for _ in sizes]
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
     for k in range(repeat + 2):
         for i, (x, y) in enumerate(data):
             t0 = time.perf_counter()
@@ -131,4 +183,7 @@ def fit_to_runtime(
             if k >= 2:
                 times[i].append(time.perf_counter() - t0)
     model.zero_grad(set_to_none=True)
-    return search.fit_to_timings(sizes, (statistics.median(times[0]), statistics.median(times[1])))
+    got = torch.tensor([statistics.median(t) for t in times], dtype=torch.float64)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(got, op=dist.ReduceOp.MAX)
+    return search.fit_to_timings(sizes, (float(got[0]), float(got[1])))

@@ -3,8 +3,8 @@
 Run (CPU, 4 gloo processes of one thread each; writes ``benchmarks/results/layout.json``)::
 
     python benchmarks/layout.py                                  # 51 layouts, 5 to 10 minutes on 2 busy cores
-    python benchmarks/layout.py --rounds 10 --warmup 2 --n-layer 4 --n-embd 128 --n-head 4 --vocab 2048 \\
-        --seq 64 --batch 16 --microbatch-sizes 1,2,4 --schedules 1f1b,zbh1,interleaved,zbv,gpipe  # the same
+    python benchmarks/layout.py --rounds 10 --warmup 2 --consecutive 3 --n-layer 4 --n-embd 128 --n-head 4 \\
+        --vocab 2048 --seq 64 --batch 16 --microbatch-sizes 1,2,4 --schedules 1f1b,zbh1,interleaved,zbv,gpipe  # same
     python benchmarks/layout.py --quick --out /tmp/layout.json   # a tiny GPT-2, 5 layouts, 30 s to a minute
 
 Legend: ``dp`` replicas, ``pp`` ranks per pipeline (``dp * pp = 4``), ``b`` rows per micro-batch,
@@ -27,11 +27,14 @@ How the three columns are made:
   sharing its cores, gloo's links and all-reduce); without it, the roofline ``'cpu'`` preset.
 * **measured**: ONE job of 4 processes (``runtime.transport.launch.spawn``: file rendezvous, one
   thread per process, a deadline, stragglers killed) builds a trainer for every layout, each from
-  its own copy of one seeded model, and then runs rounds: each round runs one step of every layout
-  in turn (the order rotated each round, a barrier before each step, so ranks never overlap two
-  layouts and a noisy machine slows them alike). A step lasts from the first rank's start to the
-  last rank's end; the first ``--warmup`` rounds are not timed; the median of the ``--rounds``
-  others is the layout's time.
+  its own copy of one seeded model, and then runs rounds: each round runs every layout in turn
+  (the order rotated each round, a barrier before each step, so ranks never overlap two layouts
+  and a noisy machine slows them alike), ``--consecutive`` steps of it in a row, the first not
+  timed: it brings the layout's weights and optimizer state back into the caches, as a job
+  running one layout has them. A step lasts from the first rank's start to the last rank's end;
+  the first ``--warmup`` rounds are not timed; the median of the others is the layout's time.
+  What was built is set aside from Python's collector first (``gc.freeze``): a job holds one
+  trainer, and full collections scanning all 51 would slow the timed steps.
 * **checked**: the first step of every layout returns the loss of the plain model on the same global
   batch (within ``RTOL``), or the run fails: no layout is timed that trains something else.
 

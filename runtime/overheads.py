@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from partitioner import Cluster, LayoutSearch, partition
+from partitioner.errors import CalibrationError
 from partitioner.plan.layout import Option
 from partitioner.plan.predict import predict
 from runtime.options import Execution
@@ -82,11 +83,17 @@ def measure_action_overhead(
 
     Returns:
         The same value on every rank (the ranks' mean).
+
+    Raises:
+        CalibrationError: ``search`` was given without ``batch``.
     """
     p = dist.get_world_size()
     if search is not None:
         if batch is None:
-            raise ValueError("measure_action_overhead(search=...) needs batch=: rows -> (inputs, targets)")
+            raise CalibrationError(
+                "measure_action_overhead(search=...) needs batch=: a function of rows -> (inputs, targets) "
+                "for the search's model, e.g. batch=lambda rows: (x[:rows], y[:rows])"
+            )
         return _on_search(search, batch, loss_fn, microbatches, repeat, timeout)
     if model is None or batch is None:
         gen = torch.Generator().manual_seed(0)

@@ -53,6 +53,7 @@ from partitioner.cost.exchange import (
     pipeline_links,
     reduce_time,
 )
+from partitioner.cost.nodecost import weight_share
 from partitioner.cost.precision import check_precision
 from partitioner.cost.probes import fit_speed_and_overhead, rows_like, time_forward_backward
 from partitioner.cost.recompute import check_option
@@ -63,7 +64,7 @@ from partitioner.plan.plan import Plan
 from partitioner.plan.predict import prediction, simulate_stages
 from partitioner.plan.sharding import gathering, largest_block, state_per_param
 from partitioner.schedule.ir import Schedule
-from partitioner.schedule.registry import TRAINING_SCHEDULES, stage_schedule
+from partitioner.schedule.registry import TRAINING_SCHEDULES, schedule_info, stage_schedule
 from partitioner.schedule.validation import peak_inflight
 from partitioner.tracing.globalstate import preserved
 from partitioner.tracing.hf import block_depth, is_hf_model
@@ -417,22 +418,25 @@ class _Pricer:
         self.gathered_bpp = gathered_bytes_per_param(ctx.precision)
         self.gathered = 2 * largest_block(ctx.g, ctx.numel, ctx.traced.param_aliases) * self.gathered_bpp
         self._fastest: dict[tuple[int, int], float] = {}
-        self._at: dict[int, tuple[_Context, float, float, float]] = {}
+        self._at: dict[int, tuple[_Context, float, float, float, float]] = {}
         self._schedules: dict[tuple[str, int, int], tuple[Schedule, tuple[int, ...]]] = {}
         self._no_fit: set[tuple[int, int, str, int]] = set()  # (dp, pp, schedule, b) cut too big with zero1
         # (dp, pp, schedule, zero, micro-batches held per stage) -> the smallest b no cut fits: with
         # the same held counts, larger micro-batches only add activation bytes.
         self._too_big: dict[tuple[int, int, str, str, tuple[int, ...]], int] = {}
 
-    def _sized(self, b: int) -> tuple[_Context, float, float, float]:
+    def _sized(self, b: int) -> tuple[_Context, float, float, float, float]:
         """The context costed for ``b`` rows; one micro-batch's total work (forward and backward), its
-        activation bytes, and the largest any one unit saves (the memory bound's terms)."""
+        activation bytes, the largest any one unit saves, and its work less the weight gradients
+        (the bounds' terms)."""
         if b not in self._at:
             ctx = self.ctx.scaled(b / self.rows)
             dev = self.cluster.devices[0]
-            work = sum(sum(node_time(ctx.g.nodes[v]["cost"], dev)) for v in ctx.g.nodes)
+            times = [(ctx.g.nodes[v]["cost"], node_time(ctx.g.nodes[v]["cost"], dev)) for v in ctx.g.nodes]
+            work = sum(f + bw for _, (f, bw) in times)
+            inputs = sum(f + bw * (1 - weight_share(c)) for c, (f, bw) in times)
             acts = [sum(ctx.g.nodes[v]["cost"].saved_bytes for v in u.nodes) for u in ctx.units]
-            self._at[b] = (ctx, work, float(sum(acts)), float(max(acts, default=0)))
+            self._at[b] = (ctx, work, float(sum(acts)), float(max(acts, default=0)), inputs)
         return self._at[b]
 
     def _schedule(self, o: Option) -> tuple[Schedule, tuple[int, ...]]:
@@ -468,7 +472,7 @@ class _Pricer:
         state = self.params * self._state_per_param(o) / o.pp + self._reserved(o)
         if state > self.capacity:
             return 0.0, f"training state alone needs {state / 2**30:.1f} GiB per rank on average", state
-        _, work, act, top_act = self._sized(o.microbatch_size)
+        _, work, act, top_act, inputs = self._sized(o.microbatch_size)
         # Every rank's peak holds at least one micro-batch's activations of its stages (a
         # recomputing stage rebuilds them in its backward): the fullest holds the average of
         # state and those, and at least the unit that saves the most.
@@ -478,11 +482,16 @@ class _Pricer:
                          "per rank"), least
         dev = self.cluster.devices[0]
         share = self.params / o.pp / (o.dp if o.zero != "none" else 1)
-        # One micro-batch's forwards and backwards, with fsdp's gathers, on the ranks' sum or in a chain.
-        chain = work + self._gathers_floor(o)
-        lb = max(o.microbatches * chain / o.pp, chain) + optimizer_time(share, dev.mem_bandwidth)
+        # The ranks share m micro-batches' forwards and backwards (and fsdp's gathers); one
+        # micro-batch runs them in a chain, but for its weight gradients when the schedule
+        # defers them (W). Ranks sharing too few cores compute up to devices / cores faster.
+        fast = max(1.0, o.devices / self.cluster.cores) if self.cluster.cores else 1.0
+        gathers = self._gathers_floor(o)
+        chain = (inputs if schedule_info(o.schedule).split_backward else work) / fast + gathers
+        lb = max(o.microbatches * (work / fast + gathers) / o.pp, chain) + optimizer_time(share, dev.mem_bandwidth)
         if o.zero == "zero1":
-            lb += reduce_time(self.params / o.pp * GRAD_BYTES_PER_PARAM, o.dp, collective(self.cluster, o.dp, o.pp))
+            lb += reduce_time(self.params / o.pp * GRAD_BYTES_PER_PARAM, o.dp, collective(self.cluster, o.dp, o.pp),
+                              self.bucket_bytes)
         return lb, None, state
 
     def _cut(self, o: Option, *, split: bool, built: Schedule | None = None) -> tuple[Plan, Cluster]:

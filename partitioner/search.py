@@ -457,7 +457,7 @@ class _Pricer:
         return self.gathered if o.zero == "fsdp" else 0.0
 
     def _gathers_floor(self, o: Option) -> float:
-        """At most the seconds one forward and one backward of every stage spend all-gathering
+        """A floor under the seconds one forward and one backward of every stage spend all-gathering
         (fsdp): all parameters' weight bytes on the fastest "dp" ring, without latency."""
         if o.zero != "fsdp":
             return 0.0

@@ -565,6 +565,7 @@ class _Pricer:
             bubble=sim.bubble_total, memory=memory, capacity=self.capacity,
             exchange_bytes=sent, recompute=sum(st.recompute for st in plan.stages),
             tokens_per_row=self.tokens, fits=memory <= self.capacity and math.isfinite(step), priced=True,
+            gather_time=2 * o.microbatches * sum(gather) / o.pp,
         )
 
     def plan(self, o: Option) -> Plan:

@@ -103,6 +103,9 @@ class Layout:
         fits: whether it fits every device (priced and within memory).
         priced: whether it was priced (``False``: pruned by its bound, or its state cannot fit).
         note: why it does not fit, or how it compares to the chosen one.
+        gather_time: with ``fsdp``, the seconds a rank spends per step all-gathering weights before
+            its forwards and backwards, on average over a pipeline's ranks: part of
+            ``pipeline_time``'s busy share (0 otherwise).
 
     Example:
         >>> lay = Layout(2, 2, 2, "1f1b", 4, 4, 32, "none", 2.0, 1.5, 0.3, 0.2, 0.1, 5e9, 8e9,
@@ -132,6 +135,7 @@ class Layout:
     fits: bool = False
     priced: bool = False
     note: str = ""
+    gather_time: float = 0.0
 
     @property
     def devices(self) -> int:
@@ -334,7 +338,9 @@ def _loses_on(r: Layout, best: Layout) -> str:
     slower = r.step_time / best.step_time - 1 if best.step_time > 0 else 0.0
     terms = {
         "bubble": r.pipeline_time * r.bubble - best.pipeline_time * best.bubble,
-        "compute": r.pipeline_time * (1 - r.bubble) - best.pipeline_time * (1 - best.bubble),
+        "compute": (r.pipeline_time * (1 - r.bubble) - r.gather_time
+                    - best.pipeline_time * (1 - best.bubble) + best.gather_time),
+        "FSDP gathers": r.gather_time - best.gather_time,
         "exchange": r.exchange_time - best.exchange_time,
         "optimizer": r.optimizer_time - best.optimizer_time,
     }

@@ -243,7 +243,8 @@ def _layout_lines(lay: Layout) -> list[str]:
         f"{lay.microbatch_size}{zero}"
     )
     cost = (
-        f"predicted step {fmt_time(lay.step_time)} = pipeline {fmt_time(lay.pipeline_time)} (bubble {lay.bubble:.1%}) "
+        f"predicted step {fmt_time(lay.step_time)} = pipeline {fmt_time(lay.pipeline_time)} (bubble {lay.bubble:.1%}"
+        f"{f', FSDP gathers {fmt_time(lay.gather_time)} per rank' if lay.gather_time else ''}) "
         f"+ exchange not hidden {fmt_time(lay.exchange_time)} + optimizer {fmt_time(lay.optimizer_time)}; {rate}; "
         f"peak memory {fmt_bytes(lay.memory)} of {fmt_bytes(lay.capacity)} per device"
     )

@@ -48,6 +48,8 @@ def test_fsdp_gathers_before_every_forward_and_backward_and_reduce_scatters_once
     ring = collective(Cluster.uniform(2, "cpu"), 2, 1)
     gather = reduce_time(params * 4, 2, ring, DEFAULT_BUCKET_BYTES)  # fp32 weights, half an all-reduce
     assert fsdp.pipeline_time - zero1.pipeline_time == pytest.approx(2 * m * gather)  # one rank: nothing hides it
+    assert fsdp.gather_time == pytest.approx(2 * m * gather) and zero1.gather_time == 0.0
+    assert zero1.note == "chosen" and "FSDP gathers" in fsdp.note  # what it loses on
     # One rank: each exchange starts when the pipeline ends; zero1 reduces and broadcasts, fsdp only reduce-scatters.
     assert fsdp.exchange_time == pytest.approx(zero1.exchange_time / 2)
     assert fsdp.optimizer_time == pytest.approx(zero1.optimizer_time)

@@ -11,6 +11,7 @@ from torch import nn
 from partitioner import Cluster, Plan, plan_layout
 from partitioner.cost.devices import DeviceSpec
 from partitioner.cost.exchange import DEFAULT_BUCKET_BYTES, collective, reduce_time
+from partitioner.errors import InfeasibleMemoryError
 from partitioner.plan.layout import Layout, Option, pick
 from partitioner.search import LayoutSearch
 
@@ -125,3 +126,28 @@ def test_ties_go_to_the_least_sharding() -> None:
 
     assert pick([row("fsdp"), row("zero1"), row("none")])[0].zero == "none"
     assert pick([row("fsdp"), row("zero1")])[0].zero == "zero1"
+
+
+def test_reusing_infeasibility_changes_no_outcome() -> None:
+    # Tight enough that cuts fail (activations of up to 512 rows), with every sharding: pricing in
+    # the search's order with the pricer's shortcuts (_no_fit, _too_big) gives what pricing each
+    # layout afresh gives.
+    found = LayoutSearch(_mlp(16, 256), (torch.randn(1, 256),), cluster=_small(130), global_batch=512,
+                         recompute=False)
+    p = found._pricer
+    options = [o for o in found.space() if p.bound(o)[1] is None]
+
+    def outcome(o: Option) -> tuple[object, ...]:
+        try:
+            lay = p.price(o)
+        except InfeasibleMemoryError:
+            return ("no cut fits",)
+        return (lay.fits, lay.step_time, lay.memory)
+
+    reused = {o: outcome(o) for o in sorted(options, key=lambda o: (p.bound(o)[0], o))}
+    assert p._no_fit or p._too_big  # the shortcuts were taken
+    for o in options:
+        p._no_fit.clear()
+        p._too_big.clear()
+        assert outcome(o) == reused[o], o.label()
+    assert {o.zero for o, r in reused.items() if r == ("no cut fits",)} == {"none", "zero1", "fsdp"}

@@ -176,7 +176,8 @@ def planner_choice(search: LayoutSearch, space: Sequence[Layout]) -> str:
     """
     schedules = sorted({lay.schedule for lay in space}, key=TRAINING_SCHEDULES.index)
     sizes = sorted({lay.microbatch_size for lay in space})
-    plan = search.run(schedules=schedules, microbatch_sizes=sizes, prune=False)
+    zero = [z for z in ZERO if any(lay.zero == z for lay in space)]  # the shardings the benchmark runs
+    plan = search.run(schedules=schedules, microbatch_sizes=sizes, zero=zero, prune=False)
     lay = plan.layout
     assert lay is not None
     single = next((x.schedule for x in space if x.pp == 1), lay.schedule)

@@ -8,15 +8,20 @@ scales those costs (``partitioner.cost.nodecost.scale_cost``). Each layout of
 ``partitioner.plan.layout.layout_space`` is priced as the runtime runs it:
 
 * the exact cut for its ``S`` stages, with the memory its schedule holds at ``m`` micro-batches
-  and its training state (optimizer state over ``dp`` with ``zero1``), recomputing the stages
-  that do not fit otherwise (``recompute='auto'``);
+  and its training state (optimizer state over ``dp`` with ``zero1``; with ``fsdp`` see below),
+  recomputing the stages that do not fit otherwise (``recompute='auto'``);
 * one step of the schedule through the event simulator, on the first pipeline's links (a link
   between two nodes at the inter-node bandwidth: ``partitioner.cost.exchange.pipeline_links``);
 * the gradient exchange of each stage over its "dp" group, leaving when the stage's last
   backward ends (``Simulation.grads_ready``) as the runtime's overlapped exchange does: an
-  all-reduce, or with ``zero1`` a reduce to the owners; what runs past the pipeline's end shows;
-* the optimizer step on the fullest rank (its share with ``zero1``), and with ``zero1`` the
-  owners' broadcast of the new values after it.
+  all-reduce, with ``zero1`` a reduce to the owners, with ``fsdp`` a reduce-scatter; what runs
+  past the pipeline's end shows;
+* the optimizer step on the fullest rank (its ``1 / dp`` share when sharded), and with ``zero1``
+  the owners' broadcast of the new values after it.
+
+``fsdp`` (FSDP2 over each stage) is priced as ``partitioner.plan.sharding`` says: weights and
+optimizer state over ``dp``, two gathered blocks per rank, a gather before every forward and
+backward, a reduce-scatter behind the drain.
 
 What it ignores: tensor parallelism (pipecut has none), compute slowed by concurrent
 communication, the tied-weight all-reduce (one tensor per tie), and the loss broadcast.
@@ -40,14 +45,15 @@ from partitioner.cost.devices import Cluster, DeviceSpec
 from partitioner.cost.exchange import (
     DEFAULT_BUCKET_BYTES,
     GRAD_BYTES_PER_PARAM,
-    WEIGHT_GRAD_BYTES_PER_PARAM,
     allreduce_time,
     collective,
     exchange_end,
+    gathered_bytes_per_param,
     optimizer_time,
     pipeline_links,
     reduce_time,
 )
+from partitioner.cost.nodecost import weight_share
 from partitioner.cost.precision import check_precision
 from partitioner.cost.probes import fit_speed_and_overhead, rows_like, time_forward_backward
 from partitioner.cost.recompute import check_option
@@ -56,8 +62,9 @@ from partitioner.plan.layout import ZERO_OPTIONS, Layout, Option, explain, layou
 from partitioner.plan.placement import stage_cluster
 from partitioner.plan.plan import Plan
 from partitioner.plan.predict import prediction, simulate_stages
+from partitioner.plan.sharding import gathering, largest_block, state_per_param
 from partitioner.schedule.ir import Schedule
-from partitioner.schedule.registry import TRAINING_SCHEDULES, stage_schedule
+from partitioner.schedule.registry import TRAINING_SCHEDULES, schedule_info, stage_schedule
 from partitioner.schedule.validation import peak_inflight
 from partitioner.tracing.globalstate import preserved
 from partitioner.tracing.hf import block_depth, is_hf_model
@@ -94,7 +101,7 @@ def plan_layout(
 ) -> Plan:
     """Choose the whole layout of a job on ``cluster`` for ``global_batch`` rows per step.
 
-    Searches every ``dp x pp = len(cluster)``, micro-batch size, schedule and optimizer sharding
+    Searches every ``dp x pp = len(cluster)``, micro-batch size, schedule and sharding
     (see the module docstring for how each is priced) and returns the fastest that fits as a
     plan the trainer runs as it is: ``plan.layout`` holds dp, the micro-batch size and the
     sharding, ``plan.schedule`` / ``plan.microbatches`` / each stage's ``recompute`` the rest.
@@ -108,7 +115,8 @@ def plan_layout(
         global_batch: rows per optimizer step over all replicas, ``B``.
         schedules: the schedules to try (default: every training schedule).
         microbatch_sizes: the rows per micro-batch to try (default: every divisor of ``B / dp``).
-        zero: the optimizer shardings to try: ``'none'``, ``'zero1'`` (``dp > 1`` only).
+        zero: the shardings to try: ``'none'``, ``'zero1'`` (optimizer state), ``'fsdp'`` (weights,
+            gradients and optimizer state: FSDP2); the last two with ``dp > 1`` only.
         dp_sizes: the replica counts to try (default: every divisor of ``N`` that divides ``B``);
             ``(1,)`` plans one pipeline over every device.
         top: how many layouts are ranked exactly (the rest are pruned by a lower bound).
@@ -406,22 +414,29 @@ class _Pricer:
         self.capacity = min(d.memory for d in cluster.devices)
         once = {name for name, _ in ctx.traced.gm.named_parameters()}  # each tensor once, tied ones included
         self.params = float(sum(ctx.numel.get(n, 0) for n in once))
-        self._at: dict[int, tuple[_Context, float, float, float]] = {}
+        # FSDP's gathered weights on a rank: two of the largest block (see the module docstring).
+        self.gathered_bpp = gathered_bytes_per_param(ctx.precision)
+        self.gathered = 2 * largest_block(ctx.g, ctx.numel, ctx.traced.param_aliases) * self.gathered_bpp
+        self._fastest: dict[tuple[int, int], float] = {}
+        self._at: dict[int, tuple[_Context, float, float, float, float]] = {}
         self._schedules: dict[tuple[str, int, int], tuple[Schedule, tuple[int, ...]]] = {}
         self._no_fit: set[tuple[int, int, str, int]] = set()  # (dp, pp, schedule, b) cut too big with zero1
         # (dp, pp, schedule, zero, micro-batches held per stage) -> the smallest b no cut fits: with
         # the same held counts, larger micro-batches only add activation bytes.
         self._too_big: dict[tuple[int, int, str, str, tuple[int, ...]], int] = {}
 
-    def _sized(self, b: int) -> tuple[_Context, float, float, float]:
+    def _sized(self, b: int) -> tuple[_Context, float, float, float, float]:
         """The context costed for ``b`` rows; one micro-batch's total work (forward and backward), its
-        activation bytes, and the largest any one unit saves (the memory bound's terms)."""
+        activation bytes, the largest any one unit saves, and its work less the weight gradients
+        (the bounds' terms)."""
         if b not in self._at:
             ctx = self.ctx.scaled(b / self.rows)
             dev = self.cluster.devices[0]
-            work = sum(sum(node_time(ctx.g.nodes[v]["cost"], dev)) for v in ctx.g.nodes)
+            times = [(ctx.g.nodes[v]["cost"], node_time(ctx.g.nodes[v]["cost"], dev)) for v in ctx.g.nodes]
+            work = sum(f + bw for _, (f, bw) in times)
+            inputs = sum(f + bw * (1 - weight_share(c)) for c, (f, bw) in times)
             acts = [sum(ctx.g.nodes[v]["cost"].saved_bytes for v in u.nodes) for u in ctx.units]
-            self._at[b] = (ctx, work, float(sum(acts)), float(max(acts, default=0)))
+            self._at[b] = (ctx, work, float(sum(acts)), float(max(acts, default=0)), inputs)
         return self._at[b]
 
     def _schedule(self, o: Option) -> tuple[Schedule, tuple[int, ...]]:
@@ -434,35 +449,59 @@ class _Pricer:
         return self._schedules[key]
 
     def _state_per_param(self, o: Option) -> float:
-        """Training state bytes per parameter on a rank: the optimizer's share over dp with zero1."""
-        sbpp = self.ctx.state_bytes_per_param
-        opt = max(0.0, sbpp - WEIGHT_GRAD_BYTES_PER_PARAM)
-        return sbpp - opt + opt / o.dp if o.zero == "zero1" else sbpp
+        """Training state bytes per parameter on a rank (``partitioner.plan.sharding``)."""
+        return state_per_param(self.ctx.state_bytes_per_param, o.zero, o.dp)
+
+    def _reserved(self, o: Option) -> float:
+        """Bytes of every rank's memory that its stages cannot use: fsdp's gathered blocks."""
+        return self.gathered if o.zero == "fsdp" else 0.0
+
+    def _gathers_floor(self, o: Option) -> float:
+        """A floor under the seconds one forward and one backward of every stage spend all-gathering
+        (fsdp): all parameters' weight bytes on the fastest "dp" ring, without latency."""
+        if o.zero != "fsdp":
+            return 0.0
+        key = (o.dp, o.pp)
+        if key not in self._fastest:
+            self._fastest[key] = max(collective(self.cluster, o.dp, o.pp, r).bandwidth for r in range(o.pp))
+        return 2 * (o.dp - 1) / o.dp * self.params * self.gathered_bpp / self._fastest[key]
 
     def bound(self, o: Option) -> tuple[float, str | None, float]:
         """A lower bound on the step time, why the state cannot fit (or ``None``), the state per rank."""
-        state = self.params * self._state_per_param(o) / o.pp
+        # fsdp's gathered blocks are on every rank whatever the cut (the price adds them so).
+        state = self.params * self._state_per_param(o) / o.pp + self._reserved(o)
         if state > self.capacity:
             return 0.0, f"training state alone needs {state / 2**30:.1f} GiB per rank on average", state
-        _, work, act, top_act = self._sized(o.microbatch_size)
+        _, work, act, top_act, inputs = self._sized(o.microbatch_size)
         # Every rank's peak holds at least one micro-batch's activations of its stages (a
         # recomputing stage rebuilds them in its backward): the fullest holds the average of
         # state and those, and at least the unit that saves the most.
-        least = max(state + act / o.pp, top_act)
+        least = max(state + act / o.pp, top_act + self._reserved(o))
         if least > self.capacity:
             return 0.0, (f"state and one micro-batch's activations need at least {least / 2**30:.1f} GiB "
                          "per rank"), least
         dev = self.cluster.devices[0]
-        share = self.params / o.pp / (o.dp if o.zero == "zero1" else 1)
-        lb = max(o.microbatches * work / o.pp, work) + optimizer_time(share, dev.mem_bandwidth)
+        share = self.params / o.pp / (o.dp if o.zero != "none" else 1)
+        # The ranks share m micro-batches' forwards and backwards (and fsdp's gathers); one
+        # micro-batch runs them in a chain, but for its weight gradients when the schedule
+        # defers them (W). Ranks sharing too few cores compute up to devices / cores faster.
+        fast = max(1.0, o.devices / self.cluster.cores) if self.cluster.cores else 1.0
+        gathers = self._gathers_floor(o)
+        chain = (inputs if schedule_info(o.schedule).split_backward else work) / fast + gathers
+        lb = max(o.microbatches * (work / fast + gathers) / o.pp, chain) + optimizer_time(share, dev.mem_bandwidth)
         if o.zero == "zero1":
-            lb += reduce_time(self.params / o.pp * GRAD_BYTES_PER_PARAM, o.dp, collective(self.cluster, o.dp, o.pp))
+            lb += reduce_time(self.params / o.pp * GRAD_BYTES_PER_PARAM, o.dp, collective(self.cluster, o.dp, o.pp),
+                              self.bucket_bytes)
         return lb, None, state
 
     def _cut(self, o: Option, *, split: bool, built: Schedule | None = None) -> tuple[Plan, Cluster]:
         ctx = self._sized(o.microbatch_size)[0]
         ctx = replace(ctx, state_bytes_per_param=self._state_per_param(o))
-        stages = stage_cluster(pipeline_links(self.cluster, o.pp), o.stages, o.schedule)
+        links = pipeline_links(self.cluster, o.pp)
+        if self._reserved(o):  # the stages fit in what the gathered blocks leave
+            links = replace(links, devices=tuple(replace(d, memory=max(0.0, d.memory - self._reserved(o)))
+                                                 for d in links.devices))
+        stages = stage_cluster(links, o.stages, o.schedule)
         plan = ctx.plan(stages, o.schedule, o.microbatches, split=split, predictions=split, built=built)
         return plan, stages
 
@@ -484,26 +523,30 @@ class _Pricer:
                 self._no_fit.add(key)
             self._too_big[held] = min(self._too_big.get(held, o.microbatch_size), o.microbatch_size)
             raise
-        sched, sim = simulate_stages(plan.stages, stages, o.schedule, o.microbatches, built=built)
+        ring = [collective(self.cluster, o.dp, o.pp, built.stage_to_rank[s]) for s in range(o.stages)]
+        # fsdp: every forward and backward of a stage first all-gathers its weights.
+        gather = [reduce_time(st.params * self.gathered_bpp, o.dp, ring[s], self.bucket_bytes) if o.zero == "fsdp"
+                  else 0.0 for s, st in enumerate(plan.stages)]
+        timed = [gathering(st, g, 1.0) for st, g in zip(plan.stages, gather)] if any(gather) else plan.stages
+        sched, sim = simulate_stages(timed, stages, o.schedule, o.microbatches, built=built)
         faster = _shared_cores_speedup(self.cluster, o.devices, o.dp, sim.busy, sim.step_time)
         if faster > 1:  # idle ranks leave their share of the cores to the busy ones
-            quick = [replace(st, fwd_time=st.fwd_time / faster, bwd_time=st.bwd_time / faster,
-                             wgrad_time=st.wgrad_time / faster) for st in plan.stages]
+            quick = [gathering(st, g, faster) for st, g in zip(plan.stages, gather)]
             sched, sim = simulate_stages(quick, stages, o.schedule, o.microbatches, built=built)
         pr = prediction(plan.stages, o.schedule, o.microbatches, sched, sim)
-        # Each stage's gradients leave over its rank's "dp" ring: an all-reduce, or with zero1 a
-        # reduce to the owners now and their broadcast after the step (an all-reduce's bytes).
-        move = reduce_time if o.zero == "zero1" else allreduce_time
+        # Each stage's gradients leave over its rank's "dp" ring: an all-reduce, with zero1 a
+        # reduce to the owners now and their broadcast after the step (an all-reduce's bytes),
+        # with fsdp a reduce-scatter (the next step's forwards gather the new weights).
+        move = allreduce_time if o.zero == "none" else reduce_time
         exch, rank_params = [], [0.0] * o.pp
         for s, st in enumerate(plan.stages):
             r = sched.stage_to_rank[s]
-            exch.append(move(st.params * GRAD_BYTES_PER_PARAM, o.dp, collective(self.cluster, o.dp, o.pp, r),
-                             self.bucket_bytes))
+            exch.append(move(st.params * GRAD_BYTES_PER_PARAM, o.dp, ring[s], self.bucket_bytes))
             rank_params[r] += st.params
         ends = exchange_end(sim.grads_ready, exch, sched.stage_to_rank, o.pp)
         tail = max(0.0, max(ends, default=0.0) - sim.step_time)
         dev = self.cluster.devices[0]
-        owned = max(rank_params) / (o.dp if o.zero == "zero1" else 1)
+        owned = max(rank_params) / (o.dp if o.zero != "none" else 1)
         opt = optimizer_time(owned, dev.mem_bandwidth)
         if o.zero == "zero1":  # the owners broadcast the new values after the step
             tail += max(
@@ -511,13 +554,18 @@ class _Pricer:
                 for r, p in enumerate(rank_params)
             )
         sent = 2 * (o.dp - 1) / o.dp * max(rank_params, default=0.0) * GRAD_BYTES_PER_PARAM
+        if o.zero == "fsdp":  # a reduce-scatter, and two gathers per micro-batch
+            per_param = GRAD_BYTES_PER_PARAM + 2 * o.microbatches * self.gathered_bpp
+            sent = (o.dp - 1) / o.dp * max(rank_params, default=0.0) * per_param
         step = sim.step_time + tail + opt
+        memory = pr.memory + self._reserved(o)
         return Layout(
             o.dp, o.pp, o.stages, o.schedule, o.microbatch_size, o.microbatches, o.global_batch, o.zero,
             step_time=step, pipeline_time=sim.step_time, exchange_time=tail, optimizer_time=opt,
-            bubble=sim.bubble_total, memory=pr.memory, capacity=self.capacity,
+            bubble=sim.bubble_total, memory=memory, capacity=self.capacity,
             exchange_bytes=sent, recompute=sum(st.recompute for st in plan.stages),
-            tokens_per_row=self.tokens, fits=pr.memory <= self.capacity and math.isfinite(step), priced=True,
+            tokens_per_row=self.tokens, fits=memory <= self.capacity and math.isfinite(step), priced=True,
+            gather_time=2 * o.microbatches * sum(gather) / o.pp,
         )
 
     def plan(self, o: Option) -> Plan:

@@ -11,7 +11,8 @@ The collectives are priced as rings, the way NCCL runs them at size and as nccl-
 them (bus bandwidth): an all-reduce of ``B`` bytes over ``n`` ranks moves ``2 (n - 1) / n * B``
 per rank in ``2 (n - 1)`` steps; a reduce (to one owner) and a broadcast each move
 ``(n - 1) / n * B`` in ``n - 1`` steps (ZeRO-1's reduce plus broadcast is one all-reduce's
-traffic). Buckets of ``bucket_bytes`` each pay the steps' latency. The bandwidth is the
+traffic), and so do a reduce-scatter and an all-gather (the halves of an all-reduce, as FSDP
+runs them). Buckets of ``bucket_bytes`` each pay the steps' latency. The bandwidth is the
 cluster's measured ``collective_bandwidth`` when it has one, else the slowest link the ring
 uses: the device's link inside a node, ``inter_node_bandwidth`` once the group spans nodes.
 
@@ -32,6 +33,7 @@ __all__ = [
     "OPTIMIZER_BYTES_PER_PARAM",
     "GRAD_BYTES_PER_PARAM",
     "WEIGHT_GRAD_BYTES_PER_PARAM",
+    "gathered_bytes_per_param",
     "DEFAULT_BUCKET_BYTES",
     "Collective",
     "collective",
@@ -45,8 +47,22 @@ __all__ = [
 OPTIMIZER_BYTES_PER_PARAM = 40.0  # AdamW (28) + clipping (read, scale: 12), fp32
 GRAD_BYTES_PER_PARAM = 4.0  # gradients are reduced in fp32 (master weights are fp32 under autocast)
 WEIGHT_GRAD_BYTES_PER_PARAM = 8.0  # of the training state, what every replica keeps whole: weight and gradient
+
 # DDP's default bucket: big enough to amortise a collective's latency, small enough to start early.
 DEFAULT_BUCKET_BYTES = 25 * 2**20
+
+
+def gathered_bytes_per_param(precision: str) -> float:
+    """Bytes per parameter FSDP all-gathers (and holds gathered): the compute dtype's.
+
+    FSDP2's ``MixedPrecisionPolicy(param_dtype=...)`` gathers the fp32 shards in the low dtype
+    when ``precision`` asks for one; in fp32 the gathered copy is fp32.
+
+    Example:
+        >>> gathered_bytes_per_param("bf16"), gathered_bytes_per_param("fp32")
+        (2.0, 4.0)
+    """
+    return 2.0 if precision in ("bf16", "fp16") else 4.0
 
 
 @dataclass(frozen=True)
@@ -127,7 +143,8 @@ def allreduce_time(nbytes: float, n: int, ring: Collective, bucket_bytes: float 
 
 
 def reduce_time(nbytes: float, n: int, ring: Collective, bucket_bytes: float = DEFAULT_BUCKET_BYTES) -> float:
-    """Seconds to reduce ``nbytes`` to one owner (or broadcast them from it): half an all-reduce.
+    """Seconds to reduce ``nbytes`` to one owner (or broadcast them from it), or to reduce-scatter
+    (or all-gather) them: half an all-reduce.
 
     Example:
         >>> reduce_time(1e9, 4, Collective(1e9, 0.0))

@@ -11,9 +11,9 @@ the space, orders it, prunes it and ranks the results, on plain data.
 
 Pruning keeps the answer exact under the cost model. Every layout first gets two cheap numbers
 from the caller: whether its training state alone can fit (the state of all parameters over
-``pp`` ranks, optimizer state over ``dp`` when sharded: no cut holds less), and a lower bound
-on its step time (every rank's share of the work, and the dependency chain of one micro-batch,
-plus the optimizer step). Layouts are priced in order of their bound; once a bound exceeds the
+``pp`` ranks, its sharded part over ``dp``: no cut holds less), and a lower bound on its step
+time (every rank's share of the work, and the dependency chain of one micro-batch, plus the
+optimizer step). Layouts are priced in order of their bound; once a bound exceeds the
 ``top``-th best priced step time (by more than the tie margin), no layout left can enter the
 ranking, and they are listed as not priced.
 """
@@ -32,7 +32,9 @@ __all__ = ["Option", "Layout", "ZERO_OPTIONS", "TIE", "layout_space", "search", 
 
 log = logging.getLogger(__name__)
 
-ZERO_OPTIONS = ("none", "zero1")
+# How the replicas shard the training state: not at all, the optimizer state (ZeRO-1), or weights,
+# gradients and optimizer state with FSDP2 (``fully_shard`` over the "dp" group, ZeRO-3).
+ZERO_OPTIONS = ("none", "zero1", "fsdp")
 TIE = 0.01  # layouts within 1% of the best step time are ties
 
 
@@ -84,7 +86,8 @@ class Layout:
         microbatch_size: rows per micro-batch, ``b``.
         microbatches: micro-batches per replica per step, ``m``.
         global_batch: rows per optimizer step over all replicas, ``B = dp * m * b``.
-        zero: optimizer sharding over the replicas: ``'none'`` or ``'zero1'``.
+        zero: sharding over the replicas: ``'none'``, ``'zero1'`` (the optimizer state) or
+            ``'fsdp'`` (FSDP2: weights, gradients and optimizer state; see ``partitioner.search``).
         step_time: predicted seconds per optimizer step: ``pipeline_time + exchange_time +
             optimizer_time`` (0 when not priced).
         pipeline_time: the simulated pipeline: every micro-batch's forward and backward.
@@ -100,6 +103,9 @@ class Layout:
         fits: whether it fits every device (priced and within memory).
         priced: whether it was priced (``False``: pruned by its bound, or its state cannot fit).
         note: why it does not fit, or how it compares to the chosen one.
+        gather_time: with ``fsdp``, the seconds a rank spends per step all-gathering weights before
+            its forwards and backwards, on average over a pipeline's ranks: part of
+            ``pipeline_time``'s busy share (0 otherwise).
 
     Example:
         >>> lay = Layout(2, 2, 2, "1f1b", 4, 4, 32, "none", 2.0, 1.5, 0.3, 0.2, 0.1, 5e9, 8e9,
@@ -129,6 +135,7 @@ class Layout:
     fits: bool = False
     priced: bool = False
     note: str = ""
+    gather_time: float = 0.0
 
     @property
     def devices(self) -> int:
@@ -184,7 +191,7 @@ def layout_space(
     """Every layout of ``devices`` devices for a global batch of ``global_batch`` rows.
 
     ``dp`` divides both the devices and the batch (``dp_sizes``: only those); ``b`` divides the replica's rows
-    (``microbatch_sizes``: only those; default: every divisor); ``zero1`` only with ``dp > 1``;
+    (``microbatch_sizes``: only those; default: every divisor); ``zero1`` and ``fsdp`` only with ``dp > 1``;
     a single-rank pipeline (``pp = 1``) takes only the schedules with one stage per rank, and
     stage counts above ``max_stages`` (the model's units) are left out.
 
@@ -269,9 +276,9 @@ def rank(rows: Sequence[Layout]) -> list[Layout]:
     return fit + priced + rest
 
 
-def _order(r: Layout) -> tuple[float, int, int, int, str]:
+def _order(r: Layout) -> tuple[float, int, int, int, int]:
     return (r.step_time, r.pp, -r.microbatch_size, TRAINING_SCHEDULES.index(r.schedule) if r.schedule in
-            TRAINING_SCHEDULES else 99, r.zero)
+            TRAINING_SCHEDULES else 99, ZERO_OPTIONS.index(r.zero) if r.zero in ZERO_OPTIONS else 99)
 
 
 def pick(rows: Sequence[Layout]) -> tuple[Layout, str]:
@@ -279,7 +286,7 @@ def pick(rows: Sequence[Layout]) -> tuple[Layout, str]:
 
     Layouts within ``TIE`` of the fastest are ties, broken towards fewer pipeline ranks (fewer
     hand-offs, a smaller bubble if the estimate is off), then larger micro-batches, then the
-    simpler schedule, then no sharding.
+    simpler schedule, then the least sharding (none, ZeRO-1, FSDP).
 
     Raises:
         InfeasibleMemoryError: no layout fits.
@@ -331,7 +338,9 @@ def _loses_on(r: Layout, best: Layout) -> str:
     slower = r.step_time / best.step_time - 1 if best.step_time > 0 else 0.0
     terms = {
         "bubble": r.pipeline_time * r.bubble - best.pipeline_time * best.bubble,
-        "compute": r.pipeline_time * (1 - r.bubble) - best.pipeline_time * (1 - best.bubble),
+        "compute": (r.pipeline_time * (1 - r.bubble) - r.gather_time
+                    - best.pipeline_time * (1 - best.bubble) + best.gather_time),
+        "FSDP gathers": r.gather_time - best.gather_time,
         "exchange": r.exchange_time - best.exchange_time,
         "optimizer": r.optimizer_time - best.optimizer_time,
     }

@@ -225,17 +225,26 @@ def render_text(plan: PlanRecord, width: int = TEXT_WIDTH, top: int = 5) -> str:
     return "\n".join(line.rstrip() for line in buf.getvalue().rstrip().splitlines()) + "\n"
 
 
+# How each sharding over the replicas reads in a layout's line (``partitioner.plan.sharding``).
+_SHARDING = {
+    "none": "",
+    "zero1": ", optimizer state sharded over the replicas (ZeRO-1)",
+    "fsdp": ", parameters, gradients and optimizer state sharded over the replicas (FSDP)",
+}
+
+
 def _layout_lines(lay: Layout) -> list[str]:
     """The chosen layout in two lines: how the devices are spent, and what one step costs."""
     rate = f"{fmt_count(lay.tokens_per_s)} tokens/s" if lay.tokens_per_row else f"{fmt_count(lay.samples_per_s)} rows/s"
-    zero = ", optimizer state sharded over the replicas (ZeRO-1)" if lay.zero == "zero1" else ""
+    zero = _SHARDING.get(lay.zero, f", sharding {lay.zero!r}")
     head = (
         f"pipecut layout: {lay.devices} devices = {lay.dp} replica(s) x {lay.pp}-rank pipeline ({lay.stages} stages, "
         f"{lay.schedule}); global batch {lay.global_batch} = {lay.dp} x {lay.microbatches} micro-batches of "
         f"{lay.microbatch_size}{zero}"
     )
     cost = (
-        f"predicted step {fmt_time(lay.step_time)} = pipeline {fmt_time(lay.pipeline_time)} (bubble {lay.bubble:.1%}) "
+        f"predicted step {fmt_time(lay.step_time)} = pipeline {fmt_time(lay.pipeline_time)} (bubble {lay.bubble:.1%}"
+        f"{f', FSDP gathers {fmt_time(lay.gather_time)} per rank' if lay.gather_time else ''}) "
         f"+ exchange not hidden {fmt_time(lay.exchange_time)} + optimizer {fmt_time(lay.optimizer_time)}; {rate}; "
         f"peak memory {fmt_bytes(lay.memory)} of {fmt_bytes(lay.capacity)} per device"
     )

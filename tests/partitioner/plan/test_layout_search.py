@@ -19,7 +19,7 @@ from partitioner.cost.exchange import (
 )
 from partitioner.cost.nodecost import NodeCost, scale_cost
 from partitioner.errors import InfeasibleMemoryError
-from partitioner.plan.layout import TIE, Layout, Option, divisors, layout_space, pick, search
+from partitioner.plan.layout import TIE, ZERO_OPTIONS, Layout, Option, divisors, layout_space, pick, search
 from partitioner.schedule.registry import TRAINING_SCHEDULES, get_schedule, stages_per_rank
 from partitioner.schedule.simulate import StageCosts, simulate
 
@@ -31,15 +31,16 @@ def test_the_space_is_every_layout_of_the_devices(devices: int, batch: int) -> N
     for dp in range(1, devices + 1):
         for b in range(1, batch + 1):
             for sched in TRAINING_SCHEDULES:
-                for zero in ("none", "zero1"):
+                for zero in ZERO_OPTIONS:
                     pp = devices // dp
-                    if (devices % dp or batch % (dp * b) or (zero == "zero1" and dp == 1)
+                    if (devices % dp or batch % (dp * b) or (zero != "none" and dp == 1)
                             or (pp == 1 and stages_per_rank(sched) > 1)):
                         continue
                     want.add(Option(dp, pp, sched, b, zero, batch))
     assert got == want
     for o in got:
         assert o.dp * o.pp == devices and o.dp * o.microbatches * o.microbatch_size == batch
+    assert {o.dp for o in got if o.zero == "fsdp"} == {o.dp for o in got if o.dp > 1}  # fsdp: wherever dp > 1
 
 
 def test_the_space_keeps_only_what_is_asked() -> None:

@@ -30,6 +30,7 @@ def test_the_search_returns_the_brute_force_best(searched: tuple[Plan, Plan]) ->
     assert pruned.layout == brute.layout
     assert pick(brute.layouts)[0].option == brute.layout.option  # type: ignore[union-attr]
     assert sum(r.priced for r in pruned.layouts) <= sum(r.priced for r in brute.layouts)
+    assert {r.zero for r in brute.layouts if r.priced} == {"none", "zero1", "fsdp"}  # every sharding compared
     fits = [r for r in brute.layouts if r.fits]
     assert fits and all(r.step_time >= brute.layout.step_time * 0.99 for r in fits)  # type: ignore[union-attr]
 

@@ -1,0 +1,96 @@
+"""What each sharding over the replicas leaves on a rank: training state per parameter, FSDP's gathers.
+
+Legend: ``dp`` replicas (a "dp" group's size), ``m`` micro-batches per replica per step.
+
+The layout search (``partitioner.search``) prices three shardings (``ZERO_OPTIONS``):
+
+* ``none``: every replica holds its stages' weights, gradients and optimizer state whole.
+* ``zero1``: the optimizer state is ``1 / dp`` per rank (ZeRO-1: reduce the gradients to their
+  owners, step, broadcast the new weights).
+* ``fsdp``: FSDP2, ``fully_shard`` on each block of a stage over its rank's "dp" group, with
+  ``reshard_after_forward=True`` (ZeRO-3), the gradient reduce-scattered once per step after the
+  stage's last backward (gradient sync off for the earlier micro-batches), as the runtime runs it:
+
+  - memory: the weight (4 of the state's bytes) and the optimizer state are ``1 / dp`` per rank;
+    the gradient (4 bytes) is whole, because FSDP2 accumulates the unsharded gradient while sync
+    is off; and two blocks' weights gathered at once (the block computing and the next, which
+    FSDP2 prefetches), in the compute dtype (``gathered_bytes_per_param``: ``MixedPrecisionPolicy``
+    gathers bf16 under ``precision='bf16'``), counted for the model's largest block on every rank
+    (:func:`largest_block`), whatever its stages hold;
+  - time: each forward and each backward of a stage all-gathers its weights, ``(dp - 1) / dp`` of
+    their bytes per rank, added to the action as if nothing overlapped it (:func:`gathering`;
+    FSDP2's prefetch hides part of it behind compute, so this is an upper bound); a recomputing
+    stage's replayed forward gathers for its backward, once;
+  - the reduce-scatter leaves after the stage's last backward and overlaps the drain, like the
+    other exchanges; the optimizer steps ``1 / dp`` of the parameters; nothing is broadcast
+    after it (the next step's forwards gather the new weights).
+
+``reshard_after_forward=False`` (weights gathered once per step and kept until its last backward)
+is not a fourth option: its peak holds the whole weights and gradients with the optimizer state
+over ``dp`` (ZeRO-1's memory) and it moves ZeRO-1's bytes (a reduce-scatter behind the drain, a
+gather of the new weights before the next step's forwards where ZeRO-1 broadcasts them), so
+``zero1`` prices it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+from partitioner.cost.exchange import WEIGHT_GRAD_BYTES_PER_PARAM
+from partitioner.cost.graph import canonical_names, layer_depth
+from partitioner.plan.records import StagePlan
+
+__all__ = ["state_per_param", "largest_block", "gathering"]
+
+
+def state_per_param(state_bytes_per_param: float, zero: str, dp: int) -> float:
+    """Training-state bytes per parameter element on one rank under ``zero`` over ``dp`` replicas.
+
+    The first ``WEIGHT_GRAD_BYTES_PER_PARAM`` bytes of the state are the weight and its gradient
+    (half each), the rest the optimizer's.
+
+    Example:
+        >>> [state_per_param(16.0, z, 4) for z in ("none", "zero1", "fsdp")]   # Adam in fp32
+        [16.0, 10.0, 7.0]
+    """
+    opt = max(0.0, state_bytes_per_param - WEIGHT_GRAD_BYTES_PER_PARAM)
+    whole = state_bytes_per_param - opt  # weight and gradient
+    if zero == "zero1":
+        return whole + opt / dp
+    if zero == "fsdp":  # the weight's shard, the gradient whole until the step's reduce-scatter
+        return whole / 2 / dp + whole / 2 + opt / dp
+    return state_bytes_per_param
+
+
+def largest_block(g: Any, numel: Mapping[str, int], aliases: Mapping[str, Sequence[str]]) -> float:
+    """Parameters of the largest block of a costed graph: a module at the model's layer depth
+    (``transformer.h.3`` in a GPT-2), what FSDP shards and gathers as one group; each tensor once.
+
+    Parameters outside the blocks (embeddings, a final norm, a head) group by their own module at
+    that depth; a stage's root group holds those of the stage together, counted here as one block
+    of the largest of them (a GPT's embedding is smaller than its blocks).
+    """
+    depth = layer_depth(list(dict.fromkeys(g.nodes[v]["module"] for v in g.nodes)))
+    canon = canonical_names(aliases)
+    blocks: dict[str, set[str]] = {}
+    for v in g.nodes:
+        key = ".".join(g.nodes[v]["module"].split(".")[:depth])
+        blocks.setdefault(key, set()).update(canon.get(n, n) for n in g.nodes[v]["cost"].param_names)
+    return float(max((sum(numel.get(n, 0) for n in names) for names in blocks.values()), default=0))
+
+
+def gathering(st: StagePlan, gather: float, faster: float = 1.0) -> StagePlan:
+    """``st`` computing ``faster`` times as fast, its forward and its backward each after a gather
+    of ``gather`` seconds (a recomputing stage's replayed forward, part of its backward, gathers).
+
+    Example:
+        >>> st = StagePlan(0, "cpu", ("n",), "", 0, 0.0, 0.0, 0.0, 1e9, 1, 1.0, 2.0, 0.0, 0.0, 0.0,
+        ...                wgrad_time=1.0)
+        >>> g = gathering(st, 0.5)
+        >>> g.fwd_time, g.bwd_time, g.wgrad_time, gathering(replace(st, recompute=True), 0.5).time
+        (1.5, 2.5, 1.0, 5.0)
+    """
+    return replace(st, fwd_time=st.fwd_time / faster + gather, wgrad_time=st.wgrad_time / faster,
+                   bwd_time=st.bwd_time / faster + (0.0 if st.recompute else gather))

@@ -293,6 +293,11 @@ def apply_layout(options: TrainerOptions, layout: Layout | None, mode: str) -> T
     if layout is None:
         return options
     dp = options.data_parallel
+    if layout.zero == "fsdp":
+        raise TrainerOptionError(
+            f"the plan's layout ({layout.label()}) shards parameters with FSDP, which this runtime does not run "
+            "yet; plan with zero=('none', 'zero1')"
+        )
     if dp.size is None and dp.mesh is None:
         if layout.dp > 1 and mode != "dist":
             raise PlacementError(

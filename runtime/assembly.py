@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -23,6 +24,7 @@ from runtime.execute.executor import StageRuntime
 from runtime.execute.wgrad_fusion import fuse_weight_grad_accumulation
 from runtime.options import DataParallel, Execution, Init
 from runtime.parallel.data_parallel import PipelineMesh, Replicas, job_mesh, one_process_mesh
+from runtime.parallel.fsdp import FSDPReplicas
 from runtime.parallel.tied import TiedGroup, tie_copies
 from runtime.state.materialize import materialize_stages
 from runtime.state.weights import stage_tensors
@@ -58,14 +60,15 @@ class Assembly:
         stages: this process's stages by index.
         ios: every stage's inputs and outputs (the whole plan's).
         tied: the copies of tied weights whose gradients are summed after each run.
-        replicas: the gradient exchange between data-parallel replicas (and the optimizer's share).
+        replicas: the gradient exchange between data-parallel replicas (and the optimizer's share):
+            the home-made engine's ``Replicas`` or FSDP2's ``FSDPReplicas``.
     """
 
     placement: Placement
     stages: dict[int, StageRuntime]
     ios: list[StageIO]
     tied: list[TiedGroup]
-    replicas: Replicas
+    replicas: Replicas | FSDPReplicas
 
 
 def place(
@@ -94,10 +97,12 @@ def place(
 
 
 def assemble(
-    plan: Plan, schedule: Schedule, mode: str, m: int, execution: Execution, init: Init, dp: DataParallel
+    plan: Plan, schedule: Schedule, mode: str, m: int, execution: Execution, init: Init, dp: DataParallel,
+    *, mp_policy: Any = None,
 ) -> Assembly:
     """Build this process's stages of ``plan`` as ``schedule`` places them (``mode``: the
-    resolved transport, ``m``: micro-batches per step), materialised, tied and replicated.
+    resolved transport, ``m``: micro-batches per step), materialised, tied and replicated
+    (``dp.engine='fsdp'``: sharded by FSDP2, with ``mp_policy`` its ``MixedPrecisionPolicy``).
 
     Raises:
         PlacementError: see :func:`place`.
@@ -117,12 +122,18 @@ def assemble(
                       replicas=placement.mesh.ranks, replica=placement.mesh.dp_rank, timeout=execution.timeout)
     for st in stages.values():
         st.module.to(st.device)
-    replicas = Replicas(
-        placement.mesh, {s: list(st.module.parameters()) for s, st in stages.items()},
-        {id(prm) for copies, _ in tied for prm in copies}, shard=dp.shard_optimizer,
-        overlap=dp.overlap_grad_reduce, bucket_bytes=dp.grad_bucket_bytes, comm_device=comm_device,
-        timeout=execution.timeout,
-    )
+    replicas: Replicas | FSDPReplicas
+    if dp.engine == "fsdp" and placement.mesh.dp > 1:  # one replica: nothing to shard
+        replicas = FSDPReplicas(placement.mesh, {s: st.module for s, st in stages.items()}, tied=tied,
+                                reshard_after_forward=dp.reshard_after_forward, mp_policy=mp_policy)
+        tied = replicas.tied
+    else:
+        replicas = Replicas(
+            placement.mesh, {s: list(st.module.parameters()) for s, st in stages.items()},
+            {id(prm) for copies, _ in tied for prm in copies}, shard=dp.shard_optimizer,
+            overlap=dp.overlap_grad_reduce, bucket_bytes=dp.grad_bucket_bytes, comm_device=comm_device,
+            timeout=execution.timeout,
+        )
     return Assembly(placement, stages, ios, tied, replicas)
 
 

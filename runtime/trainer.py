@@ -42,6 +42,7 @@ from runtime.execute.wiring import model_output
 from runtime.metrics import step_metrics
 from runtime.options import DataParallel, Execution, Init, apply_layout, resolve_options
 from runtime.parallel.clipping import clip_grad_norm_
+from runtime.parallel.fsdp import FSDPReplicas, check_optimizer
 from runtime.parallel.tied import copy_tied_values, second_copies, sum_tied_grads
 from runtime.precision import LossScaler, MixedPrecision, resolve_precision, wire_dtypes
 from runtime.state import checkpoint
@@ -160,6 +161,8 @@ class PipelineTrainer:
         # A stage may hold no parameters (only reshapes, say): it has nothing to update. Sharded:
         # the optimizer steps this replica's share.
         self.optimizer = optimizer(built.replicas.owned) if optimizer is not None and built.replicas.owned else None
+        if self.optimizer is not None and isinstance(built.replicas, FSDPReplicas):
+            check_optimizer(self.optimizer, built.replicas.owned)  # FSDP: the shards, not the model's tensors
         self.scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None and self.optimizer else None
         self._dist_transport = (
             DistTransport(self.schedule.stage_to_rank, ex.timeout, self.mesh.pp_group) if self.mode == "dist" else None

@@ -1,0 +1,252 @@
+"""FSDP2 as the data-parallel engine: each stage's parameters, gradients and optimizer state
+sharded over the replicas that hold the stage (``torch.distributed.fsdp.fully_shard``).
+
+Legend: ``dp`` replicas, ``s`` a stage of this process, ``m`` micro-batches of a step.
+
+Each of this process's stage modules is ``fully_shard``-ed over the ``"dp"`` dimension of the
+job's ``("dp", "pp")`` mesh, as torchtitan composes FSDP2 with pipeline stages. A stage is one
+FSDP unit: stage modules are ``torch.fx`` graphs that read their parameters through ``get_attr``
+and call no submodule, so a block's forward hooks would never fire and the stage is the
+smallest module FSDP can gather around. Its parameters become ``DTensor`` shards (``1 / dp``
+of each per replica), gathered for a forward and for a backward:
+
+* ``reshard_after_forward=True`` (ZeRO-3): freed after each forward, gathered again for each
+  backward; ``False`` (ZeRO-2-like): kept gathered from a micro-batch's forward until the
+  stage's last backward of the step.
+* Gradients accumulate unsharded over the step's micro-batches (sync off) and are
+  reduce-scattered once, averaged over the replicas, when the executor reports the stage's last
+  backward action (``B``, or the last ``W`` under split backward); the stage is then resharded.
+  That reduction is started by hand (:meth:`FSDPReplicas.stage_done`), as torch's own pipelining
+  does (``_PipelineStageBase.perform_reduce_grad``): a pipeline calls backward once per
+  micro-batch and, under split backward, twice, while FSDP's hooks assume one backward per step.
+* Split backward asks autograd for the gathered parameters, the ones the graph accumulates into
+  (``pipecut_autograd_params`` on the stage module): FSDP reads their gradients at the reduction.
+
+The optimizer is built over the shards, so its state is ``1 / dp`` too. Clipping sums every
+rank's shards over the whole job. Tied weights across ranks stay tied: the copies on the ranks
+of one replica are sharded alike, so their local shards' gradients are summed as whole copies
+were. A weight two stages of one process share cannot be two FSDP units' and is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from runtime.parallel.data_parallel import PipelineMesh
+from runtime.parallel.tied import TiedGroup
+from runtime.transport.placement import PlacementError
+
+__all__ = ["FSDPReplicas", "FSDPOptionError", "check_optimizer"]
+
+
+class FSDPOptionError(PlacementError):
+    """FSDP cannot run this configuration; the message says why and what runs instead."""
+
+
+class _AutogradParams:
+    """A sharded stage's parameters as autograd sees them during a step: the gathered ones.
+
+    Called by the executor's split backward (``I`` must name the tensors whose gradient ``W``
+    computes). Returns ``(params, fused)``: every gathered parameter that requires grad, and
+    those whose layers add their own gradients (``runtime.execute.wgrad_fusion``).
+    """
+
+    def __init__(self, fsdp_params: Sequence[Any], fused: Collection[tuple[int, str]]) -> None:
+        self._fsdp_params = list(fsdp_params)
+        self._fused = set(fused)
+
+    def __call__(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+        params, fused = [], []
+        for fp in self._fsdp_params:
+            prm = getattr(fp, "_unsharded_param", None)  # made by the first all-gather, kept after
+            if prm is None or not prm.requires_grad:
+                continue
+            params.append(prm)
+            info = fp._module_info
+            if (id(info.module), info.param_name) in self._fused:
+                fused.append(prm)
+        return params, fused
+
+
+class _StageReducer:
+    """Reduce-scatters a stage's gradients when its last backward of the step has run.
+
+    The interface of ``GradAverager`` that the trainer drives: :meth:`stage_done`,
+    :meth:`finish`, :meth:`reset`.
+    """
+
+    def __init__(self, modules: Mapping[int, nn.Module]) -> None:
+        self._modules = dict(modules)
+        self._done: set[int] = set()
+
+    def stage_done(self, s: int) -> None:
+        """Stage ``s`` adds no more gradient this step: reduce-scatter it and reshard."""
+        module = self._modules.get(s)
+        if module is None or s in self._done:
+            return
+        self._done.add(s)
+        _sync(module, True)
+        try:
+            state = module._get_fsdp_state()  # type: ignore[operator]
+            for st in state._state_ctx.all_states:
+                for group in st._fsdp_param_groups:
+                    group.post_backward()
+            state._root_post_backward_final_callback()  # waits for the reductions, resets FSDP's step state
+        finally:
+            _sync(module, False)
+
+    def finish(self, pipeline: dist.ProcessGroup | None = None) -> None:
+        """Reduce the stages no backward reached (they hold no gradient: FSDP leaves theirs ``None``)."""
+        for s in self._modules:
+            self.stage_done(s)
+
+    def reset(self) -> None:
+        """Forget a step: gathered gradients a failed step left are dropped."""
+        self._done = set()
+        for module in self._modules.values():
+            for fp in _fsdp_params(module):
+                prm = getattr(fp, "_unsharded_param", None)
+                if prm is not None:
+                    prm.grad = None
+
+
+class FSDPReplicas:
+    """The trainer's side of FSDP2 over the replicas: the ``Replicas`` interface.
+
+    Args:
+        mesh: this process's place in the job (``dp > 1``, with its ``("dp", "pp")`` device mesh).
+        modules: this process's stage modules by stage (sharded in place).
+        tied: this process's copies of weights tied across ranks (``tie_copies``); :attr:`tied`
+            holds the same groups with the shards in place of the copies.
+        reshard_after_forward: ZeRO-3 (``True``) or keep gathered over a step (``False``).
+        mp_policy: FSDP's ``MixedPrecisionPolicy``, or ``None`` for fp32 throughout.
+
+    Raises:
+        FSDPOptionError: two stages of this process share a weight.
+    """
+
+    shard = True
+
+    def __init__(
+        self,
+        mesh: PipelineMesh,
+        modules: Mapping[int, nn.Module],
+        *,
+        tied: Sequence[TiedGroup] = (),
+        reshard_after_forward: bool = True,
+        mp_policy: Any = None,
+    ) -> None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        if mesh.device_mesh is None or mesh.dp < 2:
+            raise FSDPOptionError(
+                f"engine='fsdp' shards over the replicas and needs dp >= 2 with a ('dp', 'pp') mesh; got dp={mesh.dp}: "
+                "pass DataParallel(size=2, engine='fsdp') under torchrun, or leave engine at its default"
+            )
+        _refuse_shared(modules)
+        self.mesh = mesh
+        dp_mesh = mesh.device_mesh["dp"]
+        kw: dict[str, Any] = {"mesh": dp_mesh, "reshard_after_forward": reshard_after_forward}
+        if mp_policy is not None:
+            kw["mp_policy"] = mp_policy if isinstance(mp_policy, MixedPrecisionPolicy) else MixedPrecisionPolicy()
+        self.modules = dict(modules)
+        where = _names_of([c for copies, _ in tied for c in copies], self.modules)
+        for module in self.modules.values():
+            fused = _fused_slots(module)
+            fully_shard(module, **kw)
+            _sync(module, False)
+            # torch types Module.__setattr__'s value as a Tensor or Module; a plain attribute is fine.
+            module.pipecut_autograd_params = _AutogradParams(_fsdp_params(module), fused)  # type: ignore[assignment]
+        # fully_shard replaced every parameter by its shard: the tied copies are those shards now.
+        self.tied: list[TiedGroup] = [
+            ([self.modules[where[id(c)][0]].get_parameter(where[id(c)][1]) for c in copies], group)
+            for copies, group in tied
+        ]
+        self.params = list({id(p): p for m in self.modules.values() for p in m.parameters()}.values())
+        self.averager = _StageReducer(self.modules)
+
+    @property
+    def owned(self) -> list[nn.Parameter]:
+        """The shards this process's optimizer steps: all its parameters, each a ``DTensor`` shard."""
+        return self.params
+
+    @property
+    def norm_group(self) -> dist.ProcessGroup | None:
+        """Every rank holds a different shard: a norm is summed over the whole job."""
+        return None
+
+    def after_step(self) -> None:
+        """Nothing: each replica stepped its own shards, gathered at the next forward."""
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer, owned: Sequence[nn.Parameter]) -> None:
+    """Raise unless ``optimizer`` steps exactly the sharded parameters it was given.
+
+    Raises:
+        FSDPOptionError: it holds a tensor that is not one of them (the unsharded model's
+            parameters, captured by the factory instead of the list it was called with).
+    """
+    mine = {id(p) for p in owned}
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    stray = [p for p in held if id(p) not in mine]
+    if stray:
+        raise FSDPOptionError(
+            f"the optimizer holds {len(stray)} tensor(s) that are not this rank's FSDP shards (e.g. one of "
+            f"shape {tuple(stray[0].shape)}): under engine='fsdp' the parameters are DTensor shards made when "
+            "the trainer is built, so the optimizer factory must use the list it is called with, "
+            "optimizer=lambda params: torch.optim.AdamW(params, ...), not model.parameters()"
+        )
+
+
+def _fsdp_params(module: nn.Module) -> list[Any]:
+    state = module._get_fsdp_state()  # type: ignore[operator]
+    return [fp for st in state._state_ctx.all_states for g in st._fsdp_param_groups for fp in g.fsdp_params]
+
+
+def _sync(module: nn.Module, last: bool) -> None:
+    """FSDP's per-backward switches: reduce and reshard only after the stage's last backward."""
+    for setter in ("set_is_last_backward", "set_requires_gradient_sync", "set_reshard_after_backward"):
+        fn: Callable[[bool], None] = getattr(module, setter)
+        fn(last)
+
+
+def _fused_slots(module: nn.Module) -> set[tuple[int, str]]:
+    """(owning module id, attribute name) of each parameter whose layer fuses its gradient."""
+    fused = {id(p) for p in getattr(module, "pipecut_fused_params", ())}
+    slots = set()
+    for name, prm in module.named_parameters(remove_duplicate=False):
+        if id(prm) in fused:
+            owner, _, leaf = name.rpartition(".")
+            slots.add((id(module.get_submodule(owner) if owner else module), leaf))
+    return slots
+
+
+def _names_of(params: Sequence[nn.Parameter], modules: Mapping[int, nn.Module]) -> dict[int, tuple[int, str]]:
+    """For each of ``params``, a stage of ``modules`` holding it and its name there."""
+    ids = {id(p) for p in params}
+    found: dict[int, tuple[int, str]] = {}
+    for s, module in sorted(modules.items()):
+        for name, prm in module.named_parameters():
+            if id(prm) in ids:
+                found.setdefault(id(prm), (s, name))
+    return found
+
+
+def _refuse_shared(modules: Mapping[int, nn.Module]) -> None:
+    """Two stages of one process sharing a parameter (a tied weight under ZB-V) would be two FSDP units."""
+    seen: dict[int, tuple[int, str]] = {}
+    for s, module in sorted(modules.items()):
+        for name, prm in module.named_parameters():
+            if id(prm) in seen and seen[id(prm)][0] != s:
+                t, other = seen[id(prm)]
+                raise FSDPOptionError(
+                    f"stages {t} and {s} of this rank share the weight {other!r} ({name!r} in stage {s}), "
+                    "and FSDP shards each stage as its own unit, so the two would drift apart. Run a schedule "
+                    "that puts the tied stages on different ranks (1f1b, zbh1, interleaved), or engine='replicate'"
+                )
+            seen.setdefault(id(prm), (s, name))

@@ -93,9 +93,8 @@ class _StageReducer:
         _sync(module, True)
         try:
             state = module._get_fsdp_state()  # type: ignore[operator]
-            for st in state._state_ctx.all_states:
-                for group in st._fsdp_param_groups:
-                    group.post_backward()
+            for group in state._fsdp_param_groups:
+                group.post_backward()
             state._root_post_backward_final_callback()  # waits for the reductions, resets FSDP's step state
         finally:
             _sync(module, False)
@@ -204,8 +203,9 @@ def check_optimizer(optimizer: torch.optim.Optimizer, owned: Sequence[nn.Paramet
 
 
 def _fsdp_params(module: nn.Module) -> list[Any]:
+    """The stage's ``FSDPParam`` records (the stage is one FSDP unit: its state's groups hold them all)."""
     state = module._get_fsdp_state()  # type: ignore[operator]
-    return [fp for st in state._state_ctx.all_states for g in st._fsdp_param_groups for fp in g.fsdp_params]
+    return [fp for g in state._fsdp_param_groups for fp in g.fsdp_params]
 
 
 def _sync(module: nn.Module, last: bool) -> None:

@@ -68,6 +68,12 @@ def _fsdp_case(name: str, schedule: str, dp: int, ranks: int, **opts: Any) -> di
 # label: (model, schedule, options).
 _RUNS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "gpt2/1f1b": ("gpt2", "1f1b", {}),
+    "gpt2/1f1b/gathered": ("gpt2", "1f1b", {"reshard_after_forward": False}),
+    "gpt2/zbh1": ("gpt2", "zbh1", {}),
+    "gpt2/gpipe": ("gpt2", "gpipe", {}),
+    "gpt2/interleaved": ("gpt2", "interleaved", {}),
+    "mlp/zbv": ("mlp", "zbv", {}),
+    "gpt2/zbh1/unfused": ("gpt2", "zbh1", {"fuse_wgrad": False}),
 }
 
 

@@ -24,7 +24,7 @@ from runtime.execute.executor import StageRuntime
 from runtime.execute.wgrad_fusion import fuse_weight_grad_accumulation
 from runtime.options import DataParallel, Execution, Init
 from runtime.parallel.data_parallel import PipelineMesh, Replicas, job_mesh, one_process_mesh
-from runtime.parallel.fsdp import FSDPReplicas
+from runtime.parallel.fsdp import FSDPReplicas, check_fsdp_plan
 from runtime.parallel.tied import TiedGroup, tie_copies
 from runtime.state.materialize import materialize_stages
 from runtime.state.weights import stage_tensors
@@ -111,6 +111,9 @@ def assemble(
     staged = plan.build_stages()
     ios = list(staged.io)
     placement = place(schedule, mode, m, ios, execution, dp)
+    fsdp = dp.engine == "fsdp" and placement.mesh.dp > 1  # one replica: nothing to shard
+    if fsdp:  # before any weight is touched, on every rank alike
+        check_fsdp_plan(staged.shared_params, schedule.stage_to_rank, schedule.name)
     mine = {s: staged.stages[s] for s in placement.devices}
     will_load = set(stage_tensors(mine)[0]) if init.weights is not None else set()
     if materialize_stages(plan.model, mine, placement.devices, init_fn=init.init_fn, seed=init.seed,
@@ -123,7 +126,7 @@ def assemble(
     for st in stages.values():
         st.module.to(st.device)
     replicas: Replicas | FSDPReplicas
-    if dp.engine == "fsdp" and placement.mesh.dp > 1:  # one replica: nothing to shard
+    if fsdp:
         replicas = FSDPReplicas(placement.mesh, {s: st.module for s, st in stages.items()}, tied=tied,
                                 reshard_after_forward=dp.reshard_after_forward, mp_policy=mp_policy)
         tied = replicas.tied

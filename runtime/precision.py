@@ -238,7 +238,8 @@ class LossScaler:
         Args:
             params: this process's parameters.
             distributed: reduce the flag over ``group`` (the pipeline's ranks: after data-parallel
-                averaging every replica holds the same gradients).
+                averaging every replica holds the same gradients; under FSDP, where each holds a
+                shard, the whole job).
             comm_device: where that reduction runs (the rank's GPU on NCCL).
             group: the process group of the pipeline's ranks.
         """
@@ -246,8 +247,9 @@ class LossScaler:
         flags: dict[torch.device, list[torch.Tensor]] = {}
         for prm in params:
             if prm.grad is not None:
-                prm.grad.mul_(inv)
-                flags.setdefault(prm.grad.device, []).append((~torch.isfinite(prm.grad)).any())
+                g = prm.grad.to_local() if hasattr(prm.grad, "to_local") else prm.grad  # FSDP: this rank's shard
+                g.mul_(inv)
+                flags.setdefault(g.device, []).append((~torch.isfinite(g)).any())
         found = torch.zeros((), dtype=torch.float32)
         for per_device in flags.values():  # one device sync per device, not per gradient
             found = torch.maximum(found, torch.stack(per_device).any().float().cpu())

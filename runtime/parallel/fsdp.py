@@ -41,7 +41,7 @@ from runtime.parallel.data_parallel import PipelineMesh
 from runtime.parallel.tied import TiedGroup
 from runtime.transport.placement import PlacementError
 
-__all__ = ["FSDPReplicas", "FSDPOptionError", "check_optimizer"]
+__all__ = ["FSDPReplicas", "FSDPOptionError", "check_fsdp_plan", "check_optimizer"]
 
 
 class FSDPOptionError(PlacementError):
@@ -126,7 +126,8 @@ class FSDPReplicas:
         mp_policy: FSDP's ``MixedPrecisionPolicy``, or ``None`` for fp32 throughout.
 
     Raises:
-        FSDPOptionError: two stages of this process share a weight.
+        FSDPOptionError: ``dp < 2`` (nothing to shard). A weight two stages of this process
+            share is refused before, by :func:`check_fsdp_plan`.
     """
 
     shard = True
@@ -147,7 +148,6 @@ class FSDPReplicas:
                 f"engine='fsdp' shards over the replicas and needs dp >= 2 with a ('dp', 'pp') mesh; got dp={mesh.dp}: "
                 "pass DataParallel(size=2, engine='fsdp') under torchrun, or leave engine at its default"
             )
-        _refuse_shared(modules)
         self.mesh = mesh
         dp_mesh = mesh.device_mesh["dp"]
         kw: dict[str, Any] = {"mesh": dp_mesh, "reshard_after_forward": reshard_after_forward}
@@ -237,16 +237,25 @@ def _names_of(params: Sequence[nn.Parameter], modules: Mapping[int, nn.Module]) 
     return found
 
 
-def _refuse_shared(modules: Mapping[int, nn.Module]) -> None:
-    """Two stages of one process sharing a parameter (a tied weight under ZB-V) would be two FSDP units."""
-    seen: dict[int, tuple[int, str]] = {}
-    for s, module in sorted(modules.items()):
-        for name, prm in module.named_parameters():
-            if id(prm) in seen and seen[id(prm)][0] != s:
-                t, other = seen[id(prm)]
+def check_fsdp_plan(shared: Mapping[str, tuple[int, ...]], stage_to_rank: Sequence[int], schedule: str) -> None:
+    """Refuse, on every rank alike, a weight tied between two stages of one rank.
+
+    FSDP shards each stage as its own unit; a parameter two units share would be sharded twice
+    and its copies would drift apart.
+
+    Raises:
+        FSDPOptionError: such a weight exists; the message names it and what runs instead.
+    """
+    for name, holders in sorted(shared.items()):
+        by_rank: dict[int, list[int]] = {}
+        for s in holders:
+            by_rank.setdefault(stage_to_rank[s], []).append(s)
+        for r, stages in sorted(by_rank.items()):
+            if len(stages) > 1:
                 raise FSDPOptionError(
-                    f"stages {t} and {s} of this rank share the weight {other!r} ({name!r} in stage {s}), "
-                    "and FSDP shards each stage as its own unit, so the two would drift apart. Run a schedule "
-                    "that puts the tied stages on different ranks (1f1b, zbh1, interleaved), or engine='replicate'"
+                    f"engine='fsdp': schedule {schedule!r} puts stages {stages} on rank {r}, and they share the "
+                    f"tied weight {name!r}; FSDP shards each stage as its own unit, so that weight cannot be "
+                    "sharded once. Use a schedule that places those stages on different ranks (1f1b, zbh1, "
+                    "gpipe, interleaved), untie the weight, or engine='replicate' with shard_optimizer=True "
+                    "(ZeRO-1) for this schedule"
                 )
-            seen.setdefault(id(prm), (s, name))

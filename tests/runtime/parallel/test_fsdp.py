@@ -77,15 +77,84 @@ _RUNS: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 
 
+# Features combined with FSDP: (schedule, trainer options, autocast dtype); gradients after one
+# forward_backward against the plain model under the same autocast over the same micro-batches.
+COMBINED: dict[str, tuple[str, dict[str, Any], torch.dtype | None]] = {
+    "interleaved/recompute/bf16": ("interleaved", {"recompute": True, "precision": "bf16-uncast"}, torch.bfloat16),
+    "1f1b/fp16": ("1f1b", {"precision": "fp16-uncast"}, torch.float16),
+    "zbh1/recompute": ("zbh1", {"recompute": True}, None),
+}
+
+
+def _combined(schedule: str, opts: dict[str, Any], dtype: torch.dtype | None, ranks: int) -> float:
+    from runtime.precision import MixedPrecision
+    from test_mixed_precision import _accumulated
+
+    kw = dict(opts)
+    if str(kw.get("precision", "")).endswith("-uncast"):  # the wire keeps autocast's dtypes
+        kw["precision"] = MixedPrecision(kw["precision"].split("-")[0], cast_activations=False)
+    stages = 2 * ranks if schedule in ("zbv", "interleaved") else ranks
+    c = case("gpt2", stages)
+    ref = copy.deepcopy(c["model"])
+    trainer = make_trainer(c, stages, schedule, transport="dist", data_parallel=DataParallel(size=2, engine="fsdp"),
+                           optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), **kw)
+    gen = torch.Generator().manual_seed(11)
+    x = _fresh({"x": c["x"].new_empty(16, 8)}, gen)
+    y = _fresh_y({"y": c["y"].new_empty(16, 8)}, gen)
+    loss = trainer.forward_backward(*trainer.local_batch(x, y))
+    if dtype is None:
+        want_loss, want = reference_grads(c, ref, x, y)
+    else:
+        scale = trainer.scaler.scale if trainer.scaler is not None else 1.0
+        want_loss, want = _accumulated(ref, c["loss"], x, y, 2 * trainer.m, dtype, scale)
+    assert not trainer.last_found_inf
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+    worst = 0.0
+    for n, p in trainer.named_parameters():
+        assert p.grad is not None, n
+        g = p.grad.full_tensor()
+        worst = max(worst, float((g - want[n]).abs().max() / want[n].abs().max()))
+    return worst
+
+
+def _refusals(ranks: int) -> dict[str, str]:
+    """The messages of what FSDP refuses (every rank refuses alike, before any weight moves)."""
+    out = {}
+    c = case("gpt2", 2 * ranks)
+    try:  # ZB-V puts the tied embedding's two stages on rank 0
+        make_trainer(c, 2 * ranks, "zbv", transport="dist", data_parallel=DataParallel(size=2, engine="fsdp"))
+        out["zbv"] = ""
+    except Exception as e:
+        out["zbv"] = f"{type(e).__name__}: {e}"
+    c = case("mlp", ranks)
+    model = c["model"]
+    try:  # the factory ignores the shards it is given
+        make_trainer(c, ranks, "1f1b", transport="dist", data_parallel=DataParallel(size=2, engine="fsdp"),
+                     optimizer=lambda ps: torch.optim.SGD(model.parameters(), lr=0.1))
+        out["optimizer"] = ""
+    except Exception as e:
+        out["optimizer"] = f"{type(e).__name__}: {e}"
+    return out
+
+
 def _worker(rank: int, world: int, runs: dict[str, tuple[str, str, dict[str, Any]]]) -> dict[str, Any]:
+    import time
+    import traceback
+
     out: dict[str, Any] = {}
     for label, (name, schedule, opts) in runs.items():
+        t0 = time.perf_counter()
         try:
             out[label] = _fsdp_case(name, schedule, 2, world // 2, **opts)
         except Exception as e:  # reported by the test, with the label
-            import traceback
-
             out[label] = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
+        out[label]["seconds"] = time.perf_counter() - t0
+    for label, (schedule, opts, dtype) in COMBINED.items():
+        try:
+            out[label] = {"worst": _combined(schedule, opts, dtype, world // 2)}
+        except Exception as e:
+            out[label] = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
+    out["refused"] = _refusals(world // 2)
     return out
 
 
@@ -106,3 +175,33 @@ def test_fsdp_over_two_replicas_equals_the_plain_model(sharded: list[dict[str, A
         for got, want in r["norms"]:
             assert got == pytest.approx(want, rel=1e-5), label
         assert r["local"] <= r["whole"] // 2 + 64  # each replica holds half of its stages (rows rounded up)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("label", list(COMBINED))
+def test_fsdp_with_recomputation_and_mixed_precision(sharded: list[dict[str, Any]], label: str) -> None:
+    # Autocast (bf16, fp16 with loss scaling) and recomputation run inside the stage's forward and
+    # backward, which FSDP gathers around: the gathered gradients equal the plain model's under
+    # the same autocast over the same micro-batches (round-off only).
+    for r in sharded:
+        assert "error" not in r[label], r[label].get("error")
+        assert r[label]["worst"] < 1e-5, label
+
+
+@pytest.mark.multiprocess
+def test_fsdp_refuses_a_weight_tied_within_a_rank_and_an_optimizer_over_other_tensors(
+    sharded: list[dict[str, Any]]
+) -> None:
+    for r in sharded:
+        zbv, opt = r["refused"]["zbv"], r["refused"]["optimizer"]
+        assert zbv.startswith("FSDPOptionError") and "'model.lm_head.weight'" in zbv and "1f1b" in zbv, zbv
+        assert opt.startswith("FSDPOptionError") and "lambda params" in opt, opt
+
+
+def test_engine_options_are_checked() -> None:
+    from runtime.errors import TrainerOptionError
+
+    with pytest.raises(TrainerOptionError, match="'replicate'"):
+        DataParallel(engine="ddp")
+    with pytest.raises(TrainerOptionError, match="ZeRO-1"):
+        DataParallel(size=2, engine="fsdp", shard_optimizer=True)

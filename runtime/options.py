@@ -328,7 +328,8 @@ def apply_layout(options: TrainerOptions, layout: Layout | None, mode: str) -> T
                 f"to run one replica here, pass data_parallel=1 (and microbatches={layout.microbatches * layout.dp} "
                 "for the same step)"
             )
-        dp = dataclasses.replace(dp, size=layout.dp, shard_optimizer=dp.shard_optimizer or (layout.zero == "zero1" and dp.engine != "fsdp"))
+        zero1 = layout.zero == "zero1" and dp.engine != "fsdp"  # FSDP shards the optimizer state anyway
+        dp = dataclasses.replace(dp, size=layout.dp, shard_optimizer=dp.shard_optimizer or zero1)
     elif dp.size is not None and dp.size != layout.dp:
         log.warning("running %d replicas; the plan's layout was priced for %d (%s)", dp.size, layout.dp, layout.label())
     return dataclasses.replace(options, data_parallel=dp)

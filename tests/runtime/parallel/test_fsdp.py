@@ -5,6 +5,7 @@ global batch (loss, clipped AdamW steps, every parameter after them)."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,7 +16,7 @@ from runtime.transport.launch import spawn
 from tests.runtime.parity import TOL, _fresh, _fresh_y, case, make_trainer, reference_grads
 
 
-def _fsdp_case(name: str, schedule: str, dp: int, ranks: int, **opts: Any) -> dict[str, Any]:
+def _fsdp_case(name: str, schedule: str, dp: int, ranks: int, folder: str | None = None, **opts: Any) -> dict[str, Any]:
     """One (model, schedule) on this rank: forward_backward, then 2 clipped AdamW steps, each
     compared with the unpartitioned model; the parameters gathered from their shards at the end."""
     from torch.distributed.tensor import DTensor
@@ -58,10 +59,58 @@ def _fsdp_case(name: str, schedule: str, dp: int, ranks: int, **opts: Any) -> di
     for n, prm in trainer.named_parameters():
         torch.testing.assert_close(prm.detach().full_tensor(), ref_params[n].detach(), **TOL,
                                    msg=lambda m, n=n: f"{n}: {m}")
+    out: dict[str, Any] = {}
+    if folder is not None:
+        out["checkpoint"] = _round_trip(trainer, name, schedule, stages, dp, opt, Path(folder), ref_params, fresh)
     local = sum(p.to_local().numel() for p in trainer.parameters())
     whole = sum(p.numel() for p in trainer.parameters())
-    return {"checked": checked, "norms": norms, "local": local, "whole": whole,
+    return {**out, "checked": checked, "norms": norms, "local": local, "whole": whole,
             "dp_rank": trainer.mesh.dp_rank, "pp_rank": trainer.mesh.pp_rank}
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A whole tensor: a DTensor gathered from its shards, else itself."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _round_trip(trainer: Any, name: str, schedule: str, stages: int, dp: int, opt: Any, folder: Path,
+                ref_params: dict[str, torch.Tensor], fresh: Any) -> list[str]:
+    """Save under FSDP; load into the plain model, into a new FSDP trainer (which then steps as
+    the saved one does) and into the home-made engine's; returns what was checked."""
+    import torch.distributed as dist
+
+    from runtime.state.checkpoint import load_model
+
+    trainer.save(folder / "ckpt")
+    done = []
+    if dist.get_rank() == 0:
+        plain = copy.deepcopy(case(name, stages)["model"])
+        load_model(plain, folder / "ckpt")
+        for n, prm in plain.named_parameters():
+            torch.testing.assert_close(prm, ref_params[n].detach(), **TOL)
+        done.append("plain model")
+    moments = {n: trainer.optimizer.state[p]["exp_avg"].full_tensor() for n, p in trainer.named_parameters()}
+    for engine in ("fsdp", "replicate"):
+        again = make_trainer(case(name, stages), stages, schedule, transport="dist", optimizer=opt,
+                             data_parallel=DataParallel(size=dp, engine=engine))
+        again.load(folder / "ckpt")
+        assert again.step_count == trainer.step_count
+        for n, p in again.named_parameters():
+            torch.testing.assert_close(_full(p.detach()), ref_params[n].detach(), **TOL)
+            torch.testing.assert_close(_full(again.optimizer.state[p]["exp_avg"]), moments[n], rtol=0, atol=0)
+        done.append(engine)
+    x, y = fresh()  # the resumed FSDP trainer steps as the saved one: the last one built is
+    a = trainer.step(*trainer.local_batch(x, y), max_norm=0.5)  # the home-made, so build FSDP again
+    resumed = make_trainer(case(name, stages), stages, schedule, transport="dist", optimizer=opt,
+                           data_parallel=DataParallel(size=dp, engine="fsdp"))
+    resumed.load(folder / "ckpt")
+    b = resumed.step(*resumed.local_batch(x, y), max_norm=0.5)
+    assert float(a) == float(b)
+    mine = dict(resumed.named_parameters())
+    for n, p in trainer.named_parameters():
+        torch.testing.assert_close(mine[n].full_tensor(), p.full_tensor(), rtol=0, atol=0)
+    done.append("resumed")
+    return done
 
 
 # Every FSDP run of this file, in one spawn of 4 processes (2 replicas x 2 ranks):
@@ -137,7 +186,7 @@ def _refusals(ranks: int) -> dict[str, str]:
     return out
 
 
-def _worker(rank: int, world: int, runs: dict[str, tuple[str, str, dict[str, Any]]]) -> dict[str, Any]:
+def _worker(rank: int, world: int, runs: dict[str, tuple[str, str, dict[str, Any]]], tmp: str) -> dict[str, Any]:
     import time
     import traceback
 
@@ -145,7 +194,8 @@ def _worker(rank: int, world: int, runs: dict[str, tuple[str, str, dict[str, Any
     for label, (name, schedule, opts) in runs.items():
         t0 = time.perf_counter()
         try:
-            out[label] = _fsdp_case(name, schedule, 2, world // 2, **opts)
+            where = str(Path(tmp) / label.replace("/", "-")) if label in _SAVED else None
+            out[label] = _fsdp_case(name, schedule, 2, world // 2, where, **opts)
         except Exception as e:  # reported by the test, with the label
             out[label] = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
         out[label]["seconds"] = time.perf_counter() - t0
@@ -158,10 +208,17 @@ def _worker(rank: int, world: int, runs: dict[str, tuple[str, str, dict[str, Any
     return out
 
 
+_SAVED = ("gpt2/1f1b",)  # runs that save a checkpoint and load it three ways
+
+
 @pytest.fixture(scope="module")
-def sharded() -> list[dict[str, Any]]:
-    """Each rank's results of every run in ``_RUNS``: one spawn for the file."""
-    return spawn(_worker, 4, _RUNS, timeout=900)
+def sharded(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """Each rank's results of every run in ``_RUNS``, ``COMBINED`` and the refusals: one spawn
+    for the file (starting 4 processes and importing torch cost more than a run)."""
+    tmp = tmp_path_factory.mktemp("fsdp")
+    for label in _SAVED:
+        (tmp / label.replace("/", "-")).mkdir()
+    return spawn(_worker, 4, _RUNS, str(tmp), timeout=900)
 
 
 @pytest.mark.multiprocess
@@ -205,3 +262,13 @@ def test_engine_options_are_checked() -> None:
         DataParallel(engine="ddp")
     with pytest.raises(TrainerOptionError, match="ZeRO-1"):
         DataParallel(size=2, engine="fsdp", shard_optimizer=True)
+
+
+@pytest.mark.multiprocess
+def test_an_fsdp_checkpoint_loads_unsharded_sharded_and_resumes_exactly(sharded: list[dict[str, Any]]) -> None:
+    # DCP writes each rank's shards; the plain model, a new FSDP trainer and the home-made
+    # engine's trainer read every weight and Adam moment back, and the new FSDP trainer's next
+    # step equals the saved one's bit for bit.
+    for rank, r in enumerate(sharded):
+        want = (["plain model"] if rank == 0 else []) + ["fsdp", "replicate", "resumed"]
+        assert r["gpt2/1f1b"]["checkpoint"] == want

@@ -4,7 +4,9 @@ global batch (loss, clipped AdamW steps, every parameter after them)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +37,8 @@ def _fsdp_case(name: str, schedule: str, dp: int, ranks: int, folder: str | None
     fresh = lambda: (_fresh({"x": c["x"].new_empty(rows, *c["x"].shape[1:])}, gen),  # noqa: E731
                      _fresh_y({"y": c["y"].new_empty(rows, *c["y"].shape[1:])}, gen))
     x, y = fresh()
-    loss = trainer.forward_backward(*trainer.local_batch(x, y))
+    with _counting_all_gathers() as gathers:
+        loss = trainer.forward_backward(*trainer.local_batch(x, y))
     want_loss, want = reference_grads(c, ref, x, y)
     torch.testing.assert_close(loss, want_loss, **TOL)
     checked = []
@@ -64,8 +67,28 @@ def _fsdp_case(name: str, schedule: str, dp: int, ranks: int, folder: str | None
         out["checkpoint"] = _round_trip(trainer, name, schedule, stages, dp, opt, Path(folder), ref_params, fresh)
     local = sum(p.to_local().numel() for p in trainer.parameters())
     whole = sum(p.numel() for p in trainer.parameters())
-    return {**out, "checked": checked, "norms": norms, "local": local, "whole": whole,
+    return {**out, "gathers": gathers[0], "stages_here": len(trainer.stages), "checked": checked, "norms": norms,
+            "local": local, "whole": whole,
             "dp_rank": trainer.mesh.dp_rank, "pp_rank": trainer.mesh.pp_rank}
+
+
+@contextlib.contextmanager
+def _counting_all_gathers() -> Iterator[list[int]]:
+    """Count FSDP's parameter all-gathers within (one per FSDP unit gathered)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group
+
+    count = [0]
+    real = group.foreach_all_gather
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        return real(*args, **kwargs)
+
+    group.foreach_all_gather = counted
+    try:
+        yield count
+    finally:
+        group.foreach_all_gather = real
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -272,3 +295,12 @@ def test_an_fsdp_checkpoint_loads_unsharded_sharded_and_resumes_exactly(sharded:
     for rank, r in enumerate(sharded):
         want = (["plain model"] if rank == 0 else []) + ["fsdp", "replicate", "resumed"]
         assert r["gpt2/1f1b"]["checkpoint"] == want
+
+
+@pytest.mark.multiprocess
+def test_reshard_after_forward_false_gathers_a_stage_once_per_step(sharded: list[dict[str, Any]]) -> None:
+    # ZeRO-3 gathers a stage again for backward after each forward freed it; kept gathered, a
+    # stage is gathered at its first forward and freed after its last backward: once per step.
+    for r in sharded:
+        assert r["gpt2/1f1b/gathered"]["gathers"] == r["gpt2/1f1b/gathered"]["stages_here"] == 1
+        assert r["gpt2/1f1b"]["gathers"] >= 4  # at least one per micro-batch's backward (m = 4)

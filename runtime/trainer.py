@@ -42,7 +42,7 @@ from runtime.execute.wiring import model_output
 from runtime.metrics import step_metrics
 from runtime.options import DataParallel, Execution, Init, apply_layout, resolve_options
 from runtime.parallel.clipping import clip_grad_norm_
-from runtime.parallel.fsdp import FSDPReplicas, check_optimizer
+from runtime.parallel.fsdp import FSDPReplicas, check_optimizer, whole_buffers
 from runtime.parallel.tied import copy_tied_values, second_copies, sum_tied_grads
 from runtime.precision import LossScaler, MixedPrecision, resolve_precision, wire_dtypes
 from runtime.state import checkpoint
@@ -403,11 +403,13 @@ class PipelineTrainer:
         """
         spec = weights if isinstance(weights, Weights) else Weights(weights)
         into, stage_of = stage_tensors({s: st.module for s, st in self.stages.items()})
+        into, scatter = whole_buffers(into)  # FSDP: read whole tensors, keep this rank's shards
         report = load_weights(
             spec.source, into, names=list(self.plan.model.state_dict(keep_vars=True)),
             aliases=self.plan.param_aliases, stage_of=stage_of, prefix=spec.prefix, cast=spec.cast,
             strict=spec.strict,
         )
+        scatter()
         self.sync_tied_copies()
         return report
 

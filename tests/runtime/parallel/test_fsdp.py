@@ -98,14 +98,21 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 def _round_trip(trainer: Any, name: str, schedule: str, stages: int, dp: int, opt: Any, folder: Path,
                 ref_params: dict[str, torch.Tensor], fresh: Any) -> list[str]:
-    """Save under FSDP; load into the plain model, into a new FSDP trainer (which then steps as
-    the saved one does) and into the home-made engine's; returns what was checked."""
+    """Save under FSDP and export safetensors; load the export as an FSDP trainer's weights, the
+    checkpoint into the plain model, into a new FSDP trainer (which then steps as the saved one
+    does) and into the home-made engine's; returns what was checked."""
     import torch.distributed as dist
 
     from runtime.state.checkpoint import load_model
 
     trainer.save(folder / "ckpt")
+    trainer.export_safetensors(folder / "hf")  # gathered from the shards, written by the first replica
     done = []
+    loaded = make_trainer(case(name, stages), stages, schedule, transport="dist", optimizer=opt,
+                          data_parallel=DataParallel(size=dp, engine="fsdp"), weights=folder / "hf")
+    for n, p in loaded.named_parameters():  # each rank read its stages and kept its shards
+        torch.testing.assert_close(p.detach().full_tensor(), ref_params[n].detach(), **TOL)
+    done.append("weights")
     if dist.get_rank() == 0:
         plain = copy.deepcopy(case(name, stages)["model"])
         load_model(plain, folder / "ckpt")
@@ -289,11 +296,12 @@ def test_engine_options_are_checked() -> None:
 
 @pytest.mark.multiprocess
 def test_an_fsdp_checkpoint_loads_unsharded_sharded_and_resumes_exactly(sharded: list[dict[str, Any]]) -> None:
+    # A safetensors export gathers the shards and loads back per stage as weights=.
     # DCP writes each rank's shards; the plain model, a new FSDP trainer and the home-made
     # engine's trainer read every weight and Adam moment back, and the new FSDP trainer's next
     # step equals the saved one's bit for bit.
     for rank, r in enumerate(sharded):
-        want = (["plain model"] if rank == 0 else []) + ["fsdp", "replicate", "resumed"]
+        want = ["weights"] + (["plain model"] if rank == 0 else []) + ["fsdp", "replicate", "resumed"]
         assert r["gpt2/1f1b"]["checkpoint"] == want
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -98,11 +97,11 @@ def place(
 
 def assemble(
     plan: Plan, schedule: Schedule, mode: str, m: int, execution: Execution, init: Init, dp: DataParallel,
-    *, mp_policy: Any = None,
+    *, gather_dtype: torch.dtype | None = None,
 ) -> Assembly:
     """Build this process's stages of ``plan`` as ``schedule`` places them (``mode``: the
     resolved transport, ``m``: micro-batches per step), materialised, tied and replicated
-    (``dp.engine='fsdp'``: sharded by FSDP2, with ``mp_policy`` its ``MixedPrecisionPolicy``).
+    (``dp.engine='fsdp'``: sharded by FSDP2, weights all-gathered in ``gather_dtype`` if given).
 
     Raises:
         PlacementError: see :func:`place`.
@@ -128,7 +127,7 @@ def assemble(
     replicas: Replicas | FSDPReplicas
     if fsdp:
         replicas = FSDPReplicas(placement.mesh, {s: st.module for s, st in stages.items()}, tied=tied,
-                                reshard_after_forward=dp.reshard_after_forward, mp_policy=mp_policy)
+                                reshard_after_forward=dp.reshard_after_forward, gather_dtype=gather_dtype)
         tied = replicas.tied
     else:
         replicas = Replicas(

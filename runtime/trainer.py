@@ -44,7 +44,7 @@ from runtime.options import DataParallel, Execution, Init, apply_layout, resolve
 from runtime.parallel.clipping import clip_grad_norm_
 from runtime.parallel.fsdp import FSDPReplicas, check_optimizer, whole_buffers
 from runtime.parallel.tied import copy_tied_values, second_copies, sum_tied_grads
-from runtime.precision import LossScaler, MixedPrecision, resolve_precision, wire_dtypes
+from runtime.precision import LossScaler, MixedPrecision, PrecisionError, resolve_precision, wire_dtypes
 from runtime.state import checkpoint
 from runtime.state.weights import LoadReport, Weights, load_weights, stage_tensors
 from runtime.transport.agreement import StepAgreement
@@ -153,7 +153,14 @@ class PipelineTrainer:
         self._out_spec = plan.output_treespec()  # what the model returns; loss_fn and predict get it
         self.mode = resolve_mode(ex.transport)
         self.options = apply_layout(self.options, getattr(plan, "layout", None), self.mode)
-        built = assemble(plan, self.schedule, self.mode, self.m, ex, self.options.init, self.options.data_parallel)
+        built = assemble(plan, self.schedule, self.mode, self.m, ex, self.options.init, self.options.data_parallel,
+                         gather_dtype=mp.dtype if mp.gather_low_precision else None)
+        if mp.gather_low_precision and not isinstance(built.replicas, FSDPReplicas):
+            raise PrecisionError(
+                f"precision={mp!r} gathers weights in {mp.name}, which only FSDP does: pass "
+                "data_parallel=DataParallel(size=dp, engine='fsdp') with dp >= 2 under torchrun, or drop "
+                "gather_low_precision (autocast alone keeps the plain model's numerics)"
+            )
         self.mesh, self.rank, self.devices = built.placement.mesh, built.placement.rank, built.placement.devices
         self._ranks, self.stages, self._ios = list(built.placement.ranks), built.stages, built.ios
         self._tied, self._replicas = built.tied, built.replicas

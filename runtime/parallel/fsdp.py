@@ -123,7 +123,8 @@ class FSDPReplicas:
         tied: this process's copies of weights tied across ranks (``tie_copies``); :attr:`tied`
             holds the same groups with the shards in place of the copies.
         reshard_after_forward: ZeRO-3 (``True``) or keep gathered over a step (``False``).
-        mp_policy: FSDP's ``MixedPrecisionPolicy``, or ``None`` for fp32 throughout.
+        gather_dtype: all-gather the weights in this dtype (FSDP's ``MixedPrecisionPolicy``,
+            gradients reduced in fp32); ``None``: in their own (fp32).
 
     Raises:
         FSDPOptionError: ``dp < 2`` (nothing to shard). A weight two stages of this process
@@ -139,7 +140,7 @@ class FSDPReplicas:
         *,
         tied: Sequence[TiedGroup] = (),
         reshard_after_forward: bool = True,
-        mp_policy: Any = None,
+        gather_dtype: torch.dtype | None = None,
     ) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -151,8 +152,10 @@ class FSDPReplicas:
         self.mesh = mesh
         dp_mesh = mesh.device_mesh["dp"]
         kw: dict[str, Any] = {"mesh": dp_mesh, "reshard_after_forward": reshard_after_forward}
-        if mp_policy is not None:
-            kw["mp_policy"] = mp_policy if isinstance(mp_policy, MixedPrecisionPolicy) else MixedPrecisionPolicy()
+        if gather_dtype is not None:
+            # Inputs are left as they come: autocast decides each op's dtype, as without FSDP.
+            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=gather_dtype, reduce_dtype=torch.float32,
+                                                   cast_forward_inputs=False)
         self.modules = dict(modules)
         where = _names_of([c for copies, _ in tied for c in copies], self.modules)
         for module in self.modules.values():

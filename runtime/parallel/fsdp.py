@@ -6,8 +6,8 @@ Legend: ``dp`` replicas, ``s`` a stage of this process, ``m`` micro-batches of a
 Each of this process's stage modules is ``fully_shard``-ed over the ``"dp"`` dimension of the
 job's ``("dp", "pp")`` mesh, as torchtitan composes FSDP2 with pipeline stages. A stage is one
 FSDP unit: stage modules are ``torch.fx`` graphs that read their parameters through ``get_attr``
-and call no submodule, so a block's forward hooks would never fire and the stage is the
-smallest module FSDP can gather around. Its parameters become ``DTensor`` shards (``1 / dp``
+or call leaf layers (an ``nn.Linear``), never a block, so a block's forward hooks would never
+fire and the stage is the smallest module FSDP can gather around. Its parameters become ``DTensor`` shards (``1 / dp``
 of each per replica), gathered for a forward and for a backward:
 
 * ``reshard_after_forward=True`` (ZeRO-3): freed after each forward, gathered again for each
@@ -16,9 +16,12 @@ of each per replica), gathered for a forward and for a backward:
 * Gradients accumulate unsharded over the step's micro-batches (sync off) and are
   reduce-scattered once, averaged over the replicas, when the executor reports the stage's last
   backward action (``B``, or the last ``W`` under split backward); the stage is then resharded.
-  That reduction is started by hand (:meth:`FSDPReplicas.stage_done`), as torch's own pipelining
-  does (``_PipelineStageBase.perform_reduce_grad``): a pipeline calls backward once per
-  micro-batch and, under split backward, twice, while FSDP's hooks assume one backward per step.
+  That reduction is started by hand (``FSDPReplicas.averager.stage_done``), as torch's own
+  pipelining does (``_PipelineStageBase.perform_reduce_grad``): a pipeline calls backward once
+  per micro-batch and, under split backward, twice, while FSDP's hooks assume one backward per
+  step. Like torch's pipelining this reaches into FSDP's private state (the param groups'
+  ``post_backward``, the root's final callback, ``FSDPParam._unsharded_param``); the exactness
+  tests in ``tests/runtime/parallel/test_fsdp.py`` pin that behaviour for every schedule.
 * Split backward asks autograd for the gathered parameters, the ones the graph accumulates into
   (``pipecut_autograd_params`` on the stage module): FSDP reads their gradients at the reduction.
 
@@ -83,6 +86,7 @@ class _StageReducer:
     def __init__(self, modules: Mapping[int, nn.Module]) -> None:
         self._modules = dict(modules)
         self._done: set[int] = set()
+        self._finished = False
 
     def stage_done(self, s: int) -> None:
         """Stage ``s`` adds no more gradient this step: reduce-scatter it and reshard."""
@@ -103,15 +107,24 @@ class _StageReducer:
         """Reduce the stages no backward reached (they hold no gradient: FSDP leaves theirs ``None``)."""
         for s in self._modules:
             self.stage_done(s)
+        self._finished = True
 
     def reset(self) -> None:
-        """Forget a step: gathered gradients a failed step left are dropped."""
+        """Ready for the next step. After a step that failed midway, FSDP's own step state is
+        reset too (collectives waited for, every stage resharded) and the gathered gradients
+        it left are dropped."""
+        if not self._finished:
+            for module in self._modules.values():
+                state = module._get_fsdp_state()  # type: ignore[operator]
+                reset_iter = getattr(state, "_reset_iter_state", None)
+                if callable(reset_iter):
+                    reset_iter()
+                for fp in _fsdp_params(module):
+                    prm = getattr(fp, "_unsharded_param", None)
+                    if prm is not None:
+                        prm.grad = None
         self._done = set()
-        for module in self._modules.values():
-            for fp in _fsdp_params(module):
-                prm = getattr(fp, "_unsharded_param", None)
-                if prm is not None:
-                    prm.grad = None
+        self._finished = False
 
 
 class FSDPReplicas:

@@ -100,7 +100,8 @@ def _round_trip(trainer: Any, name: str, schedule: str, stages: int, dp: int, op
                 ref_params: dict[str, torch.Tensor], fresh: Any) -> list[str]:
     """Save under FSDP and export safetensors; load the export as an FSDP trainer's weights, the
     checkpoint into the plain model, into a new FSDP trainer (which then steps as the saved one
-    does) and into the home-made engine's; returns what was checked."""
+    does), into the home-made engine's and into an FSDP trainer of another plan; returns what
+    was checked."""
     import torch.distributed as dist
 
     from runtime.state.checkpoint import load_model
@@ -119,16 +120,21 @@ def _round_trip(trainer: Any, name: str, schedule: str, stages: int, dp: int, op
         for n, prm in plain.named_parameters():
             torch.testing.assert_close(prm, ref_params[n].detach(), **TOL)
         done.append("plain model")
-    moments = {n: trainer.optimizer.state[p]["exp_avg"].full_tensor() for n, p in trainer.named_parameters()}
-    for engine in ("fsdp", "replicate"):
-        again = make_trainer(case(name, stages), stages, schedule, transport="dist", optimizer=opt,
+    mine = {n: trainer.optimizer.state[p]["exp_avg"].full_tensor() for n, p in trainer.named_parameters()}
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)  # another plan puts other parameters on this rank
+    moments = {n: t for part in every for n, t in part.items()}
+    # Another engine, and another plan (interleaved: twice the stages, two per rank).
+    for engine, plan in (("fsdp", schedule), ("replicate", schedule), ("fsdp", "interleaved")):
+        n_stages = 2 * stages if plan == "interleaved" else stages
+        again = make_trainer(case(name, n_stages), n_stages, plan, transport="dist", optimizer=opt,
                              data_parallel=DataParallel(size=dp, engine=engine))
         again.load(folder / "ckpt")
         assert again.step_count == trainer.step_count
         for n, p in again.named_parameters():
             torch.testing.assert_close(_full(p.detach()), ref_params[n].detach(), **TOL)
             torch.testing.assert_close(_full(again.optimizer.state[p]["exp_avg"]), moments[n], rtol=0, atol=0)
-        done.append(engine)
+        done.append(f"{engine} {plan}")
     x, y = fresh()  # the resumed FSDP trainer steps as the saved one: the last one built is
     a = trainer.step(*trainer.local_batch(x, y), max_norm=0.5)  # the home-made, so build FSDP again
     resumed = make_trainer(case(name, stages), stages, schedule, transport="dist", optimizer=opt,
@@ -322,7 +328,8 @@ def test_an_fsdp_checkpoint_loads_unsharded_sharded_and_resumes_exactly(sharded:
     # engine's trainer read every weight and Adam moment back, and the new FSDP trainer's next
     # step equals the saved one's bit for bit.
     for rank, r in enumerate(sharded):
-        want = ["weights"] + (["plain model"] if rank == 0 else []) + ["fsdp", "replicate", "resumed"]
+        want = ["weights"] + (["plain model"] if rank == 0 else []) + [
+            "fsdp 1f1b", "replicate 1f1b", "fsdp interleaved", "resumed"]
         assert r["gpt2/1f1b"]["checkpoint"] == want
 
 

@@ -154,6 +154,7 @@ def _round_trip(trainer: Any, name: str, schedule: str, stages: int, dp: int, op
 _RUNS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "gpt2/1f1b": ("gpt2", "1f1b", {}),
     "gpt2/1f1b/gathered": ("gpt2", "1f1b", {"reshard_after_forward": False}),
+    "gpt2/zbh1/gathered": ("gpt2", "zbh1", {"reshard_after_forward": False}),
     "gpt2/zbh1": ("gpt2", "zbh1", {}),
     "gpt2/gpipe": ("gpt2", "gpipe", {}),
     "gpt2/interleaved": ("gpt2", "interleaved", {}),
@@ -219,6 +220,28 @@ def _combined(name: str, schedule: str, opts: dict[str, Any], dtype: torch.dtype
     return worst, sorted(str(d) for d in gathered)
 
 
+def _accumulated(ranks: int) -> float:
+    """Two forward_backward calls before a step add up as the plain model's gradients of both
+    batches (each call's own are reduced, then the earlier ones added back)."""
+    c = case("gpt2", ranks)
+    ref = copy.deepcopy(c["model"])
+    trainer = make_trainer(c, ranks, "zbh1", transport="dist", data_parallel=DataParallel(size=2, engine="fsdp"),
+                           optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    gen = torch.Generator().manual_seed(5)
+    want: dict[str, torch.Tensor] = {}
+    for _ in range(2):
+        x = _fresh({"x": c["x"].new_empty(16, 8)}, gen)
+        y = _fresh_y({"y": c["y"].new_empty(16, 8)}, gen)
+        trainer.forward_backward(*trainer.local_batch(x, y))
+        for n, g in reference_grads(c, ref, x, y)[1].items():
+            want[n] = want[n] + g if n in want else g
+    worst = 0.0
+    for n, p in trainer.named_parameters():
+        assert p.grad is not None, n
+        worst = max(worst, float((p.grad.full_tensor() - want[n]).abs().max() / want[n].abs().max()))
+    return worst
+
+
 def _refusals(ranks: int) -> dict[str, str]:
     """The messages of what FSDP refuses (every rank refuses alike, before any weight moves)."""
     out = {}
@@ -259,6 +282,10 @@ def _worker(rank: int, world: int, runs: dict[str, tuple[str, str, dict[str, Any
         except Exception as e:
             out[label] = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
     out["refused"] = _refusals(world // 2)
+    try:
+        out["accumulated"] = _accumulated(world // 2)
+    except Exception as e:
+        out["accumulated"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
     return out
 
 
@@ -340,3 +367,10 @@ def test_reshard_after_forward_false_gathers_a_stage_once_per_step(sharded: list
     for r in sharded:
         assert r["gpt2/1f1b/gathered"]["gathers"] == r["gpt2/1f1b/gathered"]["stages_here"] == 1
         assert r["gpt2/1f1b"]["gathers"] >= 4  # at least one per micro-batch's backward (m = 4)
+
+
+@pytest.mark.multiprocess
+def test_fsdp_accumulates_gradients_over_two_calls(sharded: list[dict[str, Any]]) -> None:
+    for r in sharded:
+        assert isinstance(r["accumulated"], float), r["accumulated"]
+        assert r["accumulated"] < 1e-5

@@ -25,7 +25,11 @@ is counted), and run in the same 4 processes, one ``runtime.transport.launch.spa
   trainer (each rank holds the whole model);
 * ``d: 2 dp x 2 pp, all-reduce after``: as ``a`` with ``overlap_grad_reduce=False`` (the
   exchange starts when the whole pipeline has finished: a barrier over its ranks first);
-* ``e`` / ``f``: ``a`` / ``d`` with the interleaved schedule (a 4-stage plan, two stages per rank).
+* ``e`` / ``f``: ``a`` / ``d`` with the interleaved schedule (a 4-stage plan, two stages per rank);
+* ``g`` / ``h``: ``a`` on FSDP2 (``DataParallel(engine='fsdp')``): each stage's parameters
+  sharded over its 2 replicas, gathered for every forward and backward (``g``, ZeRO-3) or kept
+  gathered through the step (``h``), gradients reduce-scattered once per step. Their "grad
+  all-reduce" column is 0 (FSDP reduce-scatters); "param MiB/rank" shows the shards.
 
 Why ``e`` and ``f``: with one stage per rank a stage's last backward is its rank's last action, so
 in ``a`` only the ranks that finish early (the last ones, under 1F1B) reduce while the others
@@ -89,7 +93,11 @@ CONFIGS: dict[str, tuple[int, int, bool, str]] = {
     "d: 2 dp x 2 pp, all-reduce after": (2, 2, False, "1f1b"),
     "e: 2 dp x 2 pp interleaved": (2, 2, True, "interleaved"),
     "f: 2 dp x 2 pp interleaved, all-reduce after": (2, 2, False, "interleaved"),
+    "g: 2 dp x 2 pp FSDP": (2, 2, True, "1f1b"),
+    "h: 2 dp x 2 pp FSDP kept gathered": (2, 2, True, "1f1b"),
 }
+# The configurations run on FSDP2 (DataParallel(engine='fsdp')): name -> reshard_after_forward.
+FSDP: dict[str, bool] = {"g: 2 dp x 2 pp FSDP": True, "h: 2 dp x 2 pp FSDP kept gathered": False}
 # Stages per rank of a schedule (the interleaved one puts two on each rank).
 # The overlap comparisons: (with, without) overlap_grad_reduce.
 _OVERLAP = {"1f1b": ("a: 2 dp x 2 pp", "d: 2 dp x 2 pp, all-reduce after"),
@@ -140,15 +148,17 @@ def _data(cfg: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _trainer(
-    model: nn.Module, cfg: dict[str, Any], dp: int, pp: int, overlap: bool, schedule: str
+    model: nn.Module, cfg: dict[str, Any], dp: int, pp: int, overlap: bool, schedule: str,
+    reshard_after_forward: bool | None = None,
 ) -> PipelineTrainer:
     m = cfg["batch"] // (dp * cfg["micro_batch"])  # micro-batches per replica
     example = (_data({**cfg, "batch": cfg["micro_batch"]})[0],)
     # A copy per configuration: the stages share the parameters of the model they were cut from.
     plan = partition(copy.deepcopy(model), example, pp * stages_per_rank(schedule), microbatches=m, schedule=schedule)
+    replicas = (DataParallel(size=dp, overlap_grad_reduce=overlap) if reshard_after_forward is None
+                else DataParallel(size=dp, engine="fsdp", reshard_after_forward=reshard_after_forward))
     return PipelineTrainer(plan, _loss(cfg), lambda ps: torch.optim.SGD(ps, lr=1e-3),
-                           execution=Execution(schedule=schedule, transport="dist"),
-                           data_parallel=DataParallel(size=dp, overlap_grad_reduce=overlap))
+                           execution=Execution(schedule=schedule, transport="dist"), data_parallel=replicas)
 
 
 @contextmanager
@@ -179,14 +189,20 @@ def _check(tr: PipelineTrainer, x: torch.Tensor, y: torch.Tensor, want_loss: tor
     torch.testing.assert_close(loss, want_loss, rtol=RTOL, atol=ATOL)
     worst = 0.0
     trainable = {}
+    sharded = False
     for name, prm in tr.named_parameters():
         assert prm.grad is not None, f"{name} has no gradient"
-        torch.testing.assert_close(prm.grad, want[name], rtol=RTOL, atol=ATOL, msg=f"gradient of {name} differs")
-        worst = max(worst, (prm.grad - want[name]).abs().max().item())
-        trainable[id(prm)] = prm.numel() * prm.element_size()
+        grad = prm.grad
+        if hasattr(grad, "full_tensor"):  # FSDP: this rank's shard; the check gathers it
+            sharded = True
+            grad = grad.full_tensor()
+        torch.testing.assert_close(grad, want[name], rtol=RTOL, atol=ATOL, msg=f"gradient of {name} differs")
+        worst = max(worst, (grad - want[name]).abs().max().item())
+        local = prm.to_local() if hasattr(prm, "to_local") else prm
+        trainable[id(prm)] = local.numel() * local.element_size()  # what this rank holds
     param_bytes = sum(trainable.values())
     grad_bytes = sum(calls)
-    if tr.mesh.dp > 1:  # every trainable parameter this rank holds is averaged, once
+    if tr.mesh.dp > 1 and not sharded:  # every trainable parameter this rank holds is averaged, once
         assert grad_bytes == param_bytes, (grad_bytes, param_bytes)
     tr.zero_grad()
     return {"loss": float(loss), "max_abs_grad_diff": worst, "grad_allreduce_bytes": grad_bytes,
@@ -208,7 +224,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     phases["reference"] = time.perf_counter()
 
     names = [n for n in CONFIGS if not cfg["only"] or n[0] in cfg["only"] or n == BASELINE]
-    trainers = {name: _trainer(model, cfg, *CONFIGS[name]) for name in names}  # same order on every rank
+    trainers = {name: _trainer(model, cfg, *CONFIGS[name], FSDP.get(name)) for name in names}  # same order everywhere
     phases["build"] = time.perf_counter()
     checks = {name: _check(tr, x, y, want_loss, want) for name, tr in trainers.items()}
     phases["check"] = time.perf_counter()
@@ -282,7 +298,7 @@ def _grad_bytes(checks: list[dict[str, Any]]) -> dict[str, list[int]]:
 
 
 def _print(cfg: dict[str, Any], summary: dict[str, dict[str, Any]], ratios: dict[str, float],
-           grad_bytes: dict[str, list[int]]) -> None:
+           grad_bytes: dict[str, list[int]], param_bytes: dict[str, list[int]]) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -292,7 +308,7 @@ def _print(cfg: dict[str, Any], summary: dict[str, dict[str, Any]], ratios: dict
              f"(same matmul sizes); median of {cfg['steps']} steps after {cfg['warmup']} warm-up")
     table = Table(title=title, title_justify="left")
     cols = ("configuration", "m/replica", "median ms", "p25 ms", "p75 ms", "min ms", "samples/s", "tokens/s", "vs b",
-            "grad all-reduce MiB/rank")
+            "grad all-reduce MiB/rank", "param MiB/rank")
     for col in cols:
         table.add_column(col, justify="left" if col == "configuration" else "right")
     for name, row in summary.items():
@@ -300,7 +316,8 @@ def _print(cfg: dict[str, Any], summary: dict[str, dict[str, Any]], ratios: dict
         table.add_row(name, str(row["microbatches_per_replica"]),
                       *(f"{row[k]:.1f}" for k in ("median_ms", "p25_ms", "p75_ms", "min_ms", "samples_per_s")),
                       f"{row['tokens_per_s']:.0f}", f"{row['throughput_vs_b']:.3f}",
-                      " / ".join(f"{v:.2f}" for v in mib))
+                      " / ".join(f"{v:.2f}" for v in mib),
+                      " / ".join(f"{v:.2f}" for v in sorted({b / 2**20 for b in param_bytes[name]})))
     rt = Table(title="ratios of medians, and medians of same-round ratios (> 1: the first named is faster)",
                title_justify="left")
     rt.add_column("ratio")
@@ -349,7 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     paired = _paired(times)
     checks = [r["checks"] for r in ranks]
     grad_bytes = _grad_bytes(checks)
-    _print(cfg, summary, {**ratios, **paired}, grad_bytes)
+    param_bytes = {name: [c[name]["param_bytes"] for c in checks] for name in checks[0]}
+    _print(cfg, summary, {**ratios, **paired}, grad_bytes, param_bytes)
     result = {
         "benchmark": "hybrid",
         "command": shlex.join(["python", "benchmarks/hybrid.py", *cli]),
@@ -358,13 +376,15 @@ def main(argv: list[str] | None = None) -> int:
                                                           if cfg["model"] == "gpt2" else " (partitioner.zoo.MLPChain)"),
                    "loss": "cross_entropy" if cfg["model"] == "gpt2" else "mse",
                    "optimizer": "SGD(lr=1e-3)", "tokens_per_step": cfg["batch"] * _tokens(cfg),
-                   "configurations": {k: {"dp": v[0], "pp": v[1], "overlap_grad_reduce": v[2], "schedule": v[3]}
+                   "configurations": {k: {"dp": v[0], "pp": v[1], "overlap_grad_reduce": v[2], "schedule": v[3],
+                                          "engine": "fsdp" if k in FSDP else "replicate"}
                                       for k, v in CONFIGS.items() if k in summary}},
         "env": run_env(load, t0),
         "results": summary,
         "ratios": ratios,
         "paired_ratios": paired,
         "grad_allreduce_bytes_per_rank": grad_bytes,
+        "param_bytes_per_rank": param_bytes,
         "checks": {f"rank {r}": c for r, c in enumerate(checks)},
         "phases_s": {f"rank {r}": res["phases_s"] for r, res in enumerate(ranks)},
         "times_ms": {k: [round(t * 1e3, 3) for t in v] for k, v in times.items()},

@@ -67,6 +67,7 @@ from runtime.errors import TrainerStateError as TrainerStateError
 from runtime.errors import TransportOptionError as TransportOptionError
 from runtime.execute.microbatch import MicrobatchError as MicrobatchError
 from runtime.execute.recompute import RecomputeOptionError as RecomputeOptionError
+from runtime.parallel.fsdp import FSDPOptionError as FSDPOptionError
 from runtime.precision import PrecisionError as PrecisionError
 from runtime.state.checkpoint import CheckpointError as CheckpointError
 from runtime.state.materialize import MaterializeError as MaterializeError

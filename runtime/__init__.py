@@ -34,6 +34,7 @@ from runtime.execute.saved_memory import SavedBytes
 from runtime.metrics import TrainingProgress, step_metrics
 from runtime.options import DataParallel, Execution, Init
 from runtime.parallel.data_parallel import GradAverager, PipelineMesh, pipeline_mesh
+from runtime.parallel.fsdp import FSDPOptionError
 from runtime.state.materialize import MaterializeError, empty_weights, initialize, materialize
 from runtime.state.weight_errors import (
     AmbiguousPrefixError,
@@ -86,6 +87,7 @@ __all__ = [
     "step_metrics",
     "MicrobatchError",
     "PlacementError",
+    "FSDPOptionError",
     "split_microbatches",
     "Executor",
     "StageRuntime",

@@ -23,6 +23,7 @@ from runtime.execute.executor import StageRuntime
 from runtime.execute.wgrad_fusion import fuse_weight_grad_accumulation
 from runtime.options import DataParallel, Execution, Init
 from runtime.parallel.data_parallel import PipelineMesh, Replicas, job_mesh, one_process_mesh
+from runtime.parallel.fsdp import FSDPReplicas, check_fsdp_plan
 from runtime.parallel.tied import TiedGroup, tie_copies
 from runtime.state.materialize import materialize_stages
 from runtime.state.weights import stage_tensors
@@ -58,14 +59,15 @@ class Assembly:
         stages: this process's stages by index.
         ios: every stage's inputs and outputs (the whole plan's).
         tied: the copies of tied weights whose gradients are summed after each run.
-        replicas: the gradient exchange between data-parallel replicas (and the optimizer's share).
+        replicas: the gradient exchange between data-parallel replicas (and the optimizer's share):
+            the home-made engine's ``Replicas`` or FSDP2's ``FSDPReplicas``.
     """
 
     placement: Placement
     stages: dict[int, StageRuntime]
     ios: list[StageIO]
     tied: list[TiedGroup]
-    replicas: Replicas
+    replicas: Replicas | FSDPReplicas
 
 
 def place(
@@ -94,10 +96,12 @@ def place(
 
 
 def assemble(
-    plan: Plan, schedule: Schedule, mode: str, m: int, execution: Execution, init: Init, dp: DataParallel
+    plan: Plan, schedule: Schedule, mode: str, m: int, execution: Execution, init: Init, dp: DataParallel,
+    *, gather_dtype: torch.dtype | None = None,
 ) -> Assembly:
     """Build this process's stages of ``plan`` as ``schedule`` places them (``mode``: the
-    resolved transport, ``m``: micro-batches per step), materialised, tied and replicated.
+    resolved transport, ``m``: micro-batches per step), materialised, tied and replicated
+    (``dp.engine='fsdp'``: sharded by FSDP2, weights all-gathered in ``gather_dtype`` if given).
 
     Raises:
         PlacementError: see :func:`place`.
@@ -106,6 +110,9 @@ def assemble(
     staged = plan.build_stages()
     ios = list(staged.io)
     placement = place(schedule, mode, m, ios, execution, dp)
+    fsdp = dp.engine == "fsdp" and placement.mesh.dp > 1  # one replica: nothing to shard
+    if fsdp:  # before any weight is touched, on every rank alike
+        check_fsdp_plan(staged.shared_params, schedule.stage_to_rank, schedule.name)
     mine = {s: staged.stages[s] for s in placement.devices}
     will_load = set(stage_tensors(mine)[0]) if init.weights is not None else set()
     if materialize_stages(plan.model, mine, placement.devices, init_fn=init.init_fn, seed=init.seed,
@@ -117,12 +124,18 @@ def assemble(
                       replicas=placement.mesh.ranks, replica=placement.mesh.dp_rank, timeout=execution.timeout)
     for st in stages.values():
         st.module.to(st.device)
-    replicas = Replicas(
-        placement.mesh, {s: list(st.module.parameters()) for s, st in stages.items()},
-        {id(prm) for copies, _ in tied for prm in copies}, shard=dp.shard_optimizer,
-        overlap=dp.overlap_grad_reduce, bucket_bytes=dp.grad_bucket_bytes, comm_device=comm_device,
-        timeout=execution.timeout,
-    )
+    replicas: Replicas | FSDPReplicas
+    if fsdp:
+        replicas = FSDPReplicas(placement.mesh, {s: st.module for s, st in stages.items()}, tied=tied,
+                                reshard_after_forward=dp.reshard_after_forward, gather_dtype=gather_dtype)
+        tied = replicas.tied
+    else:
+        replicas = Replicas(
+            placement.mesh, {s: list(st.module.parameters()) for s, st in stages.items()},
+            {id(prm) for copies, _ in tied for prm in copies}, shard=dp.shard_optimizer,
+            overlap=dp.overlap_grad_reduce, bucket_bytes=dp.grad_bucket_bytes, comm_device=comm_device,
+            timeout=execution.timeout,
+        )
     return Assembly(placement, stages, ios, tied, replicas)
 
 

@@ -137,6 +137,8 @@ class DataParallel:
     Example:
         >>> DataParallel(size=2, shard_optimizer=True).overlap_grad_reduce
         True
+        >>> DataParallel(size=2, engine="fsdp", reshard_after_forward=False).engine
+        'fsdp'
     """
 
     size: int | None = None
@@ -157,6 +159,30 @@ class DataParallel:
     replica, which alone keeps its optimizer state and, after the reduction, its gradient; the
     optimizer factory is called with this process's share; the owners broadcast the new values
     after each step."""
+
+    engine: str = "replicate"
+    """How the replicas share a stage: ``'replicate'`` (every replica holds the whole stage;
+    gradients all-reduced in buckets overlapping the drain, ``runtime.parallel.data_parallel``;
+    with ``shard_optimizer``, ZeRO-1) or ``'fsdp'`` (torch's FSDP2, ``fully_shard`` over the
+    ``"dp"`` dimension, ``runtime.parallel.fsdp``: parameters, gradients and optimizer state
+    divided by ``dp``; the bucket and overlap fields do not apply)."""
+
+    reshard_after_forward: bool = True
+    """With ``engine='fsdp'``: free a stage's gathered parameters after each forward and gather
+    them again for its backward (ZeRO-3), or keep them gathered from the first forward to the
+    stage's last backward of the step (``False``, ZeRO-2-like: fewer all-gathers, whole weights
+    held through the step)."""
+
+    def __post_init__(self) -> None:
+        if self.engine not in ("replicate", "fsdp"):
+            raise TrainerOptionError(
+                f"DataParallel(engine={self.engine!r}): the engines are 'replicate' (the default) and 'fsdp'"
+            )
+        if self.engine == "fsdp" and self.shard_optimizer:
+            raise TrainerOptionError(
+                "DataParallel(engine='fsdp', shard_optimizer=True): FSDP shards the optimizer state already "
+                "(with the parameters and gradients); drop shard_optimizer, or use engine='replicate' for ZeRO-1"
+            )
 
 
 @dataclass(frozen=True)
@@ -194,6 +220,7 @@ SHORTCUTS: dict[str, tuple[str, str]] = {
     "grad_bucket_bytes": ("data_parallel", "grad_bucket_bytes"),
     "shard_optimizer": ("data_parallel", "shard_optimizer"),
 }
+# DataParallel's later fields (engine, reshard_after_forward) have no shortcut: pass the object.
 
 # PipelineTrainer's own keyword parameters, for suggestions (tests check them against its signature).
 TRAINER_KEYWORDS = ("optimizer", "lr_scheduler", "precision", "recompute", *_SECTIONS)
@@ -306,7 +333,8 @@ def apply_layout(options: TrainerOptions, layout: Layout | None, mode: str) -> T
                 f"to run one replica here, pass data_parallel=1 (and microbatches={layout.microbatches * layout.dp} "
                 "for the same step)"
             )
-        dp = dataclasses.replace(dp, size=layout.dp, shard_optimizer=dp.shard_optimizer or layout.zero == "zero1")
+        zero1 = layout.zero == "zero1" and dp.engine != "fsdp"  # FSDP shards the optimizer state anyway
+        dp = dataclasses.replace(dp, size=layout.dp, shard_optimizer=dp.shard_optimizer or zero1)
     elif dp.size is not None and dp.size != layout.dp:
         log.warning("running %d replicas; the plan's layout was priced for %d (%s)", dp.size, layout.dp, layout.label())
     return dataclasses.replace(options, data_parallel=dp)

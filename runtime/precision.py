@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +40,10 @@ from partitioner.errors import PipecutError
 from partitioner.plan.split import StageIO
 from partitioner.tracing.trace import InputMeta
 
-__all__ = ["MixedPrecision", "LossScaler", "PrecisionError", "PRECISIONS", "resolve_precision", "wire_dtypes"]
+__all__ = [
+    "MixedPrecision", "LossScaler", "PrecisionError", "PRECISIONS", "resolve_precision", "wire_dtypes",
+    "whole_fake_params",
+]
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +66,16 @@ class MixedPrecision:
             ``False`` sends them in the plan's dtype, which matches the plain autocast model.
         init_scale: fp16's first loss scale (GradScaler's default).
         growth_interval: steps without inf/NaN after which the scale doubles.
+        gather_low_precision: with ``DataParallel(engine='fsdp')``, FSDP all-gathers the weights
+            in the low dtype (its ``MixedPrecisionPolicy(param_dtype=...)``, gradients reduced
+            in fp32): half the all-gather bytes and half the gathered weights. The shards, the
+            optimizer and the reduction stay fp32, but layers autocast keeps in fp32 (norms,
+            embeddings) then read weights rounded to the low dtype: no longer the plain
+            autocast model's step, bit for bit.
 
     Raises:
-        PrecisionError: ``name`` is not one of ``PRECISIONS``.
+        PrecisionError: ``name`` is not one of ``PRECISIONS``, or ``gather_low_precision`` with
+            ``'fp32'``.
 
     Example:
         >>> mp = MixedPrecision("bf16")
@@ -79,12 +89,18 @@ class MixedPrecision:
     cast_activations: bool = True
     init_scale: float = 2.0**16
     growth_interval: int = 2000
+    gather_low_precision: bool = False
 
     def __post_init__(self) -> None:
         if self.name not in PRECISIONS:
             raise PrecisionError(
                 f"unknown precision {self.name!r}; choose one of {', '.join(PRECISIONS)} "
                 "(parameters stay fp32; the low precision is autocast's compute dtype)"
+            )
+        if self.gather_low_precision and self.dtype is None:
+            raise PrecisionError(
+                "MixedPrecision('fp32', gather_low_precision=True): there is no low dtype to gather in; "
+                "pass MixedPrecision('bf16', gather_low_precision=True)"
             )
 
     @property
@@ -158,11 +174,41 @@ def wire_dtypes(
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     device = torch.device(device_type)
     rec = _DtypeRecorder(gm, mode, device)
-    with mode:
+    with whole_fake_params(gm, mode), mode:
         args = [torch.empty(m.shape, dtype=_plan_dtype(m.dtype), device=device) for m in inputs]
         with torch.autocast(device_type=device_type, dtype=policy.dtype):
             rec.run(*args)
     return {n: rec.dtypes[n] for n in sorted(floating) if n in rec.dtypes}
+
+
+@contextlib.contextmanager
+def whole_fake_params(model: torch.nn.Module, mode: FakeTensorMode) -> Iterator[None]:
+    """Within: every sharded parameter of ``model`` (a ``DTensor``: FSDP's shard, on the modules
+    the traced graph shares with the stages) is a fake tensor of its whole shape, so that a fake
+    run of the graph (shapes, autocast dtypes) sees the model's shapes; put back on exit.
+
+    Example:
+        >>> lin = torch.nn.Linear(2, 3)
+        >>> with whole_fake_params(lin, FakeTensorMode()):  # nothing sharded: nothing changes
+        ...     pass
+        >>> type(lin.weight).__name__
+        'Parameter'
+    """
+    swapped: list[tuple[dict[str, Any], str, Any]] = []
+    try:
+        for module in model.modules():
+            slots: dict[str, Any] = module._parameters
+            for name, prm in list(slots.items()):
+                to_local = getattr(prm, "to_local", None)
+                if prm is not None and callable(to_local):
+                    with mode:
+                        fake = torch.empty(prm.shape, dtype=prm.dtype, device=to_local().device)
+                    swapped.append((slots, name, prm))
+                    slots[name] = fake  # the dict directly: Module.__setattr__ wants a Parameter
+        yield
+    finally:
+        for slots, name, prm in reversed(swapped):
+            slots[name] = prm
 
 
 class _DtypeRecorder(fx.Interpreter):
@@ -238,7 +284,8 @@ class LossScaler:
         Args:
             params: this process's parameters.
             distributed: reduce the flag over ``group`` (the pipeline's ranks: after data-parallel
-                averaging every replica holds the same gradients).
+                averaging every replica holds the same gradients; under FSDP, where each holds a
+                shard, the whole job).
             comm_device: where that reduction runs (the rank's GPU on NCCL).
             group: the process group of the pipeline's ranks.
         """
@@ -246,8 +293,9 @@ class LossScaler:
         flags: dict[torch.device, list[torch.Tensor]] = {}
         for prm in params:
             if prm.grad is not None:
-                prm.grad.mul_(inv)
-                flags.setdefault(prm.grad.device, []).append((~torch.isfinite(prm.grad)).any())
+                g = prm.grad.to_local() if hasattr(prm.grad, "to_local") else prm.grad  # FSDP: this rank's shard
+                g.mul_(inv)
+                flags.setdefault(g.device, []).append((~torch.isfinite(g)).any())
         found = torch.zeros((), dtype=torch.float32)
         for per_device in flags.values():  # one device sync per device, not per gradient
             found = torch.maximum(found, torch.stack(per_device).any().float().cpu())

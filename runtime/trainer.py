@@ -42,8 +42,9 @@ from runtime.execute.wiring import model_output
 from runtime.metrics import step_metrics
 from runtime.options import DataParallel, Execution, Init, apply_layout, resolve_options
 from runtime.parallel.clipping import clip_grad_norm_
+from runtime.parallel.fsdp import FSDPReplicas, check_optimizer, whole_buffers
 from runtime.parallel.tied import copy_tied_values, second_copies, sum_tied_grads
-from runtime.precision import LossScaler, MixedPrecision, resolve_precision, wire_dtypes
+from runtime.precision import LossScaler, MixedPrecision, PrecisionError, resolve_precision, wire_dtypes
 from runtime.state import checkpoint
 from runtime.state.weights import LoadReport, Weights, load_weights, stage_tensors
 from runtime.transport.agreement import StepAgreement
@@ -152,7 +153,14 @@ class PipelineTrainer:
         self._out_spec = plan.output_treespec()  # what the model returns; loss_fn and predict get it
         self.mode = resolve_mode(ex.transport)
         self.options = apply_layout(self.options, getattr(plan, "layout", None), self.mode)
-        built = assemble(plan, self.schedule, self.mode, self.m, ex, self.options.init, self.options.data_parallel)
+        built = assemble(plan, self.schedule, self.mode, self.m, ex, self.options.init, self.options.data_parallel,
+                         gather_dtype=mp.dtype if mp.gather_low_precision else None)
+        if mp.gather_low_precision and not isinstance(built.replicas, FSDPReplicas):
+            raise PrecisionError(
+                f"precision={mp!r} gathers weights in {mp.name}, which only FSDP does: pass "
+                "data_parallel=DataParallel(size=dp, engine='fsdp') with dp >= 2 under torchrun, or drop "
+                "gather_low_precision (autocast alone keeps the plain model's numerics)"
+            )
         self.mesh, self.rank, self.devices = built.placement.mesh, built.placement.rank, built.placement.devices
         self._ranks, self.stages, self._ios = list(built.placement.ranks), built.stages, built.ios
         self._tied, self._replicas = built.tied, built.replicas
@@ -160,6 +168,8 @@ class PipelineTrainer:
         # A stage may hold no parameters (only reshapes, say): it has nothing to update. Sharded:
         # the optimizer steps this replica's share.
         self.optimizer = optimizer(built.replicas.owned) if optimizer is not None and built.replicas.owned else None
+        if self.optimizer is not None and isinstance(built.replicas, FSDPReplicas):
+            check_optimizer(self.optimizer, built.replicas.owned)  # FSDP: the shards, not the model's tensors
         self.scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None and self.optimizer else None
         self._dist_transport = (
             DistTransport(self.schedule.stage_to_rank, ex.timeout, self.mesh.pp_group) if self.mode == "dist" else None
@@ -400,11 +410,13 @@ class PipelineTrainer:
         """
         spec = weights if isinstance(weights, Weights) else Weights(weights)
         into, stage_of = stage_tensors({s: st.module for s, st in self.stages.items()})
+        into, scatter = whole_buffers(into)  # FSDP: read whole tensors, keep this rank's shards
         report = load_weights(
             spec.source, into, names=list(self.plan.model.state_dict(keep_vars=True)),
             aliases=self.plan.param_aliases, stage_of=stage_of, prefix=spec.prefix, cast=spec.cast,
             strict=spec.strict,
         )
+        scatter()
         self.sync_tied_copies()
         return report
 

@@ -469,8 +469,7 @@ class Executor:
         inputs = [a for a in st.args if isinstance(a, torch.Tensor) and a.requires_grad]
         if roots:
             if split:
-                params = [p for p in stage.module.parameters() if p.requires_grad]
-                fused = [w for w in fused_params(stage.module) if w.requires_grad]
+                params, fused = _autograd_params(stage.module)
                 in_grads, st.pending_w = backward_input(roots, grads, inputs, params, fused)
                 for a, ig in zip(inputs, in_grads):
                     if ig is not None:
@@ -530,6 +529,19 @@ def _kind(act: ActionLike) -> str:
 def _profiling() -> bool:
     """Whether a torch profiler is recording (labelling an action costs ~5 us, checking ~0.1 us)."""
     return bool(_profiler_enabled())
+
+
+def _autograd_params(module: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """The parameters a stage's graph accumulates gradients into, and those of them whose layers
+    add their own (``runtime.execute.wgrad_fusion``). A module sharded by FSDP names its gathered
+    parameters itself (``pipecut_autograd_params``, ``runtime.parallel.fsdp``): its registered
+    ones are shards the graph never sees."""
+    own = getattr(module, "pipecut_autograd_params", None)
+    if callable(own):
+        params, fused = own()
+        return list(params), list(fused)
+    return ([p for p in module.parameters() if p.requires_grad],
+            [w for w in fused_params(module) if w.requires_grad])
 
 
 def _to_device(value: Any, device: torch.device) -> Any:

@@ -21,6 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from partitioner.errors import InputShapeError, PlanMismatchError
 from partitioner.tracing.globalstate import preserved
 from partitioner.tracing.trace import InputMeta
+from runtime.precision import whole_fake_params
 
 __all__ = ["wire_shapes", "check_fixed_dims"]
 
@@ -62,7 +63,7 @@ def wire_shapes(gm: fx.GraphModule, inputs: Mapping[str, Any], *, method: str = 
     try:
         # Leaf modules run on fake tensors still write their real buffers in place
         # (BatchNorm's num_batches_tracked): finding shapes must leave the model as it was.
-        with preserved(gm, what="wire_shapes()"), mode, _quiet(_FAKE_LOG):
+        with preserved(gm, what="wire_shapes()"), whole_fake_params(gm, mode), mode, _quiet(_FAKE_LOG):
             rec.run(*fake)
     except Exception as e:  # any op may reject the new shapes: say why in pipecut's terms
         given = {n: tuple(v.shape) for n, v in inputs.items() if isinstance(v, torch.Tensor)}

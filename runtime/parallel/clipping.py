@@ -5,7 +5,9 @@ gradients and scales them all by ``max_norm / norm`` when that is below 1. Here 
 holds some stages: it sums ``|g|^p`` over the gradients it holds (the maximum for ``p = inf``),
 the processes add (or take the maximum of) their partial sums, and every process scales its own
 gradients by the same factor. A tied parameter, held by several stages, counts once: on the
-process holding its first stage, and there in its first copy.
+process holding its first stage, and there in its first copy. Under FSDP
+(``runtime.parallel.fsdp``) a gradient is a ``DTensor`` shard: each process counts its own
+shard, the sum runs over the whole job, and each scales its shard.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["clip_grad_norm_"]
+__all__ = ["clip_grad_norm_", "local_shard"]
 
 
 def clip_grad_norm_(
@@ -52,7 +54,7 @@ def clip_grad_norm_(
         >>> float(clip_grad_norm_([w], max_norm=1.0)), round(w.grad[0].item(), 4)  # 3 x 1/6
         (6.0, 0.5)
     """
-    grads = [p.grad for p in params if p.grad is not None and (counted is None or id(p) in counted)]
+    grads = [local_shard(p.grad) for p in params if p.grad is not None and (counted is None or id(p) in counted)]
     p = float(norm_type)
     if p == math.inf:
         partial = max((g.detach().abs().max().float().cpu() for g in grads), default=torch.zeros(()))
@@ -67,5 +69,12 @@ def clip_grad_norm_(
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # as torch: the same epsilon
     for prm in params:
         if prm.grad is not None:
-            prm.grad.mul_(coef.to(prm.grad.device, prm.grad.dtype))
+            g = local_shard(prm.grad)
+            g.mul_(coef.to(g.device, g.dtype))
     return norm
+
+
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """This process's part of a gradient: a ``DTensor``'s local shard (the same storage), else itself."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t

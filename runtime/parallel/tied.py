@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from runtime.parallel.clipping import local_shard
 from runtime.transport.collective import group_ranks, wait_bounded
 
 __all__ = ["TiedGroup", "tie_copies", "sum_tied_grads", "copy_tied_values", "second_copies"]
@@ -102,8 +103,10 @@ def sum_tied_grads(
     for copies, group in groups:
         if group is not None:
             prm = copies[0]
-            g = prm.grad if prm.grad is not None else torch.zeros_like(prm)
-            buf = g.to(comm_device())
+            if prm.grad is None:
+                prm.grad = torch.zeros_like(prm)
+            # Under FSDP the gradient is this replica's shard, sharded alike on every holder.
+            buf = local_shard(prm.grad).to(comm_device())
             posted.append((prm, buf, group, dist.all_reduce(buf, group=group, async_op=True)))
         else:
             grads = [c.grad for c in copies if c.grad is not None]
@@ -116,7 +119,9 @@ def sum_tied_grads(
     for prm, buf, group, work in posted:
         wait_bounded(work, timeout=timeout, what=f"the all-reduce of tied weights' gradients (a tensor of "
                      f"{tuple(prm.shape)}) with ranks {group_ranks(group)}")
-        prm.grad = buf.to(prm.device)
+        assert prm.grad is not None
+        with torch.no_grad():
+            local_shard(prm.grad).copy_(buf)
 
 
 def copy_tied_values(groups: Sequence[TiedGroup], optimizer: torch.optim.Optimizer | None) -> None:

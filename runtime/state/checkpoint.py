@@ -221,7 +221,7 @@ def export_safetensors(trainer: Checkpointable, directory: PathLike, *, prefix: 
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     _barrier()
-    mine = _owned_tensors(trainer)
+    mine = {name: _whole(t) for name, t in _owned_tensors(trainer).items()}
     # A tensor several ranks hold (a tied weight) is written by the lowest one; aliases are
     # dropped (save_pretrained stores a tied weight once too).
     keys = {name: _hf_name(name, prefix) for name in mine}
@@ -371,6 +371,13 @@ def _owned_tensors(trainer: Checkpointable) -> dict[str, torch.Tensor]:
     from runtime.state.weights import stage_tensors
 
     return stage_tensors({s: st.module for s, st in trainer.stages.items()})[0]
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A tensor whole: a ``DTensor`` (FSDP's shard) gathered over its mesh, collectively (the
+    ranks holding the same stages ask for the same names in the same order), else itself."""
+    full = getattr(t, "full_tensor", None)
+    return full() if callable(full) else t
 
 
 def _alias_groups(trainer: Checkpointable) -> dict[str, tuple[str, ...]]:

@@ -302,10 +302,11 @@ def apply_layout(options: TrainerOptions, layout: Layout | None, mode: str) -> T
     """The options with what the plan's layout decides filled in where the caller left it open.
 
     A plan from ``partitioner.plan_layout`` records the replicas (``layout.dp``) and the
-    optimizer sharding (``layout.zero``); the schedule, micro-batches and recomputation are the
-    plan's own fields, which the trainer reads anyway. A ``DataParallel`` with a size or a mesh
-    wins over the layout (a different size is logged as a warning: the plan was priced for
-    another); with neither, the layout's are used.
+    sharding over them (``layout.zero``: ``'zero1'`` is ``shard_optimizer=True``, ``'fsdp'``
+    is ``engine='fsdp'`` with ``reshard_after_forward=True``); the schedule, micro-batches and
+    recomputation are the plan's own fields, which the trainer reads anyway. A ``DataParallel``
+    with a size or a mesh wins over the layout (a different size or sharding is logged as a
+    warning: the plan was priced for another); with neither, the layout's are used.
 
     Raises:
         PlacementError: the layout has replicas and the trainer runs in one process.
@@ -316,15 +317,13 @@ def apply_layout(options: TrainerOptions, layout: Layout | None, mode: str) -> T
         >>> opts = apply_layout(resolve_options(), lay, "dist").data_parallel
         >>> opts.size, opts.shard_optimizer
         (2, True)
+        >>> opts = apply_layout(resolve_options(), dataclasses.replace(lay, zero="fsdp"), "dist").data_parallel
+        >>> opts.engine, opts.reshard_after_forward, opts.shard_optimizer
+        ('fsdp', True, False)
     """
     if layout is None:
         return options
     dp = options.data_parallel
-    if layout.zero == "fsdp":
-        raise TrainerOptionError(
-            f"the plan's layout ({layout.label()}) shards parameters with FSDP, which this runtime does not run "
-            "yet; plan with zero=('none', 'zero1')"
-        )
     if dp.size is None and dp.mesh is None:
         if layout.dp > 1 and mode != "dist":
             raise PlacementError(
@@ -333,8 +332,15 @@ def apply_layout(options: TrainerOptions, layout: Layout | None, mode: str) -> T
                 f"to run one replica here, pass data_parallel=1 (and microbatches={layout.microbatches * layout.dp} "
                 "for the same step)"
             )
-        zero1 = layout.zero == "zero1" and dp.engine != "fsdp"  # FSDP shards the optimizer state anyway
-        dp = dataclasses.replace(dp, size=layout.dp, shard_optimizer=dp.shard_optimizer or zero1)
+        if layout.zero == "fsdp" and dp.engine == "replicate" and not dp.shard_optimizer:
+            dp = dataclasses.replace(dp, size=layout.dp, engine="fsdp", reshard_after_forward=True)
+        else:
+            zero1 = layout.zero == "zero1" and dp.engine != "fsdp"  # FSDP shards the optimizer state anyway
+            dp = dataclasses.replace(dp, size=layout.dp, shard_optimizer=dp.shard_optimizer or zero1)
     elif dp.size is not None and dp.size != layout.dp:
         log.warning("running %d replicas; the plan's layout was priced for %d (%s)", dp.size, layout.dp, layout.label())
+    running = "fsdp" if dp.engine == "fsdp" else "zero1" if dp.shard_optimizer else "none"
+    if layout.dp > 1 and (dp.size or 0) > 1 and running != layout.zero:
+        log.warning("sharding over the replicas as %r; the plan's layout was priced for %r (%s): each rank's "
+                    "memory differs from the plan's", running, layout.zero, layout.label())
     return dataclasses.replace(options, data_parallel=dp)

@@ -33,7 +33,7 @@ __all__ = [
     "OPTIMIZER_BYTES_PER_PARAM",
     "GRAD_BYTES_PER_PARAM",
     "WEIGHT_GRAD_BYTES_PER_PARAM",
-    "gathered_bytes_per_param",
+    "GATHERED_BYTES_PER_PARAM",
     "DEFAULT_BUCKET_BYTES",
     "Collective",
     "collective",
@@ -47,22 +47,12 @@ __all__ = [
 OPTIMIZER_BYTES_PER_PARAM = 40.0  # AdamW (28) + clipping (read, scale: 12), fp32
 GRAD_BYTES_PER_PARAM = 4.0  # gradients are reduced in fp32 (master weights are fp32 under autocast)
 WEIGHT_GRAD_BYTES_PER_PARAM = 8.0  # of the training state, what every replica keeps whole: weight and gradient
+# What FSDP all-gathers and holds gathered per parameter: the fp32 weights as they are stored (under
+# autocast too; MixedPrecision(gather_low_precision=True) would halve it, and is not priced).
+GATHERED_BYTES_PER_PARAM = 4.0
 
 # DDP's default bucket: big enough to amortise a collective's latency, small enough to start early.
 DEFAULT_BUCKET_BYTES = 25 * 2**20
-
-
-def gathered_bytes_per_param(precision: str) -> float:
-    """Bytes per parameter FSDP all-gathers (and holds gathered): the compute dtype's.
-
-    FSDP2's ``MixedPrecisionPolicy(param_dtype=...)`` gathers the fp32 shards in the low dtype
-    when ``precision`` asks for one; in fp32 the gathered copy is fp32.
-
-    Example:
-        >>> gathered_bytes_per_param("bf16"), gathered_bytes_per_param("fp32")
-        (2.0, 4.0)
-    """
-    return 2.0 if precision in ("bf16", "fp16") else 4.0
 
 
 @dataclass(frozen=True)

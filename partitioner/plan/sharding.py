@@ -7,20 +7,23 @@ The layout search (``partitioner.search``) prices three shardings (``ZERO_OPTION
 * ``none``: every replica holds its stages' weights, gradients and optimizer state whole.
 * ``zero1``: the optimizer state is ``1 / dp`` per rank (ZeRO-1: reduce the gradients to their
   owners, step, broadcast the new weights).
-* ``fsdp``: FSDP2, ``fully_shard`` on each block of a stage over its rank's "dp" group, with
-  ``reshard_after_forward=True`` (ZeRO-3), the gradient reduce-scattered once per step after the
-  stage's last backward (gradient sync off for the earlier micro-batches), as the runtime runs it:
+* ``fsdp``: FSDP2, ``fully_shard`` on each stage over its rank's "dp" group (the stage is the
+  unit: ``runtime.parallel.fsdp``), with ``reshard_after_forward=True`` (ZeRO-3), the gradient
+  reduce-scattered once per step after the stage's last backward (gradient sync off for the
+  earlier micro-batches), as the runtime runs it:
 
   - memory: the weight (4 of the state's bytes) and the optimizer state are ``1 / dp`` per rank;
     the gradient (4 bytes) is whole, because FSDP2 accumulates the unsharded gradient while sync
-    is off; and two blocks' weights gathered at once (the block computing and the next, which
-    FSDP2 prefetches), in the compute dtype (``gathered_bytes_per_param``: ``MixedPrecisionPolicy``
-    gathers bf16 under ``precision='bf16'``), counted for the model's largest block on every rank
-    (:func:`largest_block`), whatever its stages hold;
+    is off; and while a stage computes, its weights are gathered whole
+    (``GATHERED_BYTES_PER_PARAM``, fp32 as stored), counted with the stage's state. Per
+    parameter that is ``4 / dp + 4 + 8 / dp + 4`` bytes of fp32 Adam against ZeRO-1's
+    ``8 + 8 / dp``: with the whole stage as the unit, FSDP holds more at its peak than ZeRO-1,
+    never less, and the search chooses it only where nothing else fits (nowhere, today). Sharding
+    each block as its own unit would hold one block gathered instead of the stage, which is what
+    makes FSDP fit where ZeRO-1 does not; the runtime does not do that yet;
   - time: each forward and each backward of a stage all-gathers its weights, ``(dp - 1) / dp`` of
-    their bytes per rank, added to the action as if nothing overlapped it (:func:`gathering`;
-    FSDP2's prefetch hides part of it behind compute, so this is an upper bound); a recomputing
-    stage's replayed forward gathers for its backward, once;
+    their bytes per rank, added to the action as if nothing overlapped it (:func:`gathering`);
+    a recomputing stage's replayed forward gathers for its backward, once;
   - the reduce-scatter leaves after the stage's last backward and overlaps the drain, like the
     other exchanges; the optimizer steps ``1 / dp`` of the parameters; nothing is broadcast
     after it (the next step's forwards gather the new weights).
@@ -34,51 +37,32 @@ gather of the new weights before the next step's forwards where ZeRO-1 broadcast
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import Any
 
 from partitioner.cost.exchange import WEIGHT_GRAD_BYTES_PER_PARAM
-from partitioner.cost.graph import canonical_names, layer_depth
 from partitioner.plan.records import StagePlan
 
-__all__ = ["state_per_param", "largest_block", "gathering"]
+__all__ = ["state_per_param", "gathering"]
 
 
-def state_per_param(state_bytes_per_param: float, zero: str, dp: int) -> float:
-    """Training-state bytes per parameter element on one rank under ``zero`` over ``dp`` replicas.
+def state_per_param(state_bytes_per_param: float, zero: str, dp: int, gathered: float = 0.0) -> float:
+    """Bytes per parameter element a rank holds for a stage under ``zero`` over ``dp`` replicas.
 
     The first ``WEIGHT_GRAD_BYTES_PER_PARAM`` bytes of the state are the weight and its gradient
-    (half each), the rest the optimizer's.
+    (half each), the rest the optimizer's; ``fsdp`` adds ``gathered``, the stage's weights
+    gathered whole while it computes.
 
     Example:
-        >>> [state_per_param(16.0, z, 4) for z in ("none", "zero1", "fsdp")]   # Adam in fp32
-        [16.0, 10.0, 7.0]
+        >>> [state_per_param(16.0, z, 4, gathered=4.0) for z in ("none", "zero1", "fsdp")]   # Adam in fp32
+        [16.0, 10.0, 11.0]
     """
     opt = max(0.0, state_bytes_per_param - WEIGHT_GRAD_BYTES_PER_PARAM)
     whole = state_bytes_per_param - opt  # weight and gradient
     if zero == "zero1":
         return whole + opt / dp
-    if zero == "fsdp":  # the weight's shard, the gradient whole until the step's reduce-scatter
-        return whole / 2 / dp + whole / 2 + opt / dp
+    if zero == "fsdp":  # the weight's shard and the gathered weight; the gradient whole until the reduce-scatter
+        return whole / 2 / dp + whole / 2 + opt / dp + gathered
     return state_bytes_per_param
-
-
-def largest_block(g: Any, numel: Mapping[str, int], aliases: Mapping[str, Sequence[str]]) -> float:
-    """Parameters of the largest block of a costed graph: a module at the model's layer depth
-    (``transformer.h.3`` in a GPT-2), what FSDP shards and gathers as one group; each tensor once.
-
-    Parameters outside the blocks (embeddings, a final norm, a head) group by their own module at
-    that depth; a stage's root group holds those of the stage together, counted here as one block
-    of the largest of them (a GPT's embedding is smaller than its blocks).
-    """
-    depth = layer_depth(list(dict.fromkeys(g.nodes[v]["module"] for v in g.nodes)))
-    canon = canonical_names(aliases)
-    blocks: dict[str, set[str]] = {}
-    for v in g.nodes:
-        key = ".".join(g.nodes[v]["module"].split(".")[:depth])
-        blocks.setdefault(key, set()).update(canon.get(n, n) for n in g.nodes[v]["cost"].param_names)
-    return float(max((sum(numel.get(n, 0) for n in names) for names in blocks.values()), default=0))
 
 
 def gathering(st: StagePlan, gather: float, faster: float = 1.0) -> StagePlan:

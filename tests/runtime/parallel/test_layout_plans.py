@@ -64,33 +64,42 @@ def _mlp() -> nn.Module:
     return nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4)])
 
 
-def _replicated(rank: int, world: int) -> dict[str, Any]:
-    model = _mlp()
-    plan = plan_layout(model, (torch.randn(1, 16),), cluster=Cluster.uniform(world, "cpu"),
-                       global_batch=8, dp_sizes=(2,), zero=("zero1",))
-    mse = nn.functional.mse_loss
-    trainer = PipelineTrainer(plan, mse, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), transport="dist")
-    gen = torch.Generator().manual_seed(9)
-    x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 16, generator=gen)
-    ref = copy.deepcopy(model)
-    want_loss = mse(ref(x), y)
-    want_loss.backward()
-    want = dict(ref.named_parameters())
-    loss = trainer.forward_backward(*trainer.local_batch(x, y))
-    held = [(n, p) for n, p in trainer.named_parameters() if p.grad is not None]
-    worst = max(float((p.grad - want[n].grad).abs().max() / want[n].grad.abs().max()) for n, p in held)
-    dp = trainer.options.data_parallel
-    return {"dp": dp.size, "shard": dp.shard_optimizer, "loss": float(loss), "want": float(want_loss),
-            "worst": worst, "held": len(held), "layout": plan.layout.label() if plan.layout else ""}
+def _replicated(rank: int, world: int) -> dict[str, dict[str, Any]]:
+    out = {}
+    for zero in ("zero1", "fsdp"):  # one spawn, a trainer per sharding
+        model = _mlp()
+        plan = plan_layout(model, (torch.randn(1, 16),), cluster=Cluster.uniform(world, "cpu"),
+                           global_batch=8, dp_sizes=(2,), zero=(zero,))
+        mse = nn.functional.mse_loss
+        gen = torch.Generator().manual_seed(9)
+        x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 16, generator=gen)
+        ref = copy.deepcopy(model)  # before the trainer: FSDP shards the model's own parameters
+        want_loss = mse(ref(x), y)
+        want_loss.backward()
+        want = dict(ref.named_parameters())
+        trainer = PipelineTrainer(plan, mse, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), transport="dist")
+        loss = trainer.forward_backward(*trainer.local_batch(x, y))
+        # Under FSDP each rank holds its shard of every gradient: compare them gathered.
+        grads = {n: getattr(p.grad, "full_tensor", lambda g=p.grad: g)() for n, p in trainer.named_parameters()
+                 if p.grad is not None}
+        worst = max(float((g - want[n].grad).abs().max() / want[n].grad.abs().max()) for n, g in grads.items())
+        dp = trainer.options.data_parallel
+        out[zero] = {"dp": dp.size, "shard": dp.shard_optimizer, "engine": dp.engine, "loss": float(loss),
+                     "want": float(want_loss.detach()), "worst": worst, "held": len(grads),
+                     "layout": plan.layout.label() if plan.layout else ""}
+    return out
 
 
 @pytest.mark.multiprocess
 def test_the_trainer_takes_replicas_and_sharding_from_the_layout() -> None:
     results = spawn(_replicated, 2, timeout=180)
     for r in results:
-        assert (r["dp"], r["shard"]) == (2, True), r["layout"]
-        assert r["loss"] == pytest.approx(r["want"], rel=1e-5)
-        assert r["held"] > 0 and r["worst"] < 1e-5
+        assert (r["zero1"]["dp"], r["zero1"]["shard"], r["zero1"]["engine"]) == (2, True, "replicate")
+        assert (r["fsdp"]["dp"], r["fsdp"]["shard"], r["fsdp"]["engine"]) == (2, False, "fsdp")
+        for got in r.values():
+            assert got["layout"].endswith(got["engine"] if got["engine"] == "fsdp" else "zero1")
+            assert got["loss"] == pytest.approx(got["want"], rel=1e-5)
+            assert got["held"] > 0 and got["worst"] < 1e-5
 
 
 def _memory(rank: int, world: int) -> dict[str, float]:

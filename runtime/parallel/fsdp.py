@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from runtime.parallel.blocks import outline_blocks
 from runtime.parallel.data_parallel import PipelineMesh
 from runtime.parallel.tied import TiedGroup
 from runtime.transport.placement import PlacementError
@@ -96,9 +97,9 @@ class _StageReducer:
         self._done.add(s)
         _sync(module, True)
         try:
-            state = module._get_fsdp_state()  # type: ignore[operator]
-            for group in state._fsdp_param_groups:
+            for group in _param_groups(module):
                 group.post_backward()
+            state = module._get_fsdp_state()  # type: ignore[operator]
             state._root_post_backward_final_callback()  # waits for the reductions, resets FSDP's step state
         finally:
             _sync(module, False)
@@ -172,7 +173,10 @@ class FSDPReplicas:
         self.modules = dict(modules)
         where = _names_of([c for copies, _ in tied for c in copies], self.modules)
         for module in self.modules.values():
-            fused = _fused_slots(module)
+            blocks = outline_blocks(module)  # each block its own unit, gathered alone
+            fused = _fused_slots(module)  # before any parameter becomes a shard
+            for path in blocks:
+                fully_shard(module.get_submodule(path), **kw)
             fully_shard(module, **kw)
             _sync(module, False)
             # torch types Module.__setattr__'s value as a Tensor or Module; a plain attribute is fine.
@@ -218,10 +222,17 @@ def check_optimizer(optimizer: torch.optim.Optimizer, owned: Sequence[nn.Paramet
         )
 
 
+def _param_groups(module: nn.Module) -> list[Any]:
+    """The FSDP parameter groups of a stage: its blocks' and its own (the root's), blocks first."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in module.modules() if m is not module and isinstance(m, FSDPModule)] + [module]
+    return [g for m in units for g in m._get_fsdp_state()._fsdp_param_groups]  # type: ignore[operator]
+
+
 def _fsdp_params(module: nn.Module) -> list[Any]:
-    """The stage's ``FSDPParam`` records (the stage is one FSDP unit: its state's groups hold them all)."""
-    state = module._get_fsdp_state()  # type: ignore[operator]
-    return [fp for g in state._fsdp_param_groups for fp in g.fsdp_params]
+    """The stage's ``FSDPParam`` records, over all its units."""
+    return [fp for g in _param_groups(module) for fp in g.fsdp_params]
 
 
 def _sync(module: nn.Module, last: bool) -> None:

@@ -67,7 +67,11 @@ def _fsdp_case(name: str, schedule: str, dp: int, ranks: int, folder: str | None
         out["checkpoint"] = _round_trip(trainer, name, schedule, stages, dp, opt, Path(folder), ref_params, fresh)
     local = sum(p.to_local().numel() for p in trainer.parameters())
     whole = sum(p.numel() for p in trainer.parameters())
-    return {**out, "gathers": gathers[0], "stages_here": len(trainer.stages), "checked": checked, "norms": norms,
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for st in trainer.stages.values() for m in st.module.modules() if isinstance(m, FSDPModule)]
+    return {**out, "gathers": gathers[0], "stages_here": len(trainer.stages), "units_here": len(units),
+            "blocks_here": len(units) - len(trainer.stages), "checked": checked, "norms": norms,
             "local": local, "whole": whole,
             "dp_rank": trainer.mesh.dp_rank, "pp_rank": trainer.mesh.pp_rank}
 
@@ -361,12 +365,15 @@ def test_an_fsdp_checkpoint_loads_unsharded_sharded_and_resumes_exactly(sharded:
 
 
 @pytest.mark.multiprocess
-def test_reshard_after_forward_false_gathers_a_stage_once_per_step(sharded: list[dict[str, Any]]) -> None:
-    # ZeRO-3 gathers a stage again for backward after each forward freed it; kept gathered, a
-    # stage is gathered at its first forward and freed after its last backward: once per step.
+def test_reshard_after_forward_false_gathers_each_unit_once_per_step(sharded: list[dict[str, Any]]) -> None:
+    # Each block of a stage is its own FSDP unit (runtime.parallel.blocks), the rest of the stage
+    # one more. ZeRO-3 gathers a block again for backward after each forward freed it; kept
+    # gathered, each unit is gathered at its first forward and freed after its last backward.
     for r in sharded:
-        assert r["gpt2/1f1b/gathered"]["gathers"] == r["gpt2/1f1b/gathered"]["stages_here"] == 1
-        assert r["gpt2/1f1b"]["gathers"] >= 4  # at least one per micro-batch's backward (m = 4)
+        kept, zero3 = r["gpt2/1f1b/gathered"], r["gpt2/1f1b"]
+        assert kept["stages_here"] == 1 and kept["blocks_here"] >= 1  # GPT-2's blocks are outlined
+        assert kept["gathers"] == kept["units_here"] == kept["blocks_here"] + 1
+        assert zero3["gathers"] >= 4 * zero3["blocks_here"]  # a block per micro-batch's backward (m = 4)
 
 
 @pytest.mark.multiprocess

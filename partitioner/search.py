@@ -20,8 +20,9 @@ scales those costs (``partitioner.cost.nodecost.scale_cost``). Each layout of
   the owners' broadcast of the new values after it.
 
 ``fsdp`` (FSDP2 over each stage) is priced as ``partitioner.plan.sharding`` says: weights and
-optimizer state over ``dp``, the gradients and the computing stage's weights whole, a gather
-before every forward and backward, a reduce-scatter behind the drain.
+optimizer state over ``dp``, the gradients whole, two gathered blocks and the parameters outside
+the blocks per rank (the whole stage under a split backward), a gather before every forward and
+backward, a reduce-scatter behind the drain.
 
 What it ignores: tensor parallelism (pipecut has none), compute slowed by concurrent
 communication, the tied-weight all-reduce (one tensor per tie), and the loss broadcast.
@@ -62,7 +63,7 @@ from partitioner.plan.layout import ZERO_OPTIONS, Layout, Option, explain, layou
 from partitioner.plan.placement import stage_cluster
 from partitioner.plan.plan import Plan
 from partitioner.plan.predict import prediction, simulate_stages
-from partitioner.plan.sharding import gathering, state_per_param
+from partitioner.plan.sharding import gathered_units, gathering, state_per_param
 from partitioner.schedule.ir import Schedule
 from partitioner.schedule.registry import TRAINING_SCHEDULES, schedule_info, stage_schedule
 from partitioner.schedule.validation import peak_inflight
@@ -415,6 +416,10 @@ class _Pricer:
         once = {name for name, _ in ctx.traced.gm.named_parameters()}  # each tensor once, tied ones included
         self.params = float(sum(ctx.numel.get(n, 0) for n in once))
         self.gathered_bpp = GATHERED_BYTES_PER_PARAM  # fsdp: what each gather moves and holds, per parameter
+        # FSDP's gathered weights on a rank, whole backward: two of the largest block and the parameters
+        # outside the blocks (see partitioner.plan.sharding).
+        block, outside = gathered_units(ctx.g, ctx.numel, ctx.traced.param_aliases)
+        self.gathered = (2 * block + outside) * self.gathered_bpp
         self._fastest: dict[tuple[int, int], float] = {}
         self._at: dict[int, tuple[_Context, float, float, float, float]] = {}
         self._schedules: dict[tuple[str, int, int], tuple[Schedule, tuple[int, ...]]] = {}
@@ -448,7 +453,12 @@ class _Pricer:
 
     def _state_per_param(self, o: Option) -> float:
         """Training state bytes per parameter on a rank (``partitioner.plan.sharding``)."""
-        return state_per_param(self.ctx.state_bytes_per_param, o.zero, o.dp, self.gathered_bpp)
+        whole_stage = o.zero == "fsdp" and schedule_info(o.schedule).split_backward  # kept gathered from I to W
+        return state_per_param(self.ctx.state_bytes_per_param, o.zero, o.dp, self.gathered_bpp if whole_stage else 0.0)
+
+    def _reserved(self, o: Option) -> float:
+        """Bytes of every rank's memory that its stages cannot use: fsdp's gathered blocks and the rest."""
+        return self.gathered if o.zero == "fsdp" and not schedule_info(o.schedule).split_backward else 0.0
 
     def _gathers_floor(self, o: Option) -> float:
         """A floor under the seconds one forward and one backward of every stage spend all-gathering
@@ -462,14 +472,15 @@ class _Pricer:
 
     def bound(self, o: Option) -> tuple[float, str | None, float]:
         """A lower bound on the step time, why the state cannot fit (or ``None``), the state per rank."""
-        state = self.params * self._state_per_param(o) / o.pp
+        # fsdp's gathered units are on every rank whatever the cut (the price adds them so).
+        state = self.params * self._state_per_param(o) / o.pp + self._reserved(o)
         if state > self.capacity:
             return 0.0, f"training state alone needs {state / 2**30:.1f} GiB per rank on average", state
         _, work, act, top_act, inputs = self._sized(o.microbatch_size)
         # Every rank's peak holds at least one micro-batch's activations of its stages (a
         # recomputing stage rebuilds them in its backward): the fullest holds the average of
         # state and those, and at least the unit that saves the most.
-        least = max(state + act / o.pp, top_act)
+        least = max(state + act / o.pp, top_act + self._reserved(o))
         if least > self.capacity:
             return 0.0, (f"state and one micro-batch's activations need at least {least / 2**30:.1f} GiB "
                          "per rank"), least
@@ -491,6 +502,9 @@ class _Pricer:
         ctx = self._sized(o.microbatch_size)[0]
         ctx = replace(ctx, state_bytes_per_param=self._state_per_param(o))
         links = pipeline_links(self.cluster, o.pp)
+        if self._reserved(o):  # the stages fit in what the gathered units leave
+            links = replace(links, devices=tuple(replace(d, memory=max(0.0, d.memory - self._reserved(o)))
+                                                 for d in links.devices))
         stages = stage_cluster(links, o.stages, o.schedule)
         plan = ctx.plan(stages, o.schedule, o.microbatches, split=split, predictions=split, built=built)
         return plan, stages
@@ -548,7 +562,7 @@ class _Pricer:
             per_param = GRAD_BYTES_PER_PARAM + 2 * o.microbatches * self.gathered_bpp
             sent = (o.dp - 1) / o.dp * max(rank_params, default=0.0) * per_param
         step = sim.step_time + tail + opt
-        memory = pr.memory
+        memory = pr.memory + self._reserved(o)
         return Layout(
             o.dp, o.pp, o.stages, o.schedule, o.microbatch_size, o.microbatches, o.global_batch, o.zero,
             step_time=step, pipeline_time=sim.step_time, exchange_time=tail, optimizer_time=opt,

@@ -19,6 +19,7 @@ import torch
 from partitioner.plan.plan import Plan
 from partitioner.plan.split import StagedModel, StageIO
 from partitioner.schedule.ir import Schedule
+from partitioner.schedule.registry import schedule_info
 from runtime.execute.executor import StageRuntime
 from runtime.execute.wgrad_fusion import fuse_weight_grad_accumulation
 from runtime.options import DataParallel, Execution, Init
@@ -127,7 +128,8 @@ def assemble(
     replicas: Replicas | FSDPReplicas
     if fsdp:
         replicas = FSDPReplicas(placement.mesh, {s: st.module for s, st in stages.items()}, tied=tied,
-                                reshard_after_forward=dp.reshard_after_forward, gather_dtype=gather_dtype)
+                                reshard_after_forward=dp.reshard_after_forward, gather_dtype=gather_dtype,
+                                split_backward=schedule_info(schedule.name).split_backward)
         tied = replicas.tied
     else:
         replicas = Replicas(

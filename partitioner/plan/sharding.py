@@ -7,20 +7,24 @@ The layout search (``partitioner.search``) prices three shardings (``ZERO_OPTION
 * ``none``: every replica holds its stages' weights, gradients and optimizer state whole.
 * ``zero1``: the optimizer state is ``1 / dp`` per rank (ZeRO-1: reduce the gradients to their
   owners, step, broadcast the new weights).
-* ``fsdp``: FSDP2, ``fully_shard`` on each stage over its rank's "dp" group (the stage is the
-  unit: ``runtime.parallel.fsdp``), with ``reshard_after_forward=True`` (ZeRO-3), the gradient
-  reduce-scattered once per step after the stage's last backward (gradient sync off for the
-  earlier micro-batches), as the runtime runs it:
+* ``fsdp``: FSDP2, ``fully_shard`` on each block of a stage (the runtime outlines the blocks of a
+  stage's graph into modules of their own, ``runtime.parallel.blocks``) and on the stage itself
+  for the rest of its parameters (embeddings, a final norm, a head), over its rank's "dp" group,
+  with ``reshard_after_forward=True`` (ZeRO-3), the gradient reduce-scattered once per step after
+  the stage's last backward (gradient sync off for the earlier micro-batches), as the runtime
+  runs it:
 
   - memory: the weight (4 of the state's bytes) and the optimizer state are ``1 / dp`` per rank;
     the gradient (4 bytes) is whole, because FSDP2 accumulates the unsharded gradient while sync
-    is off; and while a stage computes, its weights are gathered whole
-    (``GATHERED_BYTES_PER_PARAM``, fp32 as stored), counted with the stage's state. Per
-    parameter that is ``4 / dp + 4 + 8 / dp + 4`` bytes of fp32 Adam against ZeRO-1's
-    ``8 + 8 / dp``: with the whole stage as the unit, FSDP holds more at its peak than ZeRO-1,
-    never less, and the search chooses it only where nothing else fits (nowhere, today). Sharding
-    each block as its own unit would hold one block gathered instead of the stage, which is what
-    makes FSDP fit where ZeRO-1 does not; the runtime does not do that yet;
+    is off. Gathered weights come on top (``GATHERED_BYTES_PER_PARAM``, fp32 as stored): with a
+    schedule that runs each backward whole (1F1B, GPipe, interleaved) a block is gathered while it
+    computes, so a rank holds two blocks (the one computing, and the next one gathered before the
+    first is freed) and its stage's other parameters (the stage's own unit stays gathered while
+    the stage runs), counted on every rank as two of the model's largest block and all of its
+    parameters outside the blocks (:func:`gathered_units`), whatever its cut; with a split
+    backward (ZB-H1, ZB-V) a block's weight gradients may read its weights after its input
+    gradients, so the runtime keeps each block gathered from its first backward to the stage's
+    last: the whole stage, 4 more bytes per parameter;
   - time: each forward and each backward of a stage all-gathers its weights, ``(dp - 1) / dp`` of
     their bytes per rank, added to the action as if nothing overlapped it (:func:`gathering`);
     a recomputing stage's replayed forward gathers for its backward, once;
@@ -37,32 +41,60 @@ gather of the new weights before the next step's forwards where ZeRO-1 broadcast
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from typing import Any
 
 from partitioner.cost.exchange import WEIGHT_GRAD_BYTES_PER_PARAM
+from partitioner.cost.graph import canonical_names, layer_depth
 from partitioner.plan.records import StagePlan
 
-__all__ = ["state_per_param", "gathering"]
+__all__ = ["state_per_param", "gathered_units", "gathering"]
 
 
 def state_per_param(state_bytes_per_param: float, zero: str, dp: int, gathered: float = 0.0) -> float:
     """Bytes per parameter element a rank holds for a stage under ``zero`` over ``dp`` replicas.
 
     The first ``WEIGHT_GRAD_BYTES_PER_PARAM`` bytes of the state are the weight and its gradient
-    (half each), the rest the optimizer's; ``fsdp`` adds ``gathered``, the stage's weights
-    gathered whole while it computes.
+    (half each), the rest the optimizer's; ``fsdp`` adds ``gathered``, bytes of the stage's
+    weights held gathered per parameter (a split backward's whole stage; 0 where the gathered
+    blocks are counted apart).
 
     Example:
-        >>> [state_per_param(16.0, z, 4, gathered=4.0) for z in ("none", "zero1", "fsdp")]   # Adam in fp32
-        [16.0, 10.0, 11.0]
+        >>> [state_per_param(16.0, z, 4) for z in ("none", "zero1", "fsdp")]   # Adam in fp32
+        [16.0, 10.0, 7.0]
+        >>> state_per_param(16.0, "fsdp", 4, gathered=4.0)   # ZB-H1: the stage gathered whole
+        11.0
     """
     opt = max(0.0, state_bytes_per_param - WEIGHT_GRAD_BYTES_PER_PARAM)
     whole = state_bytes_per_param - opt  # weight and gradient
     if zero == "zero1":
         return whole + opt / dp
-    if zero == "fsdp":  # the weight's shard and the gathered weight; the gradient whole until the reduce-scatter
+    if zero == "fsdp":  # the weight's shard; the gradient whole until the reduce-scatter
         return whole / 2 / dp + whole / 2 + opt / dp + gathered
     return state_bytes_per_param
+
+
+def gathered_units(g: Any, numel: Mapping[str, int], aliases: Mapping[str, Sequence[str]]) -> tuple[float, float]:
+    """``(largest block, outside the blocks)``: parameters of a costed graph's largest block (a
+    module at the model's layer depth with a numbered name, ``transformer.h.3`` in a GPT-2: one
+    FSDP unit) and of all its parameters in no block (embeddings, final norm, head: each stage's
+    own unit holds its share of them); each tensor once.
+    """
+    depth = layer_depth(list(dict.fromkeys(g.nodes[v]["module"] for v in g.nodes)))
+    canon = canonical_names(aliases)
+    blocks: dict[str, set[str]] = {}
+    outside: set[str] = set()
+    for v in g.nodes:
+        parts = g.nodes[v]["module"].split(".")
+        names = {canon.get(n, n) for n in g.nodes[v]["cost"].param_names}
+        if len(parts) >= depth and parts[depth - 1].isdigit():
+            blocks.setdefault(".".join(parts[:depth]), set()).update(names)
+        else:
+            outside |= names
+    inside = set().union(*blocks.values()) if blocks else set()
+    largest = max((sum(numel.get(n, 0) for n in names) for names in blocks.values()), default=0)
+    return float(largest), float(sum(numel.get(n, 0) for n in outside - inside))
 
 
 def gathering(st: StagePlan, gather: float, faster: float = 1.0) -> StagePlan:

@@ -4,15 +4,17 @@ sharded over the replicas that hold the stage (``torch.distributed.fsdp.fully_sh
 Legend: ``dp`` replicas, ``s`` a stage of this process, ``m`` micro-batches of a step.
 
 Each of this process's stage modules is ``fully_shard``-ed over the ``"dp"`` dimension of the
-job's ``("dp", "pp")`` mesh, as torchtitan composes FSDP2 with pipeline stages. A stage is one
-FSDP unit: stage modules are ``torch.fx`` graphs that read their parameters through ``get_attr``
-or call leaf layers (an ``nn.Linear``), never a block, so a block's forward hooks would never
-fire and the stage is the smallest module FSDP can gather around. Its parameters become ``DTensor`` shards (``1 / dp``
+job's ``("dp", "pp")`` mesh, as torchtitan composes FSDP2 with pipeline stages, one unit per
+block: stage modules are ``torch.fx`` graphs that read their parameters through ``get_attr``, so
+no block's forward would run and its hooks would never fire; ``runtime.parallel.blocks`` first
+outlines each block into a module the stage graph calls, and each is sharded as its own unit,
+the stage as one more for its other parameters. Parameters become ``DTensor`` shards (``1 / dp``
 of each per replica), gathered for a forward and for a backward:
 
-* ``reshard_after_forward=True`` (ZeRO-3): freed after each forward, gathered again for each
-  backward; ``False`` (ZeRO-2-like): kept gathered from a micro-batch's forward until the
-  stage's last backward of the step.
+* ``reshard_after_forward=True`` (ZeRO-3): freed after each forward and each backward, gathered
+  again for the next (under a split backward a block stays gathered from its first backward to
+  the stage's last: its ``W`` may read the weights after its ``I``); ``False`` (ZeRO-2-like):
+  kept gathered from a micro-batch's forward until the stage's last backward of the step.
 * Gradients accumulate unsharded over the step's micro-batches (sync off) and are
   reduce-scattered once, averaged over the replicas, when the executor reports the stage's last
   backward action (``B``, or the last ``W`` under split backward); the stage is then resharded.
@@ -38,7 +40,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import fx, nn
 
 from runtime.parallel.blocks import outline_blocks
 from runtime.parallel.data_parallel import PipelineMesh
@@ -84,8 +86,9 @@ class _StageReducer:
     :meth:`finish`, :meth:`reset`.
     """
 
-    def __init__(self, modules: Mapping[int, nn.Module]) -> None:
+    def __init__(self, modules: Mapping[int, nn.Module], keep: bool = False) -> None:
         self._modules = dict(modules)
+        self._keep = keep
         self._done: set[int] = set()
         self._finished = False
 
@@ -95,14 +98,14 @@ class _StageReducer:
         if module is None or s in self._done:
             return
         self._done.add(s)
-        _sync(module, True)
+        _sync(module, True, self._keep)
         try:
             for group in _param_groups(module):
                 group.post_backward()
             state = module._get_fsdp_state()  # type: ignore[operator]
             state._root_post_backward_final_callback()  # waits for the reductions, resets FSDP's step state
         finally:
-            _sync(module, False)
+            _sync(module, False, self._keep)
 
     def finish(self, pipeline: dist.ProcessGroup | None = None) -> None:
         """Reduce the stages no backward reached (they hold no gradient: FSDP leaves theirs ``None``)."""
@@ -137,6 +140,9 @@ class FSDPReplicas:
         tied: this process's copies of weights tied across ranks (``tie_copies``); :attr:`tied`
             holds the same groups with the shards in place of the copies.
         reshard_after_forward: ZeRO-3 (``True``) or keep gathered over a step (``False``).
+        split_backward: the schedule runs a stage's backward as ``I`` then ``W``: a block's
+            weight gradients (``W``) may read its weights after its input gradients (``I``)
+            ran, so a block stays gathered from its first backward to the stage's last.
         gather_dtype: all-gather the weights in this dtype (FSDP's ``MixedPrecisionPolicy``,
             gradients reduced in fp32); ``None``: in their own (fp32).
 
@@ -155,6 +161,7 @@ class FSDPReplicas:
         tied: Sequence[TiedGroup] = (),
         reshard_after_forward: bool = True,
         gather_dtype: torch.dtype | None = None,
+        split_backward: bool = False,
     ) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -171,14 +178,15 @@ class FSDPReplicas:
             kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=gather_dtype, reduce_dtype=torch.float32,
                                                    cast_forward_inputs=False)
         self.modules = dict(modules)
+        keep = split_backward or not reshard_after_forward  # gathered from a backward to the step's last
         where = _names_of([c for copies, _ in tied for c in copies], self.modules)
         for module in self.modules.values():
-            blocks = outline_blocks(module)  # each block its own unit, gathered alone
+            blocks = outline_blocks(module) if isinstance(module, fx.GraphModule) else []  # each block a unit
             fused = _fused_slots(module)  # before any parameter becomes a shard
             for path in blocks:
                 fully_shard(module.get_submodule(path), **kw)
             fully_shard(module, **kw)
-            _sync(module, False)
+            _sync(module, False, keep)
             # torch types Module.__setattr__'s value as a Tensor or Module; a plain attribute is fine.
             module.pipecut_autograd_params = _AutogradParams(_fsdp_params(module), fused)  # type: ignore[assignment]
         # fully_shard replaced every parameter by its shard: the tied copies are those shards now.
@@ -187,7 +195,7 @@ class FSDPReplicas:
             for copies, group in tied
         ]
         self.params = list({id(p): p for m in self.modules.values() for p in m.parameters()}.values())
-        self.averager = _StageReducer(self.modules)
+        self.averager = _StageReducer(self.modules, keep=keep)
 
     @property
     def owned(self) -> list[nn.Parameter]:
@@ -235,11 +243,14 @@ def _fsdp_params(module: nn.Module) -> list[Any]:
     return [fp for g in _param_groups(module) for fp in g.fsdp_params]
 
 
-def _sync(module: nn.Module, last: bool) -> None:
-    """FSDP's per-backward switches: reduce and reshard only after the stage's last backward."""
-    for setter in ("set_is_last_backward", "set_requires_gradient_sync", "set_reshard_after_backward"):
+def _sync(module: nn.Module, last: bool, keep: bool = False) -> None:
+    """FSDP's per-backward switches: reduce only after the stage's last backward; reshard after
+    every backward (ZeRO-3: a block is gathered while it computes, no longer), or with ``keep``
+    (``reshard_after_forward=False``) only after the last."""
+    for setter in ("set_is_last_backward", "set_requires_gradient_sync"):
         fn: Callable[[bool], None] = getattr(module, setter)
         fn(last)
+    module.set_reshard_after_backward(last or not keep)  # type: ignore[operator]
 
 
 def _fused_slots(module: nn.Module) -> set[tuple[int, str]]:

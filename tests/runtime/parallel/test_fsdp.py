@@ -287,10 +287,53 @@ def _worker(rank: int, world: int, runs: dict[str, tuple[str, str, dict[str, Any
             out[label] = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
     out["refused"] = _refusals(world // 2)
     try:
+        out["peak_gathered"] = _peak_gathered(world // 2)
+    except Exception as e:
+        out["peak_gathered"] = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
+    try:
         out["accumulated"] = _accumulated(world // 2)
     except Exception as e:
         out["accumulated"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
     return out
+
+
+def _peak_gathered(ranks: int) -> dict[str, Any]:
+    """Under 1F1B (ZeRO-3), the most weight bytes FSDP held gathered at once on this rank, a stage
+    of 4 GPT-2 blocks, and the bytes of each of its FSDP units (the stage's own: key '')."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as G
+
+    from partitioner.zoo import gpt2
+
+    live: dict[int, int] = {}
+    peak = [0]
+    unshard, reshard = G.FSDPParamGroup.unshard, G.FSDPParamGroup.reshard
+
+    def counted_unshard(self: Any, *a: Any, **k: Any) -> Any:
+        live[id(self)] = sum(fp._orig_size.numel() * 4 for fp in self.fsdp_params)
+        peak[0] = max(peak[0], sum(live.values()))
+        return unshard(self, *a, **k)
+
+    def counted_reshard(self: Any, *a: Any, **k: Any) -> Any:
+        live.pop(id(self), None)
+        return reshard(self, *a, **k)
+
+    c = case("gpt2", ranks)
+    torch.manual_seed(0)
+    c["model"], _ = gpt2(n_layer=4 * ranks, n_embd=32, n_head=2, vocab_size=64, n_positions=16, batch=2, seq=8)
+    trainer = make_trainer(c, ranks, "1f1b", transport="dist", optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+                           data_parallel=DataParallel(size=2, engine="fsdp"))
+    gen = torch.Generator().manual_seed(7)
+    x = _fresh({"x": c["x"].new_empty(16, *c["x"].shape[1:])}, gen)
+    y = _fresh_y({"y": c["y"].new_empty(16, *c["y"].shape[1:])}, gen)
+    G.FSDPParamGroup.unshard, G.FSDPParamGroup.reshard = counted_unshard, counted_reshard  # type: ignore[method-assign]
+    try:
+        trainer.step(*trainer.local_batch(x, y))
+    finally:
+        G.FSDPParamGroup.unshard, G.FSDPParamGroup.reshard = unshard, reshard  # type: ignore[method-assign]
+    units = {n: sum(fp._orig_size.numel() * 4 for g in m._get_fsdp_state()._fsdp_param_groups for fp in g.fsdp_params)
+             for st in trainer.stages.values() for n, m in st.module.named_modules() if isinstance(m, FSDPModule)}
+    return {"peak": peak[0], "units": units}
 
 
 _SAVED = ("gpt2/1f1b",)  # runs that save a checkpoint and load it three ways
@@ -381,3 +424,18 @@ def test_fsdp_accumulates_gradients_over_two_calls(sharded: list[dict[str, Any]]
     for r in sharded:
         assert isinstance(r["accumulated"], float), r["accumulated"]
         assert r["accumulated"] < 1e-5
+
+
+@pytest.mark.multiprocess
+def test_a_rank_holds_its_stage_unit_and_two_blocks_gathered_at_most(sharded: list[dict[str, Any]]) -> None:
+    # Each block is its own FSDP unit: under 1F1B a rank gathers the block computing and the next,
+    # beside its stage's own unit (embeddings, final norm, head), never the whole stage at once.
+    for r in sharded:
+        got = r["peak_gathered"]
+        assert "error" not in got, got.get("error")
+        units = dict(got["units"])
+        root = units.pop("")
+        assert len(units) >= 4  # the stage's blocks (a block the cut splits: a part in each stage), each a unit
+        largest = sorted(units.values())
+        assert root + largest[-1] <= got["peak"] <= root + largest[-1] + largest[-2]
+        assert got["peak"] < root + sum(units.values())

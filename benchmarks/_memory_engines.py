@@ -1,0 +1,200 @@
+"""``memory.py --engines``: each rank's peak memory under each data-parallel engine on one layout,
+measured, taken apart, and set beside what the planner predicts.
+
+Legend: ``dp`` replicas, ``pp`` ranks per pipeline, ``m`` micro-batches per replica, ``b`` rows
+per micro-batch, ``B`` the global batch.
+
+One layout, 2 dp x 2 pp on 4 gloo processes (1F1B, a GPT-2 with a tied embedding, AdamW), run
+four ways, each in 4 fresh processes (``runtime.transport.launch.spawn``) so that each peak is that
+configuration's own:
+
+* ``replicate``: ``DataParallel(size=2)``, whole stages on each replica (``zero='none'``);
+* ``replicate + ZeRO-1``: ``shard_optimizer=True`` (``zero1``);
+* ``fsdp``: ``engine='fsdp', reshard_after_forward=True`` (ZeRO-3, ``fsdp``);
+* ``fsdp kept gathered``: ``reshard_after_forward=False``, priced as ``zero1``
+  (``partitioner.plan.sharding`` says why).
+
+Every rank plans the model on ``meta`` with ``partitioner.search.LayoutSearch`` (the plan it
+trains is the one priced, so measurement and prediction share the cut), so the trainer
+materialises its own stage and nothing else. Then, per rank: the page cache and malloc's free
+lists are trimmed and the peak RSS is reset (``/proc/self/clear_refs``, ``5``) to the RSS at that
+moment, the baseline; the trainer is built and takes ``--steps`` AdamW steps. Reported:
+
+* ``peak``: VmHWM after the steps minus the baseline (every byte the engine's step costs the
+  process: training state, activations, gathered weights, communication buffers, allocator slack);
+* tensors counted exactly after the last step: the parameters held at rest (the local shards
+  under FSDP), their gradients (sharded after FSDP's reduce-scatter), the optimizer's state; and,
+  under FSDP, the whole gradient a stage accumulated before its one reduce-scatter (counted when the
+  executor reports the stage's last backward);
+* ``predicted``: the planner's peak for the rank (its stage's ``StagePlan.memory`` from
+  ``LayoutSearch.plan``: training state at ``state_per_param`` bytes per parameter plus the
+  activations of the micro-batches in flight), and ``Layout.memory`` (the fullest rank's).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import time
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from partitioner import Cluster
+from partitioner.plan.layout import Option
+from partitioner.search import LayoutSearch
+from partitioner.zoo import gpt2
+from runtime import DataParallel, Execution, Init, PipelineTrainer
+from runtime.parallel.fsdp import FSDPReplicas, _fsdp_params
+from runtime.state.materialize import empty_weights
+
+__all__ = ["ENGINES", "QUICK", "FULL", "run_engine"]
+
+DP, PP, SCHEDULE = 2, 2, "1f1b"
+# name -> (DataParallel keywords, the sharding the trainer's plan is cut for, the sharding it is priced as)
+ENGINES: dict[str, tuple[dict[str, Any], str, str]] = {
+    "replicate": ({}, "none", "none"),
+    "replicate + ZeRO-1": ({"shard_optimizer": True}, "zero1", "zero1"),
+    "fsdp": ({"engine": "fsdp", "reshard_after_forward": True}, "fsdp", "fsdp"),
+    "fsdp kept gathered": ({"engine": "fsdp", "reshard_after_forward": False}, "fsdp", "zero1"),
+}
+# The model and batch: GPT-2 weights dominate a rank's memory (16.5 M parameters a stage, 264 MB
+# of fp32 AdamW state whole) over the activations of a 1-row micro-batch.
+FULL = {"n_layer": 8, "n_embd": 512, "n_head": 8, "vocab": 8192, "seq": 64, "batch": 8, "micro_batch": 1,
+        "steps": 3}
+QUICK = {"n_layer": 2, "n_embd": 64, "n_head": 2, "vocab": 256, "seq": 16, "batch": 4, "micro_batch": 1,
+         "steps": 2}
+
+
+def _status() -> dict[str, int]:
+    """VmHWM (peak RSS) and VmRSS of this process, in bytes (Linux)."""
+    out: dict[str, int] = {}
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmHWM", "VmRSS"):
+                out[key] = int(value.split()[0]) * 1024  # kB
+    return out
+
+
+def _reset_peak() -> int:
+    """Free what can be freed, reset VmHWM to the RSS now (Linux's ``clear_refs``), return it."""
+    gc.collect()
+    try:  # glibc keeps freed small blocks in its arenas; hand them back so the baseline is tight
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+        f.write("5")
+    return _status()["VmRSS"]
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    """Bytes this process holds of ``t``: a DTensor's local shard, else the tensor."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return int(local.numel() * local.element_size())
+
+
+def _unique(tensors: Iterator[torch.Tensor]) -> list[torch.Tensor]:
+    return list({id(t): t for t in tensors}.values())
+
+
+def _lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # (B, T, V), (B, T)
+    return nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def run_engine(rank: int, world: int, cfg: dict[str, Any], name: str) -> dict[str, Any]:
+    """One rank of configuration ``name``: plan on meta, reset the peak, build the trainer, step, count.
+
+    One configuration per process: the trainer materialises its stage into the planned model, which
+    a second trainer could not share (and whose tensors would stay in the second's figures).
+    """
+    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")  # FSDP2 on a stage's outputs
+    t0 = time.perf_counter()
+    idle = _status()["VmRSS"]
+    b, batch = cfg["micro_batch"], cfg["batch"]
+    with empty_weights():
+        model, _ = gpt2(n_layer=cfg["n_layer"], n_embd=cfg["n_embd"], n_head=cfg["n_head"], vocab_size=cfg["vocab"],
+                        n_positions=cfg["seq"], batch=b, seq=cfg["seq"])
+    gen = torch.Generator().manual_seed(7)  # the same global batch on every rank
+    x = torch.randint(0, cfg["vocab"], (batch, cfg["seq"]), generator=gen)  # (B, T)
+    y = torch.randint(0, cfg["vocab"], (batch, cfg["seq"]), generator=gen)
+    found = LayoutSearch(model, (x[:b],), cluster=Cluster.uniform(DP * PP, "cpu"), global_batch=batch,
+                         recompute=False)
+    plan_s = time.perf_counter() - t0
+    return {"rank": rank, **_measure(found, name, cfg, x, y), "idle_rss": idle, "plan_s": plan_s}
+
+
+def _measure(found: LayoutSearch, name: str, cfg: dict[str, Any], x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
+    dp_kw, cut_zero, priced_zero = ENGINES[name]
+
+    def option(zero: str) -> Option:
+        return Option(dp=DP, pp=PP, schedule=SCHEDULE, microbatch_size=cfg["micro_batch"], zero=zero,
+                      global_batch=cfg["batch"])
+
+    layout = found.price(option(priced_zero))
+    priced = found.plan(option(priced_zero))
+    plan = found.plan(option(cut_zero))
+    base = _reset_peak()
+    trainer = PipelineTrainer(
+        plan, _lm_loss, lambda ps: torch.optim.AdamW(ps, lr=1e-4),
+        execution=Execution(schedule=SCHEDULE, transport="dist"), init=Init(seed=0),
+        data_parallel=DataParallel(size=DP, **dp_kw),
+    )
+    built = _status()
+    whole_grads = _count_whole_grads(trainer)
+    local_x, local_y = trainer.local_batch(x, y)
+    losses, step_s = [], []
+    for _ in range(cfg["steps"]):
+        dist.barrier()
+        t = time.perf_counter()
+        losses.append(float(trainer.step(local_x, local_y)))
+        step_s.append(time.perf_counter() - t)
+    after = _status()
+    params = _unique(p for _, p in trainer.named_parameters())
+    opt = trainer.optimizer
+    state = [v for s in (opt.state.values() if opt is not None else ()) for v in s.values()
+             if isinstance(v, torch.Tensor) and v.dim() > 0]  # Adam's moments (not its scalar step counts)
+    stage = sorted(trainer.stages)
+    res = {
+        "dp_rank": trainer.mesh.dp_rank, "pp_rank": trainer.mesh.pp_rank, "stages": stage,
+        "rss": {"baseline": base, "after_build": built["VmRSS"], "after_steps": after["VmRSS"], "peak": after["VmHWM"]},
+        "peak_bytes": after["VmHWM"] - base,
+        "after_build_bytes": built["VmRSS"] - base,
+        "param_bytes": sum(_local_bytes(p) for p in params),
+        "param_numel_whole": sum(p.numel() for p in params),
+        "grad_bytes": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
+        "optimizer_bytes": sum(_local_bytes(v) for v in state),
+        "whole_grad_bytes_before_reduce": max(whole_grads, default=None),
+        "predicted_bytes": sum(priced.stages[s].memory for s in stage),
+        "predicted_state_bytes": sum(priced.stages[s].state_bytes for s in stage),
+        "predicted_act_bytes": sum(priced.stages[s].memory - priced.stages[s].state_bytes for s in stage),
+        "predicted_fullest_bytes": layout.memory,
+        "cut": [st.modules for st in plan.stages], "priced_cut": [st.modules for st in priced.stages],
+        "losses": losses, "step_s": step_s,
+    }
+    return res
+
+
+def _count_whole_grads(trainer: PipelineTrainer) -> list[int]:
+    """Under FSDP, a list that fills with each stage's whole gradient bytes (accumulated over the
+    step's micro-batches) just before its reduce-scatter; empty otherwise."""
+    replicas = trainer._replicas
+    if not isinstance(replicas, FSDPReplicas):
+        return []
+    seen: list[int] = []
+    done = replicas.averager.stage_done
+
+    def counted(s: int) -> None:
+        module = replicas.modules.get(s)
+        if module is not None:
+            grads = [getattr(fp, "_unsharded_param", None) for fp in _fsdp_params(module)]
+            seen.append(sum(_local_bytes(g.grad) for g in grads if g is not None and g.grad is not None))
+        done(s)
+
+    replicas.averager.stage_done = counted  # type: ignore[method-assign]
+    return seen

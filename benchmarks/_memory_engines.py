@@ -12,7 +12,10 @@ configuration's own:
 * ``replicate + ZeRO-1``: ``shard_optimizer=True`` (``zero1``);
 * ``fsdp``: ``engine='fsdp', reshard_after_forward=True`` (ZeRO-3, ``fsdp``);
 * ``fsdp kept gathered``: ``reshard_after_forward=False``, priced as ``zero1``
-  (``partitioner.plan.sharding`` says why).
+  (``partitioner.plan.sharding`` says why);
+* ``fsdp, copies dropped``: ``fsdp``, with the whole stage weights that materialisation made and
+  sharding copied (still reachable from the planned model: ``stray`` below) put back on meta
+  once the trainer is built, as a fix in the runtime would.
 
 Every rank plans the model on ``meta`` with ``partitioner.search.LayoutSearch`` (the plan it
 trains is the one priced, so measurement and prediction share the cut), so the trainer
@@ -25,7 +28,8 @@ moment, the baseline; the trainer is built and takes ``--steps`` AdamW steps. Re
 * tensors counted exactly after the last step: the parameters held at rest (the local shards
   under FSDP), their gradients (sharded after FSDP's reduce-scatter), the optimizer's state; and,
   under FSDP, the whole gradient a stage accumulated before its one reduce-scatter (counted when the
-  executor reports the stage's last backward);
+  executor reports the stage's last backward); and ``stray``, the bytes of real parameters still
+  reachable from ``plan.model`` or ``plan.traced.gm`` that are none of the trainer's tensors;
 * ``predicted``: the planner's peak for the rank (its stage's ``StagePlan.memory`` from
   ``LayoutSearch.plan``: training state at ``state_per_param`` bytes per parameter plus the
   activations of the micro-batches in flight), and ``Layout.memory`` (the fullest rank's).
@@ -33,6 +37,7 @@ moment, the baseline; the trainer is built and takes ``--steps`` AdamW steps. Re
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import time
@@ -61,7 +66,13 @@ ENGINES: dict[str, tuple[dict[str, Any], str, str]] = {
     "replicate + ZeRO-1": ({"shard_optimizer": True}, "zero1", "zero1"),
     "fsdp": ({"engine": "fsdp", "reshard_after_forward": True}, "fsdp", "fsdp"),
     "fsdp kept gathered": ({"engine": "fsdp", "reshard_after_forward": False}, "fsdp", "zero1"),
+    "fsdp, copies dropped": ({"engine": "fsdp", "reshard_after_forward": True}, "fsdp", "fsdp"),
 }
+# Configurations that, once the trainer is built, put the planned model's parameters that are none of
+# the trainer's tensors back on meta: FSDP's sharding copies each stage's weights into DTensor shards,
+# and the whole tensors materialised before it stay reachable from ``plan.model`` and
+# ``plan.traced.gm`` (``stray_param_bytes``). Dropping them is what a fix in the runtime would do.
+DROP = {"fsdp, copies dropped"}
 # The model and batch: GPT-2 weights dominate a rank's memory (16.5 M parameters a stage, 264 MB
 # of fp32 AdamW state whole) over the activations of a 1-row micro-batch.
 FULL = {"n_layer": 8, "n_embd": 512, "n_head": 8, "vocab": 8192, "seq": 64, "batch": 8, "micro_batch": 1,
@@ -84,18 +95,20 @@ def _status() -> dict[str, int]:
 def _reset_peak() -> int:
     """Free what can be freed, reset VmHWM to the RSS now (Linux's ``clear_refs``), return it."""
     gc.collect()
-    try:  # glibc keeps freed small blocks in its arenas; hand them back so the baseline is tight
+    with contextlib.suppress(OSError, AttributeError):  # glibc keeps freed blocks in its arenas: hand them back
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
     with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
         f.write("5")
     return _status()["VmRSS"]
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """What this process holds of ``t``: a DTensor's local shard, else the tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t  # type: ignore[no-any-return]
+
+
 def _local_bytes(t: torch.Tensor) -> int:
-    """Bytes this process holds of ``t``: a DTensor's local shard, else the tensor."""
-    local = t.to_local() if hasattr(t, "to_local") else t
+    local = _local(t)
     return int(local.numel() * local.element_size())
 
 
@@ -145,6 +158,8 @@ def _measure(found: LayoutSearch, name: str, cfg: dict[str, Any], x: torch.Tenso
         execution=Execution(schedule=SCHEDULE, transport="dist"), init=Init(seed=0),
         data_parallel=DataParallel(size=DP, **dp_kw),
     )
+    if name in DROP:
+        _drop_stray(plan, trainer)
     built = _status()
     whole_grads = _count_whole_grads(trainer)
     local_x, local_y = trainer.local_batch(x, y)
@@ -160,6 +175,9 @@ def _measure(found: LayoutSearch, name: str, cfg: dict[str, Any], x: torch.Tenso
     state = [v for s in (opt.state.values() if opt is not None else ()) for v in s.values()
              if isinstance(v, torch.Tensor) and v.dim() > 0]  # Adam's moments (not its scalar step counts)
     stage = sorted(trainer.stages)
+    # Parameters still reachable from the planned model that are none of the trainer's tensors: what a
+    # rank keeps beside its stage (under FSDP, the whole tensors materialised before sharding, say).
+    stray = {q.untyped_storage().data_ptr(): q.untyped_storage().nbytes() for _, _, q in _stray(plan, trainer)}
     res = {
         "dp_rank": trainer.mesh.dp_rank, "pp_rank": trainer.mesh.pp_rank, "stages": stage,
         "rss": {"baseline": base, "after_build": built["VmRSS"], "after_steps": after["VmRSS"], "peak": after["VmHWM"]},
@@ -169,6 +187,7 @@ def _measure(found: LayoutSearch, name: str, cfg: dict[str, Any], x: torch.Tenso
         "param_numel_whole": sum(p.numel() for p in params),
         "grad_bytes": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
         "optimizer_bytes": sum(_local_bytes(v) for v in state),
+        "stray_param_bytes": sum(stray.values()),
         "whole_grad_bytes_before_reduce": max(whole_grads, default=None),
         "predicted_bytes": sum(priced.stages[s].memory for s in stage),
         "predicted_state_bytes": sum(priced.stages[s].state_bytes for s in stage),
@@ -178,6 +197,27 @@ def _measure(found: LayoutSearch, name: str, cfg: dict[str, Any], x: torch.Tenso
         "losses": losses, "step_s": step_s,
     }
     return res
+
+
+def _stray(plan: Any, trainer: PipelineTrainer) -> list[tuple[nn.Module, str, nn.Parameter]]:
+    """(module, name, parameter) of every real parameter of the planned model and its traced graph
+    that is none of the trainer's tensors (nor shares their storage)."""
+    mine = {_local(p).untyped_storage().data_ptr() for _, p in trainer.named_parameters()}
+    found = []
+    for root in (plan.model, plan.traced.gm):
+        for module in root.modules():
+            for key, q in module._parameters.items():
+                if (q is not None and not q.is_meta and not hasattr(q, "to_local")
+                        and q.untyped_storage().data_ptr() not in mine):
+                    found.append((module, key, q))
+    return found
+
+
+def _drop_stray(plan: Any, trainer: PipelineTrainer) -> None:
+    """Put :func:`_stray`'s parameters on meta: their memory goes back to the allocator."""
+    for module, key, q in _stray(plan, trainer):
+        module._parameters[key] = nn.Parameter(torch.empty_like(q, device="meta"), requires_grad=q.requires_grad)
+    _reset_peak()  # the drop is not the step's peak: start again from the RSS it leaves
 
 
 def _count_whole_grads(trainer: PipelineTrainer) -> list[int]:
@@ -198,3 +238,72 @@ def _count_whole_grads(trainer: PipelineTrainer) -> list[int]:
 
     replicas.averager.stage_done = counted  # type: ignore[method-assign]
     return seen
+
+
+# -- the run and its report (in the launching process) ----------------------------------------------
+
+
+def run_all(cfg: dict[str, Any], *, timeout: float) -> dict[str, Any]:
+    """Every configuration of :data:`ENGINES` on ``DP * PP`` fresh processes each; the summary."""
+    from runtime.transport.launch import spawn
+
+    phases: dict[str, float] = {}
+    ranks: dict[str, list[dict[str, Any]]] = {}
+    for name in ENGINES:
+        t = time.perf_counter()
+        ranks[name] = spawn(run_engine, DP * PP, cfg, name, timeout=timeout, threads=1)
+        phases[name] = time.perf_counter() - t
+    return {"config": {**cfg, "dp": DP, "pp": PP, "schedule": SCHEDULE, "optimizer": "AdamW(lr=1e-4)",
+                       "engines": {k: {"data_parallel": v[0], "plan_cut_for": v[1], "priced_as": v[2]}
+                                   for k, v in ENGINES.items()}},
+            "ranks": ranks, "summary": _summary(ranks), "phases_s": phases}
+
+
+def _summary(ranks: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    base = ranks.get("replicate")
+    out: dict[str, Any] = {}
+    for name, rows in ranks.items():
+        peak = max(r["peak_bytes"] for r in rows)
+        pred = max(r["predicted_bytes"] for r in rows)
+        out[name] = {
+            "max_peak_bytes": peak, "max_predicted_bytes": pred, "measured_over_predicted": peak / pred,
+            "per_rank_measured_over_predicted": [r["peak_bytes"] / r["predicted_bytes"] for r in rows],
+            "held_bytes_per_rank": [r["param_bytes"] + r["grad_bytes"] + r["optimizer_bytes"] for r in rows],
+        }
+        if base:
+            out[name]["max_peak_vs_replicate"] = peak / max(r["peak_bytes"] for r in base)
+            out[name]["param_bytes_vs_replicate"] = [r["param_bytes"] / b["param_bytes"] for r, b in zip(rows, base)]
+    return out
+
+
+def print_table(res: dict[str, Any]) -> None:
+    """The rich table: per engine and rank, the peak, the prediction and what the tensors hold."""
+    from rich.console import Console
+    from rich.table import Table
+
+    def mib(x: float | None) -> str:
+        return "-" if x is None else f"{x / 2**20:.1f}"
+
+    cfg = res["config"]
+    table = Table(title=(f"Peak memory per rank, {cfg['dp']} dp x {cfg['pp']} pp {cfg['schedule']} on 4 gloo "
+                         "processes: "
+                         f"GPT-2 {cfg['n_layer']} layers x {cfg['n_embd']}, vocab {cfg['vocab']}, seq {cfg['seq']}, "
+                         f"batch {cfg['batch']} in micro-batches of {cfg['micro_batch']}, {cfg['optimizer']}, "
+                         f"{cfg['steps']} steps (MiB)"), title_justify="left")
+    for col in ("engine", "rank", "stage", "peak", "predicted", "peak / pred", "params at rest", "grads after step",
+                "whole grad in step", "optimizer", "after build"):
+        table.add_column(col, justify="left" if col == "engine" else "right")
+    for name, rows in res["ranks"].items():
+        for r in rows:
+            table.add_row(name, str(r["rank"]), ",".join(map(str, r["stages"])), mib(r["peak_bytes"]),
+                          mib(r["predicted_bytes"]), f"{r['peak_bytes'] / r['predicted_bytes']:.2f}",
+                          mib(r["param_bytes"]), mib(r["grad_bytes"]), mib(r["whole_grad_bytes_before_reduce"]),
+                          mib(r["optimizer_bytes"]), mib(r["after_build_bytes"]))
+        table.add_section()
+    console = Console(width=170)
+    console.print(table)
+    for name, s in res["summary"].items():
+        console.print(f"{name}: largest peak {mib(s['max_peak_bytes'])} MiB "
+                      f"({s.get('max_peak_vs_replicate', 1.0):.2f} x replicate's), predicted "
+                      f"{mib(s['max_predicted_bytes'])} MiB (measured / predicted {s['measured_over_predicted']:.2f})",
+                      soft_wrap=True)

@@ -23,8 +23,11 @@ materialises its own stage and nothing else. Then, per rank: the page cache and 
 lists are trimmed and the peak RSS is reset (``/proc/self/clear_refs``, ``5``) to the RSS at that
 moment, the baseline; the trainer is built and takes ``--steps`` AdamW steps. Reported:
 
-* ``peak``: VmHWM after the steps minus the baseline (every byte the engine's step costs the
-  process: training state, activations, gathered weights, communication buffers, allocator slack);
+* ``peak before opt``: the same as each optimizer step starts (the forwards, backwards and
+  gradient reductions' peak; VmHWM is reset as each step starts), the highest of the steps;
+* ``peak``: the highest VmHWM (after building, and of each step) minus the baseline (every byte
+  the engine's step costs the process: training state, activations, gathered weights,
+  communication buffers, allocator slack);
 * tensors counted exactly after the last step: the parameters held at rest (the local shards
   under FSDP), their gradients (sharded after FSDP's reduce-scatter), the optimizer's state; and,
   under FSDP, the whole gradient a stage accumulated before its one reduce-scatter (counted when the
@@ -97,14 +100,19 @@ def _reset_peak() -> int:
     gc.collect()
     with contextlib.suppress(OSError, AttributeError):  # glibc keeps freed blocks in its arenas: hand them back
         ctypes.CDLL("libc.so.6").malloc_trim(0)
+    _clear_peak()
+    return _status()["VmRSS"]
+
+
+def _clear_peak() -> None:
+    """VmHWM := VmRSS (Linux 4.0+)."""
     with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
         f.write("5")
-    return _status()["VmRSS"]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """What this process holds of ``t``: a DTensor's local shard, else the tensor."""
-    return t.to_local() if hasattr(t, "to_local") else t  # type: ignore[no-any-return]
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _local_bytes(t: torch.Tensor) -> int:
@@ -150,7 +158,7 @@ def _measure(found: LayoutSearch, name: str, cfg: dict[str, Any], x: torch.Tenso
                       global_batch=cfg["batch"])
 
     layout = found.price(option(priced_zero))
-    priced = found.plan(option(priced_zero))
+    priced = found.plan(option(priced_zero)).stages
     plan = found.plan(option(cut_zero))
     base = _reset_peak()
     trainer = PipelineTrainer(
@@ -162,13 +170,25 @@ def _measure(found: LayoutSearch, name: str, cfg: dict[str, Any], x: torch.Tenso
         _drop_stray(plan, trainer)
     built = _status()
     whole_grads = _count_whole_grads(trainer)
+    before_opt: list[int] = []  # VmHWM as each optimizer step starts: the peak of forwards, backwards, reductions
+    if trainer.optimizer is not None:
+        opt_step = trainer.optimizer.step
+
+        def timed_step(*a: Any, **kw: Any) -> Any:
+            before_opt.append(_status()["VmHWM"])
+            return opt_step(*a, **kw)
+
+        trainer.optimizer.step = timed_step  # type: ignore[method-assign]
     local_x, local_y = trainer.local_batch(x, y)
     losses, step_s = [], []
+    peaks = [built["VmHWM"]]
     for _ in range(cfg["steps"]):
         dist.barrier()
+        _clear_peak()  # each step's own peaks: before its optimizer step, and in all
         t = time.perf_counter()
         losses.append(float(trainer.step(local_x, local_y)))
         step_s.append(time.perf_counter() - t)
+        peaks.append(_status()["VmHWM"])
     after = _status()
     params = _unique(p for _, p in trainer.named_parameters())
     opt = trainer.optimizer
@@ -180,20 +200,21 @@ def _measure(found: LayoutSearch, name: str, cfg: dict[str, Any], x: torch.Tenso
     stray = {q.untyped_storage().data_ptr(): q.untyped_storage().nbytes() for _, _, q in _stray(plan, trainer)}
     res = {
         "dp_rank": trainer.mesh.dp_rank, "pp_rank": trainer.mesh.pp_rank, "stages": stage,
-        "rss": {"baseline": base, "after_build": built["VmRSS"], "after_steps": after["VmRSS"], "peak": after["VmHWM"]},
-        "peak_bytes": after["VmHWM"] - base,
+        "rss": {"baseline": base, "after_build": built["VmRSS"], "after_steps": after["VmRSS"], "peak": max(peaks)},
+        "peak_bytes": max(peaks) - base,
         "after_build_bytes": built["VmRSS"] - base,
+        "peak_before_optimizer_bytes": max(before_opt, default=base) - base,
         "param_bytes": sum(_local_bytes(p) for p in params),
         "param_numel_whole": sum(p.numel() for p in params),
         "grad_bytes": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
         "optimizer_bytes": sum(_local_bytes(v) for v in state),
         "stray_param_bytes": sum(stray.values()),
         "whole_grad_bytes_before_reduce": max(whole_grads, default=None),
-        "predicted_bytes": sum(priced.stages[s].memory for s in stage),
-        "predicted_state_bytes": sum(priced.stages[s].state_bytes for s in stage),
-        "predicted_act_bytes": sum(priced.stages[s].memory - priced.stages[s].state_bytes for s in stage),
+        "predicted_bytes": sum(priced[s].memory for s in stage),
+        "predicted_state_bytes": sum(priced[s].state_bytes for s in stage),
+        "predicted_act_bytes": sum(priced[s].memory - priced[s].state_bytes for s in stage),
         "predicted_fullest_bytes": layout.memory,
-        "cut": [st.modules for st in plan.stages], "priced_cut": [st.modules for st in priced.stages],
+        "cut": [st.modules for st in plan.stages], "priced_cut": [st.modules for st in priced],
         "losses": losses, "step_s": step_s,
     }
     return res
@@ -217,6 +238,7 @@ def _drop_stray(plan: Any, trainer: PipelineTrainer) -> None:
     """Put :func:`_stray`'s parameters on meta: their memory goes back to the allocator."""
     for module, key, q in _stray(plan, trainer):
         module._parameters[key] = nn.Parameter(torch.empty_like(q, device="meta"), requires_grad=q.requires_grad)
+    plan.refresh_binding()  # the plan's copy of the model's state_dict held them too
     _reset_peak()  # the drop is not the step's peak: start again from the RSS it leaves
 
 
@@ -290,15 +312,16 @@ def print_table(res: dict[str, Any]) -> None:
                          f"GPT-2 {cfg['n_layer']} layers x {cfg['n_embd']}, vocab {cfg['vocab']}, seq {cfg['seq']}, "
                          f"batch {cfg['batch']} in micro-batches of {cfg['micro_batch']}, {cfg['optimizer']}, "
                          f"{cfg['steps']} steps (MiB)"), title_justify="left")
-    for col in ("engine", "rank", "stage", "peak", "predicted", "peak / pred", "params at rest", "grads after step",
-                "whole grad in step", "optimizer", "after build"):
+    for col in ("engine", "rank", "stage", "peak", "peak before opt", "predicted", "peak / pred", "params at rest",
+                "grads after step", "whole grad in step", "optimizer", "stray (model)", "after build"):
         table.add_column(col, justify="left" if col == "engine" else "right")
     for name, rows in res["ranks"].items():
         for r in rows:
             table.add_row(name, str(r["rank"]), ",".join(map(str, r["stages"])), mib(r["peak_bytes"]),
+                          mib(r["peak_before_optimizer_bytes"]),
                           mib(r["predicted_bytes"]), f"{r['peak_bytes'] / r['predicted_bytes']:.2f}",
                           mib(r["param_bytes"]), mib(r["grad_bytes"]), mib(r["whole_grad_bytes_before_reduce"]),
-                          mib(r["optimizer_bytes"]), mib(r["after_build_bytes"]))
+                          mib(r["optimizer_bytes"]), mib(r["stray_param_bytes"]), mib(r["after_build_bytes"]))
         table.add_section()
     console = Console(width=170)
     console.print(table)

@@ -224,20 +224,27 @@ def _stray(plan: Any, trainer: PipelineTrainer) -> list[tuple[nn.Module, str, nn
     """(module, name, parameter) of every real parameter of the planned model and its traced graph
     that is none of the trainer's tensors (nor shares their storage)."""
     mine = {_local(p).untyped_storage().data_ptr() for _, p in trainer.named_parameters()}
-    found = []
-    for root in (plan.model, plan.traced.gm):
-        for module in root.modules():
-            for key, q in module._parameters.items():
-                if (q is not None and not q.is_meta and not hasattr(q, "to_local")
-                        and q.untyped_storage().data_ptr() not in mine):
-                    found.append((module, key, q))
+
+    def stray(q: torch.Tensor | None) -> bool:
+        return (q is not None and not q.is_meta and not hasattr(q, "to_local")
+                and q.untyped_storage().data_ptr() not in mine)
+
+    found = [(module, key, q) for root in (plan.model, plan.traced.gm) for module in root.modules()
+             for key, q in module._parameters.items() if stray(q)]
+    # Weight-gradient fusion's list of the parameters it fuses, set on a stage before FSDP sharded it
+    # (under FSDP the executor asks pipecut_autograd_params instead, so the list is stale).
+    for module in (st.module for st in trainer.stages.values()):
+        found += [(module, "", q) for q in getattr(module, "pipecut_fused_params", ()) if stray(q)]
     return found
 
 
 def _drop_stray(plan: Any, trainer: PipelineTrainer) -> None:
     """Put :func:`_stray`'s parameters on meta: their memory goes back to the allocator."""
     for module, key, q in _stray(plan, trainer):
-        module._parameters[key] = nn.Parameter(torch.empty_like(q, device="meta"), requires_grad=q.requires_grad)
+        if key:
+            module._parameters[key] = nn.Parameter(torch.empty_like(q, device="meta"), requires_grad=q.requires_grad)
+        else:
+            module.pipecut_fused_params = ()  # type: ignore[assignment]
     plan.refresh_binding()  # the plan's copy of the model's state_dict held them too
     _reset_peak()  # the drop is not the step's peak: start again from the RSS it leaves
 

@@ -7,12 +7,13 @@ of free memory and 7 GB of disk; writes ``benchmarks/results/memory.json``)::
     python benchmarks/memory.py --ranks 8 --layers 96 --width 4096 --dtype float32 --microbatches 16 \
         --rows 1 --out benchmarks/results/memory.json
     python benchmarks/memory.py --ranks 2 --layers 4 --shard-mib 64 --out /tmp/memory.json  # a minute
-    python benchmarks/memory.py --engines   # the data-parallel engines (below); benchmarks/results/memory_fsdp.json
-    python benchmarks/memory.py --engines --quick --out /tmp/memory_fsdp.json   # a tiny GPT-2, ~2 minutes
+    python benchmarks/memory.py --engines   # the engines (below): ~5 minutes, results/memory_fsdp.json
+    python benchmarks/memory.py --engines --quick --out /tmp/memory_fsdp.json   # a tiny GPT-2, 2-3 minutes
 
 ``--engines`` measures something else, each rank's peak under each data-parallel engine on one
 layout (2 dp x 2 pp, GPT-2, AdamW: replicated, ZeRO-1, FSDP2 resharding after forward and kept
-gathered) beside the planner's prediction: ``benchmarks/_memory_engines.py`` says how. The rest of
+gathered, and FSDP2 with the whole stage weights it leaves alive dropped) beside the planner's
+prediction: ``benchmarks/_memory_engines.py`` says how. The rest of
 this docstring is about the default run.
 
 The model is ``layers`` x ``Linear(width, width)`` (96 x 64 MiB = 6 GiB in fp32 by default), built

@@ -7,6 +7,14 @@ of free memory and 7 GB of disk; writes ``benchmarks/results/memory.json``)::
     python benchmarks/memory.py --ranks 8 --layers 96 --width 4096 --dtype float32 --microbatches 16 \
         --rows 1 --out benchmarks/results/memory.json
     python benchmarks/memory.py --ranks 2 --layers 4 --shard-mib 64 --out /tmp/memory.json  # a minute
+    python benchmarks/memory.py --engines   # the engines (below): ~5 minutes, results/memory_fsdp.json
+    python benchmarks/memory.py --engines --quick --out /tmp/memory_fsdp.json   # a tiny GPT-2, 2-3 minutes
+
+``--engines`` measures something else, each rank's peak under each data-parallel engine on one
+layout (2 dp x 2 pp, GPT-2, AdamW: replicated, ZeRO-1, FSDP2 resharding after forward and kept
+gathered, and FSDP2 with the whole stage weights it leaves alive dropped) beside the planner's
+prediction: ``benchmarks/_memory_engines.py`` says how. The rest of
+this docstring is about the default run.
 
 The model is ``layers`` x ``Linear(width, width)`` (96 x 64 MiB = 6 GiB in fp32 by default), built
 under ``runtime.empty_weights()`` (parameters on ``meta``) by the script and by every rank. In order,
@@ -70,7 +78,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
-from _common import git_state  # noqa: E402
+from _common import git_state, load_before, run_env, write_result  # noqa: E402
+from _memory_engines import ENGINES, FULL, QUICK, QUICK_ENGINES, print_table, run_all  # noqa: E402
 from partitioner import partition  # noqa: E402
 from partitioner.plan.plan import Plan  # noqa: E402
 from runtime import Execution, Init, PipelineTrainer  # noqa: E402
@@ -481,9 +490,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds for each spawned step")
     ap.add_argument("--tmpdir", default=None, help="where the checkpoint is written (default: the system's)")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "memory.json"))
+    ap.add_argument("--out", default=None,
+                    help="the JSON written (default benchmarks/results/memory.json, with --engines memory_fsdp.json)")
+    ap.add_argument("--engines", action="store_true",
+                    help="instead: each rank's peak under each data-parallel engine on 2 dp x 2 pp (AdamW)")
+    ap.add_argument("--quick", action="store_true", help="with --engines: a tiny GPT-2, 2 steps, three engines")
     cli = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(cli)
+    if args.engines:
+        return _engines(args, cli)
+    args.out = args.out or str(ROOT / "benchmarks" / "results" / "memory.json")
     cfg = Config(ranks=args.ranks, layers=args.layers, width=args.width, dtype=args.dtype,
                  microbatches=args.microbatches or 2 * args.ranks, rows=args.rows, seed=args.seed, lr=args.lr,
                  shard_bytes=args.shard_mib * _MIB, timeout=args.timeout)
@@ -504,6 +520,19 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, **res}, indent=2) + "\n")
     return 0 if all(c["met"] for c in res["checks"].values()) else 1
+
+
+def _engines(args: argparse.Namespace, cli: list[str]) -> int:
+    """``--engines``: run ``benchmarks/_memory_engines.py``'s configurations, print, write the JSON."""
+    t0 = time.time()
+    load = load_before("the 4 processes")
+    res = run_all(dict(QUICK if args.quick else FULL), timeout=args.timeout,
+                  names=QUICK_ENGINES if args.quick else tuple(ENGINES))
+    print_table(res)
+    meta = {"benchmark": "memory_engines", "command": shlex.join(["python", "benchmarks/memory.py", *cli]),
+            **run_env(load, t0)}
+    write_result(args.out or ROOT / "benchmarks" / "results" / "memory_fsdp.json", {"meta": meta, **res})
+    return 0
 
 
 if __name__ == "__main__":

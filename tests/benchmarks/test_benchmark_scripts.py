@@ -155,6 +155,36 @@ def test_memory_quick(tmp_path: Path) -> None:
         assert r["peak_bytes"] < r["whole_model_rank_bytes"]
     assert not list(tmp_path.glob("pipecut-memory-*")), "the checkpoint was not removed"
 
+    # --engines: each rank's peak under each data-parallel engine on 2 dp x 2 pp (a tiny GPT-2).
+    out = tmp_path / "memory_fsdp.json"
+    argv = ["--engines", "--quick", "--out", str(out)]
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "memory.py"), *argv], capture_output=True,
+                         text=True, timeout=600, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["meta"]["benchmark"] == "memory_engines"
+    assert data["meta"]["command"] == "python benchmarks/memory.py " + " ".join(argv)
+    ranks = data["ranks"]
+    assert list(ranks) == ["replicate", "replicate + ZeRO-1", "fsdp"]  # --quick: three engines
+    whole = ranks["replicate"]
+    for name, rows in ranks.items():
+        assert [r["rank"] for r in rows] == [0, 1, 2, 3], name
+        for r, w in zip(rows, whole):
+            assert r["stages"] == w["stages"] and r["peak_bytes"] > 0 and r["predicted_bytes"] > 0
+            assert r["param_numel_whole"] == w["param_numel_whole"] and len(set(r["losses"])) > 1
+            assert all(math.isfinite(v) for v in r["losses"])
+            if name.startswith("fsdp"):  # the shards at rest: half of each stage's weights (no padding here)
+                assert r["param_bytes"] * 2 == w["param_bytes"] == r["whole_grad_bytes_before_reduce"], name
+                assert r["optimizer_bytes"] * 2 == w["optimizer_bytes"], name
+            else:
+                assert r["param_bytes"] == w["param_bytes"] and r["whole_grad_bytes_before_reduce"] is None
+    for r, w in zip(ranks["replicate + ZeRO-1"], whole):
+        assert r["optimizer_bytes"] < w["optimizer_bytes"] == 2 * w["param_bytes"]  # AdamW's two moments
+    assert all(r["stray_param_bytes"] == 0 for r in ranks["replicate"])
+    s = data["summary"]
+    assert s["fsdp"]["param_bytes_vs_replicate"] == [0.5] * 4
+    assert {"max_peak_bytes", "max_predicted_bytes", "measured_over_predicted"} <= s["fsdp"].keys()
+
 
 @pytest.mark.multiprocess
 def test_sync_vs_ps_quick(tmp_path: Path) -> None:

@@ -1,0 +1,341 @@
+"""``memory.py --engines``: each rank's peak memory under each data-parallel engine on one layout,
+measured, taken apart, and set beside what the planner predicts.
+
+Legend: ``dp`` replicas, ``pp`` ranks per pipeline, ``m`` micro-batches per replica, ``b`` rows
+per micro-batch, ``B`` the global batch.
+
+One layout, 2 dp x 2 pp on 4 gloo processes (1F1B, a GPT-2 with a tied embedding, AdamW), run
+four ways, each in 4 fresh processes (``runtime.transport.launch.spawn``) so that each peak is that
+configuration's own:
+
+* ``replicate``: ``DataParallel(size=2)``, whole stages on each replica (``zero='none'``);
+* ``replicate + ZeRO-1``: ``shard_optimizer=True`` (``zero1``);
+* ``fsdp``: ``engine='fsdp', reshard_after_forward=True`` (ZeRO-3, ``fsdp``);
+* ``fsdp kept gathered``: ``reshard_after_forward=False``, priced as ``zero1``
+  (``partitioner.plan.sharding`` says why);
+* ``fsdp, copies dropped``: ``fsdp``, with the whole stage weights that materialisation made and
+  sharding copied (still reachable from the planned model: ``stray`` below) put back on meta
+  once the trainer is built, as a fix in the runtime would.
+
+Every rank plans the model on ``meta`` with ``partitioner.search.LayoutSearch`` (the plan it
+trains is the one priced, so measurement and prediction share the cut), so the trainer
+materialises its own stage and nothing else. Then, per rank: the page cache and malloc's free
+lists are trimmed and the peak RSS is reset (``/proc/self/clear_refs``, ``5``) to the RSS at that
+moment, the baseline; the trainer is built and takes ``--steps`` AdamW steps. Reported:
+
+* ``peak before opt``: the same as each optimizer step starts (the forwards, backwards and
+  gradient reductions' peak; VmHWM is reset as each step starts), the highest of the steps;
+* ``peak``: the highest VmHWM (after building, and of each step) minus the baseline (every byte
+  the engine's step costs the process: training state, activations, gathered weights,
+  communication buffers, allocator slack);
+* tensors counted exactly after the last step: the parameters held at rest (the local shards
+  under FSDP), their gradients (sharded after FSDP's reduce-scatter), the optimizer's state; and,
+  under FSDP, the whole gradient a stage accumulated before its one reduce-scatter (counted when the
+  executor reports the stage's last backward); and ``stray``, the bytes of real parameters still
+  reachable from ``plan.model`` or ``plan.traced.gm`` that are none of the trainer's tensors;
+* ``predicted``: the planner's peak for the rank (its stage's ``StagePlan.memory`` from
+  ``LayoutSearch.plan``: training state at ``state_per_param`` bytes per parameter plus the
+  activations of the micro-batches in flight), and ``Layout.memory`` (the fullest rank's).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import time
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from partitioner import Cluster
+from partitioner.plan.layout import Option
+from partitioner.search import LayoutSearch
+from partitioner.zoo import gpt2
+from runtime import DataParallel, Execution, Init, PipelineTrainer
+from runtime.parallel.fsdp import FSDPReplicas, _fsdp_params
+from runtime.state.materialize import empty_weights
+
+__all__ = ["ENGINES", "QUICK", "FULL", "run_engine"]
+
+DP, PP, SCHEDULE = 2, 2, "1f1b"
+# name -> (DataParallel keywords, the sharding the trainer's plan is cut for, the sharding it is priced as)
+ENGINES: dict[str, tuple[dict[str, Any], str, str]] = {
+    "replicate": ({}, "none", "none"),
+    "replicate + ZeRO-1": ({"shard_optimizer": True}, "zero1", "zero1"),
+    "fsdp": ({"engine": "fsdp", "reshard_after_forward": True}, "fsdp", "fsdp"),
+    "fsdp kept gathered": ({"engine": "fsdp", "reshard_after_forward": False}, "fsdp", "zero1"),
+    "fsdp, copies dropped": ({"engine": "fsdp", "reshard_after_forward": True}, "fsdp", "fsdp"),
+}
+# Configurations that, once the trainer is built, put the planned model's parameters that are none of
+# the trainer's tensors back on meta: FSDP's sharding copies each stage's weights into DTensor shards,
+# and the whole tensors materialised before it stay reachable from ``plan.model`` and
+# ``plan.traced.gm`` (``stray_param_bytes``). Dropping them is what a fix in the runtime would do.
+DROP = {"fsdp, copies dropped"}
+# --quick (the test suite's smoke run): three engines, three spawns of 4 fresh processes.
+QUICK_ENGINES = ("replicate", "replicate + ZeRO-1", "fsdp")
+# The model and batch: GPT-2 weights dominate a rank's memory (16.5 M parameters a stage, 264 MB
+# of fp32 AdamW state whole) over the activations of a 1-row micro-batch.
+FULL = {"n_layer": 8, "n_embd": 512, "n_head": 8, "vocab": 8192, "seq": 64, "batch": 8, "micro_batch": 1,
+        "steps": 3}
+QUICK = {"n_layer": 2, "n_embd": 64, "n_head": 2, "vocab": 256, "seq": 16, "batch": 4, "micro_batch": 1,
+         "steps": 2}
+
+
+def _status() -> dict[str, int]:
+    """VmHWM (peak RSS) and VmRSS of this process, in bytes (Linux)."""
+    out: dict[str, int] = {}
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmHWM", "VmRSS"):
+                out[key] = int(value.split()[0]) * 1024  # kB
+    return out
+
+
+def _reset_peak() -> int:
+    """Free what can be freed, reset VmHWM to the RSS now (Linux's ``clear_refs``), return it."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):  # glibc keeps freed blocks in its arenas: hand them back
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    _clear_peak()
+    return _status()["VmRSS"]
+
+
+def _clear_peak() -> None:
+    """VmHWM := VmRSS (Linux 4.0+)."""
+    with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+        f.write("5")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """What this process holds of ``t``: a DTensor's local shard, else the tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    local = _local(t)
+    return int(local.numel() * local.element_size())
+
+
+def _unique(tensors: Iterator[torch.Tensor]) -> list[torch.Tensor]:
+    return list({id(t): t for t in tensors}.values())
+
+
+def _lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # (B, T, V), (B, T)
+    return nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def run_engine(rank: int, world: int, cfg: dict[str, Any], name: str) -> dict[str, Any]:
+    """One rank of configuration ``name``: plan on meta, reset the peak, build the trainer, step, count.
+
+    One configuration per process: the trainer materialises its stage into the planned model, which
+    a second trainer could not share (and whose tensors would stay in the second's figures).
+    """
+    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")  # FSDP2 on a stage's outputs
+    t0 = time.perf_counter()
+    idle = _status()["VmRSS"]
+    b, batch = cfg["micro_batch"], cfg["batch"]
+    with empty_weights():
+        model, _ = gpt2(n_layer=cfg["n_layer"], n_embd=cfg["n_embd"], n_head=cfg["n_head"], vocab_size=cfg["vocab"],
+                        n_positions=cfg["seq"], batch=b, seq=cfg["seq"])
+    gen = torch.Generator().manual_seed(7)  # the same global batch on every rank
+    x = torch.randint(0, cfg["vocab"], (batch, cfg["seq"]), generator=gen)  # (B, T)
+    y = torch.randint(0, cfg["vocab"], (batch, cfg["seq"]), generator=gen)
+    found = LayoutSearch(model, (x[:b],), cluster=Cluster.uniform(DP * PP, "cpu"), global_batch=batch,
+                         recompute=False)
+    plan_s = time.perf_counter() - t0
+    return {"rank": rank, **_measure(found, name, cfg, x, y), "idle_rss": idle, "plan_s": plan_s}
+
+
+def _measure(found: LayoutSearch, name: str, cfg: dict[str, Any], x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
+    dp_kw, cut_zero, priced_zero = ENGINES[name]
+
+    def option(zero: str) -> Option:
+        return Option(dp=DP, pp=PP, schedule=SCHEDULE, microbatch_size=cfg["micro_batch"], zero=zero,
+                      global_batch=cfg["batch"])
+
+    layout = found.price(option(priced_zero))
+    priced = found.plan(option(priced_zero)).stages
+    plan = found.plan(option(cut_zero))
+    base = _reset_peak()
+    trainer = PipelineTrainer(
+        plan, _lm_loss, lambda ps: torch.optim.AdamW(ps, lr=1e-4),
+        execution=Execution(schedule=SCHEDULE, transport="dist"), init=Init(seed=0),
+        data_parallel=DataParallel(size=DP, **dp_kw),
+    )
+    if name in DROP:
+        _drop_stray(plan, trainer)
+    built = _status()
+    whole_grads = _count_whole_grads(trainer)
+    before_opt: list[int] = []  # VmHWM as each optimizer step starts: the peak of forwards, backwards, reductions
+    if trainer.optimizer is not None:
+        opt_step = trainer.optimizer.step
+
+        def timed_step(*a: Any, **kw: Any) -> Any:
+            before_opt.append(_status()["VmHWM"])
+            return opt_step(*a, **kw)
+
+        trainer.optimizer.step = timed_step  # type: ignore[method-assign]
+    local_x, local_y = trainer.local_batch(x, y)
+    losses, step_s = [], []
+    peaks = [built["VmHWM"]]
+    for _ in range(cfg["steps"]):
+        dist.barrier()
+        _clear_peak()  # each step's own peaks: before its optimizer step, and in all
+        t = time.perf_counter()
+        losses.append(float(trainer.step(local_x, local_y)))
+        step_s.append(time.perf_counter() - t)
+        peaks.append(_status()["VmHWM"])
+    after = _status()
+    params = _unique(p for _, p in trainer.named_parameters())
+    opt = trainer.optimizer
+    state = [v for s in (opt.state.values() if opt is not None else ()) for v in s.values()
+             if isinstance(v, torch.Tensor) and v.dim() > 0]  # Adam's moments (not its scalar step counts)
+    stage = sorted(trainer.stages)
+    # Parameters still reachable from the planned model that are none of the trainer's tensors: what a
+    # rank keeps beside its stage (under FSDP, the whole tensors materialised before sharding, say).
+    stray = {q.untyped_storage().data_ptr(): q.untyped_storage().nbytes() for _, _, q in _stray(plan, trainer)}
+    res = {
+        "dp_rank": trainer.mesh.dp_rank, "pp_rank": trainer.mesh.pp_rank, "stages": stage,
+        "rss": {"baseline": base, "after_build": built["VmRSS"], "after_steps": after["VmRSS"], "peak": max(peaks)},
+        "peak_bytes": max(peaks) - base,
+        "after_build_bytes": built["VmRSS"] - base,
+        "peak_before_optimizer_bytes": max(before_opt, default=base) - base,
+        "param_bytes": sum(_local_bytes(p) for p in params),
+        "param_numel_whole": sum(p.numel() for p in params),
+        "grad_bytes": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
+        "optimizer_bytes": sum(_local_bytes(v) for v in state),
+        "stray_param_bytes": sum(stray.values()),
+        "whole_grad_bytes_before_reduce": max(whole_grads, default=None),
+        "predicted_bytes": sum(priced[s].memory for s in stage),
+        "predicted_state_bytes": sum(priced[s].state_bytes for s in stage),
+        "predicted_act_bytes": sum(priced[s].memory - priced[s].state_bytes for s in stage),
+        "predicted_fullest_bytes": layout.memory,
+        "cut": [st.modules for st in plan.stages], "priced_cut": [st.modules for st in priced],
+        "losses": losses, "step_s": step_s,
+    }
+    return res
+
+
+def _stray(plan: Any, trainer: PipelineTrainer) -> list[tuple[nn.Module, str, nn.Parameter]]:
+    """(module, name, parameter) of every real parameter of the planned model and its traced graph
+    that is none of the trainer's tensors (nor shares their storage)."""
+    mine = {_local(p).untyped_storage().data_ptr() for _, p in trainer.named_parameters()}
+
+    def stray(q: torch.Tensor | None) -> bool:
+        return (q is not None and not q.is_meta and not hasattr(q, "to_local")
+                and q.untyped_storage().data_ptr() not in mine)
+
+    found = [(module, key, q) for root in (plan.model, plan.traced.gm) for module in root.modules()
+             for key, q in module._parameters.items() if stray(q)]
+    # Weight-gradient fusion's list of the parameters it fuses, set on a stage before FSDP sharded it
+    # (under FSDP the executor asks pipecut_autograd_params instead, so the list is stale).
+    for module in (st.module for st in trainer.stages.values()):
+        found += [(module, "", q) for q in getattr(module, "pipecut_fused_params", ()) if stray(q)]
+    return found
+
+
+def _drop_stray(plan: Any, trainer: PipelineTrainer) -> None:
+    """Put :func:`_stray`'s parameters on meta: their memory goes back to the allocator."""
+    for module, key, q in _stray(plan, trainer):
+        if key:
+            module._parameters[key] = nn.Parameter(torch.empty_like(q, device="meta"), requires_grad=q.requires_grad)
+        else:
+            module.pipecut_fused_params = ()  # type: ignore[assignment]
+    plan.refresh_binding()  # the plan's copy of the model's state_dict held them too
+    _reset_peak()  # the drop is not the step's peak: start again from the RSS it leaves
+
+
+def _count_whole_grads(trainer: PipelineTrainer) -> list[int]:
+    """Under FSDP, a list that fills with each stage's whole gradient bytes (accumulated over the
+    step's micro-batches) just before its reduce-scatter; empty otherwise."""
+    replicas = trainer._replicas
+    if not isinstance(replicas, FSDPReplicas):
+        return []
+    seen: list[int] = []
+    done = replicas.averager.stage_done
+
+    def counted(s: int) -> None:
+        module = replicas.modules.get(s)
+        if module is not None:
+            grads = [getattr(fp, "_unsharded_param", None) for fp in _fsdp_params(module)]
+            seen.append(sum(_local_bytes(g.grad) for g in grads if g is not None and g.grad is not None))
+        done(s)
+
+    replicas.averager.stage_done = counted  # type: ignore[method-assign]
+    return seen
+
+
+# -- the run and its report (in the launching process) ----------------------------------------------
+
+
+def run_all(cfg: dict[str, Any], *, timeout: float, names: Sequence[str] = tuple(ENGINES)) -> dict[str, Any]:
+    """The configurations ``names`` of :data:`ENGINES` on ``DP * PP`` fresh processes each; the summary."""
+    from runtime.transport.launch import spawn
+
+    phases: dict[str, float] = {}
+    ranks: dict[str, list[dict[str, Any]]] = {}
+    for name in names:
+        t = time.perf_counter()
+        ranks[name] = spawn(run_engine, DP * PP, cfg, name, timeout=timeout, threads=1)
+        phases[name] = time.perf_counter() - t
+    return {"config": {**cfg, "dp": DP, "pp": PP, "schedule": SCHEDULE, "optimizer": "AdamW(lr=1e-4)",
+                       "engines": {k: {"data_parallel": v[0], "plan_cut_for": v[1], "priced_as": v[2]}
+                                   for k, v in ENGINES.items() if k in names}},
+            "ranks": ranks, "summary": _summary(ranks), "phases_s": phases}
+
+
+def _summary(ranks: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    base = ranks.get("replicate")
+    out: dict[str, Any] = {}
+    for name, rows in ranks.items():
+        peak = max(r["peak_bytes"] for r in rows)
+        pred = max(r["predicted_bytes"] for r in rows)
+        out[name] = {
+            "max_peak_bytes": peak, "max_predicted_bytes": pred, "measured_over_predicted": peak / pred,
+            "per_rank_measured_over_predicted": [r["peak_bytes"] / r["predicted_bytes"] for r in rows],
+            "held_bytes_per_rank": [r["param_bytes"] + r["grad_bytes"] + r["optimizer_bytes"] for r in rows],
+        }
+        if base:
+            out[name]["max_peak_vs_replicate"] = peak / max(r["peak_bytes"] for r in base)
+            out[name]["param_bytes_vs_replicate"] = [r["param_bytes"] / b["param_bytes"] for r, b in zip(rows, base)]
+    return out
+
+
+def print_table(res: dict[str, Any]) -> None:
+    """The rich table: per engine and rank, the peak, the prediction and what the tensors hold."""
+    from rich.console import Console
+    from rich.table import Table
+
+    def mib(x: float | None) -> str:
+        return "-" if x is None else f"{x / 2**20:.1f}"
+
+    cfg = res["config"]
+    table = Table(title=(f"Peak memory per rank, {cfg['dp']} dp x {cfg['pp']} pp {cfg['schedule']} on 4 gloo "
+                         "processes: "
+                         f"GPT-2 {cfg['n_layer']} layers x {cfg['n_embd']}, vocab {cfg['vocab']}, seq {cfg['seq']}, "
+                         f"batch {cfg['batch']} in micro-batches of {cfg['micro_batch']}, {cfg['optimizer']}, "
+                         f"{cfg['steps']} steps (MiB)"), title_justify="left")
+    for col in ("engine", "rank", "stage", "peak", "peak before opt", "predicted", "peak / pred", "params at rest",
+                "grads after step", "whole grad in step", "optimizer", "stray (model)", "after build"):
+        table.add_column(col, justify="left" if col == "engine" else "right")
+    for name, rows in res["ranks"].items():
+        for r in rows:
+            table.add_row(name, str(r["rank"]), ",".join(map(str, r["stages"])), mib(r["peak_bytes"]),
+                          mib(r["peak_before_optimizer_bytes"]),
+                          mib(r["predicted_bytes"]), f"{r['peak_bytes'] / r['predicted_bytes']:.2f}",
+                          mib(r["param_bytes"]), mib(r["grad_bytes"]), mib(r["whole_grad_bytes_before_reduce"]),
+                          mib(r["optimizer_bytes"]), mib(r["stray_param_bytes"]), mib(r["after_build_bytes"]))
+        table.add_section()
+    console = Console(width=170)
+    console.print(table)
+    for name, s in res["summary"].items():
+        console.print(f"{name}: largest peak {mib(s['max_peak_bytes'])} MiB "
+                      f"({s.get('max_peak_vs_replicate', 1.0):.2f} x replicate's), predicted "
+                      f"{mib(s['max_predicted_bytes'])} MiB (measured / predicted {s['measured_over_predicted']:.2f})",
+                      soft_wrap=True)

@@ -138,11 +138,11 @@ def check_case(
     """Loss and gradients of one step, then weights after 3 optimizer steps, equal the reference.
 
     ``grouped``: over gloo, run the program NCCL runs (sends posted with the next receives).
-    ``searches``: this process's traced ``TRACE_ONCE`` models, kept across calls (see ``_plan_once``).
+    ``searches``: this process's traced ``TRACE_ONCE`` models, kept across calls (see ``plan_once``).
     """
     c = case(name, p)
-    if searches is not None and name in TRACE_ONCE:
-        _plan_once(c, name, p, schedule, searches)
+    if searches is not None:
+        plan_once(c, name, p, schedule, searches)
     ref = copy.deepcopy(c["model"])
     opt = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)  # noqa: E731
     trainer = make_trainer(c, p, schedule, transport=transport, optimizer=opt)
@@ -173,12 +173,15 @@ def check_case(
             "want_peak": list(peak_inflight(trainer.schedule)), "stage_to_rank": list(trainer.schedule.stage_to_rank)}
 
 
-def _plan_once(
+def plan_once(
     c: dict[str, Any], name: str, p: int, schedule: str, searches: dict[tuple[str, int], LayoutSearch]
 ) -> None:
-    """Put in ``c['plan']`` the plan of ``c`` from the process's one trace of the model, and make the
-    traced model ``c['model']``, holding ``c``'s fresh weights (copied into its tensors, which the
-    plan's stages share) and no gradients: the case starts as a freshly partitioned one would."""
+    """For a ``TRACE_ONCE`` model (else nothing): put in ``c['plan']`` the plan of ``c`` from the
+    process's one trace of the model, and make the traced model ``c['model']``, holding ``c``'s fresh
+    weights (copied into its tensors, which the plan's stages share) and no gradients: the case
+    starts as a freshly partitioned one would. One trainer at a time: the next case resets them."""
+    if name not in TRACE_ONCE:
+        return
     ranks = p // stages_per_rank(schedule)
     rows, batch = len(c["example"][0]), len(c["x"])
     search = searches.get((name, ranks))

@@ -189,6 +189,10 @@ def plan_once(
         search = searches[name, ranks] = LayoutSearch(
             c["model"], c["example"], cluster=Cluster.uniform(ranks, "cpu"), global_batch=batch)
     model = search.model
+    # An engine that swapped a tensor of the model (FSDP's shards, say) would leave it out of the reset.
+    kinds = {n: type(t).__name__ for n, t in model.state_dict(keep_vars=True).items()
+             if type(t) not in (nn.Parameter, torch.Tensor)}
+    assert not kinds, f"a trainer replaced the traced model's tensors {kinds}: partition this case anew"
     with torch.no_grad():
         model.load_state_dict(c["model"].state_dict())
     for prm in model.parameters():

@@ -11,11 +11,11 @@ import pytest
 import torch
 from torch import nn
 
+from partitioner.search import LayoutSearch
 from runtime.execute.accumulation import add_back, set_aside
 from runtime.parallel.data_parallel import GradAverager
 from runtime.transport.launch import spawn
 from runtime.transport.placement import PlacementError
-from partitioner.search import LayoutSearch
 from tests.runtime.parity import TOL, _fresh, _fresh_y, case, check_grads, make_trainer, plan_once, reference_grads
 
 SCHEDULES = ["gpipe", "1f1b", "zbh1"]

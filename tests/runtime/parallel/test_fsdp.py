@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import torch
 
+from partitioner.search import LayoutSearch
 from runtime.options import DataParallel
 from runtime.transport.launch import spawn
-from partitioner.search import LayoutSearch
 from tests.runtime.parity import TOL, _fresh, _fresh_y, case, make_trainer, plan_once, reference_grads
 
 # GPT-2 traced once per process (torch.export, ~0.6 s a trace) and planned from that for every case

@@ -29,8 +29,9 @@ TOL = {"rtol": 2e-5, "atol": 2e-6}
 # Fuse weight-gradient accumulation into every linear layer, however small, so that the parity
 # cases check the fused path (the split-backward schedules, which never fuse, check the plain one).
 wgrad_fusion.DEFAULT_MIN_NUMEL = 1
-# Traced once per process by ``dist_worker`` and planned from that trace for every schedule: GPT-2
-# goes through torch.export (~0.6 s a trace, 8 cases a rank); the cut is the one partition() makes.
+# Traced once per process by the gloo workers (``plan_once``) and planned from that trace for every
+# schedule: GPT-2 goes through torch.export (~0.6 s a trace, up to 17 cases a rank); the stage cuts
+# equal partition()'s (checked for every schedule on 2 and 4 ranks when this was written).
 TRACE_ONCE = ("gpt2",)
 
 

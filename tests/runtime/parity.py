@@ -7,15 +7,18 @@ function here is importable and picklable).
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from partitioner import partition
+from partitioner import Cluster, partition
+from partitioner.plan.layout import Option
 from partitioner.schedule.registry import stages_per_rank
 from partitioner.schedule.validation import peak_inflight
+from partitioner.search import LayoutSearch
 from partitioner.zoo import MLPChain, gpt2
 from runtime.execute import wgrad_fusion
 from runtime.trainer import PipelineTrainer
@@ -26,6 +29,10 @@ TOL = {"rtol": 2e-5, "atol": 2e-6}
 # Fuse weight-gradient accumulation into every linear layer, however small, so that the parity
 # cases check the fused path (the split-backward schedules, which never fuse, check the plain one).
 wgrad_fusion.DEFAULT_MIN_NUMEL = 1
+# Traced once per process by the gloo workers (``plan_once``) and planned from that trace for every
+# schedule: GPT-2 goes through torch.export (~0.6 s a trace, up to 17 cases a rank); the stage cuts
+# equal partition()'s (checked for every schedule on 2 and 4 ranks when this was written).
+TRACE_ONCE = ("gpt2",)
 
 
 def stages_for(schedule: str, ranks: int) -> int:
@@ -85,7 +92,8 @@ def make_trainer(
     c: dict[str, Any], p: int, schedule: str, *, transport: str = "local",
     optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None, **kw: Any,
 ) -> PipelineTrainer:
-    plan = partition(c["model"], c["example"], p, microbatches=4, schedule=schedule, **c["opts"])
+    plan = c["plan"] if "plan" in c else partition(c["model"], c["example"], p, microbatches=4, schedule=schedule,
+                                                     **c["opts"])
     return PipelineTrainer(plan, c["loss"], optimizer, schedule=schedule, transport=transport, **kw)
 
 
@@ -124,12 +132,18 @@ def check_grads(trainer: PipelineTrainer, want: dict[str, torch.Tensor]) -> list
     return names
 
 
-def check_case(name: str, p: int, schedule: str, transport: str = "local", *, grouped: bool = False) -> dict[str, Any]:
+def check_case(
+    name: str, p: int, schedule: str, transport: str = "local", *, grouped: bool = False,
+    searches: dict[tuple[str, int], LayoutSearch] | None = None,
+) -> dict[str, Any]:
     """Loss and gradients of one step, then weights after 3 optimizer steps, equal the reference.
 
     ``grouped``: over gloo, run the program NCCL runs (sends posted with the next receives).
+    ``searches``: this process's traced ``TRACE_ONCE`` models, kept across calls (see ``plan_once``).
     """
     c = case(name, p)
+    if searches is not None:
+        plan_once(c, name, p, schedule, searches)
     ref = copy.deepcopy(c["model"])
     opt = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)  # noqa: E731
     trainer = make_trainer(c, p, schedule, transport=transport, optimizer=opt)
@@ -160,6 +174,36 @@ def check_case(name: str, p: int, schedule: str, transport: str = "local", *, gr
             "want_peak": list(peak_inflight(trainer.schedule)), "stage_to_rank": list(trainer.schedule.stage_to_rank)}
 
 
+def plan_once(
+    c: dict[str, Any], name: str, p: int, schedule: str, searches: dict[tuple[str, int], LayoutSearch]
+) -> None:
+    """For a ``TRACE_ONCE`` model (else nothing): put in ``c['plan']`` the plan of ``c`` from the
+    process's one trace of the model, and make the traced model ``c['model']``, holding ``c``'s fresh
+    weights (copied into its tensors, which the plan's stages share) and no gradients: the case
+    starts as a freshly partitioned one would. One trainer at a time: the next case resets them."""
+    if name not in TRACE_ONCE:
+        return
+    ranks = p // stages_per_rank(schedule)
+    rows, batch = len(c["example"][0]), len(c["x"])
+    search = searches.get((name, ranks))
+    if search is None:
+        search = searches[name, ranks] = LayoutSearch(
+            c["model"], c["example"], cluster=Cluster.uniform(ranks, "cpu"), global_batch=batch)
+    model = search.model
+    # An engine that swapped a tensor of the model (FSDP's shards, say) would leave it out of the reset.
+    kinds = {n: type(t).__name__ for n, t in model.state_dict(keep_vars=True).items()
+             if type(t) not in (nn.Parameter, torch.Tensor)}
+    assert not kinds, f"a trainer replaced the traced model's tensors {kinds}: partition this case anew"
+    with torch.no_grad():
+        model.load_state_dict(c["model"].state_dict())
+    for prm in model.parameters():
+        prm.grad = None
+    plan = search.plan(Option(dp=1, pp=ranks, schedule=schedule, microbatch_size=rows, zero="none", global_batch=batch))
+    assert plan.num_stages == p and plan.microbatches == 4, (name, schedule, plan.num_stages, plan.microbatches)
+    # No layout: the trainer runs it as partition()'s plan (one replica, its options untouched).
+    c["model"], c["plan"] = model, dataclasses.replace(plan, layout=None)
+
+
 def _aliases(model: nn.Module) -> dict[str, str]:
     """Every parameter name -> the first name of the same tensor."""
     first: dict[int, str] = {}
@@ -188,11 +232,14 @@ def dist_workers(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """``dist_worker`` on ``cases``, then on the ``grouped`` cases with grouped messages, in one
     spawn: starting the processes and importing torch cost more than most cases."""
-    return dist_worker(rank, world, cases, trace), dist_worker(rank, world, grouped, None, True)
+    searches: dict[tuple[str, int], LayoutSearch] = {}  # both runs plan from one trace per model
+    return (dist_worker(rank, world, cases, trace, searches=searches),
+            dist_worker(rank, world, grouped, None, True, searches=searches))
 
 
 def dist_worker(
-    rank: int, world: int, cases: list[tuple[str, str]], trace: str | None = None, grouped: bool = False
+    rank: int, world: int, cases: list[tuple[str, str]], trace: str | None = None, grouped: bool = False, *,
+    searches: dict[tuple[str, int], LayoutSearch] | None = None,
 ) -> dict[str, Any]:
     """Run every (model, schedule) case on this rank of a ``world``-rank pipeline.
 
@@ -201,9 +248,11 @@ def dist_worker(
     trace is gathered to rank 0 and written there (under ``'_extra'``).
     """
     out: dict[str, Any] = {}
+    searches = {} if searches is None else searches  # TRACE_ONCE models traced once for every case
     for name, schedule in cases:
         stages = stages_for(schedule, world)
-        out[f"{name}/{schedule}"] = check_case(name, stages, schedule, transport="dist", grouped=grouped)
+        out[f"{name}/{schedule}"] = check_case(name, stages, schedule, transport="dist", grouped=grouped,
+                                               searches=searches)
     if trace is not None:
         c = case("mlp", world)
         try:  # world stages under ZB-V need world / 2 ranks, not world

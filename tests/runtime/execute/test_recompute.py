@@ -9,18 +9,23 @@ import pytest
 import torch
 from torch import nn
 
-from parity import TOL, case, check_grads, make_trainer, reference_grads, stages_for
+from parity import TOL, case, check_grads, make_trainer, plan_once, reference_grads, stages_for
 from partitioner import partition
+from partitioner.search import LayoutSearch
 from runtime.execute.recompute import RecomputeOptionError
 from runtime.execute.saved_memory import SavedBytes
 from runtime.trainer import PipelineTrainer
 from runtime.transport.launch import spawn
 
 
-def _parity(name: str, schedule: str, transport: str = "local", recompute: Any = True) -> dict[str, Any]:
-    """One forward-backward with recomputation equals the unpartitioned model's loss and gradients."""
+def _parity(name: str, schedule: str, transport: str = "local", recompute: Any = True, *,
+            searches: dict[tuple[str, int], LayoutSearch] | None = None) -> dict[str, Any]:
+    """One forward-backward with recomputation equals the unpartitioned model's loss and gradients.
+    ``searches``: GPT-2 traced once per process (``parity.plan_once``)."""
     S = stages_for(schedule, 2)
     c = case(name, S)
+    if searches is not None:
+        plan_once(c, name, S, schedule, searches)
     ref = copy.deepcopy(c["model"])
     trainer = make_trainer(c, S, schedule, transport=transport, recompute=recompute)
     loss = trainer.forward_backward(c["x"], c["y"])
@@ -126,8 +131,9 @@ def test_bad_stage_index_names_the_range() -> None:
 
 def _dist_recompute(rank: int, world: int) -> dict[str, Any]:
     out = {}
+    searches: dict[tuple[str, int], LayoutSearch] = {}  # one trace of GPT-2 for both schedules
     for name, schedule in (("gpt2", "1f1b"), ("gpt2", "zbv")):
-        res = _parity(name, schedule, transport="dist")
+        res = _parity(name, schedule, transport="dist", searches=searches)
         out[f"{name}/{schedule}"] = {"checked": res["checked"], "recompute": res["recompute"]}
     return out
 

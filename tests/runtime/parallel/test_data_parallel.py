@@ -11,22 +11,26 @@ import pytest
 import torch
 from torch import nn
 
+from partitioner.search import LayoutSearch
 from runtime.execute.accumulation import add_back, set_aside
 from runtime.parallel.data_parallel import GradAverager
 from runtime.transport.launch import spawn
 from runtime.transport.placement import PlacementError
-from tests.runtime.parity import TOL, _fresh, _fresh_y, case, check_grads, make_trainer, reference_grads
+from tests.runtime.parity import TOL, _fresh, _fresh_y, case, check_grads, make_trainer, plan_once, reference_grads
 
 SCHEDULES = ["gpipe", "1f1b", "zbh1"]
 
 
 def _dp_case(name: str, schedule: str, dp: int, pp: int, tmp: str | None, overlap: bool,
-             shard: bool = False) -> dict[str, Any]:
+             shard: bool = False, *, searches: dict[tuple[str, int], LayoutSearch] | None = None) -> dict[str, Any]:
     """One (model, schedule) on this rank: forward_backward, then 2 clipped SGD steps, then a
-    checkpoint loaded into the plain model; each compared with the unpartitioned model."""
+    checkpoint loaded into the plain model; each compared with the unpartitioned model.
+    ``searches``: GPT-2 traced once per process (``parity.plan_once``)."""
     import torch.distributed as dist
 
     c = case(name, pp)
+    if searches is not None:
+        plan_once(c, name, pp, schedule, searches)
     ref = copy.deepcopy(c["model"])
     opt = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)  # noqa: E731
     trainer = make_trainer(c, pp, schedule, transport="dist", optimizer=opt, data_parallel=dp,
@@ -80,6 +84,7 @@ def _dp_case(name: str, schedule: str, dp: int, pp: int, tmp: str | None, overla
             for n, prm in plain.named_parameters():
                 torch.testing.assert_close(prm, ref_params[n].detach(), **TOL)
         if shard:  # a sharded save resumes unsharded: every rank gets every parameter's momentum
+            # (partitioned anew: its own tensors, not the traced-once model the trainer above holds)
             full = make_trainer(case(name, pp), pp, schedule, transport="dist", optimizer=opt, data_parallel=dp)
             full.load(Path(tmp) / "ckpt")
             assert full.optimizer is not None and trainer.optimizer is not None
@@ -112,15 +117,16 @@ def _folder(tmp: Path, label: str) -> Path:
 
 def _dp_worker(rank: int, world: int, runs: dict[str, tuple[str, str, bool, bool, bool]], tmp: str) -> dict[str, Any]:
     out = {}
+    searches: dict[tuple[str, int], LayoutSearch] = {}  # GPT-2 traced once for every run here
     for label, (name, schedule, overlap, shard, files) in runs.items():
         where = str(_folder(Path(tmp), label)) if files else None
-        out[label] = _dp_case(name, schedule, 2, world // 2, where, overlap, shard)
+        out[label] = _dp_case(name, schedule, 2, world // 2, where, overlap, shard, searches=searches)
     try:
         make_trainer(case("mlp", 2), 2, "1f1b", transport="dist", data_parallel=3)
         out["refused"] = ""
     except PlacementError as e:
         out["refused"] = str(e)
-    out["combined"] = _combined_worker(rank, world)
+    out["combined"] = _combined_worker(rank, world, searches)
     return out
 
 
@@ -233,7 +239,9 @@ COMBINED = [
 ]
 
 
-def _combined_worker(rank: int, world: int) -> list[float]:
+def _combined_worker(
+    rank: int, world: int, searches: dict[tuple[str, int], LayoutSearch] | None = None
+) -> list[float]:
     from runtime.precision import MixedPrecision
     from test_mixed_precision import _accumulated
 
@@ -243,9 +251,11 @@ def _combined_worker(rank: int, world: int) -> list[float]:
         if str(kw.get("precision", "")).endswith("-uncast"):  # the wire keeps autocast's dtypes
             kw["precision"] = MixedPrecision(kw["precision"].split("-")[0], cast_activations=False)
         pp = world // 2
-        c = case("gpt2", 2 * pp if schedule in ("zbv", "interleaved") else pp)
-        ref = copy.deepcopy(c["model"])
         stages = 2 * pp if schedule in ("zbv", "interleaved") else pp
+        c = case("gpt2", stages)
+        if searches is not None:
+            plan_once(c, "gpt2", stages, schedule, searches)
+        ref = copy.deepcopy(c["model"])
         trainer = make_trainer(c, stages, schedule, transport="dist", data_parallel=2,
                                optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), **kw)
         gen = torch.Generator().manual_seed(11)

@@ -13,9 +13,15 @@ from typing import Any
 import pytest
 import torch
 
+from partitioner.search import LayoutSearch
 from runtime.options import DataParallel
 from runtime.transport.launch import spawn
-from tests.runtime.parity import TOL, _fresh, _fresh_y, case, make_trainer, reference_grads
+from tests.runtime.parity import TOL, _fresh, _fresh_y, case, make_trainer, plan_once, reference_grads
+
+# GPT-2 traced once per process (torch.export, ~0.6 s a trace) and planned from that for every case
+# whose trainer is the only one alive (``parity.plan_once``); the trainers a checkpoint is loaded
+# into, built beside the saving one, partition anew and hold their own tensors.
+_SEARCHES: dict[tuple[str, int], LayoutSearch] = {}
 
 
 def _fsdp_case(name: str, schedule: str, dp: int, ranks: int, folder: str | None = None, **opts: Any) -> dict[str, Any]:
@@ -26,6 +32,7 @@ def _fsdp_case(name: str, schedule: str, dp: int, ranks: int, folder: str | None
     reshard = opts.pop("reshard_after_forward", True)
     stages = 2 * ranks if schedule in ("interleaved", "zbv") else ranks
     c = case(name, stages)
+    plan_once(c, name, stages, schedule, _SEARCHES)
     ref = copy.deepcopy(c["model"])
     # Adam divides by sqrt(v): on a gradient near 0 the round-off of another summation order (the
     # reduce-scatter's) becomes a visible step. eps=1e-6 bounds that amplification to TOL.
@@ -198,6 +205,7 @@ def _combined(name: str, schedule: str, opts: dict[str, Any], dtype: torch.dtype
                                          gather_low_precision=True)
     stages = 2 * ranks if schedule in ("zbv", "interleaved") else ranks
     c = case(name, stages)
+    plan_once(c, name, stages, schedule, _SEARCHES)
     ref = copy.deepcopy(c["model"])
     trainer = make_trainer(c, stages, schedule, transport="dist", data_parallel=DataParallel(size=2, engine="fsdp"),
                            optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), **kw)
@@ -228,6 +236,7 @@ def _accumulated(ranks: int) -> float:
     """Two forward_backward calls before a step add up as the plain model's gradients of both
     batches (each call's own are reduced, then the earlier ones added back)."""
     c = case("gpt2", ranks)
+    plan_once(c, "gpt2", ranks, "zbh1", _SEARCHES)
     ref = copy.deepcopy(c["model"])
     trainer = make_trainer(c, ranks, "zbh1", transport="dist", data_parallel=DataParallel(size=2, engine="fsdp"),
                            optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
@@ -250,6 +259,7 @@ def _refusals(ranks: int) -> dict[str, str]:
     """The messages of what FSDP refuses (every rank refuses alike, before any weight moves)."""
     out = {}
     c = case("gpt2", 2 * ranks)
+    plan_once(c, "gpt2", 2 * ranks, "zbv", _SEARCHES)
     try:  # ZB-V puts the tied embedding's two stages on rank 0
         make_trainer(c, 2 * ranks, "zbv", transport="dist", data_parallel=DataParallel(size=2, engine="fsdp"))
         out["zbv"] = ""

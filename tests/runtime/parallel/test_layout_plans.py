@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -90,9 +91,35 @@ def _replicated(rank: int, world: int) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _every_part(rank: int, world: int, names: list[str]) -> dict[str, dict[str, Any]]:
+    """Each part's result on this rank, or its traceback: one spawn for the file's three tests
+    (starting the processes and importing torch cost more than a part)."""
+    import traceback
+
+    out: dict[str, dict[str, Any]] = {}
+    for name in names:
+        try:
+            out[name] = {"result": _PARTS[name](rank, world)}
+        except Exception:  # reported by the part's own test
+            out[name] = {"error": traceback.format_exc()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def over_gloo() -> list[dict[str, dict[str, Any]]]:
+    return spawn(_every_part, 2, list(_PARTS), timeout=300)
+
+
+def _part(results: list[dict[str, dict[str, Any]]], name: str) -> list[Any]:
+    """Every rank's result of one part, failing with the first rank's traceback if a rank failed."""
+    for r in results:
+        assert "error" not in r[name], r[name]["error"]
+    return [r[name]["result"] for r in results]
+
+
 @pytest.mark.multiprocess
-def test_the_trainer_takes_replicas_and_sharding_from_the_layout() -> None:
-    results = spawn(_replicated, 2, timeout=180)
+def test_the_trainer_takes_replicas_and_sharding_from_the_layout(over_gloo: list[dict[str, Any]]) -> None:
+    results = _part(over_gloo, "replicated")
     for r in results:
         assert (r["zero1"]["dp"], r["zero1"]["shard"], r["zero1"]["engine"]) == (2, True, "replicate")
         assert (r["fsdp"]["dp"], r["fsdp"]["shard"], r["fsdp"]["engine"]) == (2, False, "fsdp")
@@ -128,10 +155,10 @@ def _memory(rank: int, world: int) -> dict[str, float]:
 
 
 @pytest.mark.multiprocess
-def test_each_rank_holds_the_memory_the_layout_predicts() -> None:
+def test_each_rank_holds_the_memory_the_layout_predicts(over_gloo: list[dict[str, Any]]) -> None:
     # ZeRO-1 over 2 replicas: weights and gradients whole, AdamW's moments on the owned half; the
     # activations 1F1B holds at its peak (one micro-batch on a one-rank pipeline): as priced.
-    for r in spawn(_memory, 2, timeout=180):
+    for r in _part(over_gloo, "memory"):
         assert r["moments"] == pytest.approx(r["weights"])  # 8 bytes per parameter of fp32 Adam, halved
         assert r["state"] == pytest.approx(r["predicted_state"], rel=1e-6)
         # The plan also charges the micro-batch's input the first layer saves (2 x 64 fp32), which
@@ -159,11 +186,15 @@ def _overhead(rank: int, world: int) -> dict[str, Any]:
             "cluster_kept": search.cluster == fitted, "grads": [p.grad for p in model.parameters()]}
 
 
+# The worker of each multi-process test of this file, run one after another by ``_every_part``.
+_PARTS: dict[str, Callable[[int, int], Any]] = {"replicated": _replicated, "memory": _memory, "overhead": _overhead}
+
+
 @pytest.mark.multiprocess
-def test_the_runtimes_cost_per_action_is_measured_alike_on_every_rank() -> None:
+def test_the_runtimes_cost_per_action_is_measured_alike_on_every_rank(over_gloo: list[dict[str, Any]]) -> None:
     from runtime.overheads import fit_action_overhead
 
-    got = spawn(_overhead, 2, timeout=180)
+    got = _part(over_gloo, "overhead")
     # The ranks agree (the same plan everywhere): the slowest rank's model timings, the mean overhead.
     assert got[0]["tiny"] == got[1]["tiny"] and 0.0 <= got[0]["tiny"] < 0.5
     assert got[0]["fit"] == got[1]["fit"] and got[0]["fit"][0] > 0

@@ -7,6 +7,7 @@ group's own timeout (30 minutes under torchrun)."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -40,15 +41,17 @@ def _tied_trainer() -> PipelineTrainer:
     return PipelineTrainer(plan, nn.functional.mse_loss, schedule="1f1b", transport="dist", timeout=TIMEOUT)
 
 
-def _rank_1_misses_the_tied_sum(rank: int, world: int, how: str) -> dict[str, Any]:
+def _rank_1_misses_the_tied_sum(rank: int, world: int, how: str, gave_up: str) -> dict[str, Any]:
     import runtime.trainer
 
     trainer = _tied_trainer()
     assert trainer._tied, "the plan has no tied weight across ranks"
     if rank == 1:
         def miss(*args: Any, **kwargs: Any) -> None:
-            if how == "late":  # never arrives while rank 0 waits
-                time.sleep(TIMEOUT + 3)
+            if how == "late":  # never arrives while rank 0 waits: fails only once rank 0 gave up
+                deadline = time.monotonic() + TIMEOUT + 60
+                while not Path(gave_up).exists() and time.monotonic() < deadline:
+                    time.sleep(0.05)
             raise RuntimeError("rank 1 failed before the tied reduction")
 
         runtime.trainer.sum_tied_grads = miss  # type: ignore[assignment]
@@ -56,14 +59,17 @@ def _rank_1_misses_the_tied_sum(rank: int, world: int, how: str) -> dict[str, An
     try:
         trainer.forward_backward(torch.randn(8, 8), torch.randn(8, 8))
     except Exception as e:
-        return {"type": type(e).__name__, "message": str(e), "waited": time.monotonic() - start}
+        waited = time.monotonic() - start
+        Path(gave_up).touch()
+        return {"type": type(e).__name__, "message": str(e), "waited": waited}
+    Path(gave_up).touch()
     return {"type": "", "message": "", "waited": time.monotonic() - start}
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(("how", "error"), [("fails", "PeerFailed"), ("late", "TransportTimeout")])
-def test_the_tied_weight_sum_is_bounded_by_the_timeout(how: str, error: str) -> None:
-    got, missed = spawn(_rank_1_misses_the_tied_sum, 2, how, timeout=90)
+def test_the_tied_weight_sum_is_bounded_by_the_timeout(tmp_path: Path, how: str, error: str) -> None:
+    got, missed = spawn(_rank_1_misses_the_tied_sum, 2, how, str(tmp_path / "rank-0-gave-up"), timeout=90)
     assert missed["type"] == "RuntimeError", missed
     assert got["type"] == error, got
     assert "the all-reduce of tied weights' gradients (a tensor of (8, 8)) with ranks [0, 1]" in got["message"]

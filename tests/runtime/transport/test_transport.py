@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -133,18 +134,23 @@ def test_dist_transport_over_gloo_round_trips() -> None:
     assert results[0] == [0.0, 12.0, 24.0]
 
 
-def _never_sent(rank: int, world: int) -> None:
+def _never_sent(rank: int, world: int, gave_up: str) -> None:
     tr = DistTransport([0, 1], timeout=2)
     if rank == 1:
-        tr.recv(Key(0, 1, "act", 0), [TensorMeta((1,), torch.float32)], CPU)
-    else:
-        time.sleep(6)  # outlive rank 1's timeout, so its failure is the one reported
+        try:
+            tr.recv(Key(0, 1, "act", 0), [TensorMeta((1,), torch.float32)], CPU)
+        finally:
+            Path(gave_up).touch()
+    else:  # outlive rank 1's timeout, so its failure is the one reported
+        deadline = time.monotonic() + 50
+        while not Path(gave_up).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 @pytest.mark.multiprocess
-def test_dist_transport_wait_is_bounded() -> None:
+def test_dist_transport_wait_is_bounded(tmp_path: Path) -> None:
     with pytest.raises(LaunchError, match="TransportTimeout") as err:
-        spawn(_never_sent, 2, timeout=60)
+        spawn(_never_sent, 2, str(tmp_path / "rank-1-gave-up"), timeout=60)
     assert re.search(
         r"TransportTimeout: rank 1 got no message within 2 s \(the timeout\) while waiting for "
         r"activations of micro-batch 0 from stage 0 to stage 1 \(from rank 0\); rank 0 is stuck",

@@ -59,7 +59,7 @@ from partitioner.cost.precision import check_precision
 from partitioner.cost.probes import fit_speed_and_overhead, rows_like, time_forward_backward
 from partitioner.cost.recompute import check_option
 from partitioner.errors import InfeasibleMemoryError, PartitionOptionError
-from partitioner.plan.layout import ZERO_OPTIONS, Layout, Option, explain, layout_space, pick, search
+from partitioner.plan.layout import DEFAULT_ZERO, ZERO_OPTIONS, Layout, Option, explain, layout_space, pick, search
 from partitioner.plan.placement import stage_cluster
 from partitioner.plan.plan import Plan
 from partitioner.plan.predict import prediction, simulate_stages
@@ -84,7 +84,7 @@ def plan_layout(
     global_batch: int,
     schedules: Sequence[str] | None = None,
     microbatch_sizes: Sequence[int] | None = None,
-    zero: Sequence[str] = ZERO_OPTIONS,
+    zero: Sequence[str] = DEFAULT_ZERO,
     dp_sizes: Sequence[int] | None = None,
     top: int = 5,
     prune: bool = True,
@@ -117,7 +117,9 @@ def plan_layout(
         schedules: the schedules to try (default: every training schedule).
         microbatch_sizes: the rows per micro-batch to try (default: every divisor of ``B / dp``).
         zero: the shardings to try: ``'none'``, ``'zero1'`` (optimizer state), ``'fsdp'`` (weights,
-            gradients and optimizer state: FSDP2); the last two with ``dp > 1`` only.
+            gradients and optimizer state: FSDP2); the last two with ``dp > 1`` only. Default
+            ``('none', 'zero1')``: FSDP's measured peak is far above its price on CPU processes, so
+            it is tried only when asked for (``zero=ZERO_OPTIONS``).
         dp_sizes: the replica counts to try (default: every divisor of ``N`` that divides ``B``);
             ``(1,)`` plans one pipeline over every device.
         top: how many layouts are ranked exactly (the rest are pruned by a lower bound).
@@ -278,7 +280,7 @@ class LayoutSearch:
         *,
         schedules: Sequence[str] | None = None,
         microbatch_sizes: Sequence[int] | None = None,
-        zero: Sequence[str] = ZERO_OPTIONS,
+        zero: Sequence[str] = DEFAULT_ZERO,
         dp_sizes: Sequence[int] | None = None,
     ) -> list[Option]:
         """Every layout of the cluster for the global batch (``layout_space``), within the model's units."""

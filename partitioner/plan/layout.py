@@ -28,13 +28,16 @@ from partitioner.errors import InfeasibleMemoryError, PartitionError, TooManySta
 from partitioner.plan.units import fmt_bytes, fmt_time
 from partitioner.schedule.registry import TRAINING_SCHEDULES, stages_per_rank
 
-__all__ = ["Option", "Layout", "ZERO_OPTIONS", "TIE", "layout_space", "search", "pick", "divisors"]
+__all__ = ["Option", "Layout", "ZERO_OPTIONS", "DEFAULT_ZERO", "TIE", "layout_space", "search", "pick", "divisors"]
 
 log = logging.getLogger(__name__)
 
 # How the replicas shard the training state: not at all, the optimizer state (ZeRO-1), or weights,
 # gradients and optimizer state with FSDP2 (``fully_shard`` over the "dp" group, ZeRO-3).
 ZERO_OPTIONS = ("none", "zero1", "fsdp")
+# What the search tries unless told: FSDP's measured peak is far above its price on CPU processes
+# (docs/partitioning.md, "FSDP, and what it assumes"), so it is asked for, zero=ZERO_OPTIONS.
+DEFAULT_ZERO = ("none", "zero1")
 TIE = 0.01  # layouts within 1% of the best step time are ties
 
 
@@ -184,7 +187,7 @@ def layout_space(
     *,
     schedules: Sequence[str] = TRAINING_SCHEDULES,
     microbatch_sizes: Sequence[int] | None = None,
-    zero: Sequence[str] = ZERO_OPTIONS,
+    zero: Sequence[str] = DEFAULT_ZERO,
     max_stages: int | None = None,
     dp_sizes: Sequence[int] | None = None,
 ) -> list[Option]:

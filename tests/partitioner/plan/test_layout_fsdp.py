@@ -12,7 +12,7 @@ from partitioner import Cluster, Plan, plan_layout
 from partitioner.cost.devices import DeviceSpec
 from partitioner.cost.exchange import DEFAULT_BUCKET_BYTES, collective, reduce_time
 from partitioner.errors import InfeasibleMemoryError
-from partitioner.plan.layout import Layout, Option, pick
+from partitioner.plan.layout import DEFAULT_ZERO, ZERO_OPTIONS, Layout, Option, layout_space, pick
 from partitioner.search import LayoutSearch
 
 WIDTH = 96
@@ -27,7 +27,7 @@ def _mlp(blocks: int = 6, width: int = WIDTH) -> nn.Module:
 def _rows(**kw: object) -> dict[str, Layout]:
     """dp2 x pp1 1f1b with micro-batches of 4 (m = 1), priced under each sharding."""
     plan = plan_layout(_mlp(), (torch.randn(1, WIDTH),), cluster=Cluster.uniform(2, "cpu"), microbatch_sizes=(4,),
-                       schedules=("1f1b",), dp_sizes=(2,), prune=False, **kw)  # type: ignore[arg-type]
+                       schedules=("1f1b",), dp_sizes=(2,), prune=False, zero=ZERO_OPTIONS, **kw)  # type: ignore[arg-type]
     return {r.zero: r for r in plan.layouts}
 
 
@@ -77,7 +77,7 @@ def test_the_bound_stays_below_every_price(flop_bound: bool) -> None:
     found = LayoutSearch(_mlp(8, 256), (torch.randn(1, 256),), cluster=cluster, global_batch=16)
     p = found._pricer
     checked = set()
-    for o in found.space():
+    for o in found.space(zero=ZERO_OPTIONS):
         lb, impossible, floor = p.bound(o)
         assert impossible is None
         lay = p.price(o)
@@ -98,7 +98,7 @@ def _small(memory_blocks: int) -> Cluster:
 def squeezed() -> tuple[Plan, Plan]:
     """16 blocks on four devices of 140 blocks' bytes: per block-byte, one replica's 16 blocks need
     160 with zero1 over dp 4, 7 x 16 + 2 x 4 = 120 with fsdp (two blocks gathered in fp32)."""
-    kw = dict(cluster=_small(140), global_batch=16)
+    kw = dict(cluster=_small(140), global_batch=16, zero=ZERO_OPTIONS)
     model = _mlp(16, 256)
     return (plan_layout(model, (torch.randn(1, 256),), **kw),  # type: ignore[arg-type]
             plan_layout(model, (torch.randn(1, 256),), prune=False, **kw))  # type: ignore[arg-type]
@@ -144,7 +144,7 @@ def test_reusing_infeasibility_changes_no_outcome() -> None:
     found = LayoutSearch(_mlp(16, 256), (torch.randn(1, 256),), cluster=_small(130), global_batch=512,
                          recompute=False)
     p = found._pricer
-    options = [o for o in found.space() if p.bound(o)[1] is None]
+    options = [o for o in found.space(zero=ZERO_OPTIONS) if p.bound(o)[1] is None]
 
     def outcome(o: Option) -> tuple[object, ...]:
         try:
@@ -160,3 +160,9 @@ def test_reusing_infeasibility_changes_no_outcome() -> None:
         p._too_big.clear()
         assert outcome(o) == reused[o], o.label()
     assert {o.zero for o, r in reused.items() if r == ("no cut fits",)} == {"none", "zero1", "fsdp"}
+
+
+def test_fsdp_is_searched_only_when_asked_for() -> None:
+    assert DEFAULT_ZERO == ("none", "zero1") and set(DEFAULT_ZERO) < set(ZERO_OPTIONS)
+    assert {o.zero for o in layout_space(4, 16)} == {"none", "zero1"}
+    assert "fsdp" in {o.zero for o in layout_space(4, 16, zero=ZERO_OPTIONS)}

@@ -8,7 +8,7 @@ from torch import nn
 
 from partitioner import Cluster, Plan, partition, plan_layout
 from partitioner.errors import PartitionOptionError
-from partitioner.plan.layout import pick
+from partitioner.plan.layout import ZERO_OPTIONS, pick
 
 
 def _mlp() -> nn.Module:
@@ -20,7 +20,7 @@ def _mlp() -> nn.Module:
 def searched() -> tuple[Plan, Plan]:
     """The same small search pruned and by brute force (every layout priced)."""
     model, cluster = _mlp(), Cluster.uniform(4, "cpu")
-    kw = dict(cluster=cluster, global_batch=16, microbatch_sizes=(1, 2, 4, 8))
+    kw = dict(cluster=cluster, global_batch=16, microbatch_sizes=(1, 2, 4, 8), zero=ZERO_OPTIONS)
     return (plan_layout(model, (torch.randn(1, 96),), **kw),  # type: ignore[arg-type]
             plan_layout(model, (torch.randn(1, 96),), prune=False, **kw))  # type: ignore[arg-type]
 

@@ -213,6 +213,28 @@ def _aliases(model: nn.Module) -> dict[str, str]:
     return out
 
 
+def backward_against_plain(
+    trainer: PipelineTrainer, c: dict[str, Any], ref: nn.Module, dtype: torch.dtype | None, rows: int = 16
+) -> dict[str, torch.Tensor]:
+    """One ``forward_backward`` of this replica's share of a fresh global batch of ``rows``; its
+    loss checked against the plain model ``ref``'s (under ``dtype``'s autocast, over the same
+    micro-batches, with the trainer's loss scale); the plain model's gradients returned."""
+    from test_mixed_precision import _accumulated
+
+    gen = torch.Generator().manual_seed(11)
+    x = _fresh({"x": c["x"].new_empty(rows, *c["x"].shape[1:])}, gen)
+    y = _fresh_y({"y": c["y"].new_empty(rows, *c["y"].shape[1:])}, gen)
+    loss = trainer.forward_backward(*trainer.local_batch(x, y))
+    if dtype is None:
+        want_loss, want = reference_grads(c, ref, x, y)
+    else:
+        scale = trainer.scaler.scale if trainer.scaler is not None else 1.0
+        want_loss, want = _accumulated(ref, c["loss"], x, y, 2 * trainer.m, dtype, scale)
+    assert not trainer.last_found_inf
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+    return want
+
+
 def _fresh(c: dict[str, Any], gen: torch.Generator) -> torch.Tensor:
     x = c["x"]
     if x.dtype.is_floating_point:

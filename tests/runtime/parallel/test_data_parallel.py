@@ -16,7 +16,17 @@ from runtime.execute.accumulation import add_back, set_aside
 from runtime.parallel.data_parallel import GradAverager
 from runtime.transport.launch import spawn
 from runtime.transport.placement import PlacementError
-from tests.runtime.parity import TOL, _fresh, _fresh_y, case, check_grads, make_trainer, plan_once, reference_grads
+from tests.runtime.parity import (
+    TOL,
+    _fresh,
+    _fresh_y,
+    backward_against_plain,
+    case,
+    check_grads,
+    make_trainer,
+    plan_once,
+    reference_grads,
+)
 
 SCHEDULES = ["gpipe", "1f1b", "zbh1"]
 
@@ -243,7 +253,6 @@ def _combined_worker(
     rank: int, world: int, searches: dict[tuple[str, int], LayoutSearch] | None = None
 ) -> list[float]:
     from runtime.precision import MixedPrecision
-    from test_mixed_precision import _accumulated
 
     errors = []
     for schedule, opts, dtype in COMBINED:
@@ -258,17 +267,7 @@ def _combined_worker(
         ref = copy.deepcopy(c["model"])
         trainer = make_trainer(c, stages, schedule, transport="dist", data_parallel=2,
                                optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), **kw)
-        gen = torch.Generator().manual_seed(11)
-        x = _fresh({"x": c["x"].new_empty(16, 8)}, gen)
-        y = _fresh_y({"y": c["y"].new_empty(16, 8)}, gen)
-        loss = trainer.forward_backward(*trainer.local_batch(x, y))
-        if dtype is None:
-            want_loss, want = reference_grads(c, ref, x, y)
-        else:
-            scale = trainer.scaler.scale if trainer.scaler is not None else 1.0
-            want_loss, want = _accumulated(ref, c["loss"], x, y, 2 * trainer.m, dtype, scale)
-        assert not trainer.last_found_inf
-        torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+        want = backward_against_plain(trainer, c, ref, dtype)
         worst = 0.0
         held = [(n, p) for n, p in trainer.named_parameters() if p.grad is not None]
         assert held, "this rank kept no gradient"

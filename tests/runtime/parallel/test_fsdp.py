@@ -16,7 +16,16 @@ import torch
 from partitioner.search import LayoutSearch
 from runtime.options import DataParallel
 from runtime.transport.launch import spawn
-from tests.runtime.parity import TOL, _fresh, _fresh_y, case, make_trainer, plan_once, reference_grads
+from tests.runtime.parity import (
+    TOL,
+    _fresh,
+    _fresh_y,
+    backward_against_plain,
+    case,
+    make_trainer,
+    plan_once,
+    reference_grads,
+)
 
 # GPT-2 traced once per process (torch.export, ~0.6 s a trace) and planned from that for every case
 # whose trainer is the only one alive (``parity.plan_once``); the trainers a checkpoint is loaded
@@ -195,7 +204,6 @@ def _combined(name: str, schedule: str, opts: dict[str, Any], dtype: torch.dtype
     """The worst relative gradient error against the plain model (under ``dtype``'s autocast),
     and the dtypes FSDP gathered the weights in."""
     from runtime.precision import MixedPrecision
-    from test_mixed_precision import _accumulated
 
     kw = dict(opts)
     if str(kw.get("precision", "")).endswith("-uncast"):  # the wire keeps autocast's dtypes
@@ -209,17 +217,7 @@ def _combined(name: str, schedule: str, opts: dict[str, Any], dtype: torch.dtype
     ref = copy.deepcopy(c["model"])
     trainer = make_trainer(c, stages, schedule, transport="dist", data_parallel=DataParallel(size=2, engine="fsdp"),
                            optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), **kw)
-    gen = torch.Generator().manual_seed(11)
-    x = _fresh({"x": c["x"].new_empty(16, *c["x"].shape[1:])}, gen)
-    y = _fresh_y({"y": c["y"].new_empty(16, *c["y"].shape[1:])}, gen)
-    loss = trainer.forward_backward(*trainer.local_batch(x, y))
-    if dtype is None:
-        want_loss, want = reference_grads(c, ref, x, y)
-    else:
-        scale = trainer.scaler.scale if trainer.scaler is not None else 1.0
-        want_loss, want = _accumulated(ref, c["loss"], x, y, 2 * trainer.m, dtype, scale)
-    assert not trainer.last_found_inf
-    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+    want = backward_against_plain(trainer, c, ref, dtype)
     worst = 0.0
     for n, p in trainer.named_parameters():
         assert p.grad is not None, n

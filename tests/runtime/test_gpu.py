@@ -157,20 +157,28 @@ def test_recomputation_replays_cuda_dropout() -> None:
         torch.testing.assert_close(grads[1][name], grads[0][name], rtol=0, atol=0)
 
 
-def _nccl_dp_worker(rank: int, world: int) -> int:
+def _nccl_two_by_two(
+    rank: int, **trainer_kw: Any
+) -> tuple[PipelineTrainer, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """GPT-2 as 2 replicas x 2 stages on this rank's GPU (NCCL): one ``forward_backward`` of this
+    replica's share of a global batch; the trainer, its loss, and the plain model's loss and gradients."""
     os.environ["LOCAL_RANK"] = str(rank)
     torch.cuda.set_device(rank)
     torch.backends.cuda.matmul.allow_tf32 = False
     c = case("gpt2", 2)
     ref = copy.deepcopy(c["model"])
     plan = partition(c["model"], c["example"], 2, microbatches=4)
-    trainer = PipelineTrainer(plan, c["loss"], transport="dist", data_parallel=2)
+    trainer = PipelineTrainer(plan, c["loss"], transport="dist", **trainer_kw)
     gen = torch.Generator().manual_seed(11)
     x = torch.randint(0, 64, (16, 8), generator=gen)
     y = torch.randint(0, 64, (16, 8), generator=gen)
     loss = trainer.forward_backward(*trainer.local_batch(x, y))
     want_loss, want = reference_grads(c, ref, x, y)
-    return _check(trainer, loss, want_loss, want)
+    return trainer, loss, want_loss, want
+
+
+def _nccl_dp_worker(rank: int, world: int) -> int:
+    return _check(*_nccl_two_by_two(rank, data_parallel=2))
 
 
 @pytest.mark.multiprocess
@@ -184,20 +192,9 @@ def _nccl_fsdp_worker(rank: int, world: int, gathered: bool) -> dict[str, Any]:
     from runtime import DataParallel
     from runtime.precision import MixedPrecision
 
-    os.environ["LOCAL_RANK"] = str(rank)
-    torch.cuda.set_device(rank)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    c = case("gpt2", 2)
-    ref = copy.deepcopy(c["model"])
-    plan = partition(c["model"], c["example"], 2, microbatches=4)
     precision = MixedPrecision("bf16", cast_activations=False, gather_low_precision=True) if gathered else None
-    trainer = PipelineTrainer(plan, c["loss"], transport="dist", precision=precision,
-                              data_parallel=DataParallel(size=2, engine="fsdp"))
-    gen = torch.Generator().manual_seed(11)
-    x = torch.randint(0, 64, (16, 8), generator=gen)
-    y = torch.randint(0, 64, (16, 8), generator=gen)
-    loss = trainer.forward_backward(*trainer.local_batch(x, y))
-    want_loss, want = reference_grads(c, ref, x, y)
+    trainer, loss, want_loss, want = _nccl_two_by_two(rank, precision=precision,
+                                                      data_parallel=DataParallel(size=2, engine="fsdp"))
     worst, n = 0.0, 0
     for name, prm in trainer.named_parameters():
         assert prm.grad is not None, f"{name} got no gradient"

@@ -275,7 +275,7 @@ def _cluster(cfg: dict[str, Any], world: int) -> Cluster:
     return Cluster.load(cfg["cluster"]).with_devices(world) if cfg.get("cluster") else Cluster.uniform(world, "cpu")
 
 
-def _fit(search: LayoutSearch, world: int, out: dict[str, float], x: torch.Tensor, y: torch.Tensor) -> Cluster:
+def _fit(search: LayoutSearch, out: dict[str, float], x: torch.Tensor, y: torch.Tensor) -> Cluster:
     """The cluster fitted, on every rank at once, to the model's own step and the runtime's actions.
 
     Every rank times a one-stage trainer step of the model at two sizes (``runtime.overheads.
@@ -365,7 +365,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     search = LayoutSearch(copy.deepcopy(model), (x[:1],), cluster=cluster, global_batch=cfg["batch"])
     fitted: dict[str, float] = {}
     if cfg.get("calibrate"):
-        search.use_cluster(_fit(search, world, fitted, x, y))
+        search.use_cluster(_fit(search, fitted, x, y))
     for layout in todo:  # the same order on every rank: meshes and trainers are collective
         t0 = time.perf_counter()
         plan = layout_plan(search, layout)  # every layout's own copy of the model
@@ -487,9 +487,9 @@ def main(argv: list[str] | None = None) -> int:
         args = ap.parse_args(_QUICK + cli)
     schedules = [s for s in args.schedules.split(",") if s]
     unknown = sorted(set(schedules) - set(TRAINING_SCHEDULES))
-    if unknown or args.rounds < 1 or args.warmup < 1:
-        ap.error(f"need --rounds >= 1, --warmup >= 1 and schedules among {', '.join(TRAINING_SCHEDULES)} "
-                 f"(unknown: {unknown})")
+    if unknown or args.rounds < 1 or args.warmup < 1 or args.consecutive < 1:
+        ap.error(f"need --rounds >= 1, --warmup >= 1, --consecutive >= 1 and schedules among "
+                 f"{', '.join(TRAINING_SCHEDULES)} (unknown: {unknown})")
     todo = layouts(PROCESSES, args.batch, args.microbatch_sizes, schedules)
     if len(todo) < 2:
         ap.error(f"--batch {args.batch} and --microbatch-sizes {args.microbatch_sizes} give {len(todo)} layout(s); "

@@ -11,7 +11,8 @@ and returns it as one :class:`Assembly`; the trainer only runs it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,10 +27,12 @@ from runtime.options import DataParallel, Execution, Init
 from runtime.parallel.data_parallel import PipelineMesh, Replicas, job_mesh, one_process_mesh
 from runtime.parallel.fsdp import FSDPReplicas, check_fsdp_plan
 from runtime.parallel.tied import TiedGroup, tie_copies
-from runtime.state.materialize import materialize_stages
+from runtime.state.materialize import MaterializeError, materialize_stages, release_whole_copies, released_names
 from runtime.state.weights import stage_tensors
 from runtime.transport.placement import check_backend, stage_devices
 from runtime.transport.process_group import comm_device, default_device, ensure_process_group
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Assembly", "Placement", "assemble", "place"]
 
@@ -116,6 +119,8 @@ def assemble(
         check_fsdp_plan(staged.shared_params, schedule.stage_to_rank, schedule.name)
     mine = {s: staged.stages[s] for s in placement.devices}
     will_load = set(stage_tensors(mine)[0]) if init.weights is not None else set()
+    if init.weights is None:
+        _refuse_released(mine)
     if materialize_stages(plan.model, mine, placement.devices, init_fn=init.init_fn, seed=init.seed,
                           rank=placement.rank, will_load=will_load):
         plan.refresh_binding()
@@ -127,10 +132,17 @@ def assemble(
         st.module.to(st.device)
     replicas: Replicas | FSDPReplicas
     if fsdp:
+        whole = [p for st in stages.values() for p in st.module.parameters()]  # before FSDP copies them
         replicas = FSDPReplicas(placement.mesh, {s: st.module for s, st in stages.items()}, tied=tied,
                                 reshard_after_forward=dp.reshard_after_forward, gather_dtype=gather_dtype,
                                 split_backward=schedule_info(schedule.name).split_backward)
         tied = replicas.tied
+        # The shards are the weights now: the whole tensors the planned model still holds go to meta.
+        released = release_whole_copies([plan.model, plan.traced.gm], whole)
+        del whole
+        plan.refresh_binding()
+        log.info("rank %d: FSDP sharded stages %s; %.1f MiB of whole weights released", placement.rank,
+                 sorted(stages), released / 2**20)
     else:
         replicas = Replicas(
             placement.mesh, {s: list(st.module.parameters()) for s, st in stages.items()},
@@ -139,6 +151,20 @@ def assemble(
             timeout=execution.timeout,
         )
     return Assembly(placement, stages, ios, tied, replicas)
+
+
+def _refuse_released(stages: Mapping[int, torch.nn.Module]) -> None:
+    """Raise if a stage holds weights an FSDP trainer took (:func:`release_whole_copies`): made
+    again here, they would silently start from fresh values, not from that trainer's."""
+    for s, module in sorted(stages.items()):
+        names = released_names(module)
+        if names:
+            raise MaterializeError(
+                f"stage {s}'s weights {names[:3]} were handed to an earlier trainer with engine='fsdp', which "
+                "keeps only its shards (the model holds meta tensors in their place). Save that trainer's "
+                "weights (trainer.save(...) or trainer.export_safetensors(...)) and build this one with "
+                "Init(weights=...), or partition a freshly built model"
+            )
 
 
 def _stage_runtimes(

@@ -39,6 +39,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from partitioner.errors import PipecutError
 from partitioner.plan.split import StageIO
 from partitioner.tracing.trace import InputMeta
+from runtime.state.materialize import released_device
 
 __all__ = [
     "MixedPrecision", "LossScaler", "PrecisionError", "PRECISIONS", "resolve_precision", "wire_dtypes",
@@ -183,9 +184,11 @@ def wire_dtypes(
 
 @contextlib.contextmanager
 def whole_fake_params(model: torch.nn.Module, mode: FakeTensorMode) -> Iterator[None]:
-    """Within: every sharded parameter of ``model`` (a ``DTensor``: FSDP's shard, on the modules
-    the traced graph shares with the stages) is a fake tensor of its whole shape, so that a fake
-    run of the graph (shapes, autocast dtypes) sees the model's shapes; put back on exit.
+    """Within: every parameter of ``model`` that FSDP sharded is a fake tensor of its whole shape
+    on its device, so that a fake run of the graph (shapes, autocast dtypes) sees the model's
+    shapes; put back on exit. Sharded: a ``DTensor`` (FSDP's shard, on the modules the traced
+    graph shares with the stages) or the meta tensor left where the whole one was
+    (``runtime.parallel.fsdp.release_whole_copies``).
 
     Example:
         >>> lin = torch.nn.Linear(2, 3)
@@ -200,9 +203,10 @@ def whole_fake_params(model: torch.nn.Module, mode: FakeTensorMode) -> Iterator[
             slots: dict[str, Any] = module._parameters
             for name, prm in list(slots.items()):
                 to_local = getattr(prm, "to_local", None)
-                if prm is not None and callable(to_local):
+                device = to_local().device if callable(to_local) else released_device(prm) if prm is not None else None
+                if device is not None:
                     with mode:
-                        fake = torch.empty(prm.shape, dtype=prm.dtype, device=to_local().device)
+                        fake = torch.empty(prm.shape, dtype=prm.dtype, device=device)
                     swapped.append((slots, name, prm))
                     slots[name] = fake  # the dict directly: Module.__setattr__ wants a Parameter
         yield

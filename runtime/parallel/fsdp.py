@@ -183,6 +183,7 @@ class FSDPReplicas:
         for module in self.modules.values():
             blocks = outline_blocks(module) if isinstance(module, fx.GraphModule) else []  # each block a unit
             fused = _fused_slots(module)  # before any parameter becomes a shard
+            module.pipecut_fused_params = ()  # type: ignore[assignment]  # the whole tensors: asked of _AutogradParams now
             for path in blocks:
                 fully_shard(module.get_submodule(path), **kw)
             fully_shard(module, **kw)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import zlib
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -35,7 +35,12 @@ from torch import nn
 
 from partitioner.errors import PipecutError
 
-__all__ = ["empty_weights", "materialize", "materialize_stages", "initialize", "MaterializeError", "InitFn"]
+__all__ = ["empty_weights", "materialize", "materialize_stages", "initialize", "MaterializeError", "InitFn",
+           "release_whole_copies", "released_device", "released_names"]
+
+# Set on the meta parameter that :func:`release_whole_copies` leaves where a whole tensor was: the
+# device the tensor was on.
+_RELEASED = "_pipecut_released_to_fsdp"
 
 log = logging.getLogger(__name__)
 
@@ -230,6 +235,66 @@ def materialize_stages(
 def _own_stage_tensors(module: nn.Module) -> Iterator[torch.Tensor]:
     yield from module.parameters()
     yield from module.buffers()
+
+
+def release_whole_copies(roots: Sequence[nn.Module], whole: Collection[nn.Parameter]) -> int:
+    """Put on ``meta`` every parameter of ``roots`` that is one of ``whole``: the whole tensors a
+    stage held before FSDP copied them into its shards. Returns the bytes released.
+
+    Left where they were, they would keep a whole stage alive beside its shards (``roots``: the
+    planned model and its traced graph, which share the stage's tensors) and go stale as the
+    shards train. Each becomes a meta parameter of the same shape, dtype and ``requires_grad``
+    (one per tensor, so ties stay ties), marked with the device it was on: a later trainer refuses
+    to initialise it afresh (:func:`released_names`), and a fake run of the traced graph (shapes,
+    autocast dtypes) makes it a fake tensor there (:func:`released_device`). Buffers are left:
+    FSDP does not shard them.
+
+    Example:
+        >>> net = nn.Linear(2, 2)
+        >>> release_whole_copies([net], [net.weight])
+        16
+        >>> net.weight.is_meta, net.bias.is_meta
+        (True, False)
+    """
+    mine = {id(p) for p in whole}
+    made: dict[int, nn.Parameter] = {}
+    released = 0
+    for root in roots:
+        for module in root.modules():
+            for key, q in list(module._parameters.items()):
+                if q is None or id(q) not in mine or q.is_meta:
+                    continue
+                if id(q) not in made:
+                    released += q.untyped_storage().nbytes()
+                    stand_in = nn.Parameter(torch.empty_like(q, device="meta"), requires_grad=q.requires_grad)
+                    setattr(stand_in, _RELEASED, q.device)
+                    made[id(q)] = stand_in
+                module._parameters[key] = made[id(q)]
+    return released
+
+
+def released_names(module: nn.Module) -> list[str]:
+    """The parameters of ``module`` that :func:`release_whole_copies` put on meta.
+
+    Example:
+        >>> net = nn.Linear(2, 2)
+        >>> _ = release_whole_copies([net], [net.bias])
+        >>> released_names(net)
+        ['bias']
+    """
+    return [n for n, p in module.named_parameters(remove_duplicate=False) if released_device(p) is not None]
+
+
+def released_device(t: torch.Tensor) -> torch.device | None:
+    """The device of the whole tensor ``t`` stands in for (:func:`release_whole_copies`), else ``None``.
+
+    Example:
+        >>> net = nn.Linear(2, 2)
+        >>> _ = release_whole_copies([net], [net.weight])
+        >>> released_device(net.weight), released_device(net.bias)
+        (device(type='cpu'), None)
+    """
+    return getattr(t, _RELEASED, None)
 
 
 # -- internals --------------------------------------------------------------------------------

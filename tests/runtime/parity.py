@@ -186,6 +186,8 @@ def plan_once(
     ranks = p // stages_per_rank(schedule)
     rows, batch = len(c["example"][0]), len(c["x"])
     search = searches.get((name, ranks))
+    if search is not None and any(t.is_meta for t in search.model.parameters()):
+        search = None  # an FSDP trainer kept only its shards and put the whole weights on meta: trace anew
     if search is None:
         search = searches[name, ranks] = LayoutSearch(
             c["model"], c["example"], cluster=Cluster.uniform(ranks, "cpu"), global_batch=batch)

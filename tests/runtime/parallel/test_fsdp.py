@@ -48,6 +48,9 @@ def _fsdp_case(name: str, schedule: str, dp: int, ranks: int, folder: str | None
     opt = lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1, eps=1e-6)  # noqa: E731
     trainer = make_trainer(c, stages, schedule, transport="dist", optimizer=opt,
                            data_parallel=DataParallel(size=dp, engine="fsdp", reshard_after_forward=reshard), **opts)
+    held = dict((c["plan"].model if "plan" in c else c["model"]).named_parameters(remove_duplicate=False))
+    # The shards are the weights: the planned model keeps no whole copy of this rank's (meta instead).
+    whole_left = [n for n, _ in trainer.named_parameters() if n in held and not held[n].is_meta]
     gen = torch.Generator().manual_seed(7)  # the same global batch on every rank
     rows = dp * c["x"].shape[0]
     fresh = lambda: (_fresh({"x": c["x"].new_empty(rows, *c["x"].shape[1:])}, gen),  # noqa: E731
@@ -88,7 +91,7 @@ def _fsdp_case(name: str, schedule: str, dp: int, ranks: int, folder: str | None
     units = [m for st in trainer.stages.values() for m in st.module.modules() if isinstance(m, FSDPModule)]
     return {**out, "gathers": gathers[0], "stages_here": len(trainer.stages), "units_here": len(units),
             "blocks_here": len(units) - len(trainer.stages), "checked": checked, "norms": norms,
-            "local": local, "whole": whole,
+            "local": local, "whole": whole, "whole_left": whole_left,
             "dp_rank": trainer.mesh.dp_rank, "pp_rank": trainer.mesh.pp_rank}
 
 
@@ -264,6 +267,13 @@ def _refusals(ranks: int) -> dict[str, str]:
     except Exception as e:
         out["zbv"] = f"{type(e).__name__}: {e}"
     c = case("mlp", ranks)
+    make_trainer(c, ranks, "1f1b", transport="dist", data_parallel=DataParallel(size=2, engine="fsdp"))
+    try:  # a second trainer on the model the first took the weights of (meta now), without weights=
+        make_trainer(c, ranks, "1f1b", transport="dist", data_parallel=DataParallel(size=2))
+        out["again"] = ""
+    except Exception as e:
+        out["again"] = f"{type(e).__name__}: {e}"
+    c = case("mlp", ranks)
     model = c["model"]
     try:  # the factory ignores the shards it is given
         make_trainer(c, ranks, "1f1b", transport="dist", data_parallel=DataParallel(size=2, engine="fsdp"),
@@ -368,6 +378,7 @@ def test_fsdp_over_two_replicas_equals_the_plain_model(sharded: list[dict[str, A
         for got, want in r["norms"]:
             assert got == pytest.approx(want, rel=1e-5), label
         assert r["local"] <= r["whole"] // 2 + 64  # each replica holds half of its stages (rows rounded up)
+        assert r["whole_left"] == [], r["whole_left"]  # and no whole copy of them beside
 
 
 @pytest.mark.multiprocess
@@ -385,13 +396,15 @@ def test_fsdp_with_recomputation_and_mixed_precision(sharded: list[dict[str, Any
 
 
 @pytest.mark.multiprocess
-def test_fsdp_refuses_a_weight_tied_within_a_rank_and_an_optimizer_over_other_tensors(
+def test_fsdp_refuses_a_tied_weight_within_a_rank_a_stray_optimizer_and_reusing_its_model(
     sharded: list[dict[str, Any]]
 ) -> None:
     for r in sharded:
         zbv, opt = r["refused"]["zbv"], r["refused"]["optimizer"]
         assert zbv.startswith("FSDPOptionError") and "'model.lm_head.weight'" in zbv and "1f1b" in zbv, zbv
         assert opt.startswith("FSDPOptionError") and "lambda params" in opt, opt
+        again = r["refused"]["again"]  # not silently initialised afresh
+        assert again.startswith("MaterializeError") and "engine='fsdp'" in again and "Init(weights=" in again, again
 
 
 def test_engine_options_are_checked() -> None:

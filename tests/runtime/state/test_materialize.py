@@ -11,7 +11,15 @@ from torch import nn
 
 from partitioner import partition
 from partitioner.zoo import MLPChain
-from runtime.state.materialize import MaterializeError, empty_weights, initialize, materialize
+from runtime.state.materialize import (
+    MaterializeError,
+    empty_weights,
+    initialize,
+    materialize,
+    release_whole_copies,
+    released_device,
+    released_names,
+)
 
 
 def _tensors(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -239,3 +247,27 @@ def test_the_trainer_loads_its_stages_from_a_sharded_checkpoint(
     else:  # rank 0 of the spawn the gloo test above shares
         out = request.getfixturevalue("over_gloo")[0][1]
     assert out["real"] == out["held"] and out["checked"]
+
+
+def test_released_weights_stay_tied_on_meta_and_still_give_the_graph_its_shapes() -> None:
+    # What an FSDP trainer leaves of the whole weights it sharded: one meta stand-in per tensor
+    # (a tie stays a tie, requires_grad kept), marked with its device; a fake run of the traced
+    # graph (the trainer's check of new micro-batch sizes) still finds every shape.
+    from runtime.execute.shapes import wire_shapes
+
+    model = MLPChain((8, 8, 8, 8))
+    model.layers[2].weight = model.layers[0].weight  # a tie
+    model.layers[1].bias.requires_grad_(False)
+    plan = partition(model, (torch.randn(2, 8),), num_stages=1)
+    want = wire_shapes(plan.traced.gm, {m.name: torch.zeros(5, 8) for m in plan.traced.example_inputs})
+    whole = [model.layers[0].weight, model.layers[1].bias]
+    released = release_whole_copies([plan.model, plan.traced.gm], whole)
+    assert released == (8 * 8 + 8) * 4  # the tie counted once
+    assert model.layers[2].weight is model.layers[0].weight and model.layers[0].weight.is_meta
+    assert not model.layers[1].bias.requires_grad and released_device(model.layers[1].bias) == torch.device("cpu")
+    assert released_device(model.layers[1].weight) is None and not model.layers[1].weight.is_meta
+    assert sorted(released_names(model)) == ["layers.0.weight", "layers.1.bias", "layers.2.weight"]
+    assert release_whole_copies([model], whole) == 0  # nothing left to release
+    got = wire_shapes(plan.traced.gm, {m.name: torch.zeros(5, 8) for m in plan.traced.example_inputs})
+    assert got == want
+    assert plan.traced.gm.get_parameter(next(n for n, _ in plan.traced.gm.named_parameters())).is_meta  # put back

@@ -29,7 +29,10 @@ is counted), and run in the same 4 processes, one ``runtime.transport.launch.spa
 * ``g`` / ``h``: ``a`` on FSDP2 (``DataParallel(engine='fsdp')``): each stage's parameters
   sharded over its 2 replicas, gathered for every forward and backward (``g``, ZeRO-3) or kept
   gathered through the step (``h``), gradients reduce-scattered once per step. Their "grad
-  all-reduce" column is 0 (FSDP reduce-scatters); "param MiB/rank" shows the shards.
+  all-reduce" column is 0 (FSDP reduce-scatters); "param MiB/rank" shows the shards;
+* ``i: 2 dp x 2 pp ZeRO-1``: ``a`` with ``shard_optimizer=True`` on the home-made engine (each
+  replica steps half of each stage's parameters and broadcasts them), beside ``h``, which holds
+  the same whole weights and gradients during a step.
 
 Why ``e`` and ``f``: with one stage per rank a stage's last backward is its rank's last action, so
 in ``a`` only the ranks that finish early (the last ones, under 1F1B) reduce while the others
@@ -95,9 +98,12 @@ CONFIGS: dict[str, tuple[int, int, bool, str]] = {
     "f: 2 dp x 2 pp interleaved, all-reduce after": (2, 2, False, "interleaved"),
     "g: 2 dp x 2 pp FSDP": (2, 2, True, "1f1b"),
     "h: 2 dp x 2 pp FSDP kept gathered": (2, 2, True, "1f1b"),
+    "i: 2 dp x 2 pp ZeRO-1": (2, 2, True, "1f1b"),
 }
 # The configurations run on FSDP2 (DataParallel(engine='fsdp')): name -> reshard_after_forward.
 FSDP: dict[str, bool] = {"g: 2 dp x 2 pp FSDP": True, "h: 2 dp x 2 pp FSDP kept gathered": False}
+# The configurations whose optimizer the home-made engine shards over the replicas (ZeRO-1).
+ZERO1 = ("i: 2 dp x 2 pp ZeRO-1",)
 # Stages per rank of a schedule (the interleaved one puts two on each rank).
 # The overlap comparisons: (with, without) overlap_grad_reduce.
 _OVERLAP = {"1f1b": ("a: 2 dp x 2 pp", "d: 2 dp x 2 pp, all-reduce after"),
@@ -149,13 +155,14 @@ def _data(cfg: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _trainer(
     model: nn.Module, cfg: dict[str, Any], dp: int, pp: int, overlap: bool, schedule: str,
-    reshard_after_forward: bool | None = None,
+    reshard_after_forward: bool | None = None, *, shard_optimizer: bool = False,
 ) -> PipelineTrainer:
     m = cfg["batch"] // (dp * cfg["micro_batch"])  # micro-batches per replica
     example = (_data({**cfg, "batch": cfg["micro_batch"]})[0],)
     # A copy per configuration: the stages share the parameters of the model they were cut from.
     plan = partition(copy.deepcopy(model), example, pp * stages_per_rank(schedule), microbatches=m, schedule=schedule)
-    replicas = (DataParallel(size=dp, overlap_grad_reduce=overlap) if reshard_after_forward is None
+    replicas = (DataParallel(size=dp, overlap_grad_reduce=overlap, shard_optimizer=shard_optimizer)
+                if reshard_after_forward is None
                 else DataParallel(size=dp, engine="fsdp", reshard_after_forward=reshard_after_forward))
     return PipelineTrainer(plan, _loss(cfg), lambda ps: torch.optim.SGD(ps, lr=1e-3),
                            execution=Execution(schedule=schedule, transport="dist"), data_parallel=replicas)
@@ -190,7 +197,15 @@ def _check(tr: PipelineTrainer, x: torch.Tensor, y: torch.Tensor, want_loss: tor
     worst = 0.0
     trainable = {}
     sharded = False
+    # ZeRO-1: a gradient is reduced to its owner (dist.reduce, not counted), the others drop theirs.
+    zero1 = tr.options.data_parallel.shard_optimizer
+    owned = {id(p) for p in tr._replicas.owned}
     for name, prm in tr.named_parameters():
+        local = prm.to_local() if hasattr(prm, "to_local") else prm
+        trainable[id(prm)] = local.numel() * local.element_size()  # what this rank holds
+        if zero1 and id(prm) not in owned:
+            assert prm.grad is None, f"{name}: a gradient kept by a rank that does not own it"
+            continue
         assert prm.grad is not None, f"{name} has no gradient"
         grad = prm.grad
         if hasattr(grad, "full_tensor"):  # FSDP: this rank's shard; the check gathers it
@@ -198,11 +213,9 @@ def _check(tr: PipelineTrainer, x: torch.Tensor, y: torch.Tensor, want_loss: tor
             grad = grad.full_tensor()
         torch.testing.assert_close(grad, want[name], rtol=RTOL, atol=ATOL, msg=f"gradient of {name} differs")
         worst = max(worst, (grad - want[name]).abs().max().item())
-        local = prm.to_local() if hasattr(prm, "to_local") else prm
-        trainable[id(prm)] = local.numel() * local.element_size()  # what this rank holds
     param_bytes = sum(trainable.values())
     grad_bytes = sum(calls)
-    if tr.mesh.dp > 1 and not sharded:  # every trainable parameter this rank holds is averaged, once
+    if tr.mesh.dp > 1 and not sharded and not zero1:  # every trainable parameter this rank holds is averaged, once
         assert grad_bytes == param_bytes, (grad_bytes, param_bytes)
     tr.zero_grad()
     return {"loss": float(loss), "max_abs_grad_diff": worst, "grad_allreduce_bytes": grad_bytes,
@@ -224,7 +237,8 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     phases["reference"] = time.perf_counter()
 
     names = [n for n in CONFIGS if not cfg["only"] or n[0] in cfg["only"] or n == BASELINE]
-    trainers = {name: _trainer(model, cfg, *CONFIGS[name], FSDP.get(name)) for name in names}  # same order everywhere
+    trainers = {name: _trainer(model, cfg, *CONFIGS[name], FSDP.get(name), shard_optimizer=name in ZERO1)
+                for name in names}  # same order everywhere
     phases["build"] = time.perf_counter()
     checks = {name: _check(tr, x, y, want_loss, want) for name, tr in trainers.items()}
     phases["check"] = time.perf_counter()
@@ -377,7 +391,8 @@ def main(argv: list[str] | None = None) -> int:
                    "loss": "cross_entropy" if cfg["model"] == "gpt2" else "mse",
                    "optimizer": "SGD(lr=1e-3)", "tokens_per_step": cfg["batch"] * _tokens(cfg),
                    "configurations": {k: {"dp": v[0], "pp": v[1], "overlap_grad_reduce": v[2], "schedule": v[3],
-                                          "engine": "fsdp" if k in FSDP else "replicate"}
+                                          "engine": "fsdp" if k in FSDP else "replicate",
+                                          "shard_optimizer": k in ZERO1}
                                       for k, v in CONFIGS.items() if k in summary}},
         "env": run_env(load, t0),
         "results": summary,

@@ -28,7 +28,8 @@ def test_hybrid_quick(tmp_path: Path) -> None:
     want = {"a: 2 dp x 2 pp": (2, 2, 4), "b: 1 dp x 4 pp": (1, 4, 8), "c: 4 dp x 1 pp": (4, 1, 2),
             "d: 2 dp x 2 pp, all-reduce after": (2, 2, 4), "e: 2 dp x 2 pp interleaved": (2, 2, 4),
             "f: 2 dp x 2 pp interleaved, all-reduce after": (2, 2, 4),
-            "g: 2 dp x 2 pp FSDP": (2, 2, 4), "h: 2 dp x 2 pp FSDP kept gathered": (2, 2, 4)}
+            "g: 2 dp x 2 pp FSDP": (2, 2, 4), "h: 2 dp x 2 pp FSDP kept gathered": (2, 2, 4),
+            "i: 2 dp x 2 pp ZeRO-1": (2, 2, 4)}
     assert {k: (v["dp"], v["pp"], v["microbatches_per_replica"]) for k, v in res.items()} == want
     for row in res.values():
         assert row["median_ms"] > 0 and row["samples_per_s"] > 0 and row["n"] == 2
@@ -53,3 +54,6 @@ def test_hybrid_quick(tmp_path: Path) -> None:
         assert params["g: 2 dp x 2 pp FSDP"][rank] == params["h: 2 dp x 2 pp FSDP kept gathered"][rank]
         assert params["g: 2 dp x 2 pp FSDP"][rank] <= params["a: 2 dp x 2 pp"][rank] // 2 + 256
     assert data["config"]["configurations"]["g: 2 dp x 2 pp FSDP"]["engine"] == "fsdp"
+    # ZeRO-1 shards the optimizer, not the parameters.
+    assert params["i: 2 dp x 2 pp ZeRO-1"] == params["a: 2 dp x 2 pp"]
+    assert data["config"]["configurations"]["i: 2 dp x 2 pp ZeRO-1"]["shard_optimizer"] is True

@@ -1,18 +1,25 @@
 """Bytes live in PyTorch's CPU allocator over time: the CPU analogue of ``torch.cuda.max_memory_allocated``.
 
 Torch keeps no running count of CPU tensor bytes outside the profiler, so :class:`TensorTrace` runs
-``torch.profiler.profile(activities=[CPU], profile_memory=True)`` over a window and replays its
-memory events. c10's ``ProfiledCPUMemoryReporter`` reports each allocation (``alloc_size > 0``) and
-the free of each block it saw allocated while profiling (``alloc_size < 0``); the free of a block
-allocated before the window is not reported. So the count replayed here is *the bytes allocated
-since the window opened and still live*: measured from the same moment as an RSS baseline taken
-just before, and blind to glibc (its arenas, its mmap threshold, what it keeps after a free). Frees
-are matched to this window's allocations by address, so a block an earlier profiling session in the
-same process left in c10's table cannot make the count go negative.
+the profiler (``torch.profiler.profile(activities=[CPU], profile_memory=True)``'s engine) over a
+window and replays its memory events. c10's ``ProfiledCPUMemoryReporter`` reports each allocation
+(``alloc_size > 0``) and the free of each block it saw allocated while profiling (``alloc_size <
+0``); the free of a block allocated before the window is not reported. So the count replayed here
+is *the bytes allocated since the window opened and still live*: measured from the same moment as
+an RSS baseline taken just before, and blind to glibc (its arenas, its mmap threshold, what it
+keeps after a free). Frees are matched to this window's allocations by address, so a block an
+earlier profiling session in the same process left in c10's table cannot make the count go
+negative.
 
 Named spans (:meth:`TensorTrace.span`, a ``record_function`` range) split the window: for each one,
 the bytes live as it starts, at its highest, and as it ends. :meth:`TensorTrace.live_at` lists the
-allocations live at a moment, each with the profiler ops it was made under (what the peak holds).
+allocations live at a moment, each with the profiler ranges it was made under (what the peak holds).
+
+Only ``record_function`` ranges (``RecordScope.USER_SCOPE``) are recorded unless ``ops=True``:
+``torch.profiler.profile`` has no way to leave out the events of every aten op, and on a training
+step those are many, and their buffers would count in an RSS measured beside (hundreds of MiB on
+the FSDP step of ``memory.py --engines``). The allocations are reported all the same: c10 reports
+them to an enabled profiler whatever the scopes.
 
     >>> with TensorTrace() as trace:
     ...     with trace.span("step"):
@@ -31,7 +38,9 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch._C._profiler import ProfilerActivity, ProfilerConfig, ProfilerState, RecordScope, _ExperimentalConfig
+from torch.autograd import _disable_profiler, _enable_profiler, _prepare_profiler
+from torch.profiler import record_function
 
 __all__ = ["Allocation", "Span", "TensorTrace"]
 
@@ -64,25 +73,28 @@ class TensorTrace:
     """A profiler window over which CPU tensor bytes are counted; a context manager, used once.
 
     Args:
-        ops: keep, for each allocation, the names of the profiler ops above it (for :meth:`live_at`).
+        ops: record every op (aten, autograd), not only ``record_function`` ranges, as the ranges
+            above each allocation (:meth:`live_at`); costs time and profiler memory.
     """
 
     def __init__(self, *, ops: bool = False) -> None:
-        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        self._ops = ops
+        # (state, record shapes, profile memory, with stack, with flops, with modules, experimental, trace id)
+        self._config = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig(), "")
+        self._scopes = set() if ops else {RecordScope.USER_SCOPE}  # empty: every scope
         self._times: list[int] = []  # per memory event, in time order: when, and the bytes live after it
         self._live: list[int] = []
         self._events: list[tuple[int, int, int, tuple[str, ...]]] = []  # (ns, bytes, ptr, ops)
         self._spans: list[tuple[str, int, int]] = []  # (name, start ns, end ns)
 
     def __enter__(self) -> TensorTrace:
-        self._prof.__enter__()
+        _prepare_profiler(self._config, {ProfilerActivity.CPU})
+        _enable_profiler(self._config, {ProfilerActivity.CPU}, self._scopes)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._prof.__exit__(*exc)
+        results = _disable_profiler()
         if exc[0] is None:
-            self._replay()
+            self._replay(results)
 
     @contextmanager
     def span(self, name: str) -> Iterator[None]:
@@ -90,10 +102,10 @@ class TensorTrace:
         with record_function(_SPAN + name):
             yield
 
-    def _replay(self) -> None:
+    def _replay(self, results: Any) -> None:
         alloc = torch._C._profiler._ExtraFields_Allocation
         cpu = torch.device("cpu")
-        todo = [(e, ()) for e in self._prof.profiler.kineto_results.experimental_event_tree()]
+        todo: list[tuple[Any, tuple[str, ...]]] = [(e, ()) for e in results.experimental_event_tree()]
         while todo:
             e, above = todo.pop()
             fields = e.extra_fields
@@ -103,7 +115,7 @@ class TensorTrace:
                 continue
             if e.name.startswith(_SPAN):
                 self._spans.append((e.name[len(_SPAN):], e.start_time_ns, e.end_time_ns))
-            below = (*above, e.name) if self._ops else ()
+            below = (*above, e.name)
             todo.extend((c, below) for c in e.children)
         self._events.sort(key=lambda ev: ev[0])
         self._spans.sort(key=lambda s: s[1])
@@ -123,22 +135,31 @@ class TensorTrace:
         return self._live[i - 1] if i else 0
 
     @property
+    def allocations(self) -> int:
+        """How many blocks the window allocated (each one an event the profiler held until it ended)."""
+        return sum(1 for ev in self._events if ev[1] > 0)
+
+    @property
     def peak(self) -> int:
         """The highest count over the whole window."""
         return max(self._live, default=0)
+
+    def peak_between(self, t0: int, t1: int) -> tuple[int, int]:
+        """The highest count from ``t0`` to ``t1`` (the count at ``t0`` included), and when it was reached."""
+        i, j = bisect.bisect_left(self._times, t0), bisect.bisect_right(self._times, t1)
+        best, when = (self._live[i - 1] if i else 0), t0
+        for k in range(i, j):
+            if self._live[k] > best:
+                best, when = self._live[k], self._times[k]
+        return best, when
 
     def spans(self, prefix: str = "") -> list[Span]:
         """The spans whose names start with ``prefix``, in time order."""
         out = []
         for name, t0, t1 in self._spans:
-            if not name.startswith(prefix):
-                continue
-            i, j = bisect.bisect_left(self._times, t0), bisect.bisect_right(self._times, t1)
-            start = self._live[i - 1] if i else 0
-            inside = self._live[i:j]
-            k = max(range(len(inside)), key=inside.__getitem__, default=None)
-            peak, peak_ns = (start, t0) if k is None or inside[k] <= start else (inside[k], self._times[i + k])
-            out.append(Span(name, start, peak, self.bytes_at(t1), t0, t1, peak_ns))
+            if name.startswith(prefix):
+                peak, peak_ns = self.peak_between(t0, t1)
+                out.append(Span(name, self.bytes_at(t0 - 1), peak, self.bytes_at(t1), t0, t1, peak_ns))
         return out
 
     def live_at(self, ns: int) -> list[Allocation]:

@@ -50,6 +50,19 @@ def test_known_tensors_give_exact_peaks(tp: ModuleType) -> None:
     assert at_peak[0].ops[0] == "pipecut.span::step 0" and "aten::zeros" in at_peak[1].ops + at_peak[0].ops
 
 
+def test_without_ops_only_ranges_are_recorded(tp: ModuleType) -> None:
+    trace = tp.TensorTrace()  # the default: record_function ranges, every allocation
+    with trace, trace.span("step"):
+        a = torch.zeros(MIB, dtype=torch.uint8)
+        with torch.profiler.record_function("inner"):
+            b = torch.zeros(2 * MIB, dtype=torch.uint8)
+        del a, b
+    (s,) = trace.spans()
+    assert s.peak == 3 * MIB
+    assert sorted(a.ops for a in trace.live_at(s.peak_ns)) == [("pipecut.span::step",),
+                                                               ("pipecut.span::step", "inner")]
+
+
 def test_a_span_with_no_allocation_peaks_at_its_start(tp: ModuleType) -> None:
     with tp.TensorTrace() as trace:
         x = torch.empty(MIB, dtype=torch.uint8)

@@ -275,6 +275,8 @@ def _tensor_figures(trace: TensorTrace) -> dict[str, Any]:
         "tensor_steps": [{k: v for k, v in st.items() if k != "peak_ns"} for st in steps],
         "tensor_live_at_peak": _group(trace.live_at(top["peak_ns"])),
         "tensor_allocations": trace.allocations,
+        # Allocations at an address still live: its block freed by a thread the profiler does not see.
+        "tensor_reused_addresses": trace.reused,
     }
 
 

@@ -1,25 +1,32 @@
 """Bytes live in PyTorch's CPU allocator over time: the CPU analogue of ``torch.cuda.max_memory_allocated``.
 
-Torch keeps no running count of CPU tensor bytes outside the profiler, so :class:`TensorTrace` runs
-the profiler (``torch.profiler.profile(activities=[CPU], profile_memory=True)``'s engine) over a
-window and replays its memory events. c10's ``ProfiledCPUMemoryReporter`` reports each allocation
+Torch exposes no running count of CPU tensor bytes outside the profiler, so :class:`TensorTrace`
+runs the profiler (``torch.profiler.profile(activities=[CPU], profile_memory=True)``'s engine) over
+a window and replays its memory events. c10's ``ProfiledCPUMemoryReporter`` reports each allocation
 (``alloc_size > 0``) and the free of each block it saw allocated while profiling (``alloc_size <
-0``); the free of a block allocated before the window is not reported. So the count replayed here
-is *the bytes allocated since the window opened and still live*: measured from the same moment as
-an RSS baseline taken just before, and blind to glibc (its arenas, its mmap threshold, what it
-keeps after a free). Frees are matched to this window's allocations by address, so a block an
-earlier profiling session in the same process left in c10's table cannot make the count go
-negative.
+0``), so the count replayed here is *the bytes allocated since the window opened and still live*,
+measured from the same moment as an RSS baseline taken just before, and blind to glibc (its
+arenas, its mmap threshold, what it keeps after a free). The free of a block allocated before the
+window is not reported, so it does not lower the count. Frees are matched to this window's
+allocations by address.
+
+What c10 does not report: memory events reach only the threads that hold the profiler's
+thread-local state (the one that opened the window, autograd's); a block freed by another thread
+(a gloo worker dropping a collective's buffers) has no free event, and counts as live until its
+address is allocated again (then it is taken as freed: :attr:`TensorTrace.reused` counts those).
+So the count can overstate, by blocks freed unseen and never reused. (``_ExperimentalConfig(
+profile_all_threads=True)`` reports no memory events at all in torch 2.13.)
 
 Named spans (:meth:`TensorTrace.span`, a ``record_function`` range) split the window: for each one,
 the bytes live as it starts, at its highest, and as it ends. :meth:`TensorTrace.live_at` lists the
-allocations live at a moment, each with the profiler ranges it was made under (what the peak holds).
+allocations live at a moment, each with the profiler ranges it was made under (what the peak holds),
+replayed event by event.
 
 Only ``record_function`` ranges (``RecordScope.USER_SCOPE``) are recorded unless ``ops=True``:
-``torch.profiler.profile`` has no way to leave out the events of every aten op, and on a training
-step those are many, and their buffers would count in an RSS measured beside (hundreds of MiB on
-the FSDP step of ``memory.py --engines``). The allocations are reported all the same: c10 reports
-them to an enabled profiler whatever the scopes.
+``torch.profiler.profile`` has no way to leave out the events of every aten op, and those add
+time and buffers (the allocations are reported all the same: c10 reports them to an enabled
+profiler whatever the scopes). Even so the profiler's buffers, malloc'd as a step runs, change
+glibc's heap and so the RSS measured beside it: see ``benchmarks/_memory_engines.py``.
 
     >>> with TensorTrace() as trace:
     ...     with trace.span("step"):
@@ -69,6 +76,10 @@ class Allocation:
     ops: tuple[str, ...]
 
 
+_Event = tuple[int, int, int, tuple[str, ...]]  # (ns, bytes: + allocated, - freed, ptr, ops)
+_Block = tuple[int, int, tuple[str, ...]]  # (bytes, ns, ops)
+
+
 class TensorTrace:
     """A profiler window over which CPU tensor bytes are counted; a context manager, used once.
 
@@ -83,7 +94,8 @@ class TensorTrace:
         self._scopes = set() if ops else {RecordScope.USER_SCOPE}  # empty: every scope
         self._times: list[int] = []  # per memory event, in time order: when, and the bytes live after it
         self._live: list[int] = []
-        self._events: list[tuple[int, int, int, tuple[str, ...]]] = []  # (ns, bytes, ptr, ops)
+        self._events: list[_Event] = []
+        self.reused = 0  # allocations at an address still live: its block freed unseen, or its free stamped late
         self._spans: list[tuple[str, int, int]] = []  # (name, start ns, end ns)
 
     def __enter__(self) -> TensorTrace:
@@ -119,15 +131,51 @@ class TensorTrace:
             todo.extend((c, below) for c in e.children)
         self._events.sort(key=lambda ev: ev[0])
         self._spans.sort(key=lambda s: s[1])
-        live, total = {}, 0  # ptr -> bytes of this window's live blocks
-        for at, nbytes, ptr, _ in self._events:
+        self._replay_blocks(None)
+
+    def _replay_blocks(self, until: int | None) -> dict[int, _Block]:
+        """Replay the events up to ``until`` ns (all: None, which also fills the count over time):
+        the blocks of this window then live, by address.
+
+        c10 reports memory only to threads that hold the profiler's state (this one and autograd's),
+        so a block freed by another thread (a gloo worker's, dropping a collective's buffers) has no
+        free event: an allocation at an address still live means its block was freed unseen. The
+        free can also be stamped late (the clock is read after c10's lock is released): then two
+        frees of the address follow before its next allocation, and the late one is skipped.
+        """
+        frees_next: dict[int, list[int]] = {}  # an allocation's event -> the frees of its address before the next
+        last: dict[int, int] = {}
+        for i, (_, nbytes, ptr, _) in enumerate(self._events):
             if nbytes > 0:
-                live[ptr] = nbytes
+                last[ptr] = i
+                frees_next[i] = []
+            elif ptr in last:
+                frees_next[last[ptr]].append(i)
+        live: dict[int, _Block] = {}
+        skip: set[int] = set()  # late-stamped frees
+        total = 0
+        if until is None:
+            self._times, self._live = [], []
+        for i, (at, nbytes, ptr, ops) in enumerate(self._events):
+            if until is not None and at > until:
+                break
+            if nbytes > 0:
+                old = live.pop(ptr, None)
+                if old is not None:  # freed unseen, or its free stamped late (then skipped)
+                    total -= old[0]
+                    if until is None:
+                        self.reused += 1
+                    if len(frees_next[i]) >= 2:
+                        skip.add(frees_next[i][0])
+                live[ptr] = (nbytes, at, ops)
                 total += nbytes
-            else:
-                total -= live.pop(ptr, 0)  # a block from before the window: not counted either way
-            self._times.append(at)
-            self._live.append(total)
+            elif i not in skip:
+                old = live.pop(ptr, None)  # None: a block from before the window, not counted either way
+                total -= old[0] if old is not None else 0
+            if until is None:
+                self._times.append(at)
+                self._live.append(total)
+        return live
 
     def bytes_at(self, ns: int) -> int:
         """Bytes live just after every memory event at or before ``ns`` (0 before the first)."""
@@ -164,12 +212,5 @@ class TensorTrace:
 
     def live_at(self, ns: int) -> list[Allocation]:
         """The blocks this window allocated that are still live just after ``ns``, largest first."""
-        live: dict[int, Allocation] = {}
-        for at, nbytes, ptr, ops in self._events:
-            if at > ns:
-                break
-            if nbytes > 0:
-                live[ptr] = Allocation(nbytes, at, ops)
-            else:
-                live.pop(ptr, None)
-        return sorted(live.values(), key=lambda a: -a.nbytes)
+        blocks = [Allocation(*b) for b in self._replay_blocks(ns).values()]
+        return sorted(blocks, key=lambda a: -a.nbytes)

@@ -71,3 +71,16 @@ def test_a_span_with_no_allocation_peaks_at_its_start(tp: ModuleType) -> None:
         del x
     (s,) = trace.spans()
     assert (s.start, s.peak, s.end) == (MIB, MIB, MIB)
+
+
+def test_frees_unseen_or_stamped_late_are_inferred_from_reused_addresses(tp: ModuleType) -> None:
+    def replay(events: list[tuple[int, int, int]]) -> tuple[list[int], int]:
+        trace = tp.TensorTrace()
+        trace._events = [(ns, nbytes, ptr, ()) for ns, nbytes, ptr in events]
+        trace._replay_blocks(None)
+        return trace._live, trace.reused
+
+    # Another thread freed block 1 unseen; its address came back for block 2, freed in view.
+    assert replay([(1, 10, 7), (2, 20, 7), (3, -20, 7)]) == ([10, 20, 0], 1)
+    # Block 1's free was stamped after its address's reuse: two frees follow, the late one skipped.
+    assert replay([(1, 10, 7), (2, 10, 7), (3, -10, 7), (4, -10, 7)]) == ([10, 10, 10, 0], 1)

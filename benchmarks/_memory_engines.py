@@ -45,7 +45,9 @@ moment, the baseline; the trainer is built and takes ``--steps`` AdamW steps. Re
   RSS peak kept as ``traced_peak_bytes``), ``--quick`` in the same processes (``tensor_pass``);
 * ``predicted``: the planner's peak for the rank (its stage's ``StagePlan.memory`` from
   ``LayoutSearch.plan``: training state at ``state_per_param`` bytes per parameter plus the
-  activations of the micro-batches in flight), and ``Layout.memory`` (the fullest rank's).
+  activations of the micro-batches in flight), and ``Layout.memory`` (the fullest rank's), which
+  adds, under FSDP, the gathered units the search reserves on every rank
+  (``predicted_gathered_bytes``, not in ``predicted``).
 """
 
 from __future__ import annotations
@@ -250,6 +252,9 @@ def _measure(found: LayoutSearch, name: str, cfg: dict[str, Any], x: torch.Tenso
         "predicted_state_bytes": sum(priced[s].state_bytes for s in stage),
         "predicted_act_bytes": sum(priced[s].memory - priced[s].state_bytes for s in stage),
         "predicted_fullest_bytes": layout.memory,
+        # FSDP's gathered units (two of the largest block and the parameters outside the blocks), which
+        # the search reserves on every rank: in Layout.memory (the fullest rank's), not in StagePlan.memory.
+        "predicted_gathered_bytes": layout.memory - max(st.memory for st in priced),
         "cut": [st.modules for st in plan.stages], "priced_cut": [st.modules for st in priced],
         "losses": losses, "step_s": step_s,
     }
@@ -391,6 +396,8 @@ def _summary(ranks: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             "max_peak_bytes": peak, "max_predicted_bytes": pred, "measured_over_predicted": peak / pred,
             "per_rank_measured_over_predicted": [r["peak_bytes"] / r["predicted_bytes"] for r in rows],
             "max_tensor_peak_bytes": tensor, "tensor_peak_over_predicted": tensor / pred,
+            "max_predicted_with_gathered_bytes": max(r["predicted_bytes"] + r["predicted_gathered_bytes"]
+                                                     for r in rows),
             "per_rank_tensor_peak_over_predicted": [r["tensor_peak_bytes"] / r["predicted_bytes"] for r in rows],
             # A step ends on every rank at about the same time: the slowest rank's, the median of the steps.
             "median_step_s": statistics.median(max(st) for st in zip(*(r["step_s"] for r in rows))),
@@ -440,6 +447,9 @@ def print_table(res: dict[str, Any]) -> None:
                       f"({s.get('max_peak_vs_replicate', 1.0):.2f} x replicate's), predicted "
                       f"{mib(s['max_predicted_bytes'])} MiB (measured / predicted {s['measured_over_predicted']:.2f}); "
                       f"largest tensor peak {mib(s['max_tensor_peak_bytes'])} MiB "
-                      f"(tensor peak / predicted {s['tensor_peak_over_predicted']:.2f}); "
+                      f"(tensor peak / predicted {s['tensor_peak_over_predicted']:.2f}"
+                      + (f"; predicted with FSDP's gathered units {mib(s['max_predicted_with_gathered_bytes'])} MiB"
+                         if s["max_predicted_with_gathered_bytes"] > s["max_predicted_bytes"] else "")
+                      + "); "
                       f"step {s['median_step_s']:.2f} s (median, slowest rank)",
                       soft_wrap=True)

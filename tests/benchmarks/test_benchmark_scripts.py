@@ -181,6 +181,8 @@ def test_memory_quick(tmp_path: Path) -> None:
             assert 0 < r["tensor_after_build_bytes"] <= r["tensor_build_peak_bytes"], name
             assert r["tensor_peak_bytes"] == max(st["peak"] for st in r["tensor_steps"]), name
             assert r["tensor_live_at_peak"] and r["tensor_live_at_peak"][0]["bytes"] > 0, name
+            # FSDP's gathered units are reserved on every rank beside its stage's memory; nothing otherwise.
+            assert (r["predicted_gathered_bytes"] > 0) == (name == "fsdp"), name
             if name.startswith("fsdp"):  # the shards at rest: half of each stage's weights (no padding here)
                 assert r["param_bytes"] * 2 == w["param_bytes"] == r["whole_grad_bytes_before_reduce"], name
                 assert r["optimizer_bytes"] * 2 == w["optimizer_bytes"], name

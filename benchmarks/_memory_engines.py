@@ -33,9 +33,21 @@ moment, the baseline; the trainer is built and takes ``--steps`` AdamW steps. Re
   under FSDP, the whole gradient a stage accumulated before its one reduce-scatter (counted when the
   executor reports the stage's last backward); and ``stray``, the bytes of real parameters still
   reachable from ``plan.model`` or ``plan.traced.gm`` that are none of the trainer's tensors;
+* ``tensor peak``: the highest count of bytes live in PyTorch's CPU allocator during a step (the
+  CPU analogue of ``torch.cuda.max_memory_allocated``), counted from the same baseline as the RSS
+  peak by replaying the profiler's memory events (``benchmarks/_tensor_peak.py``), so blind to
+  glibc: the training state live as the step starts (``tensors at step start``, also counted)
+  plus what the step allocates above it, which is what the planner prices. At the highest step
+  peak, the live blocks grouped by the ``record_function`` ranges they were allocated under
+  (``tensor_live_at_peak`` in the JSON: ``[build]`` for what building left, ``[optimizer]``,
+  ``pipecut <stage>F`` for forwards, ``FSDP::all_gather``...). The profiler perturbs glibc's heap
+  and so the RSS: the full run counts tensors in a second spawn of the same configuration (its
+  RSS peak kept as ``traced_peak_bytes``), ``--quick`` in the same processes (``tensor_pass``);
 * ``predicted``: the planner's peak for the rank (its stage's ``StagePlan.memory`` from
   ``LayoutSearch.plan``: training state at ``state_per_param`` bytes per parameter plus the
-  activations of the micro-batches in flight), and ``Layout.memory`` (the fullest rank's).
+  activations of the micro-batches in flight), and ``Layout.memory`` (the fullest rank's), which
+  adds, under FSDP, the gathered units the search reserves on every rank
+  (``predicted_gathered_bytes``, not in ``predicted``).
 """
 
 from __future__ import annotations
@@ -43,6 +55,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
+import os
+import re
+import statistics
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -52,6 +67,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from _tensor_peak import TensorTrace
 from partitioner import Cluster
 from partitioner.plan.layout import Option
 from partitioner.search import LayoutSearch
@@ -80,10 +96,15 @@ DROP = {"fsdp, copies dropped"}
 QUICK_ENGINES = ("replicate", "replicate + ZeRO-1", "fsdp")
 # The model and batch: GPT-2 weights dominate a rank's memory (16.5 M parameters a stage, 264 MB
 # of fp32 AdamW state whole) over the activations of a 1-row micro-batch.
+# ``tensor_pass``: "separate" counts the tensors in a second spawn of 4 processes, "same" in the one
+# measuring the RSS. The profiler's buffers, malloc'd between the tensor buffers of the heap as a
+# step runs, keep glibc from returning freed buffers at the heap's top: with glibc's dynamic mmap
+# threshold, FSDP's RSS peak rose from about 700 to 850-900 MiB when the same processes counted
+# tensors (the same within 2 MiB with MALLOC_MMAP_THRESHOLD_=131072). --quick is a smoke run: one pass.
 FULL = {"n_layer": 8, "n_embd": 512, "n_head": 8, "vocab": 8192, "seq": 64, "batch": 8, "micro_batch": 1,
-        "steps": 3}
+        "steps": 3, "tensor_pass": "separate"}
 QUICK = {"n_layer": 2, "n_embd": 64, "n_head": 2, "vocab": 256, "seq": 16, "batch": 4, "micro_batch": 1,
-         "steps": 2}
+         "steps": 2, "tensor_pass": "same"}
 
 
 def _status() -> dict[str, int]:
@@ -130,8 +151,9 @@ def _lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # (B,
     return nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
 
 
-def run_engine(rank: int, world: int, cfg: dict[str, Any], name: str) -> dict[str, Any]:
-    """One rank of configuration ``name``: plan on meta, reset the peak, build the trainer, step, count.
+def run_engine(rank: int, world: int, cfg: dict[str, Any], name: str, traced: bool = True) -> dict[str, Any]:
+    """One rank of configuration ``name``: plan on meta, reset the peak, build the trainer, step, count;
+    with ``traced``, count the tensor bytes too (:class:`TensorTrace` over the build and the steps).
 
     One configuration per process: the trainer materialises its stage into the planned model, which
     a second trainer could not share (and whose tensors would stay in the second's figures).
@@ -149,10 +171,12 @@ def run_engine(rank: int, world: int, cfg: dict[str, Any], name: str) -> dict[st
     found = LayoutSearch(model, (x[:b],), cluster=Cluster.uniform(DP * PP, "cpu"), global_batch=batch,
                          recompute=False)
     plan_s = time.perf_counter() - t0
-    return {"rank": rank, **_measure(found, name, cfg, x, y), "idle_rss": idle, "plan_s": plan_s}
+    return {"rank": rank, **_measure(found, name, cfg, x, y, traced), "idle_rss": idle, "plan_s": plan_s,
+            "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_")}  # as this process saw it
 
 
-def _measure(found: LayoutSearch, name: str, cfg: dict[str, Any], x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
+def _measure(found: LayoutSearch, name: str, cfg: dict[str, Any], x: torch.Tensor, y: torch.Tensor,
+             traced: bool) -> dict[str, Any]:
     dp_kw, cut_zero, priced_zero = ENGINES[name]
 
     def option(zero: str) -> Option:
@@ -163,35 +187,46 @@ def _measure(found: LayoutSearch, name: str, cfg: dict[str, Any], x: torch.Tenso
     priced = found.plan(option(priced_zero)).stages
     plan = found.plan(option(cut_zero))
     base = _reset_peak()
-    trainer = PipelineTrainer(
-        plan, _lm_loss, lambda ps: torch.optim.AdamW(ps, lr=1e-4),
-        execution=Execution(schedule=SCHEDULE, transport="dist"), init=Init(seed=0),
-        data_parallel=DataParallel(size=DP, **dp_kw),
-    )
-    if name in DROP:
-        _drop_stray(plan, trainer)
-    built = _status()
-    whole_grads = _count_whole_grads(trainer)
-    before_opt: list[int] = []  # VmHWM as each optimizer step starts: the peak of forwards, backwards, reductions
-    if trainer.optimizer is not None:
-        opt_step = trainer.optimizer.step
+    # The tensor count starts with the RSS baseline: both measure what building and stepping add.
+    trace = TensorTrace() if traced else None
 
-        def timed_step(*a: Any, **kw: Any) -> Any:
-            before_opt.append(_status()["VmHWM"])
-            return opt_step(*a, **kw)
+    def span(name: str) -> contextlib.AbstractContextManager[None]:
+        return trace.span(name) if trace is not None else contextlib.nullcontext()
 
-        trainer.optimizer.step = timed_step  # type: ignore[method-assign]
-    local_x, local_y = trainer.local_batch(x, y)
-    losses, step_s = [], []
-    peaks = [built["VmHWM"]]
-    for _ in range(cfg["steps"]):
-        dist.barrier()
-        _clear_peak()  # each step's own peaks: before its optimizer step, and in all
-        t = time.perf_counter()
-        losses.append(float(trainer.step(local_x, local_y)))
-        step_s.append(time.perf_counter() - t)
-        peaks.append(_status()["VmHWM"])
-    after = _status()
+    with trace if trace is not None else contextlib.nullcontext():
+        with span("build"):
+            trainer = PipelineTrainer(
+                plan, _lm_loss, lambda ps: torch.optim.AdamW(ps, lr=1e-4),
+                execution=Execution(schedule=SCHEDULE, transport="dist"), init=Init(seed=0),
+                data_parallel=DataParallel(size=DP, **dp_kw),
+            )
+            if name in DROP:
+                _drop_stray(plan, trainer)
+        built = _status()
+        whole_grads = _count_whole_grads(trainer)
+        before_opt: list[int] = []  # VmHWM as each optimizer step starts: the peak of forwards, backwards, reductions
+        if trainer.optimizer is not None:
+            opt_step = trainer.optimizer.step
+
+            def timed_step(*a: Any, **kw: Any) -> Any:
+                before_opt.append(_status()["VmHWM"])
+                with span(f"optimizer {len(before_opt) - 1}"):
+                    return opt_step(*a, **kw)
+
+            trainer.optimizer.step = timed_step  # type: ignore[method-assign]
+        local_x, local_y = trainer.local_batch(x, y)
+        losses, step_s = [], []
+        peaks = [built["VmHWM"]]
+        for i in range(cfg["steps"]):
+            dist.barrier()
+            _clear_peak()  # each step's own peaks: before its optimizer step, and in all
+            t = time.perf_counter()
+            with span(f"step {i}"):
+                losses.append(float(trainer.step(local_x, local_y)))
+            step_s.append(time.perf_counter() - t)
+            peaks.append(_status()["VmHWM"])
+        after = _status()
+    tensors = _tensor_figures(trace) if trace is not None else {}
     params = _unique(p for _, p in trainer.named_parameters())
     opt = trainer.optimizer
     state = [v for s in (opt.state.values() if opt is not None else ()) for v in s.values()
@@ -212,14 +247,65 @@ def _measure(found: LayoutSearch, name: str, cfg: dict[str, Any], x: torch.Tenso
         "optimizer_bytes": sum(_local_bytes(v) for v in state),
         "stray_param_bytes": sum(stray.values()),
         "whole_grad_bytes_before_reduce": max(whole_grads, default=None),
+        **tensors,
         "predicted_bytes": sum(priced[s].memory for s in stage),
         "predicted_state_bytes": sum(priced[s].state_bytes for s in stage),
         "predicted_act_bytes": sum(priced[s].memory - priced[s].state_bytes for s in stage),
         "predicted_fullest_bytes": layout.memory,
+        # FSDP's gathered units (two of the largest block and the parameters outside the blocks), which
+        # the search reserves on every rank: in Layout.memory (the fullest rank's), not in StagePlan.memory.
+        "predicted_gathered_bytes": layout.memory - max(st.memory for st in priced),
         "cut": [st.modules for st in plan.stages], "priced_cut": [st.modules for st in priced],
         "losses": losses, "step_s": step_s,
     }
     return res
+
+
+def _tensor_figures(trace: TensorTrace) -> dict[str, Any]:
+    """The tensor bytes of the build and each step (from the baseline), and what is live at the highest step peak."""
+    (build,) = trace.spans("build")
+    opt = {sp.name.split()[1]: sp for sp in trace.spans("optimizer ")}
+    steps = []
+    for sp in trace.spans("step "):
+        o = opt.get(sp.name.split()[1])
+        before = trace.peak_between(sp.start_ns, o.start_ns)[0] if o is not None else sp.peak
+        steps.append({"start": sp.start, "peak": sp.peak, "peak_before_optimizer": before, "end": sp.end,
+                      "peak_ns": sp.peak_ns})
+    top = max(steps, key=lambda st: st["peak"])
+    return {
+        "tensor_peak_bytes": top["peak"],  # the highest of the steps
+        "tensor_live_at_step_start_bytes": top["start"],  # of that step: the training state, and what else stayed
+        "tensor_peak_before_optimizer_bytes": max(st["peak_before_optimizer"] for st in steps),
+        "tensor_build_peak_bytes": build.peak, "tensor_after_build_bytes": build.end,
+        "tensor_steps": [{k: v for k, v in st.items() if k != "peak_ns"} for st in steps],
+        "tensor_live_at_peak": _group(trace.live_at(top["peak_ns"])),
+        "tensor_allocations": trace.allocations,
+        # Allocations at an address still live: its block freed by a thread the profiler does not see.
+        "tensor_reused_addresses": trace.reused,
+    }
+
+
+_SPAN_OP = re.compile(r"^pipecut\.span::(\w+)( \d+)?$")
+_STEP_OP = "pipecut.span::step "
+_PIPECUT_OP = re.compile(r"^(pipecut \d+[A-Z])\d+$")
+
+
+def _group(live: list[Any], top: int = 25) -> list[dict[str, Any]]:
+    """Live blocks grouped by the ranges they were allocated under, largest groups first (``top`` of them).
+
+    Not gloo's: a ``gloo:recv`` range runs from the receive's start to its wait, and the profiler
+    nests whatever ran meanwhile in it.
+    """
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for a in live:
+        # [build], [optimizer]; the executor's "pipecut <stage><F|B|W><mb>" without the micro-batch
+        ops = tuple(_PIPECUT_OP.sub(r"\1", _SPAN_OP.sub(r"[\1]", op)) for op in a.ops
+                    if not op.startswith((_STEP_OP, "gloo:")))
+        g = groups.setdefault(ops, [0, 0])
+        g[0] += a.nbytes
+        g[1] += 1
+    rows = sorted(groups.items(), key=lambda kv: -kv[1][0])
+    return [{"bytes": b, "count": n, "ops": " > ".join(ops)} for ops, (b, n) in rows[:top]]
 
 
 def _stray(plan: Any, trainer: PipelineTrainer) -> list[tuple[nn.Module, str, nn.Parameter]]:
@@ -282,7 +368,16 @@ def run_all(cfg: dict[str, Any], *, timeout: float, names: Sequence[str] = tuple
     ranks: dict[str, list[dict[str, Any]]] = {}
     for name in names:
         t = time.perf_counter()
-        ranks[name] = spawn(run_engine, DP * PP, cfg, name, timeout=timeout, threads=1)
+        if cfg["tensor_pass"] == "separate":
+            rows = spawn(run_engine, DP * PP, cfg, name, False, timeout=timeout, threads=1)
+            traced = spawn(run_engine, DP * PP, cfg, name, True, timeout=timeout, threads=1)
+            for r, tr in zip(rows, traced):
+                assert r["stages"] == tr["stages"], (name, r["stages"], tr["stages"])
+                r.update({k: v for k, v in tr.items() if k.startswith("tensor_")}, traced_peak_bytes=tr["peak_bytes"],
+                         traced_step_s=tr["step_s"])
+        else:
+            rows = spawn(run_engine, DP * PP, cfg, name, True, timeout=timeout, threads=1)
+        ranks[name] = rows
         phases[name] = time.perf_counter() - t
     return {"config": {**cfg, "dp": DP, "pp": PP, "schedule": SCHEDULE, "optimizer": "AdamW(lr=1e-4)",
                        "engines": {k: {"data_parallel": v[0], "plan_cut_for": v[1], "priced_as": v[2]}
@@ -296,9 +391,16 @@ def _summary(ranks: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     for name, rows in ranks.items():
         peak = max(r["peak_bytes"] for r in rows)
         pred = max(r["predicted_bytes"] for r in rows)
+        tensor = max(r["tensor_peak_bytes"] for r in rows)
         out[name] = {
             "max_peak_bytes": peak, "max_predicted_bytes": pred, "measured_over_predicted": peak / pred,
             "per_rank_measured_over_predicted": [r["peak_bytes"] / r["predicted_bytes"] for r in rows],
+            "max_tensor_peak_bytes": tensor, "tensor_peak_over_predicted": tensor / pred,
+            "max_predicted_with_gathered_bytes": max(r["predicted_bytes"] + r["predicted_gathered_bytes"]
+                                                     for r in rows),
+            "per_rank_tensor_peak_over_predicted": [r["tensor_peak_bytes"] / r["predicted_bytes"] for r in rows],
+            # A step ends on every rank at about the same time: the slowest rank's, the median of the steps.
+            "median_step_s": statistics.median(max(st) for st in zip(*(r["step_s"] for r in rows))),
             "held_bytes_per_rank": [r["param_bytes"] + r["grad_bytes"] + r["optimizer_bytes"] for r in rows],
         }
         if base:
@@ -320,22 +422,34 @@ def print_table(res: dict[str, Any]) -> None:
                          "processes: "
                          f"GPT-2 {cfg['n_layer']} layers x {cfg['n_embd']}, vocab {cfg['vocab']}, seq {cfg['seq']}, "
                          f"batch {cfg['batch']} in micro-batches of {cfg['micro_batch']}, {cfg['optimizer']}, "
-                         f"{cfg['steps']} steps (MiB)"), title_justify="left")
-    for col in ("engine", "rank", "stage", "peak", "peak before opt", "predicted", "peak / pred", "params at rest",
-                "grads after step", "whole grad in step", "optimizer", "stray (model)", "after build"):
+                         f"{cfg['steps']} steps (MiB)"
+                         + (f", MALLOC_MMAP_THRESHOLD_={cfg['malloc_mmap_threshold']}"
+                            if cfg.get("malloc_mmap_threshold") is not None else "")), title_justify="left")
+    for col in ("engine", "rank", "stage", "peak", "peak before opt", "tensor peak", "tensors at step start",
+                "predicted", "peak / pred", "tensor / pred", "params at rest", "grads after step",
+                "whole grad in step", "optimizer", "stray (model)", "after build", "step s"):
         table.add_column(col, justify="left" if col == "engine" else "right")
     for name, rows in res["ranks"].items():
         for r in rows:
             table.add_row(name, str(r["rank"]), ",".join(map(str, r["stages"])), mib(r["peak_bytes"]),
-                          mib(r["peak_before_optimizer_bytes"]),
+                          mib(r["peak_before_optimizer_bytes"]), mib(r["tensor_peak_bytes"]),
+                          mib(r["tensor_live_at_step_start_bytes"]),
                           mib(r["predicted_bytes"]), f"{r['peak_bytes'] / r['predicted_bytes']:.2f}",
+                          f"{r['tensor_peak_bytes'] / r['predicted_bytes']:.2f}",
                           mib(r["param_bytes"]), mib(r["grad_bytes"]), mib(r["whole_grad_bytes_before_reduce"]),
-                          mib(r["optimizer_bytes"]), mib(r["stray_param_bytes"]), mib(r["after_build_bytes"]))
+                          mib(r["optimizer_bytes"]), mib(r["stray_param_bytes"]), mib(r["after_build_bytes"]),
+                          f"{statistics.median(r['step_s']):.2f}")
         table.add_section()
-    console = Console(width=170)
+    console = Console(width=200)
     console.print(table)
     for name, s in res["summary"].items():
         console.print(f"{name}: largest peak {mib(s['max_peak_bytes'])} MiB "
                       f"({s.get('max_peak_vs_replicate', 1.0):.2f} x replicate's), predicted "
-                      f"{mib(s['max_predicted_bytes'])} MiB (measured / predicted {s['measured_over_predicted']:.2f})",
+                      f"{mib(s['max_predicted_bytes'])} MiB (measured / predicted {s['measured_over_predicted']:.2f}); "
+                      f"largest tensor peak {mib(s['max_tensor_peak_bytes'])} MiB "
+                      f"(tensor peak / predicted {s['tensor_peak_over_predicted']:.2f}"
+                      + (f"; predicted with FSDP's gathered units {mib(s['max_predicted_with_gathered_bytes'])} MiB"
+                         if s["max_predicted_with_gathered_bytes"] > s["max_predicted_bytes"] else "")
+                      + "); "
+                      f"step {s['median_step_s']:.2f} s (median, slowest rank)",
                       soft_wrap=True)

@@ -9,11 +9,15 @@ of free memory and 7 GB of disk; writes ``benchmarks/results/memory.json``)::
     python benchmarks/memory.py --ranks 2 --layers 4 --shard-mib 64 --out /tmp/memory.json  # a minute
     python benchmarks/memory.py --engines   # the engines (below): ~5 minutes, results/memory_fsdp.json
     python benchmarks/memory.py --engines --quick --out /tmp/memory_fsdp.json   # a tiny GPT-2, 2-3 minutes
+    python benchmarks/memory.py --engines --only "fsdp;replicate" --mmap-threshold 131072 --out /tmp/m.json
 
 ``--engines`` measures something else, each rank's peak under each data-parallel engine on one
 layout (2 dp x 2 pp, GPT-2, AdamW: replicated, ZeRO-1, FSDP2 resharding after forward and kept
 gathered, and FSDP2 with the whole stage weights it leaves alive dropped) beside the planner's
-prediction: ``benchmarks/_memory_engines.py`` says how. The rest of
+prediction: ``benchmarks/_memory_engines.py`` says how. ``--only`` names the engines to run
+(``;``-separated); ``--mmap-threshold`` fixes glibc's mmap threshold in the ranks
+(``MALLOC_MMAP_THRESHOLD_``): the default dynamic one rises after large frees, so freed tensor
+buffers stay in the heap and count in the RSS peak (the tensor peak is blind to it). The rest of
 this docstring is about the default run.
 
 The model is ``layers`` x ``Linear(width, width)`` (96 x 64 MiB = 6 GiB in fp32 by default), built
@@ -99,6 +103,7 @@ _RATIO = 3.0
 # The most the ranks may hold at once (their estimates plus an idle process each) before the
 # script refuses to start them: the machine is shared, and running out of memory takes it down.
 _IDLE_GUESS = 0.5 * _GIB
+_MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -495,6 +500,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engines", action="store_true",
                     help="instead: each rank's peak under each data-parallel engine on 2 dp x 2 pp (AdamW)")
     ap.add_argument("--quick", action="store_true", help="with --engines: a tiny GPT-2, 2 steps, three engines")
+    ap.add_argument("--only", default=None, metavar="NAMES",
+                    help="with --engines: only these engines, ';'-separated (one name holds a comma), e.g. "
+                         "'fsdp;replicate'")
+    ap.add_argument("--mmap-threshold", type=int, default=None, metavar="BYTES",
+                    help="with --engines: MALLOC_MMAP_THRESHOLD_ for the spawned processes (a fixed glibc mmap "
+                         "threshold; default: unset, glibc's dynamic one)")
     cli = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(cli)
     if args.engines:
@@ -524,12 +535,31 @@ def main(argv: list[str] | None = None) -> int:
 
 def _engines(args: argparse.Namespace, cli: list[str]) -> int:
     """``--engines``: run ``benchmarks/_memory_engines.py``'s configurations, print, write the JSON."""
+    names = QUICK_ENGINES if args.quick else tuple(ENGINES)
+    if args.only is not None:
+        names = tuple(n.strip() for n in args.only.split(";") if n.strip())
+        unknown = [n for n in names if n not in ENGINES]
+        if unknown or not names:
+            print(f"--only: unknown engine(s) {unknown or names!r}; known: {'; '.join(ENGINES)}", file=sys.stderr)
+            return 2
     t0 = time.time()
     load = load_before("the 4 processes")
-    res = run_all(dict(QUICK if args.quick else FULL), timeout=args.timeout,
-                  names=QUICK_ENGINES if args.quick else tuple(ENGINES))
+    # glibc reads MALLOC_MMAP_THRESHOLD_ as a process starts: the spawned ranks inherit it, this one is unchanged.
+    saved = os.environ.get(_MMAP_ENV)
+    threshold = str(args.mmap_threshold) if args.mmap_threshold is not None else saved  # None: glibc's dynamic one
+    if threshold is not None:
+        os.environ[_MMAP_ENV] = threshold
+    try:
+        res = run_all(dict(QUICK if args.quick else FULL), timeout=args.timeout, names=names)
+    finally:
+        if saved is None:
+            os.environ.pop(_MMAP_ENV, None)
+        else:
+            os.environ[_MMAP_ENV] = saved
+    res["config"]["malloc_mmap_threshold"] = threshold
     print_table(res)
     meta = {"benchmark": "memory_engines", "command": shlex.join(["python", "benchmarks/memory.py", *cli]),
+            "env": {_MMAP_ENV: threshold},
             **run_env(load, t0)}
     write_result(args.out or ROOT / "benchmarks" / "results" / "memory_fsdp.json", {"meta": meta, **res})
     return 0

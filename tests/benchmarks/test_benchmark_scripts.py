@@ -22,6 +22,7 @@ def _load(name: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location(f"_bench_{name}", ROOT / "benchmarks" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # a dataclass looks its module up by name as it is made
     spec.loader.exec_module(module)
     return module
 
@@ -157,7 +158,7 @@ def test_memory_quick(tmp_path: Path) -> None:
 
     # --engines: each rank's peak under each data-parallel engine on 2 dp x 2 pp (a tiny GPT-2).
     out = tmp_path / "memory_fsdp.json"
-    argv = ["--engines", "--quick", "--out", str(out)]
+    argv = ["--engines", "--quick", "--mmap-threshold", "131072", "--out", str(out)]
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "memory.py"), *argv], capture_output=True,
                          text=True, timeout=600, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, run.stderr[-3000:]
@@ -166,6 +167,7 @@ def test_memory_quick(tmp_path: Path) -> None:
     assert data["meta"]["command"] == "python benchmarks/memory.py " + " ".join(argv)
     ranks = data["ranks"]
     assert list(ranks) == ["replicate", "replicate + ZeRO-1", "fsdp"]  # --quick: three engines
+    assert data["config"]["malloc_mmap_threshold"] == data["meta"]["env"]["MALLOC_MMAP_THRESHOLD_"] == "131072"
     whole = ranks["replicate"]
     for name, rows in ranks.items():
         assert [r["rank"] for r in rows] == [0, 1, 2, 3], name
@@ -173,6 +175,14 @@ def test_memory_quick(tmp_path: Path) -> None:
             assert r["stages"] == w["stages"] and r["peak_bytes"] > 0 and r["predicted_bytes"] > 0
             assert r["param_numel_whole"] == w["param_numel_whole"] and len(set(r["losses"])) > 1
             assert all(math.isfinite(v) for v in r["losses"])
+            assert r["malloc_mmap_threshold"] == "131072", name  # the spawned ranks inherited it
+            # Tensors: the state live as a step starts, then what the step allocates above it.
+            assert 0 < r["tensor_live_at_step_start_bytes"] < r["tensor_peak_bytes"], name
+            assert 0 < r["tensor_after_build_bytes"] <= r["tensor_build_peak_bytes"], name
+            assert r["tensor_peak_bytes"] == max(st["peak"] for st in r["tensor_steps"]), name
+            assert r["tensor_live_at_peak"] and r["tensor_live_at_peak"][0]["bytes"] > 0, name
+            # FSDP's gathered units are reserved on every rank beside its stage's memory; nothing otherwise.
+            assert (r["predicted_gathered_bytes"] > 0) == (name == "fsdp"), name
             if name.startswith("fsdp"):  # the shards at rest: half of each stage's weights (no padding here)
                 assert r["param_bytes"] * 2 == w["param_bytes"] == r["whole_grad_bytes_before_reduce"], name
                 assert r["optimizer_bytes"] * 2 == w["optimizer_bytes"], name
@@ -183,7 +193,14 @@ def test_memory_quick(tmp_path: Path) -> None:
     assert all(r["stray_param_bytes"] == 0 for r in ranks["replicate"])
     s = data["summary"]
     assert s["fsdp"]["param_bytes_vs_replicate"] == [0.5] * 4
-    assert {"max_peak_bytes", "max_predicted_bytes", "measured_over_predicted"} <= s["fsdp"].keys()
+    assert {"max_peak_bytes", "max_predicted_bytes", "measured_over_predicted", "max_tensor_peak_bytes",
+            "tensor_peak_over_predicted", "median_step_s"} <= s["fsdp"].keys()
+
+
+def test_memory_engines_only_refuses_unknown_names(capsys: pytest.CaptureFixture[str]) -> None:
+    memory = _load("memory")
+    assert memory.main(["--engines", "--only", "fsdp;no such engine"]) == 2  # before anything is spawned
+    assert "no such engine" in capsys.readouterr().err
 
 
 @pytest.mark.multiprocess

@@ -13,9 +13,6 @@ configuration's own:
 * ``fsdp``: ``engine='fsdp', reshard_after_forward=True`` (ZeRO-3, ``fsdp``);
 * ``fsdp kept gathered``: ``reshard_after_forward=False``, priced as ``zero1``
   (``partitioner.plan.sharding`` says why);
-* ``fsdp, copies dropped``: ``fsdp``, with the whole stage weights that materialisation made and
-  sharding copied (still reachable from the planned model: ``stray`` below) put back on meta
-  once the trainer is built, as a fix in the runtime would.
 
 Every rank plans the model on ``meta`` with ``partitioner.search.LayoutSearch`` (the plan it
 trains is the one priced, so measurement and prediction share the cut), so the trainer
@@ -32,7 +29,8 @@ moment, the baseline; the trainer is built and takes ``--steps`` AdamW steps. Re
   under FSDP), their gradients (sharded after FSDP's reduce-scatter), the optimizer's state; and,
   under FSDP, the whole gradient a stage accumulated before its one reduce-scatter (counted when the
   executor reports the stage's last backward); and ``stray``, the bytes of real parameters still
-  reachable from ``plan.model`` or ``plan.traced.gm`` that are none of the trainer's tensors;
+  reachable from ``plan.model`` or ``plan.traced.gm`` that are none of the trainer's tensors (0:
+  FSDP's trainer puts the whole tensors it sharded on meta, ``release_whole_copies``);
 * ``tensor peak``: the highest count of bytes live in PyTorch's CPU allocator during a step (the
   CPU analogue of ``torch.cuda.max_memory_allocated``), counted from the same baseline as the RSS
   peak by replaying the profiler's memory events (``benchmarks/_tensor_peak.py``), so blind to
@@ -85,13 +83,7 @@ ENGINES: dict[str, tuple[dict[str, Any], str, str]] = {
     "replicate + ZeRO-1": ({"shard_optimizer": True}, "zero1", "zero1"),
     "fsdp": ({"engine": "fsdp", "reshard_after_forward": True}, "fsdp", "fsdp"),
     "fsdp kept gathered": ({"engine": "fsdp", "reshard_after_forward": False}, "fsdp", "zero1"),
-    "fsdp, copies dropped": ({"engine": "fsdp", "reshard_after_forward": True}, "fsdp", "fsdp"),
 }
-# Configurations that, once the trainer is built, put the planned model's parameters that are none of
-# the trainer's tensors back on meta: FSDP's sharding copies each stage's weights into DTensor shards,
-# and the whole tensors materialised before it stay reachable from ``plan.model`` and
-# ``plan.traced.gm`` (``stray_param_bytes``). Dropping them is what a fix in the runtime would do.
-DROP = {"fsdp, copies dropped"}
 # --quick (the test suite's smoke run): three engines, three spawns of 4 fresh processes.
 QUICK_ENGINES = ("replicate", "replicate + ZeRO-1", "fsdp")
 # The model and batch: GPT-2 weights dominate a rank's memory (16.5 M parameters a stage, 264 MB
@@ -200,8 +192,6 @@ def _measure(found: LayoutSearch, name: str, cfg: dict[str, Any], x: torch.Tenso
                 execution=Execution(schedule=SCHEDULE, transport="dist"), init=Init(seed=0),
                 data_parallel=DataParallel(size=DP, **dp_kw),
             )
-            if name in DROP:
-                _drop_stray(plan, trainer)
         built = _status()
         whole_grads = _count_whole_grads(trainer)
         before_opt: list[int] = []  # VmHWM as each optimizer step starts: the peak of forwards, backwards, reductions
@@ -324,17 +314,6 @@ def _stray(plan: Any, trainer: PipelineTrainer) -> list[tuple[nn.Module, str, nn
     for module in (st.module for st in trainer.stages.values()):
         found += [(module, "", q) for q in getattr(module, "pipecut_fused_params", ()) if stray(q)]
     return found
-
-
-def _drop_stray(plan: Any, trainer: PipelineTrainer) -> None:
-    """Put :func:`_stray`'s parameters on meta: their memory goes back to the allocator."""
-    for module, key, q in _stray(plan, trainer):
-        if key:
-            module._parameters[key] = nn.Parameter(torch.empty_like(q, device="meta"), requires_grad=q.requires_grad)
-        else:
-            module.pipecut_fused_params = ()  # type: ignore[assignment]
-    plan.refresh_binding()  # the plan's copy of the model's state_dict held them too
-    _reset_peak()  # the drop is not the step's peak: start again from the RSS it leaves
 
 
 def _count_whole_grads(trainer: PipelineTrainer) -> list[int]:

@@ -190,7 +190,8 @@ def test_memory_quick(tmp_path: Path) -> None:
                 assert r["param_bytes"] == w["param_bytes"] and r["whole_grad_bytes_before_reduce"] is None
     for r, w in zip(ranks["replicate + ZeRO-1"], whole):
         assert r["optimizer_bytes"] < w["optimizer_bytes"] == 2 * w["param_bytes"]  # AdamW's two moments
-    assert all(r["stray_param_bytes"] == 0 for r in ranks["replicate"])
+    # No engine keeps a whole copy of its weights beside its own (FSDP's shards included).
+    assert all(r["stray_param_bytes"] == 0 for rows in ranks.values() for r in rows)
     s = data["summary"]
     assert s["fsdp"]["param_bytes_vs_replicate"] == [0.5] * 4
     assert {"max_peak_bytes", "max_predicted_bytes", "measured_over_predicted", "max_tensor_peak_bytes",

@@ -52,6 +52,13 @@ the gradient bytes each rank all-reduced per step (counted on ``torch.distribute
 calls in the data-parallel group, checked against the trainable parameter bytes the rank holds).
 Before timing, each configuration's loss and every gradient on every rank are checked against the
 unpartitioned model on the global batch.
+
+``--predict`` sets the layout search's price beside each measurement, once the ranks are done: the
+model traced and costed by ``partitioner.search.LayoutSearch`` for 4 ``'cpu'`` devices, the cluster
+fitted to the model's own step on this machine (``fit_to_model``), each configuration priced as
+the ``Option`` it runs (``h``, FSDP kept gathered, as ``zero1``: ``partitioner.plan.sharding`` says
+why); the predicted throughput relative to ``b`` is reported as ``predicted_vs_b`` (``d`` and ``f``,
+whose exchange waits for the whole pipeline, are not priced: the search assumes the overlap).
 """
 
 from __future__ import annotations
@@ -84,7 +91,7 @@ from partitioner.zoo import MLPChain, gpt2  # noqa: E402
 from runtime import DataParallel, Execution, PipelineTrainer  # noqa: E402
 from runtime.transport.launch import spawn  # noqa: E402
 
-__all__ = ["CONFIGS", "main"]
+__all__ = ["CONFIGS", "main", "predicted"]
 
 PROCESSES = 4
 BASELINE = "b: 1 dp x 4 pp"
@@ -263,6 +270,33 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             "phases_s": {k: b - a for k, a, b in zip(list(phases)[1:], marks, marks[1:])}}
 
 
+# The sharding each configuration is priced as (--predict); configurations without overlap are not priced.
+_PRICED_AS = {"a: 2 dp x 2 pp": "none", BASELINE: "none", "c: 4 dp x 1 pp": "none",
+              "e: 2 dp x 2 pp interleaved": "none", "g: 2 dp x 2 pp FSDP": "fsdp",
+              "h: 2 dp x 2 pp FSDP kept gathered": "zero1", "i: 2 dp x 2 pp ZeRO-1": "zero1"}
+
+
+def predicted(cfg: dict[str, Any], names: list[str]) -> dict[str, float]:
+    """The layout search's predicted step time (s) of each of ``names`` it prices (see the module
+    docstring, ``--predict``)."""
+    from partitioner import Cluster
+    from partitioner.plan.layout import Option
+    from partitioner.search import LayoutSearch
+
+    example = (_data({**cfg, "batch": cfg["micro_batch"]})[0],)
+    found = LayoutSearch(_model(cfg), example, cluster=Cluster.uniform(PROCESSES, "cpu"), global_batch=cfg["batch"],
+                         recompute=False)
+    found.use_cluster(found.fit_to_model())
+    out = {}
+    for name in names:
+        if name in _PRICED_AS:
+            dp, pp, _, schedule = CONFIGS[name]
+            o = Option(dp=dp, pp=pp, schedule=schedule, microbatch_size=cfg["micro_batch"], zero=_PRICED_AS[name],
+                       global_batch=cfg["batch"])
+            out[name] = found.price(o).step_time
+    return out
+
+
 def _summary(times: dict[str, list[float]], cfg: dict[str, Any]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for name, ts in times.items():
@@ -322,7 +356,7 @@ def _print(cfg: dict[str, Any], summary: dict[str, dict[str, Any]], ratios: dict
              f"(same matmul sizes); median of {cfg['steps']} steps after {cfg['warmup']} warm-up")
     table = Table(title=title, title_justify="left")
     cols = ("configuration", "m/replica", "median ms", "p25 ms", "p75 ms", "min ms", "samples/s", "tokens/s", "vs b",
-            "grad all-reduce MiB/rank", "param MiB/rank")
+            "predicted vs b", "grad all-reduce MiB/rank", "param MiB/rank")
     for col in cols:
         table.add_column(col, justify="left" if col == "configuration" else "right")
     for name, row in summary.items():
@@ -330,6 +364,7 @@ def _print(cfg: dict[str, Any], summary: dict[str, dict[str, Any]], ratios: dict
         table.add_row(name, str(row["microbatches_per_replica"]),
                       *(f"{row[k]:.1f}" for k in ("median_ms", "p25_ms", "p75_ms", "min_ms", "samples_per_s")),
                       f"{row['tokens_per_s']:.0f}", f"{row['throughput_vs_b']:.3f}",
+                      "-" if row.get("predicted_vs_b") is None else f"{row['predicted_vs_b']:.3f}",
                       " / ".join(f"{v:.2f}" for v in mib),
                       " / ".join(f"{v:.2f}" for v in sorted({b / 2**20 for b in param_bytes[name]})))
     rt = Table(title="ratios of medians, and medians of same-round ratios (> 1: the first named is faster)",
@@ -359,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default="", help="configuration letters to run besides b, e.g. 'ad'")
     ap.add_argument("--quick", action="store_true", help="shorthand for a smoke test: " + " ".join(_QUICK))
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
+    ap.add_argument("--predict", action="store_true",
+                    help="also price each configuration with the layout search, fitted to this machine")
     ap.add_argument("--out", default="benchmarks/results/hybrid.json")
     cli = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(cli)
@@ -376,6 +413,11 @@ def main(argv: list[str] | None = None) -> int:
     print("phases (s, rank 0): " + ", ".join(f"{k} {v:.1f}" for k, v in ranks[0]["phases_s"].items()))
     times = step_times([r["spans"] for r in ranks])
     summary = _summary(times, cfg)
+    if args.predict:  # after the ranks are done: the fit times the model on this machine
+        pred = predicted(cfg, list(summary))
+        for name, row in summary.items():
+            row["predicted_step_ms"] = pred[name] * 1e3 if name in pred else None
+            row["predicted_vs_b"] = pred[BASELINE] / pred[name] if name in pred and BASELINE in pred else None
     ratios = _ratios(summary)
     paired = _paired(times)
     checks = [r["checks"] for r in ranks]

@@ -57,3 +57,22 @@ def test_hybrid_quick(tmp_path: Path) -> None:
     # ZeRO-1 shards the optimizer, not the parameters.
     assert params["i: 2 dp x 2 pp ZeRO-1"] == params["a: 2 dp x 2 pp"]
     assert data["config"]["configurations"]["i: 2 dp x 2 pp ZeRO-1"]["shard_optimizer"] is True
+
+
+def test_hybrid_predict_prices_each_configuration_as_it_runs() -> None:
+    # --predict: the layout search, fitted to this machine, prices every configuration it can
+    # (those whose exchange waits for the whole pipeline are not), FSDP with its gathers.
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("hybrid_bench", ROOT / "benchmarks" / "hybrid.py")
+    assert spec is not None and spec.loader is not None
+    hybrid = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hybrid)
+    cfg = {"model": "mlp", "n_layer": 4, "n_embd": 32, "n_head": 2, "vocab": 64, "seq": 8, "batch": 16,
+           "micro_batch": 2}
+    pred = hybrid.predicted(cfg, list(hybrid.CONFIGS))
+    assert set(pred) == set(hybrid.CONFIGS) - {"d: 2 dp x 2 pp, all-reduce after",
+                                              "f: 2 dp x 2 pp interleaved, all-reduce after"}
+    assert all(t > 0 for t in pred.values())
+    assert pred["g: 2 dp x 2 pp FSDP"] > pred["a: 2 dp x 2 pp"]  # every forward and backward gathers first
+    assert pred["h: 2 dp x 2 pp FSDP kept gathered"] == pred["i: 2 dp x 2 pp ZeRO-1"]  # priced alike

@@ -40,6 +40,7 @@ from partitioner.cost.devices import DEVICE_PRESETS, Cluster
 from partitioner.cost.gemms import model_gemms
 from partitioner.cost.probes import Probe
 from partitioner.errors import CliArgumentError, PipecutError
+from partitioner.plan.layout import DEFAULT_ZERO, ZERO_OPTIONS
 from partitioner.plan.plan import Plan
 from partitioner.plan.predict import prediction, simulate_stages
 from partitioner.plan.render import TEXT_WIDTH, fmt_bytes, fmt_time, render_text
@@ -73,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "ZeRO-1) for --global-batch rows per step, instead of cutting --stages")
     plan.add_argument("--global-batch", type=_count, default=None, help="rows per optimizer step (with --devices)")
     plan.add_argument("--top", type=_count, default=5, help="layouts ranked in the table (with --devices; default 5)")
+    plan.add_argument("--zero", default=",".join(DEFAULT_ZERO),
+                      help="with --devices: the shardings over the replicas to search, comma-separated, of "
+                      f"{', '.join(ZERO_OPTIONS)} (default {','.join(DEFAULT_ZERO)}; fsdp, FSDP2, only when named)")
     plan.add_argument(
         "--device", default="A100-80GB", help=f"device preset for every stage ({', '.join(DEVICE_PRESETS)})"
     )
@@ -176,6 +180,7 @@ def _plan(args: argparse.Namespace) -> int:
             schedules=(args.schedule,) if args.schedule not in (None, "auto") else None,
             granularity=args.granularity, state_bytes_per_param=args.state_bytes,
             recompute=_RECOMPUTE[args.recompute], precision=args.precision,
+            zero=tuple(z.strip() for z in args.zero.split(",") if z.strip()),
         )
     else:
         split = [s.strip() for s in args.split_points.split(",")] if args.split_points else None

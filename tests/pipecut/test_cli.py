@@ -187,3 +187,16 @@ def test_str_plan_keeps_its_fixed_width_whatever_the_terminal(monkeypatch: pytes
     assert all(line == line.rstrip() for line in text.splitlines())  # no padding to the width
     narrow = render_text(plan, width=60)
     assert max(len(line) for line in narrow.splitlines()) <= 60 and "memory / capacity" in narrow
+
+
+def test_plan_devices_searches_the_shardings_named_by_zero(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # --zero: FSDP2 is searched when named (the default space is none and ZeRO-1); a name the search
+    # does not know is an error line that lists the ones it does.
+    js = tmp_path / "plan.json"
+    base = ["plan", "gpt2-tiny", "--devices", "4", "--global-batch", "16", "--top", "2"]
+    assert main([*base, "--zero", "fsdp", "--json", str(js)]) == 0
+    layout = Plan.load(js).layout
+    assert layout is not None and layout.dp > 1 and layout.zero == "fsdp"
+    assert "sharded over the replicas (FSDP)" in capsys.readouterr().out
+    assert main([*base, "--zero", "none,ddp"]) == 2
+    assert "zero must list some of none, zero1, fsdp, got ['none', 'ddp']" in capsys.readouterr().err

@@ -200,7 +200,7 @@ def render_text(plan: PlanRecord, width: int = TEXT_WIDTH, top: int = 5) -> str:
     buf = io.StringIO()
     console = Console(file=buf, width=width, no_color=True, highlight=False, soft_wrap=False)
     if plan.layout is not None:
-        for line in _layout_lines(plan.layout):
+        for line in _layout_lines(plan.layout, min((st.capacity for st in plan.stages), default=0.0)):
             console.print(_text(line))
         table, dropped = _layouts_table(plan, width=width, top=top)
         console.print(table)
@@ -233,8 +233,10 @@ _SHARDING = {
 }
 
 
-def _layout_lines(lay: Layout) -> list[str]:
-    """The chosen layout in two lines: how the devices are spent, and what one step costs."""
+def _layout_lines(lay: Layout, stage_capacity: float) -> list[str]:
+    """The chosen layout in two lines: how the devices are spent, and what one step costs; a third
+    under FSDP when the stages were cut for less than a device holds (``stage_capacity``, the
+    least any stage had): what each device keeps for the gathered weights."""
     rate = f"{fmt_count(lay.tokens_per_s)} tokens/s" if lay.tokens_per_row else f"{fmt_count(lay.samples_per_s)} rows/s"
     zero = _SHARDING.get(lay.zero, f", sharding {lay.zero!r}")
     head = (
@@ -248,7 +250,11 @@ def _layout_lines(lay: Layout) -> list[str]:
         f"+ exchange not hidden {fmt_time(lay.exchange_time)} + optimizer {fmt_time(lay.optimizer_time)}; {rate}; "
         f"peak memory {fmt_bytes(lay.memory)} of {fmt_bytes(lay.capacity)} per device"
     )
-    return [head, cost]
+    kept = lay.capacity - stage_capacity if lay.zero == "fsdp" else 0.0
+    if kept <= 0:
+        return [head, cost]
+    return [head, cost, (f"FSDP keeps {fmt_bytes(kept)} of each device for gathered weights (two of the largest "
+                         "block and the parameters outside blocks): the stages' capacity below is what is left")]
 
 
 def _layouts_table(plan: PlanRecord, *, width: int, top: int) -> tuple[Table, list[str]]:

@@ -197,6 +197,10 @@ def test_plan_devices_searches_the_shardings_named_by_zero(tmp_path: Path, capsy
     assert main([*base, "--zero", "fsdp", "--json", str(js)]) == 0
     layout = Plan.load(js).layout
     assert layout is not None and layout.dp > 1 and layout.zero == "fsdp"
-    assert "sharded over the replicas (FSDP)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "sharded over the replicas (FSDP)" in out
+    # What each device keeps for the gathered weights, and so why the stages' capacity is lower.
+    kept = out.split("FSDP keeps ")[1].split(" of each device")[0]
+    assert kept.endswith("MiB") and float(kept.split()[0]) > 0
     assert main([*base, "--zero", "none,ddp"]) == 2
     assert "zero must list some of none, zero1, fsdp, got ['none', 'ddp']" in capsys.readouterr().err

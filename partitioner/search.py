@@ -63,7 +63,7 @@ from partitioner.plan.layout import DEFAULT_ZERO, ZERO_OPTIONS, Layout, Option, 
 from partitioner.plan.placement import stage_cluster
 from partitioner.plan.plan import Plan
 from partitioner.plan.predict import prediction, simulate_stages
-from partitioner.plan.sharding import gathered_units, gathering, state_per_param
+from partitioner.plan.sharding import gather_copy_bytes, gathered_units, gathering, state_per_param
 from partitioner.schedule.ir import Schedule
 from partitioner.schedule.registry import TRAINING_SCHEDULES, schedule_info, stage_schedule
 from partitioner.schedule.validation import peak_inflight
@@ -530,9 +530,11 @@ class _Pricer:
             self._too_big[held] = min(self._too_big.get(held, o.microbatch_size), o.microbatch_size)
             raise
         ring = [collective(self.cluster, o.dp, o.pp, built.stage_to_rank[s]) for s in range(o.stages)]
-        # fsdp: every forward and backward of a stage first all-gathers its weights.
-        gather = [reduce_time(st.params * self.gathered_bpp, o.dp, ring[s], self.bucket_bytes) if o.zero == "fsdp"
-                  else 0.0 for s, st in enumerate(plan.stages)]
+        # fsdp: every forward and backward of a stage first all-gathers its weights (and copies them
+        # in and out of the gather's buffer through its device's memory).
+        gather = [reduce_time(st.params * self.gathered_bpp, o.dp, ring[s], self.bucket_bytes)
+                  + gather_copy_bytes(st.params, o.dp, self.gathered_bpp) / stages.devices[s].mem_bandwidth
+                  if o.zero == "fsdp" else 0.0 for s, st in enumerate(plan.stages)]
         timed = [gathering(st, g, 1.0) for st, g in zip(plan.stages, gather)] if any(gather) else plan.stages
         sched, sim = simulate_stages(timed, stages, o.schedule, o.microbatches, built=built)
         faster = _shared_cores_speedup(self.cluster, o.devices, o.dp, sim.busy, sim.step_time)

@@ -26,7 +26,9 @@ The layout search (``partitioner.search``) prices three shardings (``ZERO_OPTION
     gradients, so the runtime keeps each block gathered from its first backward to the stage's
     last: the whole stage, 4 more bytes per parameter;
   - time: each forward and each backward of a stage all-gathers its weights, ``(dp - 1) / dp`` of
-    their bytes per rank, added to the action as if nothing overlapped it (:func:`gathering`);
+    their bytes per rank, and FSDP2 copies the shard into the gather's buffer and the gathered
+    weights out of it into the parameters (:func:`gather_copy_bytes` through the device's memory),
+    added to the action as if nothing overlapped it (:func:`gathering`);
     a recomputing stage's replayed forward gathers for its backward, once;
   - the reduce-scatter leaves after the stage's last backward and overlaps the drain, like the
     other exchanges; the optimizer steps ``1 / dp`` of the parameters; nothing is broadcast
@@ -49,7 +51,7 @@ from partitioner.cost.exchange import WEIGHT_GRAD_BYTES_PER_PARAM
 from partitioner.cost.graph import canonical_names, layer_depth
 from partitioner.plan.records import StagePlan
 
-__all__ = ["state_per_param", "gathered_units", "gathering"]
+__all__ = ["state_per_param", "gathered_units", "gathering", "gather_copy_bytes"]
 
 
 def state_per_param(state_bytes_per_param: float, zero: str, dp: int, gathered: float = 0.0) -> float:
@@ -95,6 +97,18 @@ def gathered_units(g: Any, numel: Mapping[str, int], aliases: Mapping[str, Seque
     inside = set().union(*blocks.values()) if blocks else set()
     largest = max((sum(numel.get(n, 0) for n in names) for names in blocks.values()), default=0)
     return float(largest), float(sum(numel.get(n, 0) for n in outside - inside))
+
+
+def gather_copy_bytes(params: float, dp: int, bytes_per_param: float = 4.0) -> float:
+    """Bytes one FSDP2 all-gather of ``params`` parameters moves through the device's memory beside
+    the collective: the shard copied into the gather's input (``1 / dp``) and the whole result
+    copied out into the parameters, each read once and written once.
+
+    Example:
+        >>> gather_copy_bytes(1000, 2)   # 2 x 4 x (500 + 1000)
+        12000.0
+    """
+    return 2.0 * bytes_per_param * params * (1.0 + 1.0 / dp)
 
 
 def gathering(st: StagePlan, gather: float, faster: float = 1.0) -> StagePlan:

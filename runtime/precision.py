@@ -188,7 +188,7 @@ def whole_fake_params(model: torch.nn.Module, mode: FakeTensorMode) -> Iterator[
     on its device, so that a fake run of the graph (shapes, autocast dtypes) sees the model's
     shapes; put back on exit. Sharded: a ``DTensor`` (FSDP's shard, on the modules the traced
     graph shares with the stages) or the meta tensor left where the whole one was
-    (``runtime.parallel.fsdp.release_whole_copies``).
+    (``runtime.state.materialize.release_whole_copies``).
 
     Example:
         >>> lin = torch.nn.Linear(2, 3)

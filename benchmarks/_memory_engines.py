@@ -71,6 +71,7 @@ from partitioner.plan.layout import Option
 from partitioner.search import LayoutSearch
 from partitioner.zoo import gpt2
 from runtime import DataParallel, Execution, Init, PipelineTrainer
+from runtime.parallel.clipping import local_shard
 from runtime.parallel.fsdp import FSDPReplicas, _fsdp_params
 from runtime.state.materialize import empty_weights
 
@@ -125,13 +126,8 @@ def _clear_peak() -> None:
         f.write("5")
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """What this process holds of ``t``: a DTensor's local shard, else the tensor."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def _local_bytes(t: torch.Tensor) -> int:
-    local = _local(t)
+    local = local_shard(t)
     return int(local.numel() * local.element_size())
 
 
@@ -301,7 +297,7 @@ def _group(live: list[Any], top: int = 25) -> list[dict[str, Any]]:
 def _stray(plan: Any, trainer: PipelineTrainer) -> list[tuple[nn.Module, str, nn.Parameter]]:
     """(module, name, parameter) of every real parameter of the planned model and its traced graph
     that is none of the trainer's tensors (nor shares their storage)."""
-    mine = {_local(p).untyped_storage().data_ptr() for _, p in trainer.named_parameters()}
+    mine = {local_shard(p).untyped_storage().data_ptr() for _, p in trainer.named_parameters()}
 
     def stray(q: torch.Tensor | None) -> bool:
         return (q is not None and not q.is_meta and not hasattr(q, "to_local")

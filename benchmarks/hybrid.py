@@ -89,6 +89,7 @@ from partitioner import partition  # noqa: E402
 from partitioner.schedule.registry import stages_per_rank  # noqa: E402
 from partitioner.zoo import MLPChain, gpt2  # noqa: E402
 from runtime import DataParallel, Execution, PipelineTrainer  # noqa: E402
+from runtime.parallel.clipping import local_shard  # noqa: E402
 from runtime.transport.launch import spawn  # noqa: E402
 
 __all__ = ["CONFIGS", "main", "predicted"]
@@ -208,7 +209,7 @@ def _check(tr: PipelineTrainer, x: torch.Tensor, y: torch.Tensor, want_loss: tor
     zero1 = tr.options.data_parallel.shard_optimizer
     owned = {id(p) for p in tr._replicas.owned}
     for name, prm in tr.named_parameters():
-        local = prm.to_local() if hasattr(prm, "to_local") else prm
+        local = local_shard(prm)
         trainable[id(prm)] = local.numel() * local.element_size()  # what this rank holds
         if zero1 and id(prm) not in owned:
             assert prm.grad is None, f"{name}: a gradient kept by a rank that does not own it"

@@ -118,8 +118,8 @@ def plan_layout(
         microbatch_sizes: the rows per micro-batch to try (default: every divisor of ``B / dp``).
         zero: the shardings to try: ``'none'``, ``'zero1'`` (optimizer state), ``'fsdp'`` (weights,
             gradients and optimizer state: FSDP2); the last two with ``dp > 1`` only. Default
-            ``('none', 'zero1')``: FSDP's measured peak is far above its price on CPU processes, so
-            it is tried only when asked for (``zero=ZERO_OPTIONS``).
+            ``('none', 'zero1')``: FSDP's time price is optimistic on CPU processes and not yet
+            checked on GPUs, so it is tried only when asked for (``zero=ZERO_OPTIONS``).
         dp_sizes: the replica counts to try (default: every divisor of ``N`` that divides ``B``);
             ``(1,)`` plans one pipeline over every device.
         top: how many layouts are ranked exactly (the rest are pruned by a lower bound).

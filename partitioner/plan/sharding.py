@@ -47,7 +47,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from partitioner.cost.exchange import WEIGHT_GRAD_BYTES_PER_PARAM
+from partitioner.cost.exchange import GATHERED_BYTES_PER_PARAM, WEIGHT_GRAD_BYTES_PER_PARAM
 from partitioner.cost.graph import canonical_names, layer_depth
 from partitioner.plan.records import StagePlan
 
@@ -99,7 +99,7 @@ def gathered_units(g: Any, numel: Mapping[str, int], aliases: Mapping[str, Seque
     return float(largest), float(sum(numel.get(n, 0) for n in outside - inside))
 
 
-def gather_copy_bytes(params: float, dp: int, bytes_per_param: float = 4.0) -> float:
+def gather_copy_bytes(params: float, dp: int, bytes_per_param: float = GATHERED_BYTES_PER_PARAM) -> float:
     """Bytes one FSDP2 all-gather of ``params`` parameters moves through the device's memory beside
     the collective: the shard copied into the gather's input (``1 / dp``) and the whole result
     copied out into the parameters, each read once and written once.

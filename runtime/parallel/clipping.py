@@ -75,6 +75,7 @@ def clip_grad_norm_(
 
 
 def local_shard(t: torch.Tensor) -> torch.Tensor:
-    """This process's part of a gradient: a ``DTensor``'s local shard (the same storage), else itself."""
+    """This process's part of a tensor (a gradient, a parameter): a ``DTensor``'s local shard (the
+    same storage), else itself."""
     to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) else t

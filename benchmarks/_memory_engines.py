@@ -220,7 +220,7 @@ def _measure(found: LayoutSearch, name: str, cfg: dict[str, Any], x: torch.Tenso
     stage = sorted(trainer.stages)
     # Parameters still reachable from the planned model that are none of the trainer's tensors: what a
     # rank keeps beside its stage (under FSDP, the whole tensors materialised before sharding, say).
-    stray = {q.untyped_storage().data_ptr(): q.untyped_storage().nbytes() for _, _, q in _stray(plan, trainer)}
+    stray = {q.untyped_storage().data_ptr(): q.untyped_storage().nbytes() for q in _stray(plan, trainer)}
     res = {
         "dp_rank": trainer.mesh.dp_rank, "pp_rank": trainer.mesh.pp_rank, "stages": stage,
         "rss": {"baseline": base, "after_build": built["VmRSS"], "after_steps": after["VmRSS"], "peak": max(peaks)},
@@ -294,22 +294,20 @@ def _group(live: list[Any], top: int = 25) -> list[dict[str, Any]]:
     return [{"bytes": b, "count": n, "ops": " > ".join(ops)} for ops, (b, n) in rows[:top]]
 
 
-def _stray(plan: Any, trainer: PipelineTrainer) -> list[tuple[nn.Module, str, nn.Parameter]]:
-    """(module, name, parameter) of every real parameter of the planned model and its traced graph
-    that is none of the trainer's tensors (nor shares their storage)."""
+def _stray(plan: Any, trainer: PipelineTrainer) -> list[torch.Tensor]:
+    """Every real parameter of the planned model and its traced graph that is none of the trainer's
+    tensors (nor shares their storage), and any such tensor left in a stage's ``pipecut_fused_params``
+    (weight-gradient fusion's list, made before FSDP sharded the stage)."""
     mine = {local_shard(p).untyped_storage().data_ptr() for _, p in trainer.named_parameters()}
 
     def stray(q: torch.Tensor | None) -> bool:
         return (q is not None and not q.is_meta and not hasattr(q, "to_local")
                 and q.untyped_storage().data_ptr() not in mine)
 
-    found = [(module, key, q) for root in (plan.model, plan.traced.gm) for module in root.modules()
-             for key, q in module._parameters.items() if stray(q)]
-    # Weight-gradient fusion's list of the parameters it fuses, set on a stage before FSDP sharded it
-    # (under FSDP the executor asks pipecut_autograd_params instead, so the list is stale).
-    for module in (st.module for st in trainer.stages.values()):
-        found += [(module, "", q) for q in getattr(module, "pipecut_fused_params", ()) if stray(q)]
-    return found
+    held = [q for root in (plan.model, plan.traced.gm) for module in root.modules()
+            for q in module._parameters.values()]
+    held += [q for st in trainer.stages.values() for q in getattr(st.module, "pipecut_fused_params", ())]
+    return [q for q in held if stray(q)]
 
 
 def _count_whole_grads(trainer: PipelineTrainer) -> list[int]:

@@ -16,11 +16,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.fx as fx
 
 from partitioner.plan.plan import Plan
 from partitioner.plan.split import StagedModel, StageIO
 from partitioner.schedule.ir import Schedule
 from partitioner.schedule.registry import schedule_info
+from partitioner.tracing.hops import unshare_bodies
+from partitioner.tracing.trace import retarget_device
 from runtime.execute.executor import StageRuntime
 from runtime.execute.wgrad_fusion import fuse_weight_grad_accumulation
 from runtime.options import DataParallel, Execution, Init
@@ -130,6 +133,10 @@ def assemble(
                       replicas=placement.mesh.ranks, replica=placement.mesh.dp_rank, timeout=execution.timeout)
     for st in stages.values():
         st.module.to(st.device)
+        # Export records the tracing device (cpu) in factory calls such as the position ids' arange.
+        if isinstance(st.module, fx.GraphModule):
+            unshare_bodies(st.module)  # shared with the traced graph, which stays as traced
+            retarget_device(st.module, st.device)
     replicas: Replicas | FSDPReplicas
     if fsdp:
         whole = [p for st in stages.values() for p in st.module.parameters()]  # before FSDP copies them

@@ -38,7 +38,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from partitioner.errors import PipecutError
 from partitioner.plan.split import StageIO
-from partitioner.tracing.trace import InputMeta
+from partitioner.tracing.trace import InputMeta, retargeted
 from runtime.state.materialize import released_device
 
 __all__ = [
@@ -175,7 +175,8 @@ def wire_dtypes(
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     device = torch.device(device_type)
     rec = _DtypeRecorder(gm, mode, device)
-    with whole_fake_params(gm, mode), mode:
+    # The graph's device constants (export's ``arange(..., device='cpu')``) follow the device too.
+    with retargeted(gm, device), whole_fake_params(gm, mode), mode:
         args = [torch.empty(m.shape, dtype=_plan_dtype(m.dtype), device=device) for m in inputs]
         with torch.autocast(device_type=device_type, dtype=policy.dtype):
             rec.run(*args)

@@ -17,6 +17,7 @@ model's semantics.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,7 +25,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-__all__ = ["run_with_grad_mode", "run_with_autocast", "replace_mode_ops", "bodies", "MODE_OPS"]
+__all__ = ["run_with_grad_mode", "run_with_autocast", "replace_mode_ops", "bodies", "unshare_bodies", "MODE_OPS"]
 
 
 def run_with_grad_mode(enabled: bool, body: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -97,6 +98,40 @@ def bodies(gm: fx.GraphModule) -> Iterator[fx.GraphModule]:
                 seen.add(id(sub))
                 yield sub
                 stack.append(sub)
+
+
+def unshare_bodies(gm: fx.GraphModule) -> int:
+    """Give ``gm`` copies of its region bodies of its own; returns how many were copied.
+
+    A stage cut from a traced graph reads the traced graph's body modules themselves; a change
+    to a stage's bodies (:func:`~partitioner.tracing.trace.retarget_device` for its device)
+    would otherwise change the traced graph's and every other stage's. Parameters and buffers a
+    body holds stay shared (copied by reference), so training updates one tensor.
+
+    Example:
+        >>> import copy
+        >>> gm = fx.symbolic_trace(nn.Identity())
+        >>> gm.body = fx.symbolic_trace(nn.Identity())
+        >>> with gm.graph.inserting_before(next(iter(gm.graph.nodes))):
+        ...     _ = gm.graph.get_attr("body")
+        >>> before = gm.body
+        >>> unshare_bodies(gm), gm.body is before
+        (1, False)
+    """
+    copied = 0
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        target = str(node.target)
+        sub = _attr(gm, target)
+        if not isinstance(sub, fx.GraphModule):
+            continue
+        memo: dict[int, Any] = {id(t): t for t in (*sub.parameters(), *sub.buffers())}
+        owner_path, _, name = target.rpartition(".")
+        owner = _attr(gm, owner_path) if owner_path else gm
+        setattr(owner, name, copy.deepcopy(sub, memo))  # nested bodies are copied with it
+        copied += 1
+    return copied
 
 
 def _attr(root: nn.Module, target: str) -> Any:

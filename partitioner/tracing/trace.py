@@ -19,7 +19,8 @@ import fnmatch
 import hashlib
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -39,7 +40,7 @@ from partitioner.tracing.guards import SizeGuards
 from partitioner.tracing.hops import bodies, run_with_autocast
 
 __all__ = [
-    "InputMeta", "TracedModel", "trace", "first_microbatch", "retarget_device", "graph_fingerprint",
+    "InputMeta", "TracedModel", "trace", "first_microbatch", "retarget_device", "retargeted", "graph_fingerprint",
     "CausalLMLogits", "node_module_path",
 ]
 
@@ -311,6 +312,38 @@ def retarget_device(gm_or_graph: fx.GraphModule | fx.Graph, device: torch.device
     for m in modules:
         m.recompile()
     return changed
+
+
+@contextmanager
+def retargeted(gm: fx.GraphModule, device: torch.device | str) -> Iterator[int]:
+    """Within: :func:`retarget_device` applied to ``gm`` (and its region bodies); the calls as
+    they were on exit. For a one-off run of the whole traced graph on a device (a fake run under
+    autocast on the GPU), where the graph itself must stay as traced. Yields how many changed.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> class Pos(nn.Module):
+        ...     def forward(self, x):
+        ...         return x + torch.arange(x.shape[1], device=x.device)
+        >>> t = trace(Pos(), (torch.zeros(2, 3),), method="export")
+        >>> with retargeted(t.gm, "meta") as n:
+        ...     t.gm(torch.zeros(2, 3, device="meta"))[0].device, n
+        (device(type='meta'), 1)
+        >>> t.gm(torch.zeros(2, 3))[0].device
+        device(type='cpu')
+    """
+    modules = [gm, *bodies(gm)]
+    saved = [(node, node.args, node.kwargs) for m in modules for node in m.graph.nodes]
+    changed = retarget_device(gm, device)
+    try:
+        yield changed
+    finally:
+        if changed:
+            for node, args, kwargs in saved:
+                node.args, node.kwargs = args, kwargs
+            for m in modules:
+                m.recompile()
 
 
 class CausalLMLogits(nn.Module):

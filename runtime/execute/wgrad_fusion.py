@@ -57,43 +57,62 @@ DEFAULT_MIN_NUMEL = 1 << 16
 Work = Callable[[], None]
 
 
-class _Mode(threading.local):
-    """What a fused layer's backward does with its parameters' gradients, per thread.
+class _Mode:
+    """What a fused layer's backward does with its parameters' gradients: one per thread.
 
     ``sink`` set (split backward's ``I``): record ``(parameter, work)`` for ``W`` to run later.
     ``owed`` set (split backward's ``W``): run the work only for parameters still owed (their
     layer did not run in ``I``), once each. Neither (a fused ``B``): run it.
+
+    A fused layer keeps the mode of the thread that ran its forward (the stage's thread, which
+    also runs its backward) and reads that one in backward: autograd runs the backward of CUDA
+    ops on a worker thread of its own, where a thread-local read would see no mode at all.
     """
 
-    sink: list[tuple[torch.Tensor, Work]] | None = None
-    owed: dict[int, torch.Tensor] | None = None
+    def __init__(self) -> None:
+        self.sink: list[tuple[torch.Tensor, Work]] | None = None
+        self.owed: dict[int, torch.Tensor] | None = None
 
 
-_mode = _Mode()
+class _PerThread(threading.local):
+    def __init__(self) -> None:
+        self.mode = _Mode()
+
+
+_local = _PerThread()
+
+
+def _current() -> _Mode:
+    """This thread's mode (what :func:`deferring` and :func:`owing` set)."""
+    mode: _Mode = _local.mode
+    return mode
 
 
 @contextmanager
 def deferring() -> Iterator[list[tuple[torch.Tensor, Work]]]:
-    """Within: fused layers record their parameter-gradient work instead of running it.
+    """Within: fused layers whose forward ran on this thread record their parameter-gradient
+    work instead of running it.
 
     Split backward's ``I`` runs inside it; ``W`` then calls :func:`accumulate_deferred`.
     """
+    mode = _current()
     sink: list[tuple[torch.Tensor, Work]] = []
-    before, _mode.sink = _mode.sink, sink
+    before, mode.sink = mode.sink, sink
     try:
         yield sink
     finally:
-        _mode.sink = before
+        mode.sink = before
 
 
 @contextmanager
 def owing(params: Sequence[torch.Tensor]) -> Iterator[None]:
-    """Within: fused layers add gradients only for ``params``, each once."""
-    before, _mode.owed = _mode.owed, {id(p): p for p in params}
+    """Within: fused layers whose forward ran on this thread add gradients only for ``params``, each once."""
+    mode = _current()
+    before, mode.owed = mode.owed, {id(p): p for p in params}
     try:
         yield
     finally:
-        _mode.owed = before
+        mode.owed = before
 
 
 def accumulate_deferred(work: Sequence[tuple[torch.Tensor, Work]]) -> None:
@@ -102,11 +121,11 @@ def accumulate_deferred(work: Sequence[tuple[torch.Tensor, Work]]) -> None:
         run()
 
 
-def _param_grad(prm: torch.Tensor, work: Work) -> None:
-    """A fused layer's gradient for ``prm``: run now, recorded for later, or skipped (``_Mode``)."""
-    if _mode.sink is not None:
-        _mode.sink.append((prm, work))
-    elif _mode.owed is None or _mode.owed.pop(id(prm), None) is not None:
+def _param_grad(mode: _Mode, prm: torch.Tensor, work: Work) -> None:
+    """A fused layer's gradient for ``prm``: run now, recorded for later, or skipped (``mode``)."""
+    if mode.sink is not None:
+        mode.sink.append((prm, work))
+    elif mode.owed is None or mode.owed.pop(id(prm), None) is not None:
         work()
 
 
@@ -139,6 +158,7 @@ class _LinearAccumulate(torch.autograd.Function):
         ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, own_bias: bool
     ) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
+        ctx.mode = _current()
         ctx.has_bias = bias is not None
         ctx.bias = bias if own_bias else None  # a leaf parameter: no reference cycle
         return F.linear(x, weight, bias)
@@ -151,11 +171,11 @@ class _LinearAccumulate(torch.autograd.Function):
         gx = g.matmul(weight.to(g.dtype)).to(x.dtype) if ctx.needs_input_grad[0] else None
         if ctx.needs_input_grad[1]:
             x2 = x.reshape(-1, x.shape[-1]).to(g.dtype)  # (tokens, in)
-            _param_grad(weight, functools.partial(_accumulate, weight, g2.t(), x2))  # (out, in)
+            _param_grad(ctx.mode, weight, functools.partial(_accumulate, weight, g2.t(), x2))  # (out, in)
         gb = None
         if ctx.has_bias and ctx.needs_input_grad[2]:
             if ctx.bias is not None:
-                _param_grad(ctx.bias, functools.partial(_accumulate_bias, ctx.bias, g2))
+                _param_grad(ctx.mode, ctx.bias, functools.partial(_accumulate_bias, ctx.bias, g2))
             else:
                 gb = g2.sum(0)
         return gx, None, gb, None
@@ -167,6 +187,7 @@ class _AddmmAccumulate(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, bias: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, own_bias: bool) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
+        ctx.mode = _current()
         ctx.bias_shape = bias.shape
         ctx.bias = bias if own_bias else None
         return torch.addmm(bias, x, weight)
@@ -177,11 +198,11 @@ class _AddmmAccumulate(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         gx = g.mm(weight.to(g.dtype).t()).to(x.dtype) if ctx.needs_input_grad[1] else None
         if ctx.needs_input_grad[2]:
-            _param_grad(weight, functools.partial(_accumulate, weight, x.to(g.dtype).t(), g))  # (in, out)
+            _param_grad(ctx.mode, weight, functools.partial(_accumulate, weight, x.to(g.dtype).t(), g))  # (in, out)
         gb = None
         if ctx.needs_input_grad[0]:
             if ctx.bias is not None:
-                _param_grad(ctx.bias, functools.partial(_accumulate_bias, ctx.bias, g))
+                _param_grad(ctx.mode, ctx.bias, functools.partial(_accumulate_bias, ctx.bias, g))
             else:
                 gb = g if len(ctx.bias_shape) == 2 else g.sum(0)
                 gb = gb.reshape(ctx.bias_shape) if gb.shape != ctx.bias_shape else gb

@@ -148,6 +148,21 @@ def test_wire_dtypes_follow_autocast_when_not_casting() -> None:
     assert wire_dtypes(MixedPrecision("fp32"), plan.io, plan.traced.gm, plan.traced.example_inputs, "cpu") == {}
 
 
+def test_wire_dtypes_run_the_graph_on_the_stages_device_whatever_the_trace_recorded() -> None:
+    """The fake run under autocast happens on the stages' device; export's device constants
+    (GPT-2's position ids) follow it there and are put back after (on a GPU it once mixed a CPU
+    ``arange`` with CUDA weights and failed). Emulated on the CPU with a trace that recorded ``meta``."""
+    from partitioner.tracing.trace import retarget_device
+
+    plan = make_trainer(case("gpt2", 2), 2, "1f1b").plan
+    policy = MixedPrecision("bf16", cast_activations=False)
+    want = wire_dtypes(policy, plan.io, plan.traced.gm, plan.traced.example_inputs, "cpu")
+    assert retarget_device(plan.traced.gm, "meta") > 0
+    code = plan.traced.gm.code
+    assert wire_dtypes(policy, plan.io, plan.traced.gm, plan.traced.example_inputs, "cpu") == want
+    assert plan.traced.gm.code == code
+
+
 def test_fp16_with_loss_scaling_matches_scaled_reference() -> None:
     c = case("mlp", 2)
     ref = copy.deepcopy(c["model"])

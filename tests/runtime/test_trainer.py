@@ -13,7 +13,19 @@ import pytest
 import torch
 from torch import nn
 
-from parity import _fresh, _fresh_y, case, check_case, check_grads, dist_workers, make_trainer, stages_for
+from parity import (
+    TOL,
+    _fresh,
+    _fresh_y,
+    case,
+    check_case,
+    check_grads,
+    dist_workers,
+    make_trainer,
+    reference_grads,
+    stages_for,
+)
+from partitioner import partition
 from partitioner.schedule.registry import get_schedule
 from partitioner.schedule.validation import peak_inflight
 from runtime.errors import StageError, TrainerStateError
@@ -388,3 +400,25 @@ def test_gradients_accumulate_over_forward_backward_calls_with_a_tied_weight(sch
         c["loss"](ref(x), y).backward()
     want = {n: p.grad for n, p in ref.named_parameters(remove_duplicate=False)}
     check_grads(trainer, want)
+
+
+def test_stages_run_on_their_device_whatever_device_the_trace_recorded() -> None:
+    """Export records the tracing device in factory calls (GPT-2's position ids: ``arange(...,
+    device=cpu)``); a stage placed on another device must make them there (on a GPU the stages
+    once made position ids on the CPU and failed). Emulated on the CPU: the trace is made to
+    record ``meta``, the stages run on the CPU, and the traced graph is left as it was."""
+    from partitioner.tracing.trace import retarget_device
+
+    c = case("gpt2", 2)
+    ref = copy.deepcopy(c["model"])
+    plan = partition(c["model"], c["example"], 2, microbatches=4)
+    assert retarget_device(plan.traced.gm, "meta") > 0  # as if traced on another device
+    traced = [(n.name, n.args, n.kwargs) for n in plan.traced.gm.graph.nodes]
+    trainer = PipelineTrainer(plan, c["loss"], transport="local", devices=["cpu", "cpu"])
+    gen = torch.Generator().manual_seed(3)
+    x, y = torch.randint(0, 64, (8, 8), generator=gen), torch.randint(0, 64, (8, 8), generator=gen)
+    loss = trainer.forward_backward(x, y)
+    want_loss, want = reference_grads(c, ref, x, y)
+    torch.testing.assert_close(loss, want_loss, **TOL)
+    assert len(check_grads(trainer, want)) == len(want)
+    assert [(n.name, n.args, n.kwargs) for n in plan.traced.gm.graph.nodes] == traced

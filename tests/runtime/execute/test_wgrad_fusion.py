@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -11,7 +12,9 @@ from hypothesis import strategies as st
 from torch import fx, nn
 
 from runtime.execute.wgrad_fusion import (
+    accumulate_deferred,
     addmm_accumulate,
+    deferring,
     fuse_weight_grad_accumulation,
     fused_params,
     linear_accumulate,
@@ -218,3 +221,23 @@ def test_trainer_state_dict_is_the_same_with_fusion(monkeypatch: pytest.MonkeyPa
     assert tied is model.get_parameter("model.lm_head.weight")
     assert all(id(p) != id(tied) for st in t.stages.values() for p in fused_params(st.module))
     assert sum(len(fused_params(st.module)) for st in t.stages.values()) > 0
+
+
+@pytest.mark.parametrize("kind", ["linear", "addmm"])
+def test_deferral_follows_the_forward_thread_not_the_backward_thread(kind: str) -> None:
+    """Autograd runs the backward of CUDA ops on a worker thread of its own: a split backward's
+    ``I`` set on the stage's thread must still defer the weight gradient there (it once ran at
+    once, and ``W`` then added it a second time). Emulated on the CPU by running the backward on
+    another thread."""
+    w = nn.Parameter(torch.randn(4, 3) if kind == "linear" else torch.randn(3, 4))
+    x = torch.randn(5, 3, requires_grad=True)
+    out = linear_accumulate(x, w) if kind == "linear" else addmm_accumulate(torch.zeros(4), x, w)
+    with deferring() as sink:
+        worker = threading.Thread(target=lambda: out.sum().backward())
+        worker.start()
+        worker.join()
+    assert w.grad is None and len(sink) == 1  # recorded for W, not run
+    assert x.grad is not None  # the input gradient was computed in "I"
+    accumulate_deferred(sink)
+    want = torch.ones(5, 4).t() @ x.detach() if kind == "linear" else x.detach().t() @ torch.ones(5, 4)
+    torch.testing.assert_close(w.grad, want, **TOL)

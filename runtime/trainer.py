@@ -399,8 +399,11 @@ class PipelineTrainer:
         ``weights`` is a path (a ``.safetensors`` file, a sharded Hugging Face directory or its
         ``model.safetensors.index.json``, a ``torch.save`` file, or a torch.distributed.checkpoint
         directory) or a :class:`~runtime.state.weights.Weights` with options (name prefix, ``cast``,
-        ``strict``). Names are the original model's; a tied weight may be stored under any of
-        its names. Every name, shape and dtype is checked before any data is copied.
+        ``strict``, ``allow_nonfinite``). Names are the original model's; a tied weight may be stored
+        under any of its names; a Hugging Face model's checkpoint is read through transformers' own
+        conversion mapping, as ``from_pretrained`` reads it (legacy names, experts stored one by
+        one). Every name, shape and dtype is checked before any data is copied, and every value
+        is checked finite as it is copied.
 
         Raises:
             WeightsError: a missing or unexpected key, a shape or dtype mismatch (typed
@@ -414,7 +417,7 @@ class PipelineTrainer:
         report = load_weights(
             spec.source, into, names=list(self.plan.model.state_dict(keep_vars=True)),
             aliases=self.plan.param_aliases, stage_of=stage_of, prefix=spec.prefix, cast=spec.cast,
-            strict=spec.strict,
+            strict=spec.strict, model=self.plan.model, allow_nonfinite=spec.allow_nonfinite,
         )
         scatter()
         self.sync_tied_copies()

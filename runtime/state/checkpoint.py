@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torch import nn
 
 from partitioner.errors import PipecutError
+from runtime.state.hf_conversion import checkpoint_names
 
 __all__ = ["CheckpointError", "Checkpointable", "save", "load", "load_model", "export_safetensors"]
 
@@ -73,6 +74,9 @@ class _StageModule(Protocol):
 class _BoundPlan(Protocol):
     @property
     def param_aliases(self) -> Sequence[tuple[str, Sequence[str]]]: ...
+
+    @property
+    def model(self) -> nn.Module: ...
 
 
 class Checkpointable(Protocol):
@@ -203,7 +207,8 @@ def load_model(model: nn.Module, directory: PathLike, *, strict: bool = True) ->
 
 
 def export_safetensors(trainer: Checkpointable, directory: PathLike, *, prefix: str = "") -> Path:
-    """Write the model's weights as a Hugging Face safetensors checkpoint (shards and an index).
+    """Write the model's weights as a Hugging Face safetensors checkpoint (shards and an index),
+    under the keys ``save_pretrained`` writes (:func:`~runtime.state.hf_conversion.checkpoint_names`).
 
     Each rank writes one shard with its stages' tensors (a tied weight once, by its lowest
     rank; with data parallelism, only the first replica's ranks), rank 0 writes
@@ -239,6 +244,9 @@ def export_safetensors(trainer: Checkpointable, directory: PathLike, *, prefix: 
             continue
         written.add(name)
         shard[keys[name]] = t.detach().to("cpu").contiguous()
+    # The keys save_pretrained writes (transformers' conversion reversed: experts one by one,
+    # legacy names); every group of a conversion lies in one stage, so each rank converts its own.
+    shard = checkpoint_names(shard, trainer.plan.model, prefix=prefix)
     # Only ranks with something to write get a file (data-parallel replicas hold copies of the
     # first replica's tensors), numbered among the writers.
     sizes = _gather((sorted(shard), sum(int(t.numel() * t.element_size()) for t in shard.values())))

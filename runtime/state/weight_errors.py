@@ -17,6 +17,7 @@ __all__ = [
     "AmbiguousPrefixError",
     "CorruptFileError",
     "MissingWeightsError",
+    "NonFiniteWeightsError",
     "PartialLoadError",
     "UnexpectedWeightsError",
     "UnsafeFileError",
@@ -92,6 +93,10 @@ class MissingWeightsError(WeightsError):
 
 class UnexpectedWeightsError(WeightsError):
     """A checkpoint key maps to no name of the whole model (refused unless ``strict=False``)."""
+
+
+class NonFiniteWeightsError(WeightsError):
+    """A loaded tensor holds NaN or infinity (and its name is not in ``allow_nonfinite``)."""
 
 
 class WeightShapeError(WeightsError):

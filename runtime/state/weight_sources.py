@@ -107,6 +107,19 @@ class Source(ABC):
             Bytes read from the checkpoint.
         """
 
+    def get(self, key: str) -> torch.Tensor:
+        """One tensor, read into a new CPU tensor of its own (for a tensor that is converted before
+        it is copied: :mod:`runtime.state.hf_conversion`)."""
+        info = self.info([key])[key]
+        if not isinstance(info.dtype, torch.dtype):
+            raise WeightsSourceError(
+                f"{key!r} in {', '.join(info.files)} has dtype {info.dtype}, which torch cannot hold",
+                source=str(self.path),
+            )
+        out = torch.empty(info.shape, dtype=info.dtype)
+        self.read({key: [out]}, lambda _: None)
+        return out
+
     def describe(self) -> str:
         """``/ckpt (safetensors shards, 4 files, 291 keys)``: the source for messages."""
         files = {self.file_of(k) for k in self.keys()}

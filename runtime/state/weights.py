@@ -14,6 +14,7 @@ tensor at a time on the host (safetensors and DCP read one tensor; a torch file 
 from __future__ import annotations
 
 import difflib
+import fnmatch
 import logging
 import os
 import time
@@ -22,9 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.state.hf_conversion import ConvertedSource, hf_conversion
 from runtime.state.weight_errors import (
     AmbiguousPrefixError,
     MissingWeightsError,
+    NonFiniteWeightsError,
     PartialLoadError,
     UnexpectedWeightsError,
     WeightDtypeError,
@@ -96,6 +99,8 @@ class LoadReport:
         prefix: the name mapping used; ``detected`` whether it was found rather than given.
         ignored: checkpoint keys no model name maps to, skipped under ``strict=False``.
         cast: names whose dtype was converted under ``cast=True``.
+        converted: checkpoint keys transformers' conversion mapping renamed or merged
+            (:mod:`runtime.state.hf_conversion`; 0 when none applied).
     """
 
     source: str
@@ -108,10 +113,12 @@ class LoadReport:
     detected: bool = False
     ignored: tuple[str, ...] = ()
     cast: tuple[str, ...] = ()
+    converted: int = 0
 
     def __str__(self) -> str:
         extra = f"; {len(self.ignored)} unexpected keys ignored" if self.ignored else ""
         extra += f"; {len(self.cast)} converted to the destination dtype" if self.cast else ""
+        extra += f"; {self.converted} keys renamed or merged as from_pretrained does" if self.converted else ""
         how = "detected" if self.detected else "given"
         return (
             f"loaded {len(self.names)} tensors ({_size(self.bytes_read)}) from {len(self.files)} file(s) of "
@@ -169,6 +176,7 @@ class Weights:
     prefix: str | PrefixMap | None = None
     cast: bool = False
     strict: bool = True
+    allow_nonfinite: tuple[str, ...] = ()
 
 
 def load_weights(
@@ -181,6 +189,8 @@ def load_weights(
     prefix: str | PrefixMap | None = None,
     cast: bool = False,
     strict: bool = True,
+    model: torch.nn.Module | None = None,
+    allow_nonfinite: Collection[str] = (),
 ) -> LoadReport:
     """Copy a checkpoint's tensors into this rank's destinations, in place, reading only those.
 
@@ -205,6 +215,12 @@ def load_weights(
         cast: convert checkpoint dtypes to the destinations'; else a difference is an error.
         strict: refuse checkpoint keys no model name maps to; ``False`` skips them (they are in
             the report). Missing keys are always an error: a weight left uninitialised trains garbage.
+        model: the whole model (on ``meta`` is fine). A Hugging Face model's checkpoint keys are
+            then mapped to its names as ``from_pretrained`` maps them, with transformers' own
+            conversion list (legacy names, experts stored one by one into the fused tensor):
+            :mod:`runtime.state.hf_conversion`.
+        allow_nonfinite: model names (``fnmatch`` patterns) that may hold NaN or infinity; every
+            other floating tensor is checked as it loads.
 
     Returns:
         What was loaded, from which files, how many bytes, how long; also logged at INFO.
@@ -216,6 +232,8 @@ def load_weights(
         UnexpectedWeightsError: a checkpoint key maps to no name of the model (``strict``).
         WeightShapeError: shapes differ.
         WeightDtypeError: dtypes differ and ``cast=False``.
+        NonFiniteWeightsError: a loaded tensor holds NaN or infinity (names and files listed; the
+            destinations were written).
         WeightsSourceError: the checkpoint, a shard or the index cannot be read.
         UnsafeFileError: a torch.distributed.checkpoint's ``.metadata`` would import a class or
             function such a checkpoint never holds (nothing of it ran).
@@ -234,7 +252,9 @@ def load_weights(
     stage_of = stage_of or {}
     groups = _groups(names, aliases or {})
     _check_destinations(into, groups, stage_of, str(source))
-    with open_source(source) as src:
+    conversion = hf_conversion(model) if model is not None else None
+    with open_source(source) as opened:
+        src: Source = ConvertedSource(opened, conversion) if conversion is not None and conversion.converts else opened
         keys = set(src.keys())
         detected = prefix is None
         mapping = (
@@ -247,12 +267,25 @@ def load_weights(
         for name, key in plan.items():
             key_names.setdefault(key, []).append(name)
         by_key = {key: [into[n] for n in ns] for key, ns in key_names.items()}
+        nonfinite: list[WeightProblem] = []
+
+        def done(key: str) -> None:
+            loaded.extend(key_names[key])
+            first = by_key[key][0]
+            if first.is_floating_point() and not any(fnmatch.fnmatchcase(n, p) for n in key_names[key]
+                                                     for p in allow_nonfinite):
+                bad = int((~torch.isfinite(first)).sum())
+                if bad:
+                    nonfinite.append(WeightProblem(key_names[key][0], key, stage_of.get(key_names[key][0]),
+                                                   src.file_of(key), "finite values",
+                                                   f"{bad} of {first.numel()} NaN or infinite"))
+
         try:
             with torch.no_grad():
-                nbytes = src.read(by_key, lambda key: loaded.extend(key_names[key]))
+                nbytes = src.read(by_key, done)
         except Exception as e:
-            done = set(loaded)
-            pending = [n for n in plan if n not in done]
+            filled = set(loaded)
+            pending = [n for n in plan if n not in filled]
             raise PartialLoadError(
                 f"reading {src.describe()} failed after {len(loaded)} of {len(plan)} destinations "
                 f"were filled: {type(e).__name__}: {e}\n  filled: {names_listing(loaded) or 'none'}\n"
@@ -261,10 +294,20 @@ def load_weights(
                 "it overwrites every destination, so a second run completes the load.",
                 source=str(source), loaded=loaded, pending=pending,
             ) from e
+        if nonfinite:
+            raise NonFiniteWeightsError(
+                f"{len(nonfinite)} weight(s) of {src.describe()} hold NaN or infinity:\n{listing(nonfinite)}\n"
+                "Fix: the checkpoint is damaged or was saved from a diverged run: load an earlier or "
+                "re-downloaded one. If the model stores such values on purpose (a mask of -inf), name those "
+                "tensors in allow_nonfinite= (Weights(path, allow_nonfinite=('*.attn.masked_bias',)); "
+                "pipecut train --allow-nonfinite NAME).",
+                source=str(source), problems=nonfinite,
+            )
         report = LoadReport(
             source=str(source), kind=src.kind, names=tuple(loaded), bytes_read=nbytes,
             seconds=time.perf_counter() - start, files=tuple(src.touched), prefix=mapping,
             detected=detected, ignored=tuple(ignored), cast=tuple(converted),
+            converted=src.renamed if isinstance(src, ConvertedSource) else 0,
         )
     logger.info("%s", report)
     return report
@@ -447,7 +490,11 @@ def _error(
             "Fix: load the checkpoint made for this model (same config: layer count, names); if the "
             "names differ by a prefix pass prefix= (e.g. prefix='model.' for CausalLMLogits(model) and a "
             "Hugging Face checkpoint); for tied weights stored under another name pass "
-            "aliases=plan.param_aliases; drop from `into` what you initialise yourself." + also,
+            "aliases=plan.param_aliases; drop from `into` what you initialise yourself. From the command "
+            "line (pipecut train --model FOLDER), the folder's weights do not match its config.json and "
+            "transformers knows no conversion for them: check they belong to that config, or load the folder "
+            "with transformers' AutoModelForCausalLM.from_pretrained and save_pretrained it into a new folder "
+            "to train from." + also,
             source=source, problems=problems,
         )
     if kind == "unexpected":

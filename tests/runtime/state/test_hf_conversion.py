@@ -176,3 +176,19 @@ def test_export_names_are_the_ones_save_pretrained_writes(
     # Each a tensor of its own (safetensors refuses tensors sharing memory).
     ptrs = [t.untyped_storage().data_ptr() for t in out.values()]
     assert len(ptrs) == len(set(ptrs))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("stream", [True, False], ids=["experts-to-slices", "materialised"])
+def test_a_stage_on_the_gpu_loads_what_from_pretrained_makes(
+    stream: bool, mixtral: tuple[Path, dict[str, torch.Tensor], list[str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Experts copied from the host into their slices of CUDA destinations, in bf16 (``cast``)."""
+    folder, want, names = mixtral
+    if not stream:
+        monkeypatch.setattr(hf_conversion, "_merged_slices", lambda group, wanted: None)
+    into = {n: torch.zeros_like(t, device="cuda", dtype=torch.bfloat16) for n, t in _layer1(want).items()}
+    load_weights(folder, into, names=names, model=_meta(_mixtral_config()), cast=True)
+    for n, t in into.items():
+        assert t.is_cuda and torch.equal(t.cpu(), want[n].to(torch.bfloat16)), n

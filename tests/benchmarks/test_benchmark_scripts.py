@@ -9,8 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")  # both scripts plan a GPT-2
 
@@ -215,3 +217,59 @@ def test_sync_vs_ps_quick(tmp_path: Path) -> None:
     assert [r["world"] for r in data["measured"]] == [2] and data["measured"][0]["all_reduce_s"] > 0
     one = {(m["n"], m["servers"]): m["ratio"] for m in data["model"]}
     assert one[(64, 1)] == pytest.approx(64.0) and one[(64, 64)] == pytest.approx(64 / 63)
+
+
+def _check_cuda_memory(data: dict[str, Any], argv: list[str], *, measured: bool) -> None:
+    meta, rows = data["meta"], data["results"]
+    assert meta["benchmark"] == "cuda_memory"
+    assert meta["command"] == "python benchmarks/cuda_memory.py " + " ".join(argv)
+    assert {"device", "device_name", "torch", "transformers", "cuda", "wall_s"} <= meta.keys()
+    assert [(r["model"], r["stages"], r["schedule"], r["precision"]) for r in rows] == [
+        (m, p, s, prec) for m in ("gpt2", "mlp") for p in (1, 2) for s in ("gpipe", "1f1b") for prec in ("fp32", "bf16")
+    ]
+    for r in rows:
+        pred, ms = r["predicted"], r["measured"]
+        assert len(pred["stages"]) == r["stages"] and r["losses_finite"]
+        assert r["compared"] == ("per rank" if r["stages"] == 1 else "device peak vs sum of 2 stages")
+        # No recomputation: each stage's estimate is its state plus its activations x micro-batches in flight.
+        assert math.isclose(pred["memory_bytes"], pred["state_bytes"] + pred["act_bytes"], rel_tol=1e-9)
+        assert math.isclose(pred["memory_bytes"], sum(s["memory_bytes"] for s in pred["stages"]), rel_tol=1e-9)
+        want = [2, 2] if r["schedule"] == "gpipe" else [2, 1]  # m = 2: GPipe holds m, 1F1B p - s
+        assert [s["inflight"] for s in pred["stages"]] == want[2 - r["stages"]:] and not any(
+            s["recompute"] for s in pred["stages"])
+        assert r["trainer_params"] == sum(s["params"] for s in pred["stages"])
+        keys = ("after_build_bytes", "at_rest_bytes", "peak_bytes", "peak_reserved_bytes")
+        if measured:
+            assert 0 < ms["after_build_bytes"] < ms["at_rest_bytes"] <= ms["peak_bytes"]
+            assert r["peak_over_predicted"] == ms["peak_bytes"] / pred["memory_bytes"]
+        else:
+            assert all(ms[k] is None for k in keys) and r["peak_over_predicted"] is None
+
+
+@pytest.mark.slow
+def test_cuda_memory_quick_on_cpu(tmp_path: Path) -> None:
+    cm = _load("cuda_memory")
+    out = tmp_path / "cm.json"
+    argv = ["--quick", "--device", "cpu", "--out", str(out)]
+    assert cm.main(argv) == 0
+    data = json.loads(out.read_text())
+    assert data["meta"]["device_name"] == "cpu" and data["config"]["quick"]
+    _check_cuda_memory(data, argv, measured=False)
+
+
+@pytest.mark.gpu
+def test_cuda_memory_quick_on_cuda(tmp_path: Path) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    cm = _load("cuda_memory")
+    out = tmp_path / "cm.json"
+    argv = ["--quick", "--out", str(out)]
+    assert cm.main(argv) == 0
+    _check_cuda_memory(json.loads(out.read_text()), argv, measured=True)
+
+
+def test_cuda_memory_refuses_without_cuda(capsys: pytest.CaptureFixture[str]) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is here")
+    assert _load("cuda_memory").main(["--quick", "--out", "/nonexistent/cm.json"]) == 2
+    assert "CUDA is not available" in capsys.readouterr().err

@@ -38,7 +38,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -235,14 +235,11 @@ def export_safetensors(trainer: Checkpointable, directory: PathLike, *, prefix: 
     for r, items in enumerate(held):
         for name, _ in items:
             first_rank.setdefault(name, r)
-    aliases = _alias_groups(trainer)
-    written: set[str] = set()
+    kept = _kept_names(trainer, first_rank)
     shard = {}
     for name, t in mine.items():
-        group = aliases.get(name, (name,))
-        if first_rank[name] != rank or any(a in written for a in group):
+        if first_rank[name] != rank or kept.get(name, name) != name:
             continue
-        written.add(name)
         shard[keys[name]] = t.detach().to("cpu").contiguous()
     # The keys save_pretrained writes (transformers' conversion reversed: experts one by one,
     # legacy names); every group of a conversion lies in one stage, so each rank converts its own.
@@ -394,6 +391,18 @@ def _alias_groups(trainer: Checkpointable) -> dict[str, tuple[str, ...]]:
         for n in names:
             groups[n] = tuple(names)
     return groups
+
+
+def _kept_names(trainer: Checkpointable, held: Collection[str]) -> dict[str, str]:
+    """Each tied name -> the one of its group an export writes: the first in the model's own order
+    that a rank holds (save_pretrained's choice: ``model.embed_tokens.weight``, not ``lm_head.weight``,
+    whatever name the trace gave the tensor)."""
+    order = {n: i for i, n in enumerate(trainer.plan.model.state_dict(keep_vars=True))}
+    kept = {}
+    for name, group in _alias_groups(trainer).items():
+        present = [n for n in group if n in held]
+        kept[name] = min(present, key=lambda n: (order.get(n, len(order)), n)) if present else name
+    return kept
 
 
 def _hf_name(name: str, prefix: str) -> str:

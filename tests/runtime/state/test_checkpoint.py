@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
+import safetensors.torch
 import torch
 from torch import nn
 
@@ -248,3 +250,8 @@ def test_an_export_loads_into_the_original_hugging_face_class(tmp_path: Path, wo
         for name, t in part.items():
             assert torch.equal(state[name], torch.from_numpy(t)), name
     assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    # The keys save_pretrained writes: the tied embedding once, under its first name, whichever
+    # name the trace gave it (lm_head.weight) and whichever rank held it.
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    loaded.save_pretrained(tmp_path / "ref")
+    assert set(index["weight_map"]) == set(safetensors.torch.load_file(tmp_path / "ref" / "model.safetensors"))

@@ -22,6 +22,12 @@ the bytes live as it starts, at its highest, and as it ends. :meth:`TensorTrace.
 allocations live at a moment, each with the profiler ranges it was made under (what the peak holds),
 replayed event by event.
 
+File mappings: ``UntypedStorage.from_file`` (how safetensors 0.8's ``safe_open`` maps a whole file for
+``framework='pt'``) goes through c10's reporting too, as one allocation of the file's size while the file
+is open, although only the pages read take memory (file pages, in RSS as ``RssFile``). Pass those
+sizes as ``exclude``: blocks of them are left out of the count and counted on their own
+(:attr:`TensorTrace.excluded_peak`).
+
 Only ``record_function`` ranges (``RecordScope.USER_SCOPE``) are recorded unless ``ops=True``:
 ``torch.profiler.profile`` has no way to leave out the events of every aten op, and those add
 time and buffers (the allocations are reported all the same: c10 reports them to an enabled
@@ -40,7 +46,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -86,9 +92,11 @@ class TensorTrace:
     Args:
         ops: record every op (aten, autograd), not only ``record_function`` ranges, as the ranges
             above each allocation (:meth:`live_at`); costs time and profiler memory.
+        exclude: block sizes left out of the count (a mapped file's, see the module docstring);
+            their own highest count live at once is :attr:`excluded_peak`.
     """
 
-    def __init__(self, *, ops: bool = False) -> None:
+    def __init__(self, *, ops: bool = False, exclude: Collection[int] = ()) -> None:
         # (state, record shapes, profile memory, with stack, with flops, with modules, experimental, trace id)
         self._config = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig(), "")
         self._scopes = set() if ops else {RecordScope.USER_SCOPE}  # empty: every scope
@@ -97,6 +105,8 @@ class TensorTrace:
         self._events: list[_Event] = []
         self.reused = 0  # allocations at an address still live: its block freed unseen, or its free stamped late
         self._spans: list[tuple[str, int, int]] = []  # (name, start ns, end ns)
+        self._exclude = frozenset(exclude)
+        self.excluded_peak = 0  # the highest bytes of excluded blocks live at once
 
     def __enter__(self) -> TensorTrace:
         _prepare_profiler(self._config, {ProfilerActivity.CPU})
@@ -131,6 +141,17 @@ class TensorTrace:
             todo.extend((c, below) for c in e.children)
         self._events.sort(key=lambda ev: ev[0])
         self._spans.sort(key=lambda s: s[1])
+        if self._exclude:
+            excluded = [ev for ev in self._events if abs(ev[1]) in self._exclude]
+            self._events = [ev for ev in self._events if abs(ev[1]) not in self._exclude]
+            live: dict[int, int] = {}
+            total = 0
+            for _, nbytes, ptr, _ in excluded:
+                total -= live.pop(ptr, 0)  # an allocation at a live address: its free went unseen
+                if nbytes > 0:
+                    live[ptr] = nbytes
+                    total += nbytes
+                self.excluded_peak = max(self.excluded_peak, total)
         self._replay_blocks(None)
 
     def _replay_blocks(self, until: int | None) -> dict[int, _Block]:

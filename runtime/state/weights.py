@@ -274,7 +274,7 @@ def load_weights(
             first = by_key[key][0]
             if first.is_floating_point() and not any(fnmatch.fnmatchcase(n, p) for n in key_names[key]
                                                      for p in allow_nonfinite):
-                bad = int((~torch.isfinite(first)).sum())
+                bad = _nonfinite(first)
                 if bad:
                     nonfinite.append(WeightProblem(key_names[key][0], key, stage_of.get(key_names[key][0]),
                                                    src.file_of(key), "finite values",
@@ -522,6 +522,31 @@ def _error(
         f"({', '.join(dtypes)}; e.g. model.to(dtype) before partitioning).{unknown_note}" + also,
         source=source, problems=problems,
     )
+
+
+# Elements per piece when NaN and infinities are counted: temporaries of ~9 bytes each (the mask, its
+# int64 sum), so ~0.6 MiB whatever the tensor's size.
+_NONFINITE_PIECE = 1 << 16
+
+
+def _nonfinite(t: torch.Tensor) -> int:
+    """How many elements of floating ``t`` are NaN or infinite, in a few bytes beside ``t``.
+
+    A finite sum means every element is finite (a NaN or an infinity makes the sum NaN or
+    infinite), and the sum allocates only its result: the check costs one pass and no copy. Only
+    when the sum is not finite (a bad value, or finite values summing past the dtype's range) are
+    elements counted, piece by piece: ``(~isfinite(t)).sum()`` over the whole tensor would hold a
+    bool mask and its int64 copy, 9 bytes per element (2.25 x a float32 tensor, 4.5 x a bf16 one),
+    while a load promises one checkpoint tensor at a time on the host.
+
+    Example:
+        >>> _nonfinite(torch.tensor([1.0, float("nan"), float("inf")]))
+        2
+    """
+    if bool(torch.isfinite(t.sum())):
+        return 0
+    flat = t.reshape(-1)  # a view: destinations are contiguous (a copy otherwise, still correct)
+    return sum(int((~torch.isfinite(piece)).sum()) for piece in flat.split(_NONFINITE_PIECE))
 
 
 def _dotted_prefixes(name: str, *, with_empty: bool) -> list[str]:

@@ -84,3 +84,18 @@ def test_frees_unseen_or_stamped_late_are_inferred_from_reused_addresses(tp: Mod
     assert replay([(1, 10, 7), (2, 20, 7), (3, -20, 7)]) == ([10, 20, 0], 1)
     # Block 1's free was stamped after its address's reuse: two frees follow, the late one skipped.
     assert replay([(1, 10, 7), (2, 10, 7), (3, -10, 7), (4, -10, 7)]) == ([10, 10, 10, 0], 1)
+
+
+def test_mapped_files_are_counted_apart(tp: ModuleType, tmp_path: Path) -> None:
+    # safetensors maps a whole file per safe_open, which c10 reports as an allocation of the file's size.
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = tmp_path / "a.safetensors"
+    save_file({"a": torch.zeros(MIB, dtype=torch.uint8), "b": torch.zeros(2 * MIB, dtype=torch.uint8)}, path)
+    size = path.stat().st_size
+    for exclude, counted, mapped in (((), size + MIB, 0), ((size,), MIB, size)):
+        with tp.TensorTrace(exclude=exclude) as trace, safe_open(str(path), framework="pt") as f:
+            copy = f.get_tensor("a").clone()  # the one heap block
+            del copy
+        assert (trace.peak, trace.excluded_peak) == (counted, mapped)

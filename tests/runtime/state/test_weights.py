@@ -21,9 +21,11 @@ from hypothesis import strategies as st
 from torch import nn
 
 from runtime.state import weight_export, weight_sources
+from runtime.state import weights as weights_module
 from runtime.state.weight_errors import (
     AmbiguousPrefixError,
     MissingWeightsError,
+    NonFiniteWeightsError,
     PartialLoadError,
     UnexpectedWeightsError,
     WeightDtypeError,
@@ -348,6 +350,36 @@ def test_dtype_mismatch_and_cast(tmp_path: Path) -> None:
     report = load_weights(source, into, names=ref, cast=True)
     assert sorted(report.cast) == sorted(RANKS[0])
     assert torch.equal(into["embed.weight"], half["embed.weight"].float())
+
+
+def test_nonfinite_values_are_counted_exactly(tmp_path: Path) -> None:
+    # Bad values in several of the pieces the count walks, one in the last, partial piece.
+    n = 3 * weights_module._NONFINITE_PIECE + 5
+    bad = torch.zeros(n)
+    bad[[0, weights_module._NONFINITE_PIECE + 1, n - 1]] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    big = torch.full((4096,), 60000.0, dtype=torch.float16)  # finite, but its fp16 sum is inf
+    path = tmp_path / "model.safetensors"
+    safetensors.torch.save_file({"bad": bad, "big": big, "ok": torch.ones(3)}, path)
+    into = {"bad": torch.empty(n), "big": torch.empty(4096, dtype=torch.float16), "ok": torch.empty(3)}
+    with pytest.raises(NonFiniteWeightsError) as info:
+        load_weights(path, into, names=into)
+    msg = str(info.value)
+    assert f"3 of {n} NaN or infinite" in msg and "1 weight(s)" in msg and "allow_nonfinite" in msg
+    assert torch.equal(into["big"], big)  # written, and its overflowing sum was no false alarm
+    report = load_weights(path, into, names=into, allow_nonfinite=("ba*",))
+    assert sorted(report.names) == ["bad", "big", "ok"]
+
+
+def test_nonfinite_check_allocates_no_copy_of_the_tensor() -> None:
+    # A load promises one checkpoint tensor at a time on the host: the check must not add a mask of
+    # the destination's size (9 bytes per element with its int64 sum).
+    from torch.profiler import ProfilerActivity, profile
+
+    t = torch.randn(1 << 20)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        assert weights_module._nonfinite(t) == 0
+    allocated = sum(e.cpu_memory_usage for e in prof.key_averages() if e.cpu_memory_usage > 0)
+    assert allocated < 1024, prof.key_averages().table(sort_by="cpu_memory_usage", row_limit=5)
 
 
 def test_errors_say_what_else_is_wrong(tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ __all__ = [
     "InputError",
     "InputShapeError",
     "PlanFormatError",
+    "PlanFieldError",
     "UnknownDeviceError",
     "SplitPointError",
     "PartitionOptionError",
@@ -111,6 +112,29 @@ class InputShapeError(InputError, PlanMismatchError):
 
 class PlanFormatError(PipecutError, ValueError):
     """A plan file is corrupt, hand-edited inconsistently, or of an unknown format version."""
+
+
+class PlanFieldError(PlanFormatError):
+    """One field of a plan file is not what ``Plan.save`` writes: a wrong type (``true`` or ``4.5``
+    for an integer), ``NaN``, a negative size or time, an unknown schedule, a key the format lacks.
+
+    Attributes:
+        field: the field's path in the file, e.g. ``'stages[1].memory'``.
+        value: the value found there.
+        allowed: what the field takes, in words (for a key the format lacks, the keys it has).
+    """
+
+    def __init__(self, where: str, field: str, value: object, allowed: str, *, unknown: bool = False) -> None:
+        self.field = field
+        self.value = value
+        self.allowed = allowed
+        shown = repr(value)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        problem = f"is not a field of this format ({allowed})" if unknown else f"is {shown}, expected {allowed}"
+        super().__init__(
+            f"{where}: field {field} {problem}. The file is corrupt or was edited by hand; re-create it "
+            "with plan.save(...) or `pipecut plan ... --json`."
+        )
 
 
 class UnknownDeviceError(PipecutError, ValueError):

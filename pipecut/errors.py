@@ -35,6 +35,7 @@ from partitioner.errors import ModeRegionError as ModeRegionError
 from partitioner.errors import PartitionError as PartitionError
 from partitioner.errors import PartitionOptionError as PartitionOptionError
 from partitioner.errors import PipecutError as PipecutError
+from partitioner.errors import PlanFieldError as PlanFieldError
 from partitioner.errors import PlanFormatError as PlanFormatError
 from partitioner.errors import PlanMismatchError as PlanMismatchError
 from partitioner.errors import SplitPointError as SplitPointError

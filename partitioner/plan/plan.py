@@ -9,7 +9,7 @@ import hashlib
 import json
 import math
 from collections.abc import Collection, Sequence
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +21,7 @@ from partitioner.plan.records import Candidate as Candidate
 from partitioner.plan.records import PlanRecord, binding, structure_leaves, structure_text
 from partitioner.plan.records import Prediction as Prediction
 from partitioner.plan.records import StagePlan as StagePlan
+from partitioner.plan.schema import PLAN_SCHEMA, check
 from partitioner.plan.split import StagedModel, StageIO, ValueSpec, split_graph
 
 if TYPE_CHECKING:
@@ -283,10 +284,6 @@ class Plan(PlanRecord):
         return text
 
 
-# StagePlan fields added after format version 1 was first written; older files may lack them.
-_LATER_STAGE_FIELDS = frozenset({"in_bytes", "recompute"})
-
-
 def _finite(d: dict[str, Any]) -> dict[str, Any]:
     # JSON has no infinity: an unlimited capacity is written as null.
     return {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in d.items()}
@@ -318,14 +315,12 @@ def _parse(data: Any, where: str = "plan") -> Plan:
         )
     if data.get("checksum") != _checksum(data):
         raise fail("checksum mismatch: the content changed after the plan was saved")
+    # Every field's type and range first: what is built below may then trust them.
+    check(data, PLAN_SCHEMA, where)
     try:
         cluster = Cluster.from_dict(data["cluster"])
-        names = {f.name for f in fields(StagePlan)}
         stages = []
         for raw in data["stages"]:
-            # Files written before recomputation was modelled lack its fields: the defaults hold.
-            if not names - _LATER_STAGE_FIELDS <= set(raw) <= names:
-                raise fail(f"stage fields {sorted(set(raw) ^ names)} are missing or unknown")
             st = _infinite(raw, ("capacity",))
             st["nodes"] = tuple(st["nodes"])
             stages.append(StagePlan(**st))

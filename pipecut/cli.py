@@ -39,7 +39,7 @@ from partitioner.api import METHODS, partition
 from partitioner.cost.devices import DEVICE_PRESETS, Cluster
 from partitioner.cost.gemms import model_gemms
 from partitioner.cost.probes import Probe
-from partitioner.errors import CliArgumentError, PipecutError
+from partitioner.errors import CliArgumentError, InfeasibleMemoryError, PipecutError
 from partitioner.plan.layout import DEFAULT_ZERO, ZERO_OPTIONS
 from partitioner.plan.plan import Plan
 from partitioner.plan.predict import prediction, simulate_stages
@@ -49,7 +49,13 @@ from partitioner.search import plan_layout
 from partitioner.zoo import MODELS, load_model
 from pipecut.folder import HFFolder, is_hf_folder, max_positions
 
-__all__ = ["main", "build_parser", "version"]
+__all__ = ["main", "build_parser", "version", "EXIT_ERROR", "EXIT_OVER_CAPACITY"]
+
+# Exit codes (docs/partitioning.md, "Exit codes"): 0 done; 2 an error (a bad argument, model or
+# plan file; argparse's usage errors too); 3 the plan does not fit: a device is over capacity (the
+# row marked OVER) or no cut fits (InfeasibleMemoryError), so scripts can tell "too big" apart.
+EXIT_ERROR = 2
+EXIT_OVER_CAPACITY = 3
 
 _RECOMPUTE: dict[str, bool | str] = {"auto": "auto", "on": True, "off": False}
 
@@ -152,9 +158,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands = {"plan": _plan, "simulate": _simulate, "train": _train, "calibrate": _calibrate}
     try:
         return commands[args.command](args)
+    except InfeasibleMemoryError as e:
+        print(f"pipecut: error: {e}", file=sys.stderr)
+        return EXIT_OVER_CAPACITY
     except (PipecutError, ImportError, FileNotFoundError, ValueError) as e:
         print(f"pipecut: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_ERROR
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -198,6 +207,12 @@ def _plan(args: argparse.Namespace) -> int:
         plan.to_dot(args.dot_path)
         print(f"DOT written to {args.dot_path}")
     logging.getLogger(__name__).info("total %.2fs", time.perf_counter() - t0)
+    over = [st.index for st in plan.stages if st.memory > st.capacity]
+    if over:  # a cut that ignores memory (equal_count, split points): written, but not a success
+        print(f"pipecut: stage{'s' if len(over) > 1 else ''} {', '.join(map(str, over))} over capacity "
+              "(marked OVER): use more stages, --method exact, --recompute on, a smaller --state-bytes or "
+              f"a larger --device (exit code {EXIT_OVER_CAPACITY})", file=sys.stderr)
+        return EXIT_OVER_CAPACITY
     return 0
 
 
@@ -252,15 +267,21 @@ def _simulate(args: argparse.Namespace) -> int:
         state[r] += plan.stages[s].state_bytes
     busy = sim.busy
     peaks = sim.peak_bytes or (0.0,) * sched.num_ranks
+    over: list[str] = []
     for r in range(sched.num_ranks):
+        need = state[r] + peaks[r]
+        capacity = min(plan.stages[s].capacity for s in sched.stages_of(r))
+        if need > capacity:
+            over.append(f"rank {r} ({fmt_bytes(need)} of {fmt_bytes(capacity)})")
         table.add_row(
             str(r), ",".join(map(str, sched.stages_of(r))), fmt_time(busy[r]), f"{sim.bubble[r]:.1%}",
-            str(sim.peak_inflight[r]), fmt_bytes(state[r] + peaks[r]),
+            str(sim.peak_inflight[r]), fmt_bytes(need) + (" OVER" if need > capacity else ""),
         )
     console.print(table)
+    smallest = min(st.capacity for st in plan.stages)
     console.print(
         f"step {fmt_time(sim.step_time)}, bubble {sim.bubble_total:.1%}, "
-        f"fullest device {fmt_bytes(pred.memory)} of {fmt_bytes(min(st.capacity for st in plan.stages))}"
+        f"fullest device {fmt_bytes(pred.memory)} of {fmt_bytes(smallest)}" + (" OVER" if over else "")
     )
     if args.trace:
         save_chrome_trace(sim.timeline, args.trace, name=f"pipecut {schedule} m={m}")
@@ -268,6 +289,10 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.gantt:
         save_gantt_png(sim.timeline, args.gantt, title=f"{schedule}, {m} micro-batches")
         console.print(f"Gantt chart written to {args.gantt}")
+    if over:
+        print(f"pipecut: over capacity: {', '.join(over)}; re-plan with more stages, fewer micro-batches "
+              f"in flight or a schedule that holds fewer (exit code {EXIT_OVER_CAPACITY})", file=sys.stderr)
+        return EXIT_OVER_CAPACITY
     return 0
 
 

@@ -16,6 +16,9 @@ Examples::
     torchrun --standalone --nproc-per-node 4 -m pipecut train --model ... --pp 2 --dp 2
     pipecut --version
 
+Exit codes: 0 done, 2 an error, 3 a device over capacity (docs/partitioning.md, "Exit codes of the
+command line").
+
 Tables take the terminal's width (``COLUMNS`` when set); written to a file or a pipe they keep
 ``str(plan)``'s fixed width, so saved output has every column.
 """

@@ -75,6 +75,7 @@ from runtime.state.materialize import MaterializeError as MaterializeError
 from runtime.state.weight_errors import AmbiguousPrefixError as AmbiguousPrefixError
 from runtime.state.weight_errors import CorruptFileError as CorruptFileError
 from runtime.state.weight_errors import MissingWeightsError as MissingWeightsError
+from runtime.state.weight_errors import NonFiniteWeightsError as NonFiniteWeightsError
 from runtime.state.weight_errors import PartialLoadError as PartialLoadError
 from runtime.state.weight_errors import UnexpectedWeightsError as UnexpectedWeightsError
 from runtime.state.weight_errors import UnsafeFileError as UnsafeFileError

@@ -151,7 +151,7 @@ def _tensor_offset(path: Path, key: str) -> int:
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(n))
-    return 8 + n + header[key]["data_offsets"][0]
+    return 8 + n + int(header[key]["data_offsets"][0])
 
 
 def test_a_flipped_byte_in_a_distcp_file_is_named(trained: Any, tmp_path: Path) -> None:

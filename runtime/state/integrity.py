@@ -236,14 +236,19 @@ def _read_manifest(folder: Path) -> dict[str, Any] | None:
         return None
     try:
         body = json.loads(path.read_text(encoding="utf-8"))
-        files = body["files"]
-        if body.get("format") != _FORMAT or body.get("algorithm") != _ALGORITHM or not isinstance(files, dict):
-            raise ValueError(f"format {body.get('format')!r}, algorithm {body.get('algorithm')!r}")
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError) as e:
         raise CorruptFileError(
-            f"{path} cannot be read as a pipecut manifest ({e}); delete it to load the folder "
-            "unverified, or restore it", file=str(path),
+            f"{path} cannot be read as a pipecut manifest ({e}); restore it, or delete it to load "
+            "the folder unverified", file=str(path),
         ) from e
+    files = body.get("files") if isinstance(body, dict) else None
+    if not isinstance(files, dict) or body.get("format") != _FORMAT or body.get("algorithm") != _ALGORITHM:
+        found = {k: body.get(k) for k in ("format", "algorithm")} if isinstance(body, dict) else type(body).__name__
+        raise CorruptFileError(
+            f"{path} is not a pipecut manifest this version reads (found {found}, expected format "
+            f"{_FORMAT!r}, algorithm {_ALGORITHM!r}, a 'files' object); upgrade pipecut, restore the "
+            "file, or delete it to load the folder unverified", file=str(path),
+        )
     return files
 
 

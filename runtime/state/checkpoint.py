@@ -26,7 +26,13 @@ Crash safety: the state is written to a sibling folder ``.<dir>.partial-step<N>`
 to ``dir`` only after every rank has finished (DCP writes its ``.metadata`` last); an existing
 ``dir`` is replaced only then. A save that dies midway leaves the previous checkpoint in place
 and a partial folder that is not at ``dir``, so it never loads as a whole checkpoint; the next
-save to ``dir`` that succeeds deletes such leftovers.
+save to ``dir`` that succeeds deletes such leftovers. Overwriting ``dir`` keeps a loadable copy
+at every moment (``runtime.state.commit``: a load reads ``.<dir>.old`` when the overwrite was cut
+between its renames, a save puts it back first).
+
+Integrity: every rank hashes the files it wrote and rank 0 writes ``pipecut-manifest.json``
+(size and CRC-32 of every file; per tensor for an export's shards) before the commit; a load
+checks it first and raises ``ChecksumError`` naming the file (``runtime.state.integrity``).
 
 Loading runs no code from the files (``runtime.state.safe_dcp``): metadata and non-tensor
 entries are read through allow-listing unpicklers, and a damaged file is named in the error.

@@ -71,6 +71,7 @@ from runtime.execute.recompute import RecomputeOptionError as RecomputeOptionErr
 from runtime.parallel.fsdp import FSDPOptionError as FSDPOptionError
 from runtime.precision import PrecisionError as PrecisionError
 from runtime.state.checkpoint import CheckpointError as CheckpointError
+from runtime.state.integrity import ChecksumError as ChecksumError
 from runtime.state.materialize import MaterializeError as MaterializeError
 from runtime.state.weight_errors import AmbiguousPrefixError as AmbiguousPrefixError
 from runtime.state.weight_errors import CorruptFileError as CorruptFileError

@@ -35,6 +35,7 @@ from runtime.metrics import TrainingProgress, step_metrics
 from runtime.options import DataParallel, Execution, Init
 from runtime.parallel.data_parallel import GradAverager, PipelineMesh, pipeline_mesh
 from runtime.parallel.fsdp import FSDPOptionError
+from runtime.state.integrity import ChecksumError, verify_manifest
 from runtime.state.materialize import MaterializeError, empty_weights, initialize, materialize
 from runtime.state.weight_errors import (
     AmbiguousPrefixError,
@@ -165,6 +166,8 @@ __all__ = [
     "PartialLoadError",
     "UnsafeFileError",
     "CorruptFileError",
+    "ChecksumError",
+    "verify_manifest",
     "RecomputeOptionError",
     "SavedBytes",
 ]

@@ -26,7 +26,13 @@ Crash safety: the state is written to a sibling folder ``.<dir>.partial-step<N>`
 to ``dir`` only after every rank has finished (DCP writes its ``.metadata`` last); an existing
 ``dir`` is replaced only then. A save that dies midway leaves the previous checkpoint in place
 and a partial folder that is not at ``dir``, so it never loads as a whole checkpoint; the next
-save to ``dir`` that succeeds deletes such leftovers.
+save to ``dir`` that succeeds deletes such leftovers. Overwriting ``dir`` keeps a loadable copy
+at every moment (``runtime.state.commit``: a load reads ``.<dir>.old`` when the overwrite was cut
+between its renames, a save puts it back first).
+
+Integrity: every rank hashes the files it wrote and rank 0 writes ``pipecut-manifest.json``
+(size and CRC-32 of every file; per tensor for an export's shards) before the commit; a load
+checks it first and raises ``ChecksumError`` naming the file (``runtime.state.integrity``).
 
 Loading runs no code from the files (``runtime.state.safe_dcp``): metadata and non-tensor
 entries are read through allow-listing unpicklers, and a damaged file is named in the error.
@@ -47,6 +53,8 @@ import torch.distributed as dist
 from torch import nn
 
 from partitioner.errors import PipecutError
+from runtime.state import commit as _commits
+from runtime.state import integrity
 from runtime.state.hf_conversion import checkpoint_names
 
 __all__ = ["CheckpointError", "Checkpointable", "save", "load", "load_model", "export_safetensors"]
@@ -117,12 +125,14 @@ def save(trainer: Checkpointable, directory: PathLike) -> Path:
     leader = _rank() == 0
     if leader:
         target.parent.mkdir(parents=True, exist_ok=True)
+        _commits.restore(target)  # an overwrite cut between its renames: its previous copy first
         shutil.rmtree(partial, ignore_errors=True)  # a save of this step that died before
     _barrier()
     state = _state(trainer, for_load=False)
     with _safe_dcp().single_process_quiet():
         _dcp().save(state, checkpoint_id=str(partial), no_dist=not _distributed())
     _barrier()  # every rank's files are written, and the metadata
+    _write_manifest(partial, _dcp_files(partial))
     if leader:
         _commit(partial, target)
         _remove_stale_partials(target)
@@ -147,7 +157,9 @@ def load(trainer: Checkpointable, directory: PathLike, *, optimizer: bool = True
             (nothing of it ran); raised before anything is changed when it is ``.metadata``.
         CorruptFileError: a file is missing, truncated or damaged (the error names it and the entry).
     """
-    path = Path(directory)
+    # Integrity (issue 31), before anything is read: the previous copy if an overwrite was cut
+    # between its renames, and every file against the checksums recorded at save.
+    path = integrity.verify_manifest(_commits.resolve(directory), collective=_distributed())
     if not (path / ".metadata").is_file():
         raise CheckpointError(
             f"{path} is not a pipecut checkpoint (no .metadata): pass the directory trainer.save() "
@@ -191,7 +203,7 @@ def load_model(model: nn.Module, directory: PathLike, *, strict: bool = True) ->
     Example:
         ``trainer.save("ckpt")`` under any plan, then ``load_model(MyModel(), "ckpt")``.
     """
-    path = Path(directory)
+    path = integrity.verify_manifest(_commits.resolve(directory))
     present = _keys(path)
     state = model.state_dict()
     wanted = {f"model.{k}": v for k, v in state.items() if (not strict and f"model.{k}" in present) or strict}
@@ -223,6 +235,8 @@ def export_safetensors(trainer: Checkpointable, directory: PathLike, *, prefix: 
     rank = _rank()
     partial = target.parent / f".{target.name}.partial-export"
     if rank == 0:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _commits.restore(target)  # an overwrite cut between its renames: its previous copy first
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     _barrier()
@@ -257,6 +271,7 @@ def export_safetensors(trainer: Checkpointable, directory: PathLike, *, prefix: 
         body = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (partial / "model.safetensors.index.json").write_text(json.dumps(body, indent=2) + "\n")
     _barrier()
+    _write_manifest(partial, {files[rank]} if rank in files else set(), extra={"model.safetensors.index.json"})
     if rank == 0:
         _commit(partial, target)
     _barrier()
@@ -264,13 +279,33 @@ def export_safetensors(trainer: Checkpointable, directory: PathLike, *, prefix: 
 
 
 def _commit(partial: Path, target: Path) -> None:
-    """Put the finished ``partial`` folder at ``target``, replacing an older one only now."""
-    old = target.parent / f".{target.name}.old"
-    shutil.rmtree(old, ignore_errors=True)
-    if target.exists():
-        target.rename(old)
-    partial.rename(target)
-    shutil.rmtree(old, ignore_errors=True)
+    """Put the finished ``partial`` folder at ``target``, replacing an older one only now, and
+    never leaving a moment with no loadable copy (:func:`runtime.state.commit.commit`)."""
+    _commits.commit(partial, target)
+
+
+def _dcp_files(partial: Path) -> set[str]:
+    """The files of ``partial`` this rank hashes: the ``__<rank>_*.distcp`` it wrote; the leader
+    also every file no rank's name claims (``.metadata``)."""
+    rank = _rank()
+    world = dist.get_world_size() if _distributed() else 1
+    mine = {p.name for p in partial.glob(f"__{rank}_*")}
+    if rank == 0:
+        ranks = tuple(f"__{r}_" for r in range(world))
+        mine |= {p.name for p in partial.iterdir()
+                 if p.is_file() and not p.name.startswith(ranks) and p.name != integrity.MANIFEST}
+    return mine
+
+
+def _write_manifest(partial: Path, mine: set[str], *, extra: Collection[str] = ()) -> None:
+    """Every rank hashes the files it wrote; the leader writes one manifest covering all (and
+    ``extra``, files it wrote itself). Collective; ends with every rank past the manifest."""
+    leader = _rank() == 0
+    digests = integrity.digest_files(partial, mine | (set(extra) if leader else set()))
+    merged = {name: entry for part in _gather(digests) for name, entry in part.items()}
+    if leader:
+        integrity.write_manifest(partial, merged)
+    _barrier()
 
 
 def _remove_stale_partials(target: Path) -> None:

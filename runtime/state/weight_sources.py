@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors import safe_open
 
+from runtime.state.commit import resolve
+from runtime.state.integrity import verify_file, verify_manifest
 from runtime.state.weight_errors import CorruptFileError, WeightsSourceError
 
 if TYPE_CHECKING:
@@ -140,9 +142,11 @@ def open_source(source: str | os.PathLike[str]) -> Source:
         WeightsSourceError: no such path, or a directory holding none of those layouts.
     """
     path = Path(source)
+    if not path.is_file():  # an export or checkpoint cut between its overwrite's renames: its previous copy
+        path = resolve(path)
     if path.is_dir():
         if (path / _DCP_METADATA).is_file():
-            return _DcpSource(path)
+            return _DcpSource(verify_manifest(path))  # safetensors files are verified as opened
         # transformers' order: a single file wins over an index.
         if (path / SINGLE_FILE).is_file():
             return _SafetensorsSource.single(path / SINGLE_FILE)
@@ -211,6 +215,7 @@ class _SafetensorsSource(Source):
 
     def _open(self, file: str) -> Any:
         if file not in self._handles:
+            verify_file(file)  # against the manifest beside it, if pipecut wrote one
             try:
                 self._handles[file] = self._stack.enter_context(safe_open(file, framework="pt"))
             except Exception as e:  # safetensors raises its own SafetensorError for a bad header

@@ -65,6 +65,8 @@ def _stall_in(name: str, caller: str, gave_up: Path, *, kill: bool = False) -> N
 
 
 def _one_step(rank: int, world: int, which: str, tmp: str, kill: bool) -> dict[str, Any]:
+    import torch.distributed as dist
+
     torch.set_num_threads(1)
     name, caller, options = CASES[which]
     gave_up = Path(tmp) / "gave-up"
@@ -72,6 +74,9 @@ def _one_step(rank: int, world: int, which: str, tmp: str, kill: bool) -> dict[s
     c = case("mlp", 2)
     trainer = make_trainer(c, world // dp, "1f1b", transport="dist", timeout=TIMEOUT,
                            optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), **options)
+    # Building takes seconds and differs between ranks: start the step together, so that only
+    # the stall can outlast the short timeout.
+    dist.barrier()
     if rank == STALLER:
         _stall_in(name, caller, gave_up, kill=kill)
     x, y = trainer.local_batch(c["x"].repeat(dp, 1), c["y"].repeat(dp, 1))

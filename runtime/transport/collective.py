@@ -85,7 +85,9 @@ def wait_bounded(
         # gloo reports a wait that ran out of time as a RuntimeError too: tell it by its text
         # and by the time waited, as the point-to-point transport does.
         if _TIMED_OUT.search(str(e)) is None and elapsed < 0.95 * timeout:
-            named = gone_error(me, what, elapsed, group if group is not None else group_ranks(None))
+            if group is None and dist.is_initialized():
+                group = group_ranks(None)
+            named = gone_error(me, what, elapsed, group or [])
             if named is not None:
                 raise named from None  # one line: gloo's text says no more than that
             first = announced_failure(me)

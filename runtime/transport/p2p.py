@@ -86,7 +86,7 @@ def gone_error(me: int, what: str, elapsed: float, peers: Sequence[int]) -> Peer
     names = ", ".join(str(d) for d in dead)
     verb = "is" if len(dead) == 1 else "are"
     return PeerGone(
-        f"rank {me}: {names} {verb} gone: its process exited while this rank waited {elapsed:.1f} s for {what}; "
+        f"rank {me}: {names} {verb} gone (its process exited), so {what} failed after {elapsed:.1f} s; "
         "restart the job (from its last checkpoint), and read that rank's log or exit code for why it died",
         ranks=[d.rank for d in dead],
     )
@@ -401,6 +401,9 @@ class DistTransport(Transport):
         except RuntimeError as e:
             if not _CLOSED.search(str(e)):
                 raise
+            named = gone_error(self._me, f"posting {what}", 0.0, self._peers if peer is None else [peer])
+            if named is not None:
+                raise named from None
             who, culprit = ("a peer", "that peer") if peer is None else (f"peer rank {peer}", f"rank {peer}")
             first = self._announced()
             raise PeerFailed(

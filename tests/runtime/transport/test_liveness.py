@@ -48,8 +48,8 @@ def test_a_collective_cut_short_by_a_dead_peer_names_it_in_one_line(
     with pytest.raises(PeerGone) as err:
         collective.wait_bounded(work, timeout=30, what="the sum over ranks [0, 1]", group=[0, 1])
     assert str(err.value) == (
-        f"rank 0: rank 1 (process {child.pid} on {socket.gethostname()}) is gone: its process exited while "
-        "this rank waited 0.0 s for the sum over ranks [0, 1]; restart the job (from its last checkpoint), "
+        f"rank 0: rank 1 (process {child.pid} on {socket.gethostname()}) is gone (its process exited), so "
+        "the sum over ranks [0, 1] failed after 0.0 s; restart the job (from its last checkpoint), "
         "and read that rank's log or exit code for why it died"
     )
     assert err.value.ranks == (1,)

@@ -40,6 +40,7 @@ from partitioner.errors import PipecutError
 from partitioner.plan.split import StageIO
 from partitioner.tracing.trace import InputMeta, retargeted
 from runtime.state.materialize import released_device
+from runtime.transport.collective import run_bounded
 
 __all__ = [
     "MixedPrecision", "LossScaler", "PrecisionError", "PRECISIONS", "resolve_precision", "wire_dtypes",
@@ -283,6 +284,7 @@ class LossScaler:
     def unscale_(
         self, params: Iterable[torch.nn.Parameter], *, distributed: bool = False,
         comm_device: Callable[[], torch.device] | None = None, group: dist.ProcessGroup | None = None,
+        timeout: float = 1800.0,
     ) -> bool:
         """Divide every gradient by the scale; return whether any rank's has an inf or NaN.
 
@@ -293,6 +295,12 @@ class LossScaler:
                 shard, the whole job).
             comm_device: where that reduction runs (the rank's GPU on NCCL).
             group: the process group of the pipeline's ranks.
+            timeout: seconds the reduction may wait (the trainer's ``timeout``; default torch's
+                30 minutes).
+
+        Raises:
+            TransportTimeout: the reduction did not complete within ``timeout`` (``PeerFailed`` /
+                ``PeerGone`` when a peer failed or its process is gone).
         """
         inv = 1.0 / self.scale  # a power of two: dividing is exact
         flags: dict[torch.device, list[torch.Tensor]] = {}
@@ -306,7 +314,8 @@ class LossScaler:
             found = torch.maximum(found, torch.stack(per_device).any().float().cpu())
         if distributed:
             buf = found.to(comm_device() if comm_device is not None else torch.device("cpu"))
-            dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
+            run_bounded(dist.all_reduce, buf, op=dist.ReduceOp.MAX, group=group, timeout=timeout,
+                        what="the all-reduce of fp16 loss scaling's inf/NaN flag")
             found = buf.cpu()
         return bool(found.item())
 

@@ -48,6 +48,7 @@ from runtime.precision import LossScaler, MixedPrecision, PrecisionError, resolv
 from runtime.state import checkpoint
 from runtime.state.weights import LoadReport, Weights, load_weights, stage_tensors
 from runtime.transport.agreement import StepAgreement
+from runtime.transport.collective import run_bounded
 from runtime.transport.p2p import DistTransport, LocalTransport, PeerFailed, Transport
 from runtime.transport.placement import placed_schedule
 from runtime.transport.process_group import comm_device as _comm_device
@@ -273,7 +274,8 @@ class PipelineTrainer:
                 averager.reset()
         if self.scaler is not None:
             self.last_found_inf = self.scaler.unscale_(self.parameters(), distributed=self.mode == "dist",
-                                                       comm_device=_comm_device, group=self._replicas.norm_group)
+                                                       comm_device=_comm_device, group=self._replicas.norm_group,
+                                                       timeout=self.timeout)
         add_back(aside)
         loss = torch.zeros((), dtype=torch.float32)
         for res in results:
@@ -282,9 +284,11 @@ class PipelineTrainer:
         if self.mode == "dist":
             loss = loss.to(_comm_device())
             last = self.mesh.global_rank(self.schedule.stage_to_rank[self.p - 1])
-            dist.broadcast(loss, src=last, group=self.mesh.pp_group)
+            run_bounded(dist.broadcast, loss, src=last, group=self.mesh.pp_group, timeout=self.timeout,
+                        what=f"the broadcast of the loss from rank {last}")
             if self.mesh.dp > 1:  # each replica's loss is its share's mean: average them
-                dist.all_reduce(loss, group=self.mesh.dp_group)
+                run_bounded(dist.all_reduce, loss, group=self.mesh.dp_group, timeout=self.timeout,
+                            what="the average of the replicas' losses")
                 loss = loss / self.mesh.dp
             loss = loss.cpu()
         return loss
@@ -360,7 +364,7 @@ class PipelineTrainer:
             self._tied, self.plan.shared_params, {s: st.module for s, st in self.stages.items()}
         )
         return clip_grad_norm_(unique, max_norm, norm_type, counted=counted, distributed=self.mode == "dist",
-                               comm_device=_comm_device, group=self._replicas.norm_group)
+                               comm_device=_comm_device, group=self._replicas.norm_group, timeout=self.timeout)
 
     def save(self, directory: str | os.PathLike[str]) -> Path:
         """Save a checkpoint: model, optimizer and scheduler state, step and RNG states.

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from runtime.transport.collective import run_bounded
+
 __all__ = ["clip_grad_norm_", "local_shard"]
 
 
@@ -31,6 +33,7 @@ def clip_grad_norm_(
     distributed: bool = False,
     comm_device: Callable[[], torch.device] | None = None,
     group: dist.ProcessGroup | None = None,
+    timeout: float = 1800.0,
 ) -> torch.Tensor:
     """Clip the gradients of ``params`` to a total norm taken over every process.
 
@@ -45,9 +48,14 @@ def clip_grad_norm_(
         group: the ranks holding the rest of the model (default: the world). With data
             parallelism, one pipeline's ranks: after the gradients are averaged every replica
             holds the same ones, so counting other replicas would count them again.
+        timeout: seconds the reduction may wait (the trainer's ``timeout``; default torch's 30 minutes).
 
     Returns:
         The total norm (fp32 scalar on the CPU), before clipping.
+
+    Raises:
+        TransportTimeout: the reduction did not complete within ``timeout`` (``PeerFailed`` /
+            ``PeerGone`` when a peer failed or its process is gone).
 
     Example:
         >>> w = nn.Parameter(torch.ones(4)); w.grad = torch.full((4,), 3.0)
@@ -63,7 +71,8 @@ def clip_grad_norm_(
     total = torch.as_tensor(partial, dtype=torch.float32)
     if distributed:
         buf = total.to(comm_device() if comm_device is not None else torch.device("cpu"))
-        dist.all_reduce(buf, op=dist.ReduceOp.MAX if p == math.inf else dist.ReduceOp.SUM, group=group)
+        run_bounded(dist.all_reduce, buf, op=dist.ReduceOp.MAX if p == math.inf else dist.ReduceOp.SUM,
+                    group=group, timeout=timeout, what=f"the all-reduce of the gradient norm (max_norm={max_norm:g})")
         total = buf.cpu()
     norm = total if p == math.inf else total.pow(1.0 / p)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # as torch: the same epsilon

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from partitioner.cost.exchange import DEFAULT_BUCKET_BYTES
-from runtime.transport.collective import wait_bounded
+from runtime.transport.collective import run_bounded, wait_bounded
 from runtime.transport.placement import PlacementError
 
 __all__ = [
@@ -283,7 +283,8 @@ class GradAverager:
         the ranks behind it still drain.
         """
         if not self.overlap and self.size > 1 and dist.is_initialized():
-            dist.barrier(group=pipeline)
+            run_bounded(dist.barrier, group=pipeline, timeout=self.timeout,
+                        what="the barrier of the pipeline's ranks before the data-parallel exchange")
         sent = {id(p) for bucket, _, _, _ in self._sent for p in bucket} | {id(p) for p in self._pending}
         left = [p for p in self._all if id(p) not in sent]
         self._send(self._pending + left)
@@ -370,6 +371,7 @@ class Replicas:
         self.shard = shard and mesh.dp > 1
         self._comm_device = comm_device
         self._bucket_bytes = bucket_bytes
+        self._timeout = timeout
         self.params = list({id(p): p for ps in stage_params.values() for p in ps}.values())
         owners = assign_owners([p.numel() for p in self.params], mesh.dp) if self.shard else None
         self.owners = {id(p): d for p, d in zip(self.params, owners)} if owners is not None else None
@@ -400,4 +402,5 @@ class Replicas:
 
         trainable = [p for p in self.params if p.requires_grad]
         broadcast_from_owners(trainable, [self.owners[id(p)] for p in trainable], self.mesh.dp_group,
-                              self.group_ranks, comm_device=self._comm_device, bucket_bytes=self._bucket_bytes)
+                              self.group_ranks, comm_device=self._comm_device, bucket_bytes=self._bucket_bytes,
+                              timeout=self._timeout)

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from runtime.transport.collective import wait_bounded
 from runtime.transport.placement import PlacementError
 
 __all__ = ["assign_owners", "broadcast_from_owners"]
@@ -66,6 +67,7 @@ def broadcast_from_owners(
     *,
     comm_device: Callable[[], torch.device] | None = None,
     bucket_bytes: int = 25 * 2**20,
+    timeout: float = 1800.0,
 ) -> None:
     """Give every rank of ``group`` the owners' values of ``params`` (after the owners' step).
 
@@ -76,6 +78,12 @@ def broadcast_from_owners(
         group_ranks: the global rank of each index.
         comm_device: where the flat buckets travel (the rank's GPU on NCCL).
         bucket_bytes: the bucket size.
+        timeout: seconds each bucket's broadcast may wait (the trainer's ``timeout``; default
+            torch's 30 minutes).
+
+    Raises:
+        TransportTimeout: a broadcast did not complete within ``timeout`` (``PeerFailed`` /
+            ``PeerGone`` when a peer failed or its process is gone).
     """
     device = comm_device() if comm_device is not None else torch.device("cpu")
     buckets: dict[tuple[int, torch.dtype], list[list[nn.Parameter]]] = {}
@@ -94,9 +102,11 @@ def broadcast_from_owners(
             for chunk in chunks:
                 flat = torch.cat([p.detach().reshape(-1) for p in chunk]).to(device)
                 work = dist.broadcast(flat, src=group_ranks[d], group=group, async_op=True)
-                sent.append((chunk, flat, work))
-        for chunk, flat, work in sent:
-            work.wait()
+                sent.append((d, chunk, flat, work))
+        for (d, chunk, flat, work) in sent:
+            wait_bounded(work, timeout=timeout, group=list(group_ranks),
+                         what=f"ZeRO's broadcast of {len(chunk)} updated parameters from their owner, rank "
+                              f"{group_ranks[d]}, over ranks {list(group_ranks)}")
             offset = 0
             for p in chunk:
                 p.copy_(flat[offset:offset + p.numel()].view_as(p))

@@ -38,10 +38,11 @@ import torch.distributed as dist
 
 from partitioner.errors import PipecutError
 from runtime.errors import InconsistentScheduleError, ProcessGroupError
+from runtime.transport.liveness import gone, register
 
 __all__ = [
     "Key", "TensorMeta", "Transport", "LocalTransport", "DistTransport", "TransportTimeout", "PeerFailed",
-    "announced_failure",
+    "PeerGone", "gone_error", "announced_failure",
 ]
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,34 @@ class PeerFailed(TransportTimeout):
     This rank's error is a consequence; the failing rank's (or stage's) own error is the one to
     read. It subclasses ``TransportTimeout`` so that code catching that still catches this.
     """
+
+
+class PeerGone(PeerFailed):
+    """A wait ended early because a peer's process is gone (killed, crashed, exited): one line
+    naming that rank (``runtime.transport.liveness``).
+
+    Attributes:
+        ranks: the global ranks found gone.
+    """
+
+    def __init__(self, message: str, *, ranks: Sequence[int]) -> None:
+        super().__init__(message)
+        self.ranks = tuple(ranks)
+
+
+def gone_error(me: int, what: str, elapsed: float, peers: Sequence[int]) -> PeerGone | None:
+    """The one-line error for a wait on ``what`` that failed after ``elapsed`` s because one of
+    ``peers`` is gone, or ``None`` when none of them is found gone (see ``liveness.gone``)."""
+    dead = gone([r for r in peers if r != me])
+    if not dead:
+        return None
+    names = ", ".join(str(d) for d in dead)
+    verb = "is" if len(dead) == 1 else "are"
+    return PeerGone(
+        f"rank {me}: {names} {verb} gone (its process exited), so {what} failed after {elapsed:.1f} s; "
+        "restart the job (from its last checkpoint), and read that rank's log or exit code for why it died",
+        ranks=[d.rank for d in dead],
+    )
 
 
 # How gloo ("Timed out waiting 1000ms") and NCCL's watchdog ("... before timing out") say that a
@@ -254,6 +283,7 @@ class DistTransport(Transport):
             rank if group is None else dist.get_global_rank(group, rank) for rank in self.stage_to_rank
         )
         self._wait_for = timedelta(seconds=timeout)
+        register()  # so that peers whose waits fail can tell whether this process is gone
         self._sends: deque[tuple[Key, list[dist.Work], list[torch.Tensor]]] = deque()
         self._posted: dict[Key, tuple[list[dist.Work], list[torch.Tensor], int]] = {}
         self._own: dict[Key, list[torch.Tensor]] = {}  # messages between stages of this rank
@@ -371,6 +401,9 @@ class DistTransport(Transport):
         except RuntimeError as e:
             if not _CLOSED.search(str(e)):
                 raise
+            named = gone_error(self._me, f"posting {what}", 0.0, self._peers if peer is None else [peer])
+            if named is not None:
+                raise named from None
             who, culprit = ("a peer", "that peer") if peer is None else (f"peer rank {peer}", f"rank {peer}")
             first = self._announced()
             raise PeerFailed(
@@ -397,6 +430,11 @@ class DistTransport(Transport):
     ) -> TransportTimeout:
         """``_wait_error``, quoting the first failing rank's own error when one was announced."""
         err = self._wait_error(key, peer, sending, elapsed, error)
+        if isinstance(err, PeerFailed):
+            what = f"the send of {key} (to rank {peer})" if sending else f"{key} (from rank {peer})"
+            named = gone_error(self._me, what, elapsed, self._peers if self.groups_messages else [peer])
+            if named is not None:
+                return named
         first = self._announced()
         return PeerFailed(f"{err}\n  The first rank to fail reported: {first}") if first else err
 

@@ -204,3 +204,23 @@ def test_plan_devices_searches_the_shardings_named_by_zero(tmp_path: Path, capsy
     assert kept.endswith("MiB") and float(kept.split()[0]) > 0
     assert main([*base, "--zero", "none,ddp"]) == 2
     assert "zero must list some of none, zero1, fsdp, got ['none', 'ddp']" in capsys.readouterr().err
+
+
+def test_train_with_a_dead_peer_exits_2_with_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    # What a surviving rank of `pipecut train` meets when a peer is killed (runtime.transport.liveness;
+    # the multi-process case is tests/runtime/transport/test_bounded_collectives.py).
+    from pipecut import cli
+    from runtime.transport.p2p import PeerGone
+
+    line = ("rank 0: rank 1 (process 4242 on host) is gone (its process exited), so the broadcast of the loss "
+            "from rank 1 over ranks [0, 1] failed after 0.1 s; restart the job (from its last checkpoint), and "
+            "read that rank's log or exit code for why it died")
+
+    def dead_peer(args: object) -> int:
+        raise PeerGone(line, ranks=[1])
+
+    monkeypatch.setattr(cli, "_train", dead_peer)
+    assert cli.main(["train", "--model", "model.py", "--data", "tokens.bin"]) == 2
+    assert capsys.readouterr().err == f"pipecut: error: {line}\n"

@@ -30,6 +30,8 @@ save to ``dir`` that succeeds deletes such leftovers.
 
 Loading runs no code from the files (``runtime.state.safe_dcp``): metadata and non-tensor
 entries are read through allow-listing unpicklers, and a damaged file is named in the error.
+A load is a transaction (``runtime.state.staging``): checked, read into staging, then applied,
+so one that raises changes nothing.
 """
 
 from __future__ import annotations

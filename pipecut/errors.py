@@ -70,7 +70,10 @@ from runtime.execute.microbatch import MicrobatchError as MicrobatchError
 from runtime.execute.recompute import RecomputeOptionError as RecomputeOptionError
 from runtime.parallel.fsdp import FSDPOptionError as FSDPOptionError
 from runtime.precision import PrecisionError as PrecisionError
+from runtime.state.checkpoint import CheckpointDtypeError as CheckpointDtypeError
 from runtime.state.checkpoint import CheckpointError as CheckpointError
+from runtime.state.checkpoint import CheckpointMismatchError as CheckpointMismatchError
+from runtime.state.checkpoint import CheckpointShapeError as CheckpointShapeError
 from runtime.state.integrity import ChecksumError as ChecksumError
 from runtime.state.materialize import MaterializeError as MaterializeError
 from runtime.state.weight_errors import AmbiguousPrefixError as AmbiguousPrefixError

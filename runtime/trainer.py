@@ -385,8 +385,16 @@ class PipelineTrainer:
         (weights, optimizer and scheduler state, step, RNG states). ``optimizer=False`` reads
         the weights and step only. Collective under torch.distributed.
 
+        A transaction: everything is checked against the checkpoint's metadata and read into
+        staging first, so a load that raises leaves the trainer exactly as it was (on every
+        rank). Staging holds a second copy of this rank's weights for the length of the load
+        (and of its optimizer state, if it has stepped). See ``runtime.state.staging``.
+
         Raises:
-            CheckpointError: not a checkpoint, or it lacks an entry this trainer needs.
+            CheckpointError: not a checkpoint, it lacks an entry this trainer needs, or DCP failed.
+            CheckpointShapeError: a tensor's shape differs from the checkpoint's (named, with both
+                shapes: another model, or another run's ``--out``); also a ``ValueError``.
+            CheckpointDtypeError: a tensor's dtype differs from the checkpoint's.
             UnsafeFileError: a file would import a class or function (no code of it runs).
             CorruptFileError: a file is missing, truncated or damaged (named, with the entry).
         """

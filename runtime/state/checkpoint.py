@@ -36,6 +36,8 @@ checks it first and raises ``ChecksumError`` naming the file (``runtime.state.in
 
 Loading runs no code from the files (``runtime.state.safe_dcp``): metadata and non-tensor
 entries are read through allow-listing unpicklers, and a damaged file is named in the error.
+A load is a transaction (``runtime.state.staging``): checked, read into staging, then applied,
+so one that raises changes nothing.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ import logging
 import os
 import shutil
 from collections.abc import Collection, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -52,20 +55,24 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from partitioner.errors import PipecutError
 from runtime.state import commit as _commits
-from runtime.state import integrity
+from runtime.state import integrity, staging
 from runtime.state.hf_conversion import checkpoint_names
+from runtime.state.weight_errors import (
+    CheckpointDtypeError,
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointShapeError,
+)
 
-__all__ = ["CheckpointError", "Checkpointable", "save", "load", "load_model", "export_safetensors"]
+__all__ = [
+    "CheckpointDtypeError", "CheckpointError", "CheckpointMismatchError", "CheckpointShapeError", "Checkpointable",
+    "save", "load", "load_model", "export_safetensors",
+]
 
 log = logging.getLogger(__name__)
 
 PathLike = str | os.PathLike[str]
-
-
-class CheckpointError(PipecutError, RuntimeError):
-    """A checkpoint cannot be written or read as asked (not a checkpoint, missing entries)."""
 
 
 class _StateDict(Protocol):
@@ -129,8 +136,7 @@ def save(trainer: Checkpointable, directory: PathLike) -> Path:
         shutil.rmtree(partial, ignore_errors=True)  # a save of this step that died before
     _barrier()
     state = _state(trainer, for_load=False)
-    with _safe_dcp().single_process_quiet():
-        _dcp().save(state, checkpoint_id=str(partial), no_dist=not _distributed())
+    _safe_dcp().save(state, partial, collective=_distributed())
     _barrier()  # every rank's files are written, and the metadata
     _write_manifest(partial, _dcp_files(partial))
     if leader:
@@ -144,6 +150,13 @@ def save(trainer: Checkpointable, directory: PathLike) -> Path:
 def load(trainer: Checkpointable, directory: PathLike, *, optimizer: bool = True) -> None:
     """Read a checkpoint written by :func:`save` (under any plan) into ``trainer``, in place.
 
+    A transaction (:mod:`runtime.state.staging`): every file, entry, shape and dtype is checked
+    against the checkpoint's metadata first, the values are read into staging, and only when
+    all of them were read are they copied into the model and optimizer and the scheduler, loss
+    scaler, step and RNG states set. A load that raises leaves all of these as they were, on
+    every rank. Staging holds a second copy of this rank's weights (and of its optimizer state,
+    when the optimizer already had some) for the length of the load.
+
     Args:
         trainer: a trainer whose stages and optimizer are built (its parameters are
             overwritten; a meta model is materialised first by the trainer).
@@ -152,9 +165,13 @@ def load(trainer: Checkpointable, directory: PathLike, *, optimizer: bool = True
             step only, e.g. to fine-tune with a fresh optimizer).
 
     Raises:
-        CheckpointError: ``directory`` is not a checkpoint, or lacks an entry this trainer needs.
+        CheckpointError: ``directory`` is not a checkpoint, lacks an entry this trainer needs,
+            or DCP failed (its ``CheckpointException`` never escapes).
+        CheckpointShapeError: a tensor's shape differs from the checkpoint's (the message names
+            it and both shapes: another model, or another run's folder); a ``ValueError`` too.
+        CheckpointDtypeError: a tensor's dtype differs from the checkpoint's.
         UnsafeFileError: a file would import a class or function a checkpoint never holds
-            (nothing of it ran); raised before anything is changed when it is ``.metadata``.
+            (nothing of it ran).
         CorruptFileError: a file is missing, truncated or damaged (the error names it and the entry).
     """
     # Integrity (issue 31), before anything is read: the previous copy if an overwrite was cut
@@ -166,8 +183,42 @@ def load(trainer: Checkpointable, directory: PathLike, *, optimizer: bool = True
             "wrote; a folder named .<dir>.partial-* is a save that did not finish"
         )
     saved = _safe_dcp().read_metadata(path).state_dict_metadata  # first: a bad .metadata changes nothing
+    opt = trainer.optimizer if optimizer else None
+    fresh = opt is not None and not opt.state  # its state is created for the load: its own staging
+    with staging.optimizer_rolled_back(opt):
+        state, rng, problem = _planned(trainer, path, saved, optimizer=optimizer, init=fresh)
+        staging.agree(problem, distributed=_distributed())  # every rank reads, or none
+        staged = staging.stage(state, keep=lambda key: fresh and key.startswith("optim.state."))
+        _safe_dcp().load(staged, path, collective=_distributed())
+        problem = None
+        changes: _Changes | None = None
+        try:
+            changes = _decoded(trainer, staged, optimizer=optimizer)
+        except Exception as e:  # a record that is not what pipecut writes: nothing applied yet
+            problem = CheckpointError(f"{path} holds an entry pipecut cannot read back ({type(e).__name__}: {e}); "
+                                      "restore the checkpoint from a good copy")
+        staging.agree(problem, distributed=_distributed())  # every rank applies, or none
+    assert changes is not None  # else agree() raised
+    # Everything was read: apply (copies and assignments only).
+    staging.commit(state, staged)
+    _apply(trainer, changes)
+    for key in rng:
+        if key.endswith(".cpu"):
+            torch.set_rng_state(staged[key])
+        else:
+            torch.cuda.set_rng_state(staged[key])
+    log.info("loaded %s at step %d", path, trainer.step_count)
+
+
+def _planned(trainer: Checkpointable, path: Path, saved: Mapping[str, Any], *, optimizer: bool,
+             init: bool) -> tuple[dict[str, Any], list[str], Exception | None]:
+    """The state to read, the RNG keys among it, and why it cannot be read (``None``: it can).
+
+    Creates a fresh optimizer's state when ``init`` (undone by the caller on failure). A
+    problem is returned, not raised, so that the ranks agree on it before any collective read.
+    """
     present = set(saved)
-    if optimizer and trainer.optimizer is not None:
+    if init and trainer.optimizer is not None:
         _init_optimizer_state(trainer.optimizer)
     state = _state(trainer, for_load=True, optimizer=optimizer, saved=saved)
     world = dist.get_world_size() if _distributed() else 1
@@ -180,41 +231,48 @@ def load(trainer: Checkpointable, directory: PathLike, *, optimizer: bool = True
         missing.remove("trainer.loss_scaler")
         del state["trainer.loss_scaler"]
     if missing:
-        raise CheckpointError(
+        return state, rng, CheckpointError(
             f"{path} lacks {len(missing)} entries this trainer needs, e.g. {missing[:4]}; it was saved "
             "from another model, or without an optimizer (load(..., optimizer=False) reads weights only)"
         )
-    _safe_dcp().load(state, path, collective=_distributed())
-    _apply(trainer, state, optimizer=optimizer)
-    for key in rng:
-        if key.endswith(".cpu"):
-            torch.set_rng_state(state[key])
-        else:
-            torch.cuda.set_rng_state(state[key])
-    log.info("loaded %s at step %d", path, trainer.step_count)
+    try:
+        staging.check_against(state, saved, str(path))
+    except CheckpointMismatchError as e:
+        return state, rng, e
+    return state, rng, None
 
 
 def load_model(model: nn.Module, directory: PathLike, *, strict: bool = True) -> list[str]:
     """Load a checkpoint's weights into a plain (unpartitioned) model, in place.
 
     Returns the names loaded. With ``strict``, every entry of ``model.state_dict()`` must be in
-    the checkpoint.
+    the checkpoint. Like :func:`load`, a transaction: names, shapes and dtypes are checked
+    first and the values read into staging (a second copy of the model's tensors, for the
+    length of the load), so a load that raises leaves the model as it was.
+
+    Raises:
+        CheckpointError: an entry is missing (``strict``), or DCP failed.
+        CheckpointShapeError: a tensor's shape differs from the checkpoint's (another model).
+        CheckpointDtypeError: a tensor's dtype differs from the checkpoint's.
+        CorruptFileError: a file is missing, truncated or damaged.
 
     Example:
         ``trainer.save("ckpt")`` under any plan, then ``load_model(MyModel(), "ckpt")``.
     """
     path = integrity.verify_manifest(_commits.resolve(directory))
-    present = _keys(path)
+    saved = _safe_dcp().read_metadata(path).state_dict_metadata
     state = model.state_dict()
-    wanted = {f"model.{k}": v for k, v in state.items() if (not strict and f"model.{k}" in present) or strict}
-    missing = [k for k in wanted if k not in present]
+    wanted = {f"model.{k}": v for k, v in state.items() if (not strict and f"model.{k}" in saved) or strict}
+    missing = [k for k in wanted if k not in saved]
     if missing:
         raise CheckpointError(
             f"{path} lacks {len(missing)} of the model's tensors, e.g. {[k[6:] for k in missing[:4]]}; "
             "it was saved from another model (or pass strict=False)"
         )
-    _safe_dcp().load(wanted, path, collective=False)
-    model.load_state_dict({k[len("model."):]: v for k, v in wanted.items()}, strict=strict)
+    staging.check_against(wanted, saved, str(path))
+    staged = staging.stage(wanted)
+    _safe_dcp().load(staged, path, collective=False)
+    model.load_state_dict({k[len("model."):]: v for k, v in staged.items()}, strict=strict)
     return [k[len("model."):] for k in wanted]
 
 
@@ -379,10 +437,22 @@ def _rng_keys() -> list[str]:
     return keys
 
 
-def _apply(trainer: Checkpointable, state: Mapping[str, Any], *, optimizer: bool) -> None:
-    """Write back what DCP loaded by replacement (non-tensor values), and the RNG states."""
+@dataclass
+class _Changes:
+    """What a load assigns (rather than copies into live tensors), decoded before any is made."""
+
+    step: int
+    settings: list[tuple[dict[str, Any], str, Any]] = field(default_factory=list)  # (group, key, value)
+    values: list[tuple[torch.Tensor, str, Any]] = field(default_factory=list)  # (param, key, value)
+    scheduler: Any = None
+    scaler: Any = None
+
+
+def _decoded(trainer: Checkpointable, state: Mapping[str, Any], *, optimizer: bool) -> _Changes:
+    """Decode the non-tensor values DCP read (records, the step); changes nothing, so that a
+    record that fails to decode leaves the trainer as it was."""
     decode = _safe_dcp().from_record
-    trainer.step_count = int(state["trainer.step"])
+    changes = _Changes(step=int(state["trainer.step"]))
     opt = trainer.optimizer
     if opt is not None and optimizer:
         names = {id(p): n for n, p in trainer.named_parameters()}
@@ -392,17 +462,36 @@ def _apply(trainer: Checkpointable, state: Mapping[str, Any], *, optimizer: bool
             settings = decode(state[record]) if record in state else {}
             for key in list(group):
                 if key in settings:
-                    group[key] = settings[key]
+                    changes.settings.append((group, key, settings[key]))
                 elif key != "params" and f"optim.group.{first}.{key}" in state:
-                    group[key] = state[f"optim.group.{first}.{key}"]
+                    changes.settings.append((group, key, state[f"optim.group.{first}.{key}"]))
             for p in group["params"]:
                 for key, live in list(opt.state.get(p, {}).items()):
                     if not isinstance(live, torch.Tensor):
-                        opt.state[p][key] = decode(state[f"optim.state.{names[id(p)]}.{key}"])
+                        changes.values.append((p, key, decode(state[f"optim.state.{names[id(p)]}.{key}"])))
         if trainer.scheduler is not None and "trainer.scheduler" in state:
-            trainer.scheduler.load_state_dict(decode(state["trainer.scheduler"]))
+            changes.scheduler = decode(state["trainer.scheduler"])
     if trainer.scaler is not None and "trainer.loss_scaler" in state:
-        trainer.scaler.load_state_dict(decode(state["trainer.loss_scaler"]))
+        changes.scaler = decode(state["trainer.loss_scaler"])
+    return changes
+
+
+def _apply(trainer: Checkpointable, changes: _Changes) -> None:
+    """Make the assignments of a load whose tensors are already copied into the live ones."""
+    trainer.step_count = changes.step
+    opt = trainer.optimizer
+    for group, key, value in changes.settings:
+        if isinstance(group.get(key), torch.Tensor) and isinstance(value, torch.Tensor):
+            group[key].copy_(value)  # a tensor setting (lr): in place, as the optimizer holds it
+        else:
+            group[key] = value
+    for p, key, value in changes.values:
+        assert opt is not None
+        opt.state[p][key] = value
+    if changes.scheduler is not None and trainer.scheduler is not None:
+        trainer.scheduler.load_state_dict(changes.scheduler)
+    if changes.scaler is not None and trainer.scaler is not None:
+        trainer.scaler.load_state_dict(changes.scaler)
     trainer.sync_tied_copies()
 
 

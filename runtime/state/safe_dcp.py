@@ -28,6 +28,7 @@ the file and the entry, checked before any destination is written where sizes te
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import io
 import json
 import logging
@@ -48,11 +49,12 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 
-from runtime.state.weight_errors import CorruptFileError, UnsafeFileError
+from partitioner.errors import PipecutError
+from runtime.state.weight_errors import CheckpointError, CorruptFileError, UnsafeFileError
 
 __all__ = [
-    "SafeLoadPlanner", "SafeReader", "from_record", "load", "read_metadata", "record_slot", "single_process_quiet",
-    "to_record",
+    "SafeLoadPlanner", "SafeReader", "from_record", "load", "read_metadata", "record_slot", "save",
+    "single_process_quiet", "to_record",
 ]
 
 log = logging.getLogger(__name__)
@@ -263,7 +265,9 @@ def load(state: dict[str, Any], directory: str | os.PathLike[str], *, collective
     """``torch.distributed.checkpoint.load`` of ``state`` from ``directory``, in place, safely.
 
     The metadata is read, and the files holding ``state``'s keys are checked to exist and be
-    long enough, before any value is read.
+    long enough, before any value is read. DCP's own ``CheckpointException`` (a
+    ``BaseException``, which ``except Exception`` misses) never escapes: it becomes the first
+    rank's typed error, or a :class:`CheckpointError` carrying it.
 
     Args:
         state: the flat state to fill (tensors in place, other values by replacement).
@@ -274,9 +278,8 @@ def load(state: dict[str, Any], directory: str | os.PathLike[str], *, collective
     Raises:
         UnsafeFileError: a file would import a class or function outside the allow-list.
         CorruptFileError: a file is missing, truncated or damaged.
+        CheckpointError: DCP failed otherwise (the message carries its first failure).
     """
-    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-
     reader = SafeReader(directory)
     if collective:  # every rank checks every file, so that all raise the same error or none
         reader.check_files()
@@ -286,15 +289,51 @@ def load(state: dict[str, Any], directory: str | os.PathLike[str], *, collective
                             if k in wanted or any(p in wanted for p in _prefixes(k))})
     try:
         with single_process_quiet():
-            dcp_load(state, checkpoint_id=str(directory), storage_reader=reader,
-                     planner=SafeLoadPlanner(), no_dist=not collective)
+            _dcp_load(state, checkpoint_id=str(directory), storage_reader=reader,
+                      planner=SafeLoadPlanner(), no_dist=not collective)
     except CheckpointException as e:
-        # DCP gathers every rank's failure and raises them on all ranks (a BaseException):
-        # give back the first rank's typed error, so each rank raises the same one.
-        for _rank, (error, _) in sorted(e.failures.items()):
-            if isinstance(error, (UnsafeFileError, CorruptFileError)):
-                raise error from e
-        raise
+        raise _typed(e, f"torch.distributed.checkpoint could not load {directory}",
+                     "check that the checkpoint is complete and was saved by this model") from e
+
+
+def save(state: dict[str, Any], directory: str | os.PathLike[str], *, collective: bool) -> None:
+    """``torch.distributed.checkpoint.save`` of ``state`` to ``directory``, with DCP's
+    ``CheckpointException`` (a ``BaseException``) turned into the first rank's typed error or
+    a :class:`CheckpointError`.
+
+    Raises:
+        CheckpointError: DCP failed on some rank (the message names the rank and its error).
+    """
+    # Looked up at each call, so that tests can replace dcp.save (untyped: it is re-exported).
+    dcp: Any = importlib.import_module("torch.distributed.checkpoint")
+
+    try:
+        with single_process_quiet():
+            dcp.save(state, checkpoint_id=str(directory), no_dist=not collective)
+    except CheckpointException as e:
+        raise _typed(e, f"torch.distributed.checkpoint could not save to {directory}",
+                     "check that the folder is writable and the disk has room") from e
+
+
+def _dcp_load(state: dict[str, Any], **kwargs: Any) -> None:
+    """DCP's load (a seam: tests make it fail as DCP can)."""
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+    dcp_load(state, **kwargs)
+
+
+def _typed(e: CheckpointException, what: str, fix: str) -> Exception:
+    """What to raise for DCP's ``CheckpointException`` ``e``: the lowest failing rank's error if
+    it is one of pipecut's (each rank then raises the same), else a :class:`CheckpointError`."""
+    failures = sorted(e.failures.items())
+    for _rank, (error, _) in failures:
+        if isinstance(error, PipecutError) and isinstance(error, Exception):
+            return error
+    if not failures:
+        return CheckpointError(f"{what}: {e}; {fix}")
+    rank, (error, _) = failures[0]
+    detail = str(error).splitlines()[0] if str(error) else ""
+    return CheckpointError(f"{what}: rank {rank} failed with {type(error).__name__}: {detail}; {fix}")
 
 
 def _prefixes(key: str) -> Iterator[str]:

@@ -15,6 +15,10 @@ from partitioner.errors import PipecutError
 
 __all__ = [
     "AmbiguousPrefixError",
+    "CheckpointDtypeError",
+    "CheckpointError",
+    "CheckpointMismatchError",
+    "CheckpointShapeError",
     "CorruptFileError",
     "MissingWeightsError",
     "NonFiniteWeightsError",
@@ -154,6 +158,38 @@ class CorruptFileError(PipecutError, ValueError):
         super().__init__(message)
         self.file = file
         self.key = key
+
+
+class CheckpointError(PipecutError, RuntimeError):
+    """A checkpoint cannot be written or read as asked (not a checkpoint, missing entries, DCP failed).
+
+    Defined here rather than in ``runtime.state.checkpoint`` (which re-exports it) so that
+    ``runtime.state.safe_dcp``, below it, can raise it too.
+    """
+
+
+class CheckpointMismatchError(CheckpointError, ValueError):
+    """Tensors of the trainer (or model) differ from the checkpoint's in shape or dtype; nothing was loaded.
+
+    Attributes:
+        source: the checkpoint directory.
+        problems: every offending tensor (``key`` the checkpoint entry, ``expected`` what the
+            trainer holds, ``found`` what the checkpoint holds); the message lists the first few.
+    """
+
+    # Defaults, so that the error survives the pickling that hands it between ranks.
+    def __init__(self, message: str = "", *, source: str = "", problems: Sequence[WeightProblem] = ()) -> None:
+        super().__init__(message)
+        self.source = source
+        self.problems = tuple(problems)
+
+
+class CheckpointShapeError(CheckpointMismatchError):
+    """A tensor's shape differs from the checkpoint's (another model, or another run's checkpoint)."""
+
+
+class CheckpointDtypeError(CheckpointMismatchError):
+    """A tensor's dtype differs from the checkpoint's (the shapes agree)."""
 
 
 class PartialLoadError(WeightsError, RuntimeError):

@@ -145,3 +145,22 @@ def test_only_causal_lms_train(tmp_path: Path, token_file: Path, capsys: pytest.
     T5Config(d_model=16, num_layers=1, num_heads=2, d_ff=32, vocab_size=32).save_pretrained(tmp_path / "t5")
     assert main(_args(tmp_path / "t5", token_file, tmp_path / "o")) == 2
     assert "pipecut train supports causal language models" in capsys.readouterr().err
+
+
+def test_resuming_another_models_run_is_a_one_line_error(
+    uninterrupted: Path, token_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The model folder changed under an --out that holds another model's checkpoints (issue 31):
+    one line naming a tensor, both shapes and the likely cause, not DCP's traceback."""
+    import shutil
+
+    from tests.pipecut.conftest import write_llama
+
+    out = tmp_path / "out"
+    shutil.copytree(uninterrupted, out)
+    wider = write_llama(tmp_path / "wider", hidden_size=48)
+    capsys.readouterr()
+    assert main([*_args(wider, token_file, out), "--steps", "6"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pipecut: error: ") and "Traceback" not in err
+    assert "differ in shape" in err and "(128, 48)" in err and "(128, 32)" in err and "--out" in err

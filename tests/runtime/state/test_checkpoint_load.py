@@ -23,6 +23,7 @@ from partitioner import partition
 from partitioner.zoo import MLPChain
 from runtime import PipelineTrainer
 from runtime.state.checkpoint import CheckpointError, CheckpointShapeError
+from runtime.state.integrity import MANIFEST
 from runtime.state.safe_dcp import read_metadata
 from runtime.state.weight_errors import CorruptFileError
 from runtime.transport.launch import spawn
@@ -76,9 +77,16 @@ def _largest_distcp(directory: Path) -> Path:
     return max(directory.glob("*.distcp"), key=lambda f: f.stat().st_size)
 
 
+def _copy_unchecked(good: Path, directory: Path) -> None:
+    """A copy without the checksums' manifest, which would catch the damage first (ChecksumError,
+    tested in test_integrity.py): what is tested here is that the load stages what it reads."""
+    shutil.copytree(good, directory)
+    (directory / MANIFEST).unlink()
+
+
 def truncated(good: Path, tmp: Path) -> Path:
     directory = tmp / "truncated"
-    shutil.copytree(good, directory)
+    _copy_unchecked(good, directory)
     target = _largest_distcp(directory)
     target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])
     return directory
@@ -86,7 +94,7 @@ def truncated(good: Path, tmp: Path) -> Path:
 
 def missing(good: Path, tmp: Path) -> Path:
     directory = tmp / "missing"
-    shutil.copytree(good, directory)
+    _copy_unchecked(good, directory)
     _largest_distcp(directory).unlink()
     return directory
 
@@ -95,7 +103,7 @@ def damaged_middle(good: Path, tmp: Path, prefix: str = "") -> Path:
     """The header of the middle entry (among keys starting with ``prefix``) of the largest file
     flipped: DCP reads the entries before it (into the destinations, on main) and fails on it."""
     directory = tmp / f"damaged{prefix}"
-    shutil.copytree(good, directory)
+    _copy_unchecked(good, directory)
     target = _largest_distcp(directory)
     mine = [e for e in _entries(directory) if e[1] == target.name and e[0].startswith(prefix)]
     mine.sort(key=lambda e: e[2])
@@ -260,6 +268,7 @@ def _dist_case(rank: int, world: int, directory: str) -> dict[str, Any]:
         data = bytearray(target.read_bytes())
         data[offset:offset + min(64, length)] = bytes(b ^ 0xFF for b in data[offset:offset + min(64, length)])
         target.write_bytes(bytes(data))
+        (Path(directory) / MANIFEST).unlink()  # past the checksums: the staging is what is tested
     dist.barrier()
     tried = _tried_then_trained(Path(directory), trained_before=1, transport="dist")
     reference = _never_tried(trained_before=1, transport="dist")

@@ -58,7 +58,8 @@ HF_CHECKPOINTS = (SINGLE_FILE, INDEX_FILE, TORCH_FILE, TORCH_INDEX_FILE)
 _DCP_METADATA = ".metadata"
 
 # Weights in a format no reader here understands (transformers 5 reads only GGUF of these, and
-# converts it on load): the file pattern, what it is, and how to get a folder pipecut reads.
+# converts it on load): the file pattern, what it is, and how to get a folder pipecut reads
+# ({name}: the file found).
 _FROM_V4 = ("load the folder with a transformers 4 release and {lib} installed, "
             "AutoModelForCausalLM.from_pretrained(folder, {flag}=True), and save_pretrained() it (model.safetensors)")
 _FOREIGN: tuple[tuple[str, str, str], ...] = (
@@ -71,7 +72,7 @@ _FOREIGN: tuple[tuple[str, str, str], ...] = (
     ("flax_model.msgpack.index.json", "a Flax shard index", _FROM_V4.format(lib="Flax", flag="from_flax")),
     ("*.gguf", "GGUF (llama.cpp) weights",
      ("dequantise it with transformers (pip install gguf): AutoModelForCausalLM.from_pretrained(folder, "
-      "gguf_file=NAME).save_pretrained(new_folder), and use new_folder")),
+      "gguf_file='{name}').save_pretrained(new_folder), and use new_folder")),
     ("*.onnx", "an ONNX graph", "use the PyTorch weights it was exported from (model.safetensors)"),
 )
 # Files of a weight-file suffix that a transformers Trainer checkpoint holds beside the model and
@@ -205,7 +206,7 @@ def find_checkpoint(directory: str | os.PathLike[str], *, explicit: str | None =
         if found:
             raise WeightsSourceError(
                 f"{folder} holds {what} ({', '.join(found[:3])}), which pipecut does not read: it reads "
-                f"{', '.join(HF_CHECKPOINTS)} (from_pretrained's order). To convert: {fix}",
+                f"{', '.join(HF_CHECKPOINTS)} (from_pretrained's order). To convert: {fix.format(name=found[0])}",
                 source=str(folder / found[0]),
             )
     stray = [n for n in names if n.endswith(_WEIGHT_SUFFIXES)

@@ -285,11 +285,12 @@ def open_source(source: str | os.PathLike[str]) -> Source:
 
 def _read_index(index: Path) -> dict[str, str]:
     """An index's ``weight_map``: key -> the path of the shard holding it."""
+    kind = "torch" if index.name.endswith(".bin.index.json") else "safetensors"
     try:
         data = json.loads(index.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise WeightsSourceError(
-            f"cannot read the checkpoint index {index}: {e}; re-export the checkpoint "
+            f"cannot read the {kind} index {index}: {e}; re-export the checkpoint "
             "(save_safetensors or save_pretrained) or restore the file",
             source=str(index),
         ) from e

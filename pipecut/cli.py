@@ -112,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a Hugging Face folder's example sequence length (default: 1024, or the model's maximum)")
     plan.add_argument("--micro-batch-size", type=_count, default=1,
                       help="a Hugging Face folder's example rows per micro-batch (default 1)")
+    plan.add_argument("--trust-remote-code", action="store_true",
+                      help="let a Hugging Face folder's own code (auto_map, modeling_*.py) run to build its model; "
+                      "off by default: read that code first")
     plan.add_argument("--calibrate", metavar="FILE", default=None,
                       help="plan for the measured cluster in FILE (from `pipecut calibrate`); if FILE does "
                       "not exist, measure this host for the plan's devices at the model's sizes and save it there")
@@ -172,7 +175,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _plan(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     if is_hf_folder(args.model):
-        model, inputs = _folder_model(args.model, args.seq_len, args.micro_batch_size)
+        model, inputs = _folder_model(args.model, args.seq_len, args.micro_batch_size,
+                                      trust_remote_code=args.trust_remote_code, command="pipecut plan")
     else:
         model, inputs = load_model(args.model)
     if (args.stages is None) == (args.devices is None):
@@ -219,10 +223,13 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _folder_model(path: str, seq_len: int | None, rows: int) -> tuple[nn.Module, tuple[torch.Tensor]]:
+def _folder_model(
+    path: str, seq_len: int | None, rows: int, *, trust_remote_code: bool, command: str
+) -> tuple[nn.Module, tuple[torch.Tensor]]:
     """A Hugging Face folder's model on meta (no weight memory) and one micro-batch of token ids."""
-    folder = HFFolder(path)
+    folder = HFFolder(path, trust_remote_code=trust_remote_code)
     config = folder.config
+    folder.check_causal_lm(config, command=command)
     longest = max_positions(config)
     length = seq_len or min(1024, longest or 1024)
     if longest is not None and length > longest:
@@ -315,6 +322,8 @@ def _add_calibrate_parser(sub: Any) -> None:
                      help="processes computing at once (default: --devices)")
     cal.add_argument("--model", default=None,
                      help="time this model's matrix products (a plan MODEL) instead of a small GPT-2's")
+    cal.add_argument("--trust-remote-code", action="store_true",
+                     help="let a --model folder's own code (auto_map, modeling_*.py) run; off by default")
     cal.add_argument("--quick", action="store_true", help="tiny sizes: a rough measurement in seconds")
     cal.add_argument("--timeout", type=float, default=600.0, help="seconds before the measurement is stopped")
     cal.add_argument("--out", required=True, help="write the measured cluster (JSON) here")
@@ -323,7 +332,11 @@ def _add_calibrate_parser(sub: Any) -> None:
 def _calibrate(args: argparse.Namespace) -> int:
     probe = Probe.tiny() if args.quick else Probe()
     if args.model:
-        model, inputs = _folder_model(args.model, None, 1) if is_hf_folder(args.model) else load_model(args.model)
+        if is_hf_folder(args.model):
+            model, inputs = _folder_model(args.model, None, 1, trust_remote_code=args.trust_remote_code,
+                                          command="pipecut calibrate")
+        else:
+            model, inputs = load_model(args.model)
         probe = _model_probe(probe, model, inputs)
     _measure_and_save(args.out, args.devices, probe, processes=args.processes, timeout=args.timeout)
     return 0
@@ -410,7 +423,7 @@ def _measure_and_save(path: str, devices: int, probe: Probe, *, processes: int |
 
 # flag -> (type, help); each is a key of pipecut.train.config.TrainConfig (docs/train.md).
 _TRAIN_FLAGS: dict[str, tuple[Any, str]] = {
-    "model": (str, "a Hugging Face folder: config.json, and safetensors weights to fine-tune"),
+    "model": (str, "a Hugging Face folder: config.json, and weights to fine-tune (safetensors or pytorch_model.bin)"),
     "data": (str, "training tokens: .npy (1-D ints), .bin (raw uint16, nanoGPT's format), .txt or .jsonl"),
     "out": (str, "the run's folder: plan.json, metrics.jsonl, checkpoints/, final/"),
     "steps": (int, "optimizer steps in all (default 100); rerun with more to continue"),
@@ -436,6 +449,7 @@ _TRAIN_FLAGS: dict[str, tuple[Any, str]] = {
     "seed": (int, "seed of the initialisation and of the data order (default 0)"),
     "data-dtype": (str, "token type of a .bin: uint16 (default), uint32, int32, int64"),
     "device": (str, "device preset the plan is costed for (default: this machine's)"),
+    "trust-remote-code": (bool, "let the folder's own code (auto_map, modeling_*.py) run; off by default"),
 }
 
 
@@ -448,7 +462,10 @@ def _add_train_parser(sub: Any) -> None:
     train.add_argument("--config", dest="config_file", default=None,
                        help="a TOML file of these settings (flags override it)")
     for flag, (kind, text) in _TRAIN_FLAGS.items():
-        train.add_argument(f"--{flag}", type=kind, default=argparse.SUPPRESS, help=text)
+        if kind is bool:  # a switch: given or not
+            train.add_argument(f"--{flag}", action="store_true", default=argparse.SUPPRESS, help=text)
+        else:
+            train.add_argument(f"--{flag}", type=kind, default=argparse.SUPPRESS, help=text)
 
 
 def _train(args: argparse.Namespace) -> int:

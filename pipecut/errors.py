@@ -52,6 +52,7 @@ from partitioner.schedule.errors import SimulationError as SimulationError
 from partitioner.schedule.errors import TimelineError as TimelineError
 from partitioner.schedule.errors import UnknownScheduleError as UnknownScheduleError
 from pipecut.folder import FolderError as FolderError
+from pipecut.folder import RemoteCodeError as RemoteCodeError
 from pipecut.folder import UnsupportedModelError as UnsupportedModelError
 from pipecut.train.config import TrainConfigError as TrainConfigError
 from pipecut.train.data import DataError as DataError

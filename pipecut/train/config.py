@@ -39,7 +39,7 @@ class TrainConfig:
     """Everything a ``pipecut train`` run depends on (docs/train.md describes each key)."""
 
     model: str
-    """A Hugging Face folder: config.json, safetensors weights to fine-tune (else the model's own init)."""
+    """A Hugging Face folder: config.json, weights to fine-tune (else the model's own init: a warning says so)."""
     data: str
     """Training tokens: ``.npy`` (1-D ints), ``.bin`` (raw ``data_dtype``), or ``.txt``/``.jsonl`` text."""
     out: str
@@ -73,6 +73,8 @@ class TrainConfig:
     data_dtype: str = "uint16"
     device: str = "auto"
     """The device preset the plan is costed for (``auto``: this machine's)."""
+    trust_remote_code: bool = False
+    """Let the folder's own code (``auto_map``, ``modeling_*.py``) run; a folder that needs it is refused without."""
 
     def __post_init__(self) -> None:
         _check(self)
@@ -176,7 +178,10 @@ def _field_types() -> dict[str, str]:
 def _typed(key: str, value: Any) -> Any:
     """``value`` as the key's type (a TOML int for a float key is fine; a string for an int is not)."""
     kind = _field_types()[key]
-    if kind.startswith("int"):
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise TrainConfigError(f"{key} must be true or false, got {value!r}")
+    elif kind.startswith("int"):
         if isinstance(value, bool) or not isinstance(value, int):
             raise TrainConfigError(f"{key} must be an integer, got {value!r}")
     elif kind.startswith("float"):

@@ -154,9 +154,10 @@ def train(cfg: TrainConfig, *, on_step: Callable[[Mapping[str, Any]], None] | No
     lay = layout(cfg, world, rank)
     leader = lay.rank == 0
     out = Path(cfg.out)
-    folder = HFFolder(cfg.model)
+    folder = HFFolder(cfg.model, trust_remote_code=cfg.trust_remote_code)
     config = folder.config
     folder.check_causal_lm(config, command="pipecut train")
+    weights = _weights(folder, cfg, warn=leader)  # before planning: a folder refused costs no time
     longest = max_positions(config)
     if longest is not None and cfg.seq_len > longest:
         raise TrainConfigError(f"--seq-len {cfg.seq_len} is longer than the model's {longest} positions")
@@ -174,7 +175,7 @@ def train(cfg: TrainConfig, *, on_step: Callable[[Mapping[str, Any]], None] | No
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.toml").write_text(to_toml(cfg))
 
-    plan, trainer = _build(cfg, lay, folder, config, world)
+    plan, trainer = _build(cfg, lay, folder, config, weights, world)
     if leader:
         plan.save(out / "plan.json")
     lay = dataclasses.replace(lay, dp_rank=trainer.mesh.dp_rank)  # the runtime's mesh decides
@@ -210,7 +211,7 @@ def train(cfg: TrainConfig, *, on_step: Callable[[Mapping[str, Any]], None] | No
 
 
 def _build(
-    cfg: TrainConfig, lay: Layout, folder: HFFolder, config: Any, world: int
+    cfg: TrainConfig, lay: Layout, folder: HFFolder, config: Any, weights: Path | None, world: int
 ) -> tuple[Plan, PipelineTrainer]:
     """The plan (the same on every process) and this process's part of the pipeline."""
     # The Hugging Face model as it is: its own parameter names, so the folder's weights load and
@@ -221,7 +222,6 @@ def _build(
         cluster=Cluster.uniform(lay.pp, _preset(cfg.device)), microbatches=lay.m, schedule=cfg.schedule,
         precision=cfg.precision, recompute=_RECOMPUTE[cfg.recompute],
     )
-    weights = folder.weights
     trainer = PipelineTrainer(
         plan, lm_loss, _adamw(cfg),
         execution=Execution(devices=_devices(plan) if world == 1 else None),
@@ -277,6 +277,18 @@ def _adamw(cfg: TrainConfig) -> Callable[[list[nn.Parameter]], torch.optim.Optim
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=BETAS)
 
     return build
+
+
+def _weights(folder: HFFolder, cfg: TrainConfig, *, warn: bool) -> Path | None:
+    """The folder's checkpoint; without one, a warning (on one process) that the run starts from the model's init."""
+    weights = folder.weights
+    if weights is None and warn:
+        log.warning(
+            "%s holds no weights (model.safetensors, model.safetensors.index.json, pytorch_model.bin or "
+            "pytorch_model.bin.index.json): training starts from the model's own random initialisation "
+            "(--seed %d), not from pretrained weights", folder.path, cfg.seed,
+        )
+    return weights
 
 
 def _eval_data(cfg: TrainConfig, data: TokenData, folder: HFFolder) -> TokenData:

@@ -1,8 +1,11 @@
 """Checkpoint readers: list keys and read shapes and dtypes from headers alone, then copy chosen
 tensors one at a time, opening only the files that hold them.
 
-Four layouts: a safetensors file, safetensors shards with ``model.safetensors.index.json``, a
-torch state-dict file (``torch.save``), and a torch.distributed.checkpoint directory (DCP).
+Five layouts: a safetensors file, safetensors shards with ``model.safetensors.index.json``, a
+torch state-dict file (``torch.save``, e.g. ``pytorch_model.bin``), torch shards with
+``pytorch_model.bin.index.json``, and a torch.distributed.checkpoint directory (DCP). A directory
+is read the way ``from_pretrained`` reads a folder (:func:`find_checkpoint`); a folder whose
+weights are in a format none of these readers understands is refused, never half-read.
 
 Why ``safetensors.safe_open`` and not DCP's ``HuggingFaceStorageReader``: torch 2.13's reader
 builds its metadata by opening every ``*.safetensors`` file of the directory (the index is not
@@ -10,12 +13,20 @@ read), so each rank would open every shard; it takes no single-file path; and it
 sizes only while copying, after earlier tensors were written. ``safe_open`` maps one file and
 reads its header (names, shapes, dtypes) without touching data, and ``get_tensor`` reads one
 tensor, which is what "each rank reads only its stages, all checked before any copy" needs.
+
+Torch files are read with ``torch.load(weights_only=True)`` only, so a file whose pickle would
+import a class or function is refused (:class:`UnsafeFileError`) and nothing of it runs; torch
+before 2.6 is refused too, since its ``weights_only`` loader could be escaped (CVE-2025-32434).
 """
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
+import pickle
+import re
+import zipfile
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import ExitStack
@@ -28,16 +39,48 @@ from safetensors import safe_open
 
 from runtime.state.commit import resolve
 from runtime.state.integrity import verify_file, verify_manifest
-from runtime.state.weight_errors import CorruptFileError, WeightsSourceError
+from runtime.state.weight_errors import CorruptFileError, UnsafeFileError, WeightsSourceError
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self from Python 3.11
 
-__all__ = ["INDEX_FILE", "SINGLE_FILE", "Source", "TensorInfo", "open_source"]
+__all__ = [
+    "INDEX_FILE", "SINGLE_FILE", "TORCH_FILE", "TORCH_INDEX_FILE", "HF_CHECKPOINTS", "Source", "TensorInfo",
+    "find_checkpoint", "open_source",
+]
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+TORCH_FILE = "pytorch_model.bin"
+TORCH_INDEX_FILE = "pytorch_model.bin.index.json"
+# The names from_pretrained looks for in a local folder, in its order: transformers 5.24's
+# modeling_utils._get_resolved_checkpoint_files (use_safetensors unset, no variant) takes the first
+# that exists of SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME.
+HF_CHECKPOINTS = (SINGLE_FILE, INDEX_FILE, TORCH_FILE, TORCH_INDEX_FILE)
 _DCP_METADATA = ".metadata"
+
+# Weights in a format no reader here understands (transformers 5 reads only GGUF of these, and
+# converts it on load): the file pattern, what it is, and how to get a folder pipecut reads
+# ({name}: the file found).
+_FROM_V4 = ("load the folder with a transformers 4 release and {lib} installed, "
+            "AutoModelForCausalLM.from_pretrained(folder, {flag}=True), and save_pretrained() it (model.safetensors)")
+_FOREIGN: tuple[tuple[str, str, str], ...] = (
+    ("tf_model*.h5", "TensorFlow weights", _FROM_V4.format(lib="TensorFlow", flag="from_tf")),
+    ("tf_model.h5.index.json", "a TensorFlow shard index", _FROM_V4.format(lib="TensorFlow", flag="from_tf")),
+    ("model.ckpt.index", "a TensorFlow 1 checkpoint",
+     ("convert it with the model's conversion script in transformers 4 "
+      "(convert_*_original_tf_checkpoint_to_pytorch), then save_pretrained() the model (model.safetensors)")),
+    ("flax_model*.msgpack", "Flax weights", _FROM_V4.format(lib="Flax", flag="from_flax")),
+    ("flax_model.msgpack.index.json", "a Flax shard index", _FROM_V4.format(lib="Flax", flag="from_flax")),
+    ("*.gguf", "GGUF (llama.cpp) weights",
+     ("dequantise it with transformers (pip install gguf): AutoModelForCausalLM.from_pretrained(folder, "
+      "gguf_file='{name}').save_pretrained(new_folder), and use new_folder")),
+    ("*.onnx", "an ONNX graph", "use the PyTorch weights it was exported from (model.safetensors)"),
+)
+# Files of a weight-file suffix that a transformers Trainer checkpoint holds beside the model and
+# that are not its weights.
+_NOT_WEIGHTS = ("training_args.bin", "optimizer.pt", "scheduler.pt", "scaler.pt", "rng_state*.pth")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
 
 # safetensors' dtype codes (its format spec); torch names the float8 ones only in recent versions.
 _ST_DTYPES: dict[str, str] = {
@@ -134,12 +177,96 @@ class Source(ABC):
         self._stack.close()
 
 
-def open_source(source: str | os.PathLike[str]) -> Source:
-    """The reader for ``source``: a file (``.safetensors``, ``*.index.json``, else a torch file)
-    or a directory (``.metadata`` -> DCP, ``model.safetensors``, ``model.safetensors.index.json``).
+def find_checkpoint(directory: str | os.PathLike[str], *, explicit: str | None = None) -> Path | None:
+    """The checkpoint ``from_pretrained`` would load from a model folder, or ``None`` when it holds no weights.
+
+    The first of :data:`HF_CHECKPOINTS` that exists (transformers' own order: safetensors before
+    torch files, a single file before an index), or ``explicit``: the file a config's
+    ``transformers_weights`` names, which ``from_pretrained`` takes before any of them.
+
+    Args:
+        directory: the folder.
+        explicit: a file name relative to ``directory`` (a config's ``transformers_weights``).
+
+    Returns:
+        The file or index to read, or ``None`` when the folder holds no weight file at all.
 
     Raises:
-        WeightsSourceError: no such path, or a directory holding none of those layouts.
+        WeightsSourceError: the folder holds weights only in a format pipecut does not read
+            (TensorFlow, Flax, GGUF, ONNX), or under names ``from_pretrained`` does not look for
+            (a variant such as ``model.fp16.safetensors``, shards without their index), or
+            ``explicit`` is missing, outside the folder, or not safetensors.
+
+    Example:
+        >>> import tempfile, safetensors.torch
+        >>> d = Path(tempfile.mkdtemp())
+        >>> find_checkpoint(d) is None
+        True
+        >>> torch.save({"w": torch.zeros(2)}, d / "pytorch_model.bin")
+        >>> find_checkpoint(d).name
+        'pytorch_model.bin'
+        >>> safetensors.torch.save_file({"w": torch.zeros(2)}, str(d / "model.safetensors"))
+        >>> find_checkpoint(d).name   # safetensors first, as from_pretrained
+        'model.safetensors'
+    """
+    folder = Path(directory)
+    if explicit is not None:
+        return _explicit(folder, explicit)
+    for name in HF_CHECKPOINTS:
+        if (folder / name).is_file():
+            return folder / name
+    names = sorted(p.name for p in folder.iterdir() if p.is_file())
+    for pattern, what, fix in _FOREIGN:
+        found = fnmatch.filter(names, pattern)
+        if found:
+            raise WeightsSourceError(
+                f"{folder} holds {what} ({', '.join(found[:3])}), which pipecut does not read: it reads "
+                f"{', '.join(HF_CHECKPOINTS)} (from_pretrained's order). To convert: {fix.format(name=found[0])}",
+                source=str(folder / found[0]),
+            )
+    stray = [n for n in names if n.endswith(_WEIGHT_SUFFIXES)
+             and not any(fnmatch.fnmatch(n, pattern) for pattern in _NOT_WEIGHTS)]
+    if stray:
+        shards = [n for n in stray if n.endswith(".safetensors")]
+        hint = (
+            f" It holds {len(shards)} .safetensors file(s) ({', '.join(shards[:3])}) but no index: an "
+            "interrupted export never writes its index, so re-export, or pass one file's path to load it."
+            if len(shards) > 1 else ""
+        )
+        raise WeightsSourceError(
+            f"{folder} holds weight files under names from_pretrained does not look for "
+            f"({', '.join(stray[:3])}{', ...' if len(stray) > 3 else ''}): it reads {', '.join(HF_CHECKPOINTS)}, "
+            "in that order. Rename the file (a variant such as model.fp16.safetensors to model.safetensors), "
+            f"or write the index of its shards.{hint}",
+            source=str(folder / stray[0]),
+        )
+    return None
+
+
+def _explicit(folder: Path, name: str) -> Path:
+    """The file a config's ``transformers_weights`` names, checked as ``from_pretrained`` checks it."""
+    path = (folder / name).resolve()
+    inside = path.is_relative_to(folder.resolve())
+    if not inside or not name.endswith((".safetensors", ".safetensors.index.json")) or not path.is_file():
+        why = ("is outside the folder" if not inside else "is not a safetensors file or index"
+               if not name.endswith((".safetensors", ".safetensors.index.json")) else "does not exist")
+        raise WeightsSourceError(
+            f"{folder}/config.json names its weights 'transformers_weights': {name!r}, which {why}; "
+            "name a .safetensors file or .safetensors.index.json inside the folder, or remove the key to "
+            f"read {', '.join(HF_CHECKPOINTS)}",
+            source=str(folder / name),
+        )
+    return path
+
+
+def open_source(source: str | os.PathLike[str]) -> Source:
+    """The reader for ``source``: a file (``.safetensors``, ``*.index.json``, else a torch file)
+    or a directory (``.metadata`` -> DCP, else the checkpoint :func:`find_checkpoint` picks).
+
+    Raises:
+        WeightsSourceError: no such path, or a directory holding none of those layouts (or
+            weights in a format pipecut does not read).
+        UnsafeFileError: a torch file's pickle would import a class or function (nothing of it ran).
     """
     path = Path(source)
     if not path.is_file():  # an export or checkpoint cut between its overwrite's renames: its previous copy
@@ -147,33 +274,54 @@ def open_source(source: str | os.PathLike[str]) -> Source:
     if path.is_dir():
         if (path / _DCP_METADATA).is_file():
             return _DcpSource(verify_manifest(path))  # safetensors files are verified as opened
-        # transformers' order: a single file wins over an index.
-        if (path / SINGLE_FILE).is_file():
-            return _SafetensorsSource.single(path / SINGLE_FILE)
-        if (path / INDEX_FILE).is_file():
-            return _SafetensorsSource.sharded(path / INDEX_FILE)
-        shards = sorted(p.name for p in path.glob("*.safetensors"))
-        hint = (
-            f" It holds {len(shards)} .safetensors file(s) ({', '.join(shards[:3])}) but no index: an "
-            "interrupted export never writes its index, so re-export, or pass one file's path to load it."
-            if shards else ""
-        )
-        raise WeightsSourceError(
-            f"{path} is a directory with no checkpoint pipecut reads: expected {SINGLE_FILE}, "
-            f"{INDEX_FILE} with its shards, or a torch.distributed.checkpoint '.metadata' file.{hint}",
-            source=str(path),
-        )
+        found = find_checkpoint(path)
+        if found is None:
+            raise WeightsSourceError(
+                f"{path} is a directory with no checkpoint pipecut reads: expected {SINGLE_FILE}, "
+                f"{INDEX_FILE} with its shards, {TORCH_FILE}, {TORCH_INDEX_FILE} with its shards, or a "
+                "torch.distributed.checkpoint '.metadata' file.",
+                source=str(path),
+            )
+        path = found
     if not path.is_file():
         raise WeightsSourceError(
             f"checkpoint {path} does not exist; give a safetensors file or directory, a "
-            "model.safetensors.index.json, a torch.save file, or a torch.distributed.checkpoint directory",
+            "model.safetensors.index.json, a torch.save file (or pytorch_model.bin.index.json), or a "
+            "torch.distributed.checkpoint directory",
             source=str(path),
         )
     if path.name.endswith(".index.json"):
-        return _SafetensorsSource.sharded(path)
+        weight_map = _read_index(path)
+        if all(file.endswith(".safetensors") for file in weight_map.values()):
+            return _SafetensorsSource(path, weight_map, "safetensors shards")
+        return _TorchSource(path, weight_map, "torch shards")
     if path.suffix == ".safetensors":
         return _SafetensorsSource.single(path)
-    return _TorchFileSource(path)
+    return _TorchSource.single(path)
+
+
+def _read_index(index: Path) -> dict[str, str]:
+    """An index's ``weight_map``: key -> the path of the shard holding it."""
+    kind = "torch" if index.name.endswith(".bin.index.json") else "safetensors"
+    try:
+        data = json.loads(index.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise WeightsSourceError(
+            f"cannot read the {kind} index {index}: {e}; re-export the checkpoint "
+            "(save_safetensors or save_pretrained) or restore the file",
+            source=str(index),
+        ) from e
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise WeightsSourceError(
+            f"{index} has no 'weight_map' object of key -> shard file name, so it is not a "
+            "checkpoint index; re-export the checkpoint or pass the directory that holds it",
+            source=str(index),
+        )
+    folder = index.parent
+    return {k: str(folder / v) for k, v in weight_map.items()}
 
 
 class _SafetensorsSource(Source):
@@ -190,28 +338,6 @@ class _SafetensorsSource(Source):
         source = cls(file, {}, "safetensors")
         source._map = dict.fromkeys(source._open(str(file)).keys(), str(file))
         return source
-
-    @classmethod
-    def sharded(cls, index: Path) -> _SafetensorsSource:
-        try:
-            data = json.loads(index.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise WeightsSourceError(
-                f"cannot read the safetensors index {index}: {e}; re-export the checkpoint "
-                "(save_safetensors or save_pretrained) or restore the file",
-                source=str(index),
-            ) from e
-        weight_map = data.get("weight_map") if isinstance(data, dict) else None
-        if not isinstance(weight_map, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
-        ):
-            raise WeightsSourceError(
-                f"{index} has no 'weight_map' object of key -> shard file name, so it is not a "
-                "safetensors index; re-export the checkpoint or pass the directory that holds it",
-                source=str(index),
-            )
-        folder = index.parent
-        return cls(index, {k: str(folder / v) for k, v in weight_map.items()}, "safetensors shards")
 
     def _open(self, file: str) -> Any:
         if file not in self._handles:
@@ -273,51 +399,131 @@ class _SafetensorsSource(Source):
         return nbytes
 
 
-class _TorchFileSource(Source):
-    """A ``torch.save`` file, memory-mapped: shapes are known at once, pages read on copy."""
+class _TorchSource(Source):
+    """``torch.save`` state dicts: one file, or shards with ``pytorch_model.bin.index.json``.
 
-    kind = "torch file"
+    A file is opened when one of its keys is first asked about, memory-mapped where its format
+    allows (torch's zip format, the default since torch 1.6; the legacy format is read whole):
+    shapes are known at once, pages are read on copy.
+    """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, weight_map: dict[str, str], kind: str) -> None:
         super().__init__(path)
-        try:
-            loaded = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-        except Exception as e:
-            raise WeightsSourceError(
-                f"cannot read {path} as a torch state dict with torch.load(mmap=True, "
-                f"weights_only=True): {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. "
-                "Re-save it as a plain state dict: torch.save(model.state_dict(), path) (the zip "
-                "format of torch >= 1.6, no pickled modules), or convert it to safetensors",
-                source=str(path),
-            ) from e
-        if not isinstance(loaded, Mapping):
-            raise WeightsSourceError(
-                f"{path} holds a {type(loaded).__name__}, not a state dict (a mapping of names to "
-                "tensors); save model.state_dict() instead",
-                source=str(path),
-            )
-        self.touched.append(str(path))
-        self._tensors = _flatten(loaded)
+        self.kind = kind
+        self._map = weight_map
+        self._loaded: dict[str, dict[str, torch.Tensor]] = {}
+
+    @classmethod
+    def single(cls, file: Path) -> _TorchSource:
+        source = cls(file, {}, "torch file")
+        source._map = dict.fromkeys(source._load(str(file)), str(file))
+        return source
+
+    def _load(self, file: str) -> dict[str, torch.Tensor]:
+        if file not in self._loaded:
+            if not os.path.exists(file):
+                raise WeightsSourceError(
+                    f"checkpoint file {file} does not exist; the index {self.path} names it: restore the "
+                    "shard or re-export",
+                    source=str(self.path),
+                )
+            self._loaded[file] = _torch_load(Path(file))
+            if file not in self.touched:
+                self.touched.append(file)
+        return self._loaded[file]
 
     def keys(self) -> Sequence[str]:
-        return list(self._tensors)
+        return list(self._map)
 
     def file_of(self, key: str) -> str:
-        return str(self.path)
+        return self._map[key]
 
     def info(self, keys: Iterable[str]) -> dict[str, TensorInfo]:
-        file = (str(self.path),)
-        return {k: TensorInfo(tuple(self._tensors[k].shape), self._tensors[k].dtype, file) for k in keys}
+        out: dict[str, TensorInfo] = {}
+        for key in keys:
+            file = self._map[key]
+            tensor = self._load(file).get(key)
+            if tensor is None:
+                raise WeightsSourceError(
+                    f"the index {self.path} puts key {key!r} in {file}, which does not hold it; the "
+                    "index is stale: re-export the checkpoint",
+                    source=str(self.path),
+                )
+            out[key] = TensorInfo(tuple(tensor.shape), tensor.dtype, (file,))
+        return out
 
     def read(self, plan: Mapping[str, Sequence[torch.Tensor]], done: Done) -> int:
         nbytes = 0
-        for key, dests in plan.items():
-            tensor = self._tensors[key]
-            nbytes += tensor.numel() * tensor.element_size()
-            for dest in dests:
-                dest.copy_(tensor)
-            done(key)
+        by_file: dict[str, list[str]] = {}
+        for key in sorted(plan):
+            by_file.setdefault(self._map[key], []).append(key)
+        for file, keys in sorted(by_file.items()):
+            tensors = self._load(file)
+            for key in keys:
+                tensor = tensors[key]
+                nbytes += tensor.numel() * tensor.element_size()
+                for dest in plan[key]:
+                    dest.copy_(tensor)
+                done(key)
+            # Let the file's mapping go once its keys are copied: pages read through a mapping
+            # count in the process's RSS for as long as it is mapped.
+            del tensors
+            self._loaded.pop(file, None)
         return nbytes
+
+
+def _torch_load(file: Path) -> dict[str, torch.Tensor]:
+    """A torch file's tensors by dotted key, read with ``weights_only=True`` (mapped where it can be)."""
+    if torch.torch_version.TorchVersion(torch.__version__) < "2.6":  # compared as versions, not text
+        raise WeightsSourceError(
+            f"reading the torch file {file} needs torch >= 2.6 (this is {torch.__version__}): older "
+            "torch.load(weights_only=True) can be made to run code by a crafted file (CVE-2025-32434). "
+            "Upgrade torch, or convert the file to safetensors in a Python you trust",
+            source=str(file),
+        )
+    # mmap needs torch's zip format; a legacy-format file (torch < 1.6) is read whole.
+    mmap = zipfile.is_zipfile(file)
+    try:
+        loaded = torch.load(file, map_location="cpu", mmap=mmap, weights_only=True)
+    except pickle.UnpicklingError as e:
+        # weights_only refuses a damaged file and a crafted one alike; a crafted one names a global.
+        refused = _unsafe_globals(file) or tuple(re.findall(r"Unsupported global: GLOBAL (\S+)", str(e)))
+        if not refused:
+            raise _unreadable(file, e) from e
+        raise UnsafeFileError(
+            f"{file} is not a plain state dict: its pickle would import {', '.join(refused)}, and pipecut "
+            "reads torch files with torch.load(weights_only=True) only, so nothing of it ran. If you trust "
+            "where it came from, convert it in a Python of your own: sd = torch.load(path, "
+            "weights_only=False), keep its tensors, save them with safetensors.torch.save_file(sd, "
+            "'model.safetensors') (or load the model and save_pretrained() it), and use that file",
+            file=str(file), refused=refused,
+        ) from None
+    except Exception as e:
+        raise _unreadable(file, e) from e
+    if not isinstance(loaded, Mapping):
+        raise WeightsSourceError(
+            f"{file} holds a {type(loaded).__name__}, not a state dict (a mapping of names to "
+            "tensors); save model.state_dict() instead",
+            source=str(file),
+        )
+    return _flatten(loaded)
+
+
+def _unreadable(file: Path, e: Exception) -> WeightsSourceError:
+    return WeightsSourceError(
+        f"cannot read {file} as a torch state dict with torch.load(weights_only=True): "
+        f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. Re-save it as a plain state dict: "
+        "torch.save(model.state_dict(), path), or convert it to safetensors",
+        source=str(file),
+    )
+
+
+def _unsafe_globals(file: Path) -> tuple[str, ...]:
+    """The globals outside torch's ``weights_only`` allow-list that ``file`` would import, if it can tell."""
+    try:
+        return tuple(torch.serialization.get_unsafe_globals_in_checkpoint(file))
+    except Exception:  # the legacy format, or a torch without the helper: the message says less
+        return ()
 
 
 def _flatten(tree: Mapping[Any, Any], prefix: str = "") -> dict[str, torch.Tensor]:

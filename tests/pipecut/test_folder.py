@@ -39,6 +39,27 @@ def test_folder_errors_say_what_a_folder_needs(tmp_path: Path) -> None:
         HFFolder(tmp_path).build()
 
 
+def test_without_transformers_the_error_says_how_to_install_it(
+    llama_folder: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from partitioner.errors import MissingDependencyError
+
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - Python 3.10
+        tomllib = pytest.importorskip("tomli")
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers raises ImportError
+    with pytest.raises(MissingDependencyError, match=r'needs transformers: pip install "pipecut\[hf\]"'):
+        _ = HFFolder(llama_folder).config
+    assert main(["plan", str(llama_folder), "--stages", "2", "--seq-len", "16"]) == 2
+    assert 'pip install "pipecut[hf]"' in capsys.readouterr().err
+    # The extra named is one pyproject.toml declares, and it brings transformers (so does dev, for the tests).
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(r.startswith("transformers>=") for r in extras["hf"])
+    assert any(r.startswith("transformers>=") for r in extras["dev"])
+
+
 def test_plan_command_takes_a_folder(llama_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     js = tmp_path / "plan.json"
     code = main(["plan", str(llama_folder), "--stages", "2", "--device", "cpu", "--seq-len", "16",

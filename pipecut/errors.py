@@ -91,6 +91,7 @@ from runtime.state.weight_errors import WeightShapeError as WeightShapeError
 from runtime.state.weight_errors import WeightsSourceError as WeightsSourceError
 from runtime.transport.launch import LaunchError as LaunchError
 from runtime.transport.p2p import PeerFailed as PeerFailed
+from runtime.transport.p2p import PeerGone as PeerGone
 from runtime.transport.p2p import TransportTimeout as TransportTimeout
 from runtime.transport.placement import PlacementError as PlacementError
 

@@ -75,6 +75,14 @@ class TrainConfig:
     """The device preset the plan is costed for (``auto``: this machine's)."""
     trust_remote_code: bool = False
     """Let the folder's own code (``auto_map``, ``modeling_*.py``) run; a folder that needs it is refused without."""
+    allow_nonfinite_weights: str = ""
+    """Comma-separated ``fnmatch`` patterns of weight names that may load holding NaN or infinity
+    (a model that stores a ``-inf`` mask); every other loaded tensor must be finite."""
+
+    @property
+    def nonfinite_patterns(self) -> tuple[str, ...]:
+        """:attr:`allow_nonfinite_weights` as a tuple of patterns."""
+        return tuple(p.strip() for p in self.allow_nonfinite_weights.split(",") if p.strip())
 
     def __post_init__(self) -> None:
         _check(self)

@@ -225,7 +225,8 @@ def _build(
     trainer = PipelineTrainer(
         plan, lm_loss, _adamw(cfg),
         execution=Execution(devices=_devices(plan) if world == 1 else None),
-        init=Init(seed=cfg.seed, weights=Weights(weights, cast=True) if weights else None),
+        init=Init(seed=cfg.seed, weights=Weights(weights, cast=True, allow_nonfinite=cfg.nonfinite_patterns)
+                  if weights else None),
         data_parallel=DataParallel(size=lay.dp) if world > 1 else None,
     )
     return plan, trainer

@@ -300,7 +300,7 @@ def load_weights(
                 "Fix: the checkpoint is damaged or was saved from a diverged run: load an earlier or "
                 "re-downloaded one. If the model stores such values on purpose (a mask of -inf), name those "
                 "tensors in allow_nonfinite= (Weights(path, allow_nonfinite=('*.attn.masked_bias',)); "
-                "pipecut train --allow-nonfinite NAME).",
+                "pipecut train --allow-nonfinite-weights NAME).",
                 source=str(source), problems=nonfinite,
             )
         report = LoadReport(

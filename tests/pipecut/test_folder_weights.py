@@ -152,3 +152,24 @@ def test_the_configs_transformers_weights_is_followed(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM  # which is the file from_pretrained loads, too
 
     AutoModelForCausalLM.from_pretrained(folder)
+
+
+def test_a_nan_weight_stops_train_before_any_step_unless_named(
+    token_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Pretrained weights holding NaN once trained to a NaN loss at every step and exported NaN
+    everywhere, exit 0; now the load names the tensor and the file, and exit 2."""
+    from safetensors.torch import load_file, save_file
+
+    folder = write_llama(tmp_path / "model", tokenizer=False)
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.layers.1.mlp.up_proj.weight"][3, 5] = float("nan")
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    assert main(_train_args(folder, token_file, tmp_path / "run")) == 2
+    err = capsys.readouterr().err
+    assert "NaN or infinity" in err and "model.layers.1.mlp.up_proj.weight" in err
+    assert str(folder / "model.safetensors") in err and "--allow-nonfinite-weights" in err
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    # Named on purpose: it loads, and this model then trains to a NaN loss (which is the user's call).
+    args = [*_train_args(folder, token_file, tmp_path / "run2"), "--allow-nonfinite-weights", "*.up_proj.weight"]
+    assert main(args) == 0

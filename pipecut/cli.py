@@ -450,8 +450,8 @@ _TRAIN_FLAGS: dict[str, tuple[Any, str]] = {
     "data-dtype": (str, "token type of a .bin: uint16 (default), uint32, int32, int64"),
     "device": (str, "device preset the plan is costed for (default: this machine's)"),
     "trust-remote-code": (bool, "let the folder's own code (auto_map, modeling_*.py) run; off by default"),
-    "allow-nonfinite-weights": (str, "comma-separated patterns of weight names that may load holding NaN/inf "
-                                     "(e.g. '*.masked_bias'); every other loaded tensor must be finite"),
+    "allow-nonfinite-weights": (str, ("comma-separated patterns of weight names that may load holding NaN/inf "
+                                     "(e.g. '*.masked_bias'); every other loaded tensor must be finite")),
 }
 
 

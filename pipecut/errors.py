@@ -55,6 +55,7 @@ from pipecut.folder import FolderError as FolderError
 from pipecut.folder import UnsupportedModelError as UnsupportedModelError
 from pipecut.train.config import TrainConfigError as TrainConfigError
 from pipecut.train.data import DataError as DataError
+from pipecut.train.finite import NonFiniteLossError as NonFiniteLossError
 from runtime.errors import ActionError as ActionError
 from runtime.errors import InconsistentScheduleError as InconsistentScheduleError
 from runtime.errors import LossError as LossError

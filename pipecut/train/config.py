@@ -73,6 +73,11 @@ class TrainConfig:
     data_dtype: str = "uint16"
     device: str = "auto"
     """The device preset the plan is costed for (``auto``: this machine's)."""
+    check_finite: bool = False
+    """Check each micro-batch's loss before the optimizer step (``Execution(check_finite=True)``)."""
+    allow_nonfinite_loss: bool = False
+    """Train on past a NaN or infinite loss or gradient norm (no checkpoint of non-finite weights is
+    written even so). Not ``Weights(allow_nonfinite=...)``, which is about the tensors loaded."""
 
     def __post_init__(self) -> None:
         _check(self)
@@ -176,7 +181,10 @@ def _field_types() -> dict[str, str]:
 def _typed(key: str, value: Any) -> Any:
     """``value`` as the key's type (a TOML int for a float key is fine; a string for an int is not)."""
     kind = _field_types()[key]
-    if kind.startswith("int"):
+    if kind.startswith("bool"):
+        if not isinstance(value, bool):
+            raise TrainConfigError(f"{key} must be true or false, got {value!r}")
+    elif kind.startswith("int"):
         if isinstance(value, bool) or not isinstance(value, int):
             raise TrainConfigError(f"{key} must be an integer, got {value!r}")
     elif kind.startswith("float"):
@@ -205,6 +213,11 @@ def _check(cfg: TrainConfig) -> None:
         raise TrainConfigError(
             f"weight_decay must be >= 0 and min_lr between 0 and lr ({cfg.lr}), got weight_decay "
             f"{cfg.weight_decay}, min_lr {cfg.min_lr}"
+        )
+    if cfg.check_finite and cfg.allow_nonfinite_loss:
+        raise TrainConfigError(
+            "--check-finite and --allow-nonfinite-loss contradict each other (one stops at a NaN loss, "
+            "the other trains on past it): give one of them"
         )
     for key, allowed in _CHOICES.items():
         if getattr(cfg, key) not in allowed:

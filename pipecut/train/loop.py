@@ -34,11 +34,12 @@ from partitioner.cost.devices import Cluster
 from partitioner.errors import PipecutError
 from partitioner.plan.plan import Plan
 from pipecut.folder import HFFolder, max_positions
-from pipecut.train import checkpoints
+from pipecut.train import checkpoints, finite
 from pipecut.train.config import TrainConfig, TrainConfigError, read_toml, resolve, to_toml
 from pipecut.train.data import EVAL, TRAIN, TokenData, open_tokens
 from pipecut.train.export import export_final
 from pipecut.train.lr import lr_at
+from runtime.errors import LossError
 from runtime.options import DataParallel, Execution, Init
 from runtime.state.weights import Weights
 from runtime.trainer import PipelineTrainer
@@ -187,8 +188,20 @@ def train(cfg: TrainConfig, *, on_step: Callable[[Mapping[str, Any]], None] | No
     metrics_file = out / "metrics.jsonl"
     if leader:
         _truncate(metrics_file, trainer.step_count)
+    weights_ok = True
     while trainer.step_count < cfg.steps:
-        line = _step(trainer, data, cfg, lay, vocab)
+        line = _checked_step(trainer, data, cfg, lay, vocab, ckpts)
+        bad = finite.problem(line, skipped=bool(trainer.last_found_inf))
+        if bad is not None and not cfg.allow_nonfinite_loss:
+            if leader:  # the record of what happened; a resumed run drops it with the steps after its checkpoint
+                with metrics_file.open("a") as f:
+                    f.write(json.dumps(line) + "\n")
+            raise finite.NonFiniteLossError(
+                f"step {line['step']}: the {bad} at learning rate {line['lr']:g}: training diverged and stopped; "
+                f"{finite.resume_hint(checkpoints.latest(ckpts))}"
+            )
+        if bad is not None:
+            log.warning("step %d: the %s (--allow-nonfinite-loss: training on)", line["step"], bad)
         if cfg.eval_every and (trainer.step_count % cfg.eval_every == 0 or trainer.step_count == cfg.steps):
             line["eval_loss"] = evaluate(trainer, eval_data, cfg, lay, vocab)
         if leader:
@@ -199,11 +212,12 @@ def train(cfg: TrainConfig, *, on_step: Callable[[Mapping[str, Any]], None] | No
             on_step(line)
         n = trainer.step_count
         if (cfg.checkpoint_every and n % cfg.checkpoint_every == 0) or n == cfg.steps:
-            trainer.save(checkpoints.checkpoint_dir(ckpts, n))
-            if leader:
-                gone = checkpoints.prune(ckpts, keep=cfg.keep)
-                log.info("checkpoint step-%d written%s", n, f"; removed {', '.join(gone)}" if gone else "")
-    result.final = export_final(trainer, folder, config, out / "final", leader=leader)
+            weights_ok = _save_if_finite(trainer, cfg, ckpts, n, leader=leader)
+    if weights_ok:
+        result.final = export_final(trainer, folder, config, out / "final", leader=leader)
+    else:
+        log.warning("the weights after step %d are not finite: no export written to %s", trainer.step_count,
+                    out / "final")
     if dist.is_initialized():
         dist.barrier()
     return result
@@ -224,11 +238,48 @@ def _build(
     weights = folder.weights
     trainer = PipelineTrainer(
         plan, lm_loss, _adamw(cfg),
-        execution=Execution(devices=_devices(plan) if world == 1 else None),
+        execution=Execution(devices=_devices(plan) if world == 1 else None, check_finite=cfg.check_finite),
         init=Init(seed=cfg.seed, weights=Weights(weights, cast=True) if weights else None),
         data_parallel=DataParallel(size=lay.dp) if world > 1 else None,
     )
     return plan, trainer
+
+
+def _checked_step(
+    trainer: PipelineTrainer, data: TokenData, cfg: TrainConfig, lay: Layout, vocab: int | None, ckpts: Path
+) -> dict[str, Any]:
+    """:func:`_step`, with ``--check-finite``'s refusal of a non-finite loss told with its step and
+    where to resume."""
+    try:
+        return _step(trainer, data, cfg, lay, vocab)
+    except LossError as e:
+        if not cfg.check_finite:
+            raise
+        raise LossError(
+            f"step {trainer.step_count + 1}: {e}; {finite.resume_hint(checkpoints.latest(ckpts))}"
+        ) from e
+
+
+def _save_if_finite(trainer: PipelineTrainer, cfg: TrainConfig, ckpts: Path, n: int, *, leader: bool) -> bool:
+    """Write step ``n``'s checkpoint and rotate, only when the weights are finite; returns whether they are.
+
+    Rotation runs only after a finite save, so it never removes the newest finite checkpoint."""
+    device = trainer.devices[next(iter(trainer.devices))] if _nccl() else "cpu"
+    if not finite.weights_finite(list(trainer.parameters()), device=device):
+        newest = checkpoints.latest(ckpts)
+        if not cfg.allow_nonfinite_loss:
+            raise finite.NonFiniteLossError(
+                f"step {n}: the weights are not finite (NaN or infinity) though its loss and gradient norm "
+                f"were: training diverged and stopped; {finite.resume_hint(newest)}"
+            )
+        log.warning("step %d: the weights are not finite: checkpoint step-%d not written (--allow-nonfinite-loss); "
+                    "the newest finite one is %s", n, n, newest)
+        return False
+    trainer.save(checkpoints.checkpoint_dir(ckpts, n))
+    if leader:
+        gone = checkpoints.prune(ckpts, keep=cfg.keep)
+        log.info("checkpoint step-%d written%s", n, f"; removed {', '.join(gone)}" if gone else "")
+    return True
 
 
 def _step(

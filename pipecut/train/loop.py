@@ -17,7 +17,6 @@ weights an uninterrupted one would have, bit for bit.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -34,7 +33,7 @@ from partitioner.cost.devices import Cluster
 from partitioner.errors import PipecutError
 from partitioner.plan.plan import Plan
 from pipecut.folder import HFFolder, max_positions
-from pipecut.train import checkpoints, finite
+from pipecut.train import checkpoints, finite, metrics_log, runfolder
 from pipecut.train.config import TrainConfig, TrainConfigError, read_toml, resolve, to_toml
 from pipecut.train.data import EVAL, TRAIN, TokenData, open_tokens
 from pipecut.train.export import export_final
@@ -153,6 +152,15 @@ def train(cfg: TrainConfig, *, on_step: Callable[[Mapping[str, Any]], None] | No
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     lay = layout(cfg, world, rank)
+    # The folder is this run's from before it is read (a resume point, the metrics) until it ends.
+    with runfolder.owned(Path(cfg.out), leader=lay.rank == 0):
+        return _run(cfg, lay, world, on_step)
+
+
+def _run(
+    cfg: TrainConfig, lay: Layout, world: int, on_step: Callable[[Mapping[str, Any]], None] | None
+) -> TrainResult:
+    """:func:`train`, once the process group is up and the run folder is this run's."""
     leader = lay.rank == 0
     out = Path(cfg.out)
     folder = HFFolder(cfg.model)
@@ -172,8 +180,7 @@ def train(cfg: TrainConfig, *, on_step: Callable[[Mapping[str, Any]], None] | No
         )
     if leader:
         _warn_if_changed(out / "config.toml", cfg)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.toml").write_text(to_toml(cfg))
+        runfolder.write_text_atomic(out / "config.toml", to_toml(cfg))
 
     plan, trainer = _build(cfg, lay, folder, config, world)
     if leader:
@@ -187,15 +194,14 @@ def train(cfg: TrainConfig, *, on_step: Callable[[Mapping[str, Any]], None] | No
     result = TrainResult(resumed_from=trainer.step_count, plan=plan)
     metrics_file = out / "metrics.jsonl"
     if leader:
-        _truncate(metrics_file, trainer.step_count)
+        metrics_log.cut_back(metrics_file, trainer.step_count)
     weights_ok = True
     while trainer.step_count < cfg.steps:
         line = _checked_step(trainer, data, cfg, lay, vocab, ckpts)
         bad = finite.problem(line, skipped=bool(trainer.last_found_inf))
         if bad is not None and not cfg.allow_nonfinite_loss:
             if leader:  # the record of what happened; a resumed run drops it with the steps after its checkpoint
-                with metrics_file.open("a") as f:
-                    f.write(json.dumps(line) + "\n")
+                metrics_log.append(metrics_file, line)
             raise finite.NonFiniteLossError(
                 f"step {line['step']}: the {bad} at learning rate {line['lr']:g}: training diverged and stopped; "
                 f"{finite.resume_hint(checkpoints.latest(ckpts))}"
@@ -205,8 +211,7 @@ def train(cfg: TrainConfig, *, on_step: Callable[[Mapping[str, Any]], None] | No
         if cfg.eval_every and (trainer.step_count % cfg.eval_every == 0 or trainer.step_count == cfg.steps):
             line["eval_loss"] = evaluate(trainer, eval_data, cfg, lay, vocab)
         if leader:
-            with metrics_file.open("a") as f:
-                f.write(json.dumps(line) + "\n")
+            metrics_log.append(metrics_file, line)
         result.metrics.append(line)
         if on_step is not None:
             on_step(line)
@@ -381,11 +386,3 @@ def _warn_if_changed(path: Path, cfg: TrainConfig) -> None:
     if changed:
         log.warning("%s: this run changes %s; resumed steps will differ from the run being continued",
                     path.parent, "; ".join(changed))
-
-
-def _truncate(path: Path, step: int) -> None:
-    """Keep the metrics of steps up to ``step`` (those a resumed run does not repeat)."""
-    if not path.is_file():
-        return
-    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
-    path.write_text("".join(line + "\n" for line in kept))

@@ -76,3 +76,68 @@ def test_check_finite_and_allow_nonfinite_loss_contradict(
 ) -> None:
     assert main(_args(llama_folder, token_file, tmp_path, "--check-finite", "--allow-nonfinite-loss")) == 2
     assert "--check-finite and --allow-nonfinite-loss" in capsys.readouterr().err
+
+
+# -- 2. the run folder is owned ---------------------------------------------------------------------
+
+
+def test_a_second_run_on_a_held_folder_is_refused_with_the_owner_named(
+    llama_folder: Path, token_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import os
+    import socket
+
+    from pipecut.train.runfolder import hold
+
+    out = tmp_path / "run"
+    out.mkdir()
+    with hold(out):  # the first run, as far as the second can tell
+        assert main(_args(llama_folder, token_file, out, "--steps", "1")) == 2
+    err = capsys.readouterr().err
+    assert f"{out} is in use by another pipecut train run (pid {os.getpid()} on {socket.gethostname()}" in err
+    assert sorted(p.name for p in out.iterdir()) == [".lock"]  # the refused run wrote nothing
+    assert main(_args(llama_folder, token_file, out, "--steps", "1")) == 0  # released: the folder is free again
+    with hold(out):  # and the run released it when it ended
+        pass
+
+
+def test_a_torn_last_metrics_line_is_dropped_with_a_warning_and_the_run_resumes(
+    llama_folder: Path, token_file: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    out = tmp_path / "run"
+    assert main(_args(llama_folder, token_file, out, "--steps", "2", "--checkpoint-every", "1")) == 0
+    with (out / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 3, "loss": 4.8')  # killed while appending step 3's line
+    assert main(_args(llama_folder, token_file, out, "--steps", "3", "--checkpoint-every", "1")) == 0
+    assert f"{out / 'metrics.jsonl'}:3 is cut short" in caplog.text
+    assert _steps(out) == [1, 2, 3]
+
+
+def test_the_metrics_rewrite_on_resume_is_atomic(
+    llama_folder: Path, token_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "run"
+    assert main(_args(llama_folder, token_file, out, "--steps", "2", "--checkpoint-every", "1")) == 0
+    before = (out / "metrics.jsonl").read_text()
+    real = Path.write_text
+
+    def killed(self: Path, data: str, *args: object, **kwargs: object) -> int:
+        if "metrics.jsonl" not in self.name:
+            return real(self, data, *args, **kwargs)  # type: ignore[arg-type]
+        real(self, data[: len(data) // 2])
+        raise KeyboardInterrupt("killed while rewriting metrics.jsonl")
+
+    monkeypatch.setattr(Path, "write_text", killed)
+    with pytest.raises(KeyboardInterrupt):
+        main(_args(llama_folder, token_file, out, "--steps", "3", "--checkpoint-every", "1"))
+    assert (out / "metrics.jsonl").read_text() == before
+    assert sorted(p.name for p in out.iterdir() if "metrics" in p.name) == ["metrics.jsonl"]  # no temp file left
+
+
+def test_a_damaged_metrics_line_before_the_last_is_named(tmp_path: Path) -> None:
+    from pipecut.train.metrics_log import MetricsFileError, cut_back
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2, "lo\n{"step": 3}\n')
+    with pytest.raises(MetricsFileError, match=rf"{path}:2 is not a metrics line .*delete that line"):
+        cut_back(path, 3)

@@ -17,6 +17,7 @@ weights an uninterrupted one would have, bit for bit.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -154,7 +155,12 @@ def train(cfg: TrainConfig, *, on_step: Callable[[Mapping[str, Any]], None] | No
     lay = layout(cfg, world, rank)
     # The folder is this run's from before it is read (a resume point, the metrics) until it ends.
     with runfolder.owned(Path(cfg.out), leader=lay.rank == 0):
-        return _run(cfg, lay, world, on_step)
+        try:
+            return _run(cfg, lay, world, on_step)
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            raise runfolder.disk_full(Path(e.filename or cfg.out)) from e
 
 
 def _run(
@@ -280,11 +286,25 @@ def _save_if_finite(trainer: PipelineTrainer, cfg: TrainConfig, ckpts: Path, n: 
         log.warning("step %d: the weights are not finite: checkpoint step-%d not written (--allow-nonfinite-loss); "
                     "the newest finite one is %s", n, n, newest)
         return False
-    trainer.save(checkpoints.checkpoint_dir(ckpts, n))
+    target = checkpoints.checkpoint_dir(ckpts, n)
+    try:
+        trainer.save(target)
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        if not runfolder.no_space(e):
+            raise
+        raise runfolder.disk_full(target, needed=_state_bytes(trainer)) from e
     if leader:
         gone = checkpoints.prune(ckpts, keep=cfg.keep)
         log.info("checkpoint step-%d written%s", n, f"; removed {', '.join(gone)}" if gone else "")
     return True
+
+
+def _state_bytes(trainer: PipelineTrainer) -> int:
+    """About what this process's share of a checkpoint takes: its weights and optimizer state."""
+    tensors: list[torch.Tensor] = list(trainer.parameters())
+    if trainer.optimizer is not None:
+        tensors += [v for st in trainer.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _step(

@@ -21,6 +21,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import shutil
 import socket
 import time
 from collections.abc import Iterator
@@ -31,7 +32,10 @@ import torch.distributed as dist
 
 from partitioner.errors import PipecutError
 
-__all__ = ["RunFolderError", "RunLockedError", "hold", "owned", "write_text_atomic", "LOCK_FILE"]
+__all__ = [
+    "RunFolderError", "RunLockedError", "DiskFullError", "hold", "owned", "write_text_atomic", "no_space", "disk_full",
+    "LOCK_FILE",
+]
 
 LOCK_FILE = ".lock"
 
@@ -59,6 +63,62 @@ def make(out: Path) -> None:
         raise _refused(out, e) from None
     if not out.is_dir():  # a link to a file, or a special file
         raise RunFolderError(f"--out {out} is not a folder: give a folder's path (it is created)")
+
+
+class DiskFullError(RunFolderError):
+    """The device ``--out`` is on ran out of space while the run wrote to it (path, bytes free and,
+    when known, needed)."""
+
+
+def no_space(error: BaseException) -> bool:
+    """Whether ``error`` is, or was caused by, running out of space (``ENOSPC``), including one
+    that torch.distributed.checkpoint gathered from a rank into a ``CheckpointException``."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [error]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return True
+        failures = getattr(e, "failures", None)  # CheckpointException: rank -> (exception, stack)
+        if isinstance(failures, dict):
+            for f in failures.values():
+                first = f[0] if isinstance(f, tuple) and f else f
+                if isinstance(first, BaseException):
+                    todo.append(first)
+        todo.extend([e.__cause__, e.__context__])
+    # Another rank's failure arrives as text only (DCP quotes its traceback).
+    return f"[Errno {errno.ENOSPC}]" in str(error)
+
+
+def disk_full(path: Path, *, needed: int | None = None) -> DiskFullError:
+    """The error for running out of space while writing ``path``, with the bytes free there now."""
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        free = f"{_size(shutil.disk_usage(probe).free)} free"
+    except OSError:
+        free = "free space unknown"
+    need = f"; it needs about {_size(needed)}" if needed is not None else ""
+    return DiskFullError(
+        f"no space left on the device of {path} ({free}{need}): free space there (older runs, checkpoints "
+        "kept with a larger --keep) or give an --out on another device, then rerun to resume from the newest "
+        "complete checkpoint"
+    )
+
+
+def _size(n: int) -> str:
+    if n < 1024:
+        return f"{n} B"
+    value = float(n)
+    for unit in ("KiB", "MiB", "GiB"):
+        value /= 1024
+        if value < 1024:
+            return f"{value:.1f} {unit}"
+    return f"{value / 1024:.1f} TiB"
 
 
 @contextmanager

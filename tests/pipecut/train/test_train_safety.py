@@ -141,3 +141,88 @@ def test_a_damaged_metrics_line_before_the_last_is_named(tmp_path: Path) -> None
     path.write_text('{"step": 1}\n{"step": 2, "lo\n{"step": 3}\n')
     with pytest.raises(MetricsFileError, match=rf"{path}:2 is not a metrics line .*delete that line"):
         cut_back(path, 3)
+
+
+# -- 3. every error says what happened --------------------------------------------------------------
+
+
+def test_a_full_disk_during_a_checkpoint_says_where_and_how_much(
+    llama_folder: Path, token_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import errno
+    import os
+    import shutil
+
+    import torch.distributed.checkpoint.filesystem as fs
+
+    def full(transforms: object, stream: object, *args: object, **kwargs: object) -> object:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(fs, "_write_item", full)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(1000, 999, 1))  # type: ignore[attr-defined]
+    out = tmp_path / "run"
+    assert main(_args(llama_folder, token_file, out, "--steps", "1")) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert f"no space left on the device of {out / 'checkpoints' / 'step-1'}" in err
+    assert "1 B free" in err and "needs about" in err and "free space" in err
+
+
+def test_no_space_for_any_other_file_of_the_run_is_the_same_error(
+    llama_folder: Path, token_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import errno
+
+    import pipecut.train.metrics_log as metrics_log
+
+    def full(path: Path, line: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(metrics_log, "append", full)
+    out = tmp_path / "run"
+    assert main(_args(llama_folder, token_file, out, "--steps", "1")) == 2
+    assert f"no space left on the device of {out / 'metrics.jsonl'}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["file", "under a file", "read-only"])
+def test_an_out_that_cannot_hold_the_run_is_named(
+    kind: str, llama_folder: Path, token_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import errno
+
+    (tmp_path / "f").write_text("a file")
+    out = {"file": tmp_path / "f", "under a file": tmp_path / "f" / "run", "read-only": tmp_path / "ro" / "run"}[kind]
+    if kind == "read-only":  # the tests run as root, for whom permission bits do not stop a write
+
+        def refuse(self: Path, *args: object, **kwargs: object) -> None:
+            raise OSError(errno.EROFS, "Read-only file system", str(self))
+
+        monkeypatch.setattr(Path, "mkdir", refuse)
+    assert main(_args(llama_folder, token_file, out, "--steps", "1")) == 2
+    err = capsys.readouterr().err
+    assert f"--out {out}" in err and "Traceback" not in err
+    assert {"file": "is a file, not a folder", "under a file": "is under a file",
+            "read-only": "cannot be written (read-only file system"}[kind] in err
+
+
+@pytest.mark.parametrize(
+    ("name", "write", "message"),
+    [
+        ("empty.bin", lambda p: p.write_bytes(b""), "holds no tokens"),
+        ("empty.npy", lambda p: __import__("numpy").save(p, __import__("numpy").zeros(0, "int64")), "holds no tokens"),
+        ("negative.npy", lambda p: __import__("numpy").save(p, __import__("numpy").full(200, -3)), "token id -3"),
+        ("negative.bin", lambda p: p.write_bytes(__import__("numpy").full(200, -3, "int32").tobytes()), "token id -3"),
+    ],
+)
+def test_empty_or_negative_token_data_is_named(
+    name: str, write: object, message: str, llama_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = tmp_path / name
+    write(data)  # type: ignore[operator]
+    extra = ("--data-dtype", "int32") if name.endswith(".bin") else ()
+    assert main(_args(llama_folder, data, tmp_path / "run", "--steps", "1", *extra)) == 2
+    err = capsys.readouterr().err
+    assert str(data) in err and message in err and "Traceback" not in err

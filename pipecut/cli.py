@@ -454,6 +454,13 @@ _TRAIN_FLAGS: dict[str, tuple[Any, str]] = {
                                      "(e.g. '*.masked_bias'); every other loaded tensor must be finite")),
 }
 
+# Switches (true when given): each is a bool key of TrainConfig.
+_TRAIN_SWITCHES: dict[str, str] = {
+    "check-finite": "stop at a micro-batch's NaN or infinite loss before the optimizer step",
+    "allow-nonfinite-loss": "train on past a NaN or infinite loss or gradient norm (default: stop, exit 2); "
+                            "non-finite weights are still never checkpointed",
+}
+
 
 def _add_train_parser(sub: Any) -> None:
     train = sub.add_parser(
@@ -468,13 +475,15 @@ def _add_train_parser(sub: Any) -> None:
             train.add_argument(f"--{flag}", action="store_true", default=argparse.SUPPRESS, help=text)
         else:
             train.add_argument(f"--{flag}", type=kind, default=argparse.SUPPRESS, help=text)
+    for flag, text in _TRAIN_SWITCHES.items():
+        train.add_argument(f"--{flag}", action="store_true", default=argparse.SUPPRESS, help=text)
 
 
 def _train(args: argparse.Namespace) -> int:
     from pipecut.train import read_toml, resolve, train
     from runtime.metrics import TrainingProgress
 
-    flags = {k: v for k, v in vars(args).items() if k.replace("_", "-") in _TRAIN_FLAGS}
+    flags = {k: v for k, v in vars(args).items() if k.replace("_", "-") in {**_TRAIN_FLAGS, **_TRAIN_SWITCHES}}
     cfg = resolve(read_toml(args.config_file) if args.config_file else {}, flags)
     t0 = time.perf_counter()
     # The process group starts inside train(); under torchrun, RANK says who draws.
@@ -485,8 +494,8 @@ def _train(args: argparse.Namespace) -> int:
         last = result.metrics[-1] if result.metrics else None
         start = f" (resumed at step {result.resumed_from})" if result.resumed_from else ""
         loss = f", last loss {last['loss']:.4f}" if last else ""
-        print(f"trained {done} steps{start} in {time.perf_counter() - t0:.1f} s{loss}; "
-              f"model written to {result.final}")
+        written = f"model written to {result.final}" if result.final else "no model written (weights not finite)"
+        print(f"trained {done} steps{start} in {time.perf_counter() - t0:.1f} s{loss}; {written}")
     return 0
 
 

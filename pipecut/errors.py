@@ -56,6 +56,11 @@ from pipecut.folder import RemoteCodeError as RemoteCodeError
 from pipecut.folder import UnsupportedModelError as UnsupportedModelError
 from pipecut.train.config import TrainConfigError as TrainConfigError
 from pipecut.train.data import DataError as DataError
+from pipecut.train.finite import NonFiniteLossError as NonFiniteLossError
+from pipecut.train.metrics_log import MetricsFileError as MetricsFileError
+from pipecut.train.runfolder import DiskFullError as DiskFullError
+from pipecut.train.runfolder import RunFolderError as RunFolderError
+from pipecut.train.runfolder import RunLockedError as RunLockedError
 from runtime.errors import ActionError as ActionError
 from runtime.errors import InconsistentScheduleError as InconsistentScheduleError
 from runtime.errors import LossError as LossError

@@ -78,11 +78,11 @@ class TrainConfig:
     allow_nonfinite_weights: str = ""
     """Comma-separated ``fnmatch`` patterns of weight names that may load holding NaN or infinity
     (a model that stores a ``-inf`` mask); every other loaded tensor must be finite."""
-
-    @property
-    def nonfinite_patterns(self) -> tuple[str, ...]:
-        """:attr:`allow_nonfinite_weights` as a tuple of patterns."""
-        return tuple(p.strip() for p in self.allow_nonfinite_weights.split(",") if p.strip())
+    check_finite: bool = False
+    """Check each micro-batch's loss before the optimizer step (``Execution(check_finite=True)``)."""
+    allow_nonfinite_loss: bool = False
+    """Train on past a NaN or infinite loss or gradient norm (no checkpoint of non-finite weights is
+    written even so). Not ``allow_nonfinite_weights``, which is about the tensors loaded."""
 
     def __post_init__(self) -> None:
         _check(self)
@@ -96,6 +96,11 @@ class TrainConfig:
     def decay_end(self) -> int:
         """The step the cosine decay ends at."""
         return self.decay_steps if self.decay_steps is not None else self.steps
+
+    @property
+    def nonfinite_patterns(self) -> tuple[str, ...]:
+        """:attr:`allow_nonfinite_weights` as a tuple of patterns."""
+        return tuple(p.strip() for p in self.allow_nonfinite_weights.split(",") if p.strip())
 
 
 KEYS = tuple(f.name for f in dataclasses.fields(TrainConfig))
@@ -186,7 +191,7 @@ def _field_types() -> dict[str, str]:
 def _typed(key: str, value: Any) -> Any:
     """``value`` as the key's type (a TOML int for a float key is fine; a string for an int is not)."""
     kind = _field_types()[key]
-    if kind == "bool":
+    if kind.startswith("bool"):
         if not isinstance(value, bool):
             raise TrainConfigError(f"{key} must be true or false, got {value!r}")
     elif kind.startswith("int"):
@@ -218,6 +223,11 @@ def _check(cfg: TrainConfig) -> None:
         raise TrainConfigError(
             f"weight_decay must be >= 0 and min_lr between 0 and lr ({cfg.lr}), got weight_decay "
             f"{cfg.weight_decay}, min_lr {cfg.min_lr}"
+        )
+    if cfg.check_finite and cfg.allow_nonfinite_loss:
+        raise TrainConfigError(
+            "--check-finite and --allow-nonfinite-loss contradict each other (one stops at a NaN loss, "
+            "the other trains on past it): give one of them"
         )
     for key, allowed in _CHOICES.items():
         if getattr(cfg, key) not in allowed:

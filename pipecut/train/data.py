@@ -85,6 +85,11 @@ class TokenData:
         share = rows // replicas
         mine = starts[replica * share : (replica + 1) * share]
         window = np.stack([np.asarray(self.tokens[s : s + seq_len + 1], dtype=np.int64) for s in mine])
+        if window.size and int(window.min()) < 0:
+            raise DataError(
+                f"{self.name} holds token id {int(window.min())} (in step {step}'s batch): token ids are 0 or more; "
+                "the file holds something else than token ids, or was written with another type (--data-dtype)"
+            )
         if vocab_size is not None and window.size and int(window.max()) >= vocab_size:
             bad = int(window.max())
             raise DataError(
@@ -105,13 +110,21 @@ def open_tokens(path: str | os.PathLike[str], *, dtype: str = "uint16", tokenize
         tokenizer: a callable returning the folder's tokenizer, for ``.txt`` / ``.jsonl``.
 
     Raises:
-        DataError: no such file, an unknown suffix, a ``.npy`` that is not a 1-D integer array,
+        DataError: no such file, an empty one (no tokens), an unknown suffix, a ``.npy`` that is not a
+            1-D integer array,
             a ``.bin`` whose size is not a multiple of ``dtype``'s, text without a tokenizer.
     """
     p = Path(path)
     if not p.is_file():
         raise DataError(f"token file {p} does not exist")
     suffix = p.suffix.lower()
+    data = _open(p, suffix, dtype, tokenizer)
+    if len(data) == 0:
+        raise DataError(f"{p} holds no tokens: give a token file with at least --seq-len + 1 tokens")
+    return data
+
+
+def _open(p: Path, suffix: str, dtype: str, tokenizer: Any) -> TokenData:
     if suffix == ".npy":
         arr = np.load(p, mmap_mode="r")
         if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
@@ -126,6 +139,8 @@ def open_tokens(path: str | os.PathLike[str], *, dtype: str = "uint16", tokenize
         width = np.dtype(np_dtype).itemsize
         if size % width:
             raise DataError(f"{p} has {size} bytes, not a multiple of {dtype}'s {width}: pass the right --data-dtype")
+        if size == 0:  # np.memmap cannot map an empty file
+            return TokenData(np.zeros(0, dtype=np_dtype), str(p))
         return TokenData(np.memmap(p, dtype=np_dtype, mode="r"), str(p))
     if suffix in (".txt", ".jsonl"):
         if tokenizer is None:

@@ -17,7 +17,7 @@ weights an uninterrupted one would have, bit for bit.
 from __future__ import annotations
 
 import dataclasses
-import json
+import errno
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -34,11 +34,12 @@ from partitioner.cost.devices import Cluster
 from partitioner.errors import PipecutError
 from partitioner.plan.plan import Plan
 from pipecut.folder import HFFolder, max_positions
-from pipecut.train import checkpoints
+from pipecut.train import checkpoints, finite, metrics_log, runfolder
 from pipecut.train.config import TrainConfig, TrainConfigError, read_toml, resolve, to_toml
 from pipecut.train.data import EVAL, TRAIN, TokenData, open_tokens
 from pipecut.train.export import export_final
 from pipecut.train.lr import lr_at
+from runtime.errors import LossError
 from runtime.options import DataParallel, Execution, Init
 from runtime.state.weights import Weights
 from runtime.trainer import PipelineTrainer
@@ -152,6 +153,20 @@ def train(cfg: TrainConfig, *, on_step: Callable[[Mapping[str, Any]], None] | No
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     lay = layout(cfg, world, rank)
+    # The folder is this run's from before it is read (a resume point, the metrics) until it ends.
+    with runfolder.owned(Path(cfg.out), leader=lay.rank == 0):
+        try:
+            return _run(cfg, lay, world, on_step)
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            raise runfolder.disk_full(Path(e.filename or cfg.out)) from e
+
+
+def _run(
+    cfg: TrainConfig, lay: Layout, world: int, on_step: Callable[[Mapping[str, Any]], None] | None
+) -> TrainResult:
+    """:func:`train`, once the process group is up and the run folder is this run's."""
     leader = lay.rank == 0
     out = Path(cfg.out)
     folder = HFFolder(cfg.model, trust_remote_code=cfg.trust_remote_code)
@@ -172,8 +187,7 @@ def train(cfg: TrainConfig, *, on_step: Callable[[Mapping[str, Any]], None] | No
         )
     if leader:
         _warn_if_changed(out / "config.toml", cfg)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.toml").write_text(to_toml(cfg))
+        runfolder.write_text_atomic(out / "config.toml", to_toml(cfg))
 
     plan, trainer = _build(cfg, lay, folder, config, weights, world)
     if leader:
@@ -187,24 +201,35 @@ def train(cfg: TrainConfig, *, on_step: Callable[[Mapping[str, Any]], None] | No
     result = TrainResult(resumed_from=trainer.step_count, plan=plan)
     metrics_file = out / "metrics.jsonl"
     if leader:
-        _truncate(metrics_file, trainer.step_count)
+        metrics_log.cut_back(metrics_file, trainer.step_count)
+    weights_ok = True
     while trainer.step_count < cfg.steps:
-        line = _step(trainer, data, cfg, lay, vocab)
+        line = _checked_step(trainer, data, cfg, lay, vocab, ckpts)
+        bad = finite.problem(line, skipped=bool(trainer.last_found_inf))
+        if bad is not None and not cfg.allow_nonfinite_loss:
+            if leader:  # the record of what happened; a resumed run drops it with the steps after its checkpoint
+                metrics_log.append(metrics_file, line)
+            raise finite.NonFiniteLossError(
+                f"step {line['step']}: the {bad} at learning rate {line['lr']:g}: training diverged and stopped; "
+                f"{finite.resume_hint(checkpoints.latest(ckpts))}"
+            )
+        if bad is not None:
+            log.warning("step %d: the %s (--allow-nonfinite-loss: training on)", line["step"], bad)
         if cfg.eval_every and (trainer.step_count % cfg.eval_every == 0 or trainer.step_count == cfg.steps):
             line["eval_loss"] = evaluate(trainer, eval_data, cfg, lay, vocab)
         if leader:
-            with metrics_file.open("a") as f:
-                f.write(json.dumps(line) + "\n")
+            metrics_log.append(metrics_file, line)
         result.metrics.append(line)
         if on_step is not None:
             on_step(line)
         n = trainer.step_count
         if (cfg.checkpoint_every and n % cfg.checkpoint_every == 0) or n == cfg.steps:
-            trainer.save(checkpoints.checkpoint_dir(ckpts, n))
-            if leader:
-                gone = checkpoints.prune(ckpts, keep=cfg.keep)
-                log.info("checkpoint step-%d written%s", n, f"; removed {', '.join(gone)}" if gone else "")
-    result.final = export_final(trainer, folder, config, out / "final", leader=leader)
+            weights_ok = _save_if_finite(trainer, cfg, ckpts, n, leader=leader)
+    if weights_ok:
+        result.final = export_final(trainer, folder, config, out / "final", leader=leader)
+    else:
+        log.warning("the weights after step %d are not finite: no export written to %s", trainer.step_count,
+                    out / "final")
     if dist.is_initialized():
         dist.barrier()
     return result
@@ -224,12 +249,63 @@ def _build(
     )
     trainer = PipelineTrainer(
         plan, lm_loss, _adamw(cfg),
-        execution=Execution(devices=_devices(plan) if world == 1 else None),
+        execution=Execution(devices=_devices(plan) if world == 1 else None, check_finite=cfg.check_finite),
         init=Init(seed=cfg.seed, weights=Weights(weights, cast=True, allow_nonfinite=cfg.nonfinite_patterns)
                   if weights else None),
         data_parallel=DataParallel(size=lay.dp) if world > 1 else None,
     )
     return plan, trainer
+
+
+def _checked_step(
+    trainer: PipelineTrainer, data: TokenData, cfg: TrainConfig, lay: Layout, vocab: int | None, ckpts: Path
+) -> dict[str, Any]:
+    """:func:`_step`, with ``--check-finite``'s refusal of a non-finite loss told with its step and
+    where to resume."""
+    try:
+        return _step(trainer, data, cfg, lay, vocab)
+    except LossError as e:
+        if not cfg.check_finite:
+            raise
+        raise LossError(
+            f"step {trainer.step_count + 1}: {e}; {finite.resume_hint(checkpoints.latest(ckpts))}"
+        ) from e
+
+
+def _save_if_finite(trainer: PipelineTrainer, cfg: TrainConfig, ckpts: Path, n: int, *, leader: bool) -> bool:
+    """Write step ``n``'s checkpoint and rotate, only when the weights are finite; returns whether they are.
+
+    Rotation runs only after a finite save, so it never removes the newest finite checkpoint."""
+    device = trainer.devices[next(iter(trainer.devices))] if _nccl() else "cpu"
+    if not finite.weights_finite(list(trainer.parameters()), device=device):
+        newest = checkpoints.latest(ckpts)
+        if not cfg.allow_nonfinite_loss:
+            raise finite.NonFiniteLossError(
+                f"step {n}: the weights are not finite (NaN or infinity) though its loss and gradient norm "
+                f"were: training diverged and stopped; {finite.resume_hint(newest)}"
+            )
+        log.warning("step %d: the weights are not finite: checkpoint step-%d not written (--allow-nonfinite-loss); "
+                    "the newest finite one is %s", n, n, newest)
+        return False
+    target = checkpoints.checkpoint_dir(ckpts, n)
+    try:
+        trainer.save(target)
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        if not runfolder.no_space(e):
+            raise
+        raise runfolder.disk_full(target, needed=_state_bytes(trainer)) from e
+    if leader:
+        gone = checkpoints.prune(ckpts, keep=cfg.keep)
+        log.info("checkpoint step-%d written%s", n, f"; removed {', '.join(gone)}" if gone else "")
+    return True
+
+
+def _state_bytes(trainer: PipelineTrainer) -> int:
+    """About what this process's share of a checkpoint takes: its weights and optimizer state."""
+    tensors: list[torch.Tensor] = list(trainer.parameters())
+    if trainer.optimizer is not None:
+        tensors += [v for st in trainer.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _step(
@@ -343,11 +419,3 @@ def _warn_if_changed(path: Path, cfg: TrainConfig) -> None:
     if changed:
         log.warning("%s: this run changes %s; resumed steps will differ from the run being continued",
                     path.parent, "; ".join(changed))
-
-
-def _truncate(path: Path, step: int) -> None:
-    """Keep the metrics of steps up to ``step`` (those a resumed run does not repeat)."""
-    if not path.is_file():
-        return
-    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
-    path.write_text("".join(line + "\n" for line in kept))

@@ -153,26 +153,33 @@ def train(cfg: TrainConfig, *, on_step: Callable[[Mapping[str, Any]], None] | No
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     lay = layout(cfg, world, rank)
-    # The folder is this run's from before it is read (a resume point, the metrics) until it ends.
+    # The model folder is honoured or refused before --out is touched: a refused one leaves nothing there.
+    folder, config, weights = _open_folder(cfg, warn=lay.rank == 0)
+    # The run folder is this run's from before it is read (a resume point, the metrics) until it ends.
     with runfolder.owned(Path(cfg.out), leader=lay.rank == 0):
         try:
-            return _run(cfg, lay, world, on_step)
+            return _run(cfg, lay, world, on_step, folder, config, weights)
         except OSError as e:
             if e.errno != errno.ENOSPC:
                 raise
             raise runfolder.disk_full(Path(e.filename or cfg.out)) from e
 
 
-def _run(
-    cfg: TrainConfig, lay: Layout, world: int, on_step: Callable[[Mapping[str, Any]], None] | None
-) -> TrainResult:
-    """:func:`train`, once the process group is up and the run folder is this run's."""
-    leader = lay.rank == 0
-    out = Path(cfg.out)
+def _open_folder(cfg: TrainConfig, *, warn: bool) -> tuple[HFFolder, Any, Path | None]:
+    """The model folder, its config and the checkpoint to fine-tune from, or the typed refusal."""
     folder = HFFolder(cfg.model, trust_remote_code=cfg.trust_remote_code)
     config = folder.config
     folder.check_causal_lm(config, command="pipecut train")
-    weights = _weights(folder, cfg, warn=leader)  # before planning: a folder refused costs no time
+    return folder, config, _weights(folder, cfg, warn=warn)
+
+
+def _run(
+    cfg: TrainConfig, lay: Layout, world: int, on_step: Callable[[Mapping[str, Any]], None] | None,
+    folder: HFFolder, config: Any, weights: Path | None,
+) -> TrainResult:
+    """:func:`train`, once the process group is up, the model folder admitted and the run folder this run's."""
+    leader = lay.rank == 0
+    out = Path(cfg.out)
     longest = max_positions(config)
     if longest is not None and cfg.seq_len > longest:
         raise TrainConfigError(f"--seq-len {cfg.seq_len} is longer than the model's {longest} positions")

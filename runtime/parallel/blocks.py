@@ -17,6 +17,11 @@ A block is outlined only when it is safe to: its nodes run one after another in 
 graph, and its parameters are read by no node outside it (a weight tied between a block and
 another part of the stage stays with the stage). Everything else stays in the stage graph.
 
+A block the plan's cut splits between two stages is outlined in each, as the part of it that
+stage holds (the stage's module at the block's path has only that part's weights), and each
+part becomes an FSDP unit of its stage. A part with none of the block's weights (the cut left a
+stage only the block's last residual add, say) has nothing to shard and stays in the stage graph.
+
 Example:
     >>> import torch
     >>> from torch import fx, nn
@@ -108,6 +113,8 @@ def _outline(gm: fx.GraphModule, key: str, body: list[fx.Node], attrs: list[fx.N
     """Replace ``body`` (and the ``attrs`` it reads) by a call of a graph module at ``key``; whether
     the block at ``key`` is now called as a module (``False``: left in the stage's graph)."""
     inside = set(body) | set(attrs)
+    if not _holds(gm, key):
+        return False  # a cut left this stage a part of the block without its weights: nothing to shard
     if any(u not in inside for a in attrs for u in a.users):
         return False  # a parameter of the block is read outside it (tied): leave the block in place
     if any(n.op == "call_module" and n.target == key for n in body):
@@ -141,6 +148,15 @@ def _outline(gm: fx.GraphModule, key: str, body: list[fx.Node], attrs: list[fx.N
         gm.graph.erase_node(n)
     for a in attrs:
         gm.graph.erase_node(a)
+    return True
+
+
+def _holds(gm: fx.GraphModule, key: str) -> bool:
+    """Whether the stage has a module at ``key``: it holds a weight (or layer) of that block."""
+    try:
+        gm.get_submodule(key)
+    except AttributeError:
+        return False
     return True
 
 

@@ -120,6 +120,12 @@ class _StageReducer:
         if not self._finished:
             for module in self._modules.values():
                 state = module._get_fsdp_state()  # type: ignore[operator]
+                if state._is_root is None:
+                    # No forward ran through the stage yet (the step failed before: a peer, a
+                    # batch), so FSDP has not initialised its step state (its lazy init, at the
+                    # root's first forward) and there is nothing to reset: resetting it would
+                    # raise an AttributeError in place of the step's own error.
+                    continue
                 reset_iter = getattr(state, "_reset_iter_state", None)
                 if callable(reset_iter):
                     reset_iter()

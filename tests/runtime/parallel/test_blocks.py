@@ -87,3 +87,21 @@ def test_a_block_whose_weight_is_read_outside_it_is_not_moved() -> None:
     done = outline_blocks(gm)
     assert "blocks.0" not in done and done == ["blocks.1", "blocks.2"]
     assert torch.equal(gm(x), want)
+
+
+def test_a_block_split_between_stages_is_a_part_in_each_or_stays_with_a_stage_without_its_weights() -> None:
+    # Cut at node granularity inside block h.1: after its last weight (the second stage holds
+    # only h.1's residual add: nothing of it to shard, it stays in the stage graph), and at its
+    # MLP (each stage outlines the part of h.1 it holds).
+    from tests.runtime.parallel.test_fsdp import cut_inside
+
+    torch.manual_seed(0)
+    model, _ = gpt2(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, batch=2, seq=8)
+    x = torch.randint(0, 64, (2, 8))
+    plan = partition(model, (x,), 2, microbatches=2)
+    for where, second in (("tail", []), ("mid", ["model.transformer.h.1"])):
+        staged = cut_inside(plan, "model.transformer.h.1", where).build_stages()
+        plain = copy.deepcopy(staged)
+        done = [outline_blocks(st) for st in staged.stages]
+        assert done == [["model.transformer.h.0", "model.transformer.h.1"], second], where
+        assert torch.equal(_first(staged(x)), _first(plain(x))), where

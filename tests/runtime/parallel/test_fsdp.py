@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,15 +34,39 @@ from tests.runtime.parity import (
 _SEARCHES: dict[tuple[str, int], LayoutSearch] = {}
 
 
+def cut_inside(plan: Any, block: str, where: str) -> Any:
+    """``plan`` (two stages) cut inside ``block`` instead, as a cut at node granularity may fall:
+    ``where='tail'``: the second stage begins after the block's last node that reads one of its
+    weights (it holds only the block's residual add and such, none of its weights);
+    ``'mid'``: at the block's second half (``.mlp``: each stage holds a part of its weights)."""
+    from runtime.parallel.blocks import _path
+
+    gm = plan.traced.gm
+    stage_of = plan.stage_of()
+    nodes = [n for n in gm.graph.nodes if n.name in stage_of]
+    inside = [i for i, n in enumerate(nodes) if _path(n) == block or _path(n).startswith(block + ".")]
+    if where == "tail":
+        k = 1 + max(i for i in inside if any(a.op == "get_attr" for a in nodes[i].all_input_nodes))
+    else:
+        k = min(i for i in inside if _path(nodes[i]).startswith(block + ".mlp"))
+    names = [n.name for n in nodes]
+    first, second = plan.stages
+    return dataclasses.replace(plan, stages=(dataclasses.replace(first, nodes=tuple(names[:k])),
+                                             dataclasses.replace(second, nodes=tuple(names[k:]))))
+
+
 def _fsdp_case(name: str, schedule: str, dp: int, ranks: int, folder: str | None = None, **opts: Any) -> dict[str, Any]:
     """One (model, schedule) on this rank: forward_backward, then 2 clipped AdamW steps, each
     compared with the unpartitioned model; the parameters gathered from their shards at the end."""
     from torch.distributed.tensor import DTensor
 
     reshard = opts.pop("reshard_after_forward", True)
+    cut = opts.pop("cut", None)
     stages = 2 * ranks if schedule in ("interleaved", "zbv") else ranks
     c = case(name, stages)
     plan_once(c, name, stages, schedule, _SEARCHES)
+    if cut is not None:
+        c["plan"] = cut_inside(c["plan"], *cut)
     ref = copy.deepcopy(c["model"])
     # Adam divides by sqrt(v): on a gradient near 0 the round-off of another summation order (the
     # reduce-scatter's) becomes a visible step. eps=1e-6 bounds that amplification to TOL.
@@ -428,6 +453,62 @@ def test_an_fsdp_checkpoint_loads_unsharded_sharded_and_resumes_exactly(sharded:
         assert r["gpt2/1f1b"]["checkpoint"] == want
 
 
+# A block the cut splits between the stages (GPT-2 at node granularity): label: (model, schedule,
+# options). One spawn of its own, for the cuts only.
+_CUT_RUNS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "gpt2/1f1b/tail-of-h.1": ("gpt2", "1f1b", {"cut": ("model.transformer.h.1", "tail")}),
+    "gpt2/gpipe/gathered/tail-of-h.1": ("gpt2", "gpipe", {"cut": ("model.transformer.h.1", "tail"),
+                                                          "reshard_after_forward": False}),
+    "gpt2/gpipe/gathered/mid-h.1": ("gpt2", "gpipe", {"cut": ("model.transformer.h.1", "mid"),
+                                                      "reshard_after_forward": False}),
+}
+
+
+def _cut_worker(rank: int, world: int, runs: dict[str, tuple[str, str, dict[str, Any]]]) -> dict[str, Any]:
+    import traceback
+
+    out: dict[str, Any] = {}
+    for label, (name, schedule, opts) in runs.items():
+        try:
+            out[label] = _fsdp_case(name, schedule, 2, world // 2, **opts)
+        except Exception as e:  # reported by the test, with the label
+            out[label] = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
+    # A step that fails before a stage's first forward (a peer failed, a bad batch): the reset
+    # after it must leave FSDP as it is (nothing ran) and let the step's own error through.
+    trainer = make_trainer(case("mlp", world // 2), world // 2, "gpipe", transport="dist",
+                           data_parallel=DataParallel(size=2, engine="fsdp", reshard_after_forward=False))
+    try:
+        trainer._replicas.averager.reset()
+        out["reset before a forward"] = ""
+    except Exception as e:
+        out["reset before a forward"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def cut() -> list[dict[str, Any]]:
+    """Each rank's results of every run in ``_CUT_RUNS``."""
+    return spawn(_cut_worker, 4, _CUT_RUNS, timeout=420)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("label", list(_CUT_RUNS))
+def test_fsdp_trains_a_block_the_cut_splits_exactly(cut: list[dict[str, Any]], label: str) -> None:
+    # The plan cuts inside block h.1 (as node granularity may): each stage shards the part of the
+    # block it holds as a unit of its own, or, holding none of its weights (the tail: a residual
+    # add), computes that part in its own unit. Loss, every gradient, clipped AdamW steps and the
+    # weights after them equal the plain model's (checked in _fsdp_case), kept gathered or not.
+    for r in cut:
+        assert "error" not in r[label], r[label].get("error")
+        for got, want in r[label]["norms"]:
+            assert got == pytest.approx(want, rel=1e-5), label
+    held = {r[label]["pp_rank"]: r[label]["blocks_here"] for r in cut}
+    if label.endswith("mid-h.1"):
+        assert held == {0: 2, 1: 1}  # h.0 and the first half of h.1; the second half of h.1
+    else:
+        assert held == {0: 2, 1: 0}  # h.0 and h.1; no block weights (h.1's tail stays in the stage)
+
+
 @pytest.mark.multiprocess
 def test_reshard_after_forward_false_gathers_each_unit_once_per_step(sharded: list[dict[str, Any]]) -> None:
     # Each block of a stage is its own FSDP unit (runtime.parallel.blocks), the rest of the stage
@@ -460,3 +541,11 @@ def test_a_rank_holds_its_stage_unit_and_two_blocks_gathered_at_most(sharded: li
         largest = sorted(units.values())
         assert root + largest[-1] <= got["peak"] <= root + largest[-1] + largest[-2]
         assert got["peak"] < root + sum(units.values())
+
+
+@pytest.mark.multiprocess
+def test_fsdp_resets_after_a_step_that_failed_before_any_forward(cut: list[dict[str, Any]]) -> None:
+    # FSDP's step state exists once a forward has run through the stage (its lazy init): a reset
+    # before that raised "'FSDPCommContext' object has no attribute 'all_gather_state'" in
+    # place of the step's own error.
+    assert [r["reset before a forward"] for r in cut] == [""] * 4

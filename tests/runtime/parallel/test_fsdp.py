@@ -459,8 +459,6 @@ _CUT_RUNS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "gpt2/1f1b/tail-of-h.1": ("gpt2", "1f1b", {"cut": ("model.transformer.h.1", "tail")}),
     "gpt2/gpipe/gathered/tail-of-h.1": ("gpt2", "gpipe", {"cut": ("model.transformer.h.1", "tail"),
                                                           "reshard_after_forward": False}),
-    "gpt2/gpipe/gathered/mid-h.1": ("gpt2", "gpipe", {"cut": ("model.transformer.h.1", "mid"),
-                                                      "reshard_after_forward": False}),
 }
 
 

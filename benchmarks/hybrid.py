@@ -178,12 +178,13 @@ def _trainer(
 
 @contextmanager
 def _counting_all_reduce(group: dist.ProcessGroup | None, calls: list[int]) -> Iterator[None]:
-    """Append the bytes of every asynchronous ``dist.all_reduce`` in ``group`` to ``calls``: the
-    gradient buckets (the replicas' loss is averaged synchronously, in the same group)."""
+    """Append the bytes of every asynchronous ``dist.all_reduce`` of a bucket in ``group`` to
+    ``calls``: the gradient buckets (the replicas' loss, averaged in the same group and, bounded by
+    the trainer's timeout, asynchronously too, is a scalar)."""
     real = dist.all_reduce
 
     def counted(tensor: torch.Tensor, *args: Any, **kw: Any) -> Any:
-        if group is not None and kw.get("group") is group and kw.get("async_op"):
+        if group is not None and kw.get("group") is group and kw.get("async_op") and tensor.dim() > 0:
             calls.append(tensor.numel() * tensor.element_size())
         return real(tensor, *args, **kw)
 

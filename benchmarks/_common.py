@@ -51,6 +51,17 @@ def run_env(load: tuple[float, float, float], started: float, *, git: bool = Tru
     return env
 
 
+def proc_status() -> dict[str, int]:
+    """VmHWM (peak RSS), VmRSS, RssAnon and RssFile of this process, in bytes (Linux)."""
+    out: dict[str, int] = {}
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
+                out[key] = int(value.split()[0]) * 1024  # kB
+    return out
+
+
 def write_result(path: str | Path, result: dict[str, Any]) -> Path:
     """Write ``result`` as JSON at ``path`` (folders made) and say so."""
     out = Path(path)

@@ -65,6 +65,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from _common import proc_status as _status
 from _tensor_peak import TensorTrace
 from partitioner import Cluster
 from partitioner.plan.layout import Option
@@ -98,17 +99,6 @@ FULL = {"n_layer": 8, "n_embd": 512, "n_head": 8, "vocab": 8192, "seq": 64, "bat
         "steps": 3, "tensor_pass": "separate"}
 QUICK = {"n_layer": 2, "n_embd": 64, "n_head": 2, "vocab": 256, "seq": 16, "batch": 4, "micro_batch": 1,
          "steps": 2, "tensor_pass": "same"}
-
-
-def _status() -> dict[str, int]:
-    """VmHWM (peak RSS) and VmRSS of this process, in bytes (Linux)."""
-    out: dict[str, int] = {}
-    with open("/proc/self/status", encoding="ascii") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmHWM", "VmRSS"):
-                out[key] = int(value.split()[0]) * 1024  # kB
-    return out
 
 
 def _reset_peak() -> int:

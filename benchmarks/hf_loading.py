@@ -89,6 +89,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 import torch  # noqa: E402
 
 from _common import int_list, load_before, run_env, write_result  # noqa: E402
+from _common import proc_status as _status  # noqa: E402
 from _tensor_peak import TensorTrace  # noqa: E402
 
 __all__ = ["FULL", "QUICK", "SLACK", "Config", "main", "run"]
@@ -139,17 +140,6 @@ MODES = ("streaming", "materialised")
 
 
 # -- measuring (in each spawned process) -------------------------------------------------------------
-
-
-def _status() -> dict[str, int]:
-    """VmHWM (peak RSS), VmRSS, RssAnon and RssFile of this process, in bytes (Linux)."""
-    out: dict[str, int] = {}
-    with open("/proc/self/status", encoding="ascii") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
-                out[key] = int(value.split()[0]) * 1024  # kB
-    return out
 
 
 def _reset_peak() -> tuple[int, bool]:

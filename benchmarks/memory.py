@@ -83,6 +83,7 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 from _common import git_state, load_before, run_env, write_result  # noqa: E402
+from _common import proc_status as _status  # noqa: E402
 from _memory_engines import ENGINES, FULL, QUICK, QUICK_ENGINES, print_table, run_all  # noqa: E402
 from partitioner import partition  # noqa: E402
 from partitioner.plan.plan import Plan  # noqa: E402
@@ -188,17 +189,6 @@ def _estimate(plan: Plan, stages: tuple[int, ...]) -> dict[str, Any]:
 
 
 # -- measuring ------------------------------------------------------------------------------------
-
-
-def _status() -> dict[str, int]:
-    """VmHWM (peak RSS), VmRSS, RssAnon and RssFile of this process, in bytes (Linux)."""
-    out: dict[str, int] = {}
-    with open("/proc/self/status", encoding="ascii") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
-                out[key] = int(value.split()[0]) * 1024  # kB
-    return out
 
 
 def _mem_available() -> int:

@@ -41,7 +41,7 @@ class Gone:
 def register() -> None:
     """Record this rank's host and process id in the job's store (idempotent; a no-op without a
     process group or a store)."""
-    store = _store()
+    store = default_store()
     if store is None:
         return
     try:
@@ -73,7 +73,7 @@ def gone(ranks: Sequence[int], *, settle: float = 1.0) -> list[Gone]:
 
 def _record(rank: int) -> Gone | None:
     """What ``rank`` registered, as a ``Gone`` to be (its host and pid), or ``None``."""
-    store = _store()
+    store = default_store()
     if store is None:
         return None
     key = _KEY.format(rank=rank)
@@ -102,7 +102,7 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def _store() -> Any:  # a torch.distributed.Store, or None
+def default_store() -> Any:  # a torch.distributed.Store (compare_set, check, get), or None
     """The default process group's store (torchrun's TCPStore, a FileStore...), or ``None``."""
     # Private in torch, hence the guard, as runtime.transport.p2p reads it.
     get = getattr(dist.distributed_c10d, "_get_default_store", None)

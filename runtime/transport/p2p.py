@@ -31,13 +31,13 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from partitioner.errors import PipecutError
 from runtime.errors import InconsistentScheduleError, ProcessGroupError
+from runtime.transport.liveness import default_store as _store
 from runtime.transport.liveness import gone, register
 
 __all__ = [
@@ -528,19 +528,6 @@ def announced_failure(me: int) -> str:
     except Exception:
         return ""
     return "" if text.startswith(f"rank {me} failed") else text
-
-
-def _store() -> Any:
-    # A ``torch.distributed.Store`` (compare_set, check, get), or None.
-    """The default process group's key-value store (torchrun's TCPStore, a FileStore...)."""
-    # Private in torch, hence the guard: without it failures are still raised, only not quoted.
-    get = getattr(dist.distributed_c10d, "_get_default_store", None)
-    if get is None or not dist.is_initialized():
-        return None
-    try:
-        return get()
-    except Exception:
-        return None
 
 
 def _reason(error: BaseException) -> str:

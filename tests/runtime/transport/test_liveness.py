@@ -19,7 +19,7 @@ from runtime.transport.p2p import PeerFailed, PeerGone
 @pytest.fixture
 def store(monkeypatch: pytest.MonkeyPatch) -> dist.Store:
     store = dist.HashStore()
-    monkeypatch.setattr(liveness, "_store", lambda: store)
+    monkeypatch.setattr(liveness, "default_store", lambda: store)
     monkeypatch.setattr(liveness.dist, "get_rank", lambda group=None: 0)
     return store
 

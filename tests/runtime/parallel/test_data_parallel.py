@@ -173,7 +173,8 @@ def test_two_replicas_of_a_two_rank_pipeline_equal_the_plain_model(
     assert (tmp_path / "trace.json").is_file() and (tmp_path / "ckpt" / ".metadata").is_file()
     # The first replica's two ranks write the export; the copies in the second are not written again.
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [
-        "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
+        "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json",
+        "pipecut-manifest.json"]
     assert "--nproc-per-node 6" in results[0]["refused"] and "4 processes" in results[0]["refused"]
 
 

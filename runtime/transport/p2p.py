@@ -79,7 +79,11 @@ class PeerGone(PeerFailed):
 
 def gone_error(me: int, what: str, elapsed: float, peers: Sequence[int]) -> PeerGone | None:
     """The one-line error for a wait on ``what`` that failed after ``elapsed`` s because one of
-    ``peers`` is gone, or ``None`` when none of them is found gone (see ``liveness.gone``)."""
+    ``peers`` is gone, or ``None`` when none of them is found gone (see ``liveness.gone``) or
+    when a rank announced its own failure: that error (a ``PeerFailed`` quoting it) says more
+    than "its process exited"."""
+    if announced_failure(me):
+        return None
     dead = gone([r for r in peers if r != me])
     if not dead:
         return None

@@ -225,6 +225,8 @@ def _damaged_on_one_rank(rank: int, world: int, directory: str) -> dict[str, str
         data = bytearray(target.read_bytes())
         data[:64] = bytes(b ^ 0xFF for b in data[:64])
         target.write_bytes(bytes(data))
+        # Past the checksums (test_integrity.py names the file from them): here the reader names the entry.
+        (Path(directory) / "pipecut-manifest.json").unlink()
     dist.barrier()
     try:
         _trainer(transport="dist", seed=4).load(directory)

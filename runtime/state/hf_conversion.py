@@ -28,7 +28,6 @@ has no conversion mapping; there the checkpoint's keys are the names.
 from __future__ import annotations
 
 import copy
-import functools
 import logging
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -207,20 +206,24 @@ class ConvertedSource(Source):
         """Run the group's converter on its sources as ``read`` gives them (meta or real)."""
         converter = copy.deepcopy(group.converter)
         for key, pattern in group.sources:
-            converter.add_tensor(group.first, key, pattern, functools.partial(read, key))
+            converter.add_tensor(group.first, key, pattern, _bound(read, key))
         hf = self.conversion.model
         out = converter.convert(group.first, model=hf, config=hf.config)
         return {t: (v[0] if isinstance(v, list) else v) for t, v in out.items()}
 
     def _read_group(self, group: _Group, wanted: Mapping[str, Sequence[torch.Tensor]], done: Done) -> int:
+        nbytes = 0
         slices = _merged_slices(group, wanted)
-        if slices is not None:  # experts merged: the source's reader copies each into its slices
-            nbytes = self.inner.read(slices, lambda _: None)
+        if slices is not None:  # experts merged: each source straight into its slice of the destination
+            for key, views in slices.items():
+                tensor = self.inner.get(key)
+                nbytes += tensor.numel() * tensor.element_size()
+                for view in views:
+                    view.copy_(tensor)
+                del tensor
             for target in wanted:
                 done(target)
             return nbytes
-
-        nbytes = 0
 
         def read(key: str) -> torch.Tensor:
             nonlocal nbytes
@@ -234,6 +237,11 @@ class ConvertedSource(Source):
                 dest.copy_(out[target])
             done(target)
         return nbytes
+
+
+def _bound(read: Callable[[str], torch.Tensor], key: str) -> Callable[[], torch.Tensor]:
+    """``lambda: read(key)``, bound now (transformers calls each collected callable once, in order)."""
+    return lambda: read(key)
 
 
 def _merged_slices(group: _Group, wanted: Mapping[str, Sequence[torch.Tensor]]) -> dict[str, list[torch.Tensor]] | None:

@@ -57,7 +57,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +75,7 @@ from partitioner.plan.layout import Option  # noqa: E402
 from partitioner.schedule.registry import TRAINING_SCHEDULES, stages_per_rank  # noqa: E402
 from partitioner.zoo import gpt2  # noqa: E402
 from runtime import DataParallel, Execution, PipelineTrainer  # noqa: E402
-from runtime.overheads import fit_to_runtime, measure_action_overhead, with_action_overhead  # noqa: E402
+from runtime.overheads import calibrate_job  # noqa: E402
 from runtime.transport.launch import spawn  # noqa: E402
 
 __all__ = [
@@ -291,11 +291,7 @@ def _fit(search: LayoutSearch, out: dict[str, float], x: torch.Tensor, y: torch.
         pick = torch.arange(b) % rows
         return x[pick], y[pick]
 
-    fitted = fit_to_runtime(search, _lm_loss, batch)
-    cluster = replace(fitted, cores=os.cpu_count())
-    search.use_cluster(cluster)
-    cluster = with_action_overhead(cluster, measure_action_overhead(cluster, search=search, batch=batch,
-                                                                    loss_fn=_lm_loss))
+    cluster = calibrate_job(search, _lm_loss, batch)
     keys = ("peak_flops", "peak_flops_fp32", "mem_bandwidth", "op_overhead", "action_overhead")
     out.update({k: float(getattr(cluster.devices[0], k)) for k in keys})
     out["cores"] = float(cluster.cores or 0)

@@ -16,6 +16,7 @@ result goes into ``DeviceSpec.action_overhead``.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -33,7 +34,9 @@ from partitioner.plan.predict import predict
 from runtime.options import Execution
 from runtime.trainer import PipelineTrainer
 
-__all__ = ["fit_action_overhead", "measure_action_overhead", "with_action_overhead", "fit_to_runtime"]
+__all__ = [
+    "fit_action_overhead", "measure_action_overhead", "with_action_overhead", "fit_to_runtime", "calibrate_job",
+]
 
 
 def fit_action_overhead(measured: tuple[float, float], simulated: tuple[float, float], extra_actions: int) -> float:
@@ -194,3 +197,47 @@ def fit_to_runtime(
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(got, op=dist.ReduceOp.MAX)
     return search.fit_to_timings(sizes, (float(got[0]), float(got[1])))
+
+
+def calibrate_job(
+    search: LayoutSearch,
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+    batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    *,
+    cores: int | None = None,
+    repeat: int = 7,
+    timeout: float = 120.0,
+) -> Cluster:
+    """The cluster ``search`` should price on, fitted on the job's own ranks; ``search`` then uses it.
+
+    The whole calibration the layout benchmark found accurate, as one call (docs/partitioning.md,
+    *Calibration*): every rank times a one-stage trainer step of the model at two sizes at once
+    (:func:`fit_to_runtime`: the slowest rank's times give the speed and per-op overhead), the
+    cluster records the ``cores`` the ranks share (default: this host's), and the runtime's cost
+    per pipeline action is measured on the model cut into one stage per rank
+    (:func:`measure_action_overhead`). Collective: call it on every rank of the job at once, with
+    the same ``batch`` everywhere; every rank gets the same cluster. In one process (no process
+    group) the action overhead is not measured (it needs one process per rank) and stays the
+    cluster's.
+
+    Args:
+        search: the job's layout search, on a model with real (not meta) parameters; its cluster
+            has one device per rank of the job.
+        loss_fn: ``loss_fn(output, target)`` as the job trains.
+        batch: ``batch(rows) -> (inputs, targets)``, the same on every rank.
+        cores: the CPU cores the ranks share (``Cluster.cores``); default ``os.cpu_count()``.
+        repeat: timed steps per measurement (the median is kept).
+        timeout: seconds any wait for a peer may take.
+
+    Raises:
+        CalibrationError: the timings do not grow with the size (time more repeats or on a quieter machine).
+    """
+    fitted = fit_to_runtime(search, loss_fn, batch, repeat=repeat)
+    cluster = replace(fitted, cores=cores if cores is not None else os.cpu_count())
+    search.use_cluster(cluster)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        seconds = measure_action_overhead(cluster, search=search, batch=batch, loss_fn=loss_fn, repeat=repeat,
+                                          timeout=timeout)
+        cluster = with_action_overhead(cluster, seconds)
+        search.use_cluster(cluster)
+    return cluster

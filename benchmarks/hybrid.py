@@ -278,9 +278,11 @@ _PRICED_AS = {"a: 2 dp x 2 pp": "none", BASELINE: "none", "c: 4 dp x 1 pp": "non
               "h: 2 dp x 2 pp FSDP kept gathered": "zero1", "i: 2 dp x 2 pp ZeRO-1": "zero1"}
 
 
-def predicted(cfg: dict[str, Any], names: list[str]) -> dict[str, float]:
+def predicted(cfg: dict[str, Any], names: list[str], *, fit: bool = True) -> dict[str, float]:
     """The layout search's predicted step time (s) of each of ``names`` it prices (see the module
-    docstring, ``--predict``)."""
+    docstring, ``--predict``): on the ``'cpu'`` preset fitted to this machine's step of the model,
+    or with ``fit=False`` on the preset as it is (what the prices' structure, not their scale,
+    depends on: a fit to a tiny model's millisecond steps can fail on a busy machine)."""
     from partitioner import Cluster
     from partitioner.plan.layout import Option
     from partitioner.search import LayoutSearch
@@ -288,7 +290,8 @@ def predicted(cfg: dict[str, Any], names: list[str]) -> dict[str, float]:
     example = (_data({**cfg, "batch": cfg["micro_batch"]})[0],)
     found = LayoutSearch(_model(cfg), example, cluster=Cluster.uniform(PROCESSES, "cpu"), global_batch=cfg["batch"],
                          recompute=False)
-    found.use_cluster(found.fit_to_model())
+    if fit:
+        found.use_cluster(found.fit_to_model())
     out = {}
     for name in names:
         if name in _PRICED_AS:

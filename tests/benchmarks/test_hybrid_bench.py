@@ -60,8 +60,9 @@ def test_hybrid_quick(tmp_path: Path) -> None:
 
 
 def test_hybrid_predict_prices_each_configuration_as_it_runs() -> None:
-    # --predict: the layout search, fitted to this machine, prices every configuration it can
-    # (those whose exchange waits for the whole pipeline are not), FSDP with its gathers.
+    # --predict: the layout search prices every configuration it can (those whose exchange waits
+    # for the whole pipeline are not), FSDP with its gathers. On the preset unfitted: fitting to
+    # this tiny model's ~1 ms steps failed on a loaded CI machine (the larger size timed faster).
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("hybrid_bench", ROOT / "benchmarks" / "hybrid.py")
@@ -70,7 +71,7 @@ def test_hybrid_predict_prices_each_configuration_as_it_runs() -> None:
     spec.loader.exec_module(hybrid)
     cfg = {"model": "mlp", "n_layer": 4, "n_embd": 32, "n_head": 2, "vocab": 64, "seq": 8, "batch": 16,
            "micro_batch": 2}
-    pred = hybrid.predicted(cfg, list(hybrid.CONFIGS))
+    pred = hybrid.predicted(cfg, list(hybrid.CONFIGS), fit=False)
     assert set(pred) == set(hybrid.CONFIGS) - {"d: 2 dp x 2 pp, all-reduce after",
                                               "f: 2 dp x 2 pp interleaved, all-reduce after"}
     assert all(t > 0 for t in pred.values())

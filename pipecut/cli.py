@@ -26,6 +26,7 @@ Tables take the terminal's width (``COLUMNS`` when set); written to a file or a 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import logging
 import os
@@ -496,19 +497,23 @@ def _train(args: argparse.Namespace) -> int:
     # since a bar written there shows only its last frame.
     terminal = Console().is_terminal
     lines: list[StepLog] = []
+    bars: list[TrainingProgress] = []
 
-    def started(report: StartReport) -> None:
-        if leader:
-            print("\n".join(report.lines()), flush=True)
-            lines.append(StepLog(steps=cfg.steps, every=cfg.log_interval))  # its clock starts at the first step
+    with contextlib.ExitStack() as stack:
 
-    def stepped(metrics: Mapping[str, Any]) -> None:
-        bar.update(metrics)
-        text = lines[0].text(metrics) if lines and not terminal else None
-        if text is not None:
-            print(text, flush=True)
+        def started(report: StartReport) -> None:
+            if leader:
+                print("\n".join(report.lines()), flush=True)
+                lines.append(StepLog(steps=cfg.steps, every=cfg.log_interval))  # its clock starts at the first step
+            # The bar under the block, its clock from the first step too.
+            bars.append(stack.enter_context(TrainingProgress(total=cfg.steps, enabled=leader and terminal)))
 
-    with TrainingProgress(total=cfg.steps, enabled=leader and terminal) as bar:
+        def stepped(metrics: Mapping[str, Any]) -> None:
+            bars[0].update(metrics)
+            text = lines[0].text(metrics) if lines and not terminal else None
+            if text is not None:
+                print(text, flush=True)
+
         result = train(cfg, on_step=stepped, on_start=started)
     if leader:
         done = len(result.metrics)

@@ -353,7 +353,7 @@ class Journal:
         if not self.leader or self._steps is None:
             return
         end = (f"run ended at step {self._last} of {self.cfg.steps}" if exc_type is None
-               else f"run stopped after step {self._last}: {exc_type.__name__}: {exc}")
+               else f"run stopped after step {self._last} of {self.cfg.steps}: {exc_type.__name__}: {exc}")
         try:
             self._write([end])
         except OSError as e:  # a full disk: the run's own error is the one to tell

@@ -26,12 +26,13 @@ Tables take the terminal's width (``COLUMNS`` when set); written to a file or a 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import logging
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -452,6 +453,8 @@ _TRAIN_FLAGS: dict[str, tuple[Any, str]] = {
     "trust-remote-code": (bool, "let the folder's own code (auto_map, modeling_*.py) run; off by default"),
     "allow-nonfinite-weights": (str, ("comma-separated patterns of weight names that may load holding NaN/inf "
                                      "(e.g. '*.masked_bias'); every other loaded tensor must be finite")),
+    "log-every": (int, ("a progress line every N steps, and at the first and last, on stdout when it is not a "
+                        "terminal and in OUT/train.log (default: about 20 lines over --steps)")),
 }
 
 # Switches (true when given): each is a bool key of TrainConfig.
@@ -459,6 +462,7 @@ _TRAIN_SWITCHES: dict[str, str] = {
     "check-finite": "stop at a micro-batch's NaN or infinite loss before the optimizer step",
     "allow-nonfinite-loss": "train on past a NaN or infinite loss or gradient norm (default: stop, exit 2); "
                             "non-finite weights are still never checkpointed",
+    "tensorboard": "also write the metrics as TensorBoard event files under OUT/tensorboard (pip install tensorboard)",
 }
 
 
@@ -480,16 +484,38 @@ def _add_train_parser(sub: Any) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from pipecut.train import read_toml, resolve, train
+    from pipecut.train import StartReport, read_toml, resolve, train
+    from pipecut.train.report import StepLog
     from runtime.metrics import TrainingProgress
 
     flags = {k: v for k, v in vars(args).items() if k.replace("_", "-") in {**_TRAIN_FLAGS, **_TRAIN_SWITCHES}}
     cfg = resolve(read_toml(args.config_file) if args.config_file else {}, flags)
     t0 = time.perf_counter()
-    # The process group starts inside train(); under torchrun, RANK says who draws.
-    with TrainingProgress(total=cfg.steps, enabled=os.environ.get("RANK", "0") == "0") as bar:
-        result = train(cfg, on_step=bar.update)
-    if bar.enabled:
+    # The process group starts inside train(); under torchrun, RANK says who prints.
+    leader = os.environ.get("RANK", "0") == "0"
+    # A terminal gets the live bar; a file or a pipe (a batch job's log) a plain line every --log-every steps,
+    # since a bar written there shows only its last frame.
+    terminal = Console().is_terminal
+    lines: list[StepLog] = []
+    bars: list[TrainingProgress] = []
+
+    with contextlib.ExitStack() as stack:
+
+        def started(report: StartReport) -> None:
+            if leader:
+                print("\n".join(report.lines()), flush=True)
+                lines.append(StepLog(steps=cfg.steps, every=cfg.log_interval))  # its clock starts at the first step
+            # The bar under the block, its clock from the first step too.
+            bars.append(stack.enter_context(TrainingProgress(total=cfg.steps, enabled=leader and terminal)))
+
+        def stepped(metrics: Mapping[str, Any]) -> None:
+            bars[0].update(metrics)
+            text = lines[0].text(metrics) if lines and not terminal else None
+            if text is not None:
+                print(text, flush=True)
+
+        result = train(cfg, on_step=stepped, on_start=started)
+    if leader:
         done = len(result.metrics)
         last = result.metrics[-1] if result.metrics else None
         start = f" (resumed at step {result.resumed_from})" if result.resumed_from else ""

@@ -10,8 +10,9 @@ from __future__ import annotations
 from pipecut.train.config import TrainConfig, TrainConfigError, read_toml, resolve
 from pipecut.train.data import DataError, TokenData, open_tokens
 from pipecut.train.loop import TrainResult, train
+from pipecut.train.report import StartReport
 
 __all__ = [
     "train", "TrainResult", "TrainConfig", "TrainConfigError", "resolve", "read_toml", "TokenData", "open_tokens",
-    "DataError",
+    "DataError", "StartReport",
 ]

@@ -83,6 +83,11 @@ class TrainConfig:
     allow_nonfinite_loss: bool = False
     """Train on past a NaN or infinite loss or gradient norm (no checkpoint of non-finite weights is
     written even so). Not ``allow_nonfinite_weights``, which is about the tensors loaded."""
+    log_every: int | None = None
+    """A plain progress line (stdout when it is not a terminal, and ``OUT/train.log``) every N
+    steps, and at the first and last (default: about 20 lines over ``steps``)."""
+    tensorboard: bool = False
+    """Also write the metrics as TensorBoard event files under ``OUT/tensorboard`` (needs ``tensorboard``)."""
 
     def __post_init__(self) -> None:
         _check(self)
@@ -96,6 +101,11 @@ class TrainConfig:
     def decay_end(self) -> int:
         """The step the cosine decay ends at."""
         return self.decay_steps if self.decay_steps is not None else self.steps
+
+    @property
+    def log_interval(self) -> int:
+        """Steps between progress lines: :attr:`log_every`, or about ``steps / 20``."""
+        return self.log_every if self.log_every is not None else max(1, math.ceil(self.steps / 20))
 
     @property
     def nonfinite_patterns(self) -> tuple[str, ...]:
@@ -210,7 +220,7 @@ def _check(cfg: TrainConfig) -> None:
     for key in ("steps", "seq_len", "global_batch", "micro_batch_size", "keep", "eval_batches"):
         if getattr(cfg, key) < 1:
             raise TrainConfigError(f"{key} must be at least 1, got {getattr(cfg, key)}")
-    for key in ("pp", "dp", "decay_steps"):
+    for key in ("pp", "dp", "decay_steps", "log_every"):
         if getattr(cfg, key) is not None and getattr(cfg, key) < 1:
             raise TrainConfigError(f"{key} must be at least 1, got {getattr(cfg, key)}")
     for key in ("warmup", "checkpoint_every", "eval_every", "seed"):

@@ -34,7 +34,7 @@ from partitioner.cost.devices import Cluster
 from partitioner.errors import PipecutError
 from partitioner.plan.plan import Plan
 from pipecut.folder import HFFolder, max_positions
-from pipecut.train import checkpoints, finite, metrics_log, runfolder
+from pipecut.train import checkpoints, finite, metrics_log, report, runfolder
 from pipecut.train.config import TrainConfig, TrainConfigError, read_toml, resolve, to_toml
 from pipecut.train.data import EVAL, TRAIN, TokenData, open_tokens
 from pipecut.train.export import export_final
@@ -133,19 +133,26 @@ def layout(cfg: TrainConfig, world: int, rank: int) -> Layout:
     return Layout(pp=pp, dp=dp, m=cfg.global_batch // per_replica, rank=rank, dp_rank=rank // pp)
 
 
-def train(cfg: TrainConfig, *, on_step: Callable[[Mapping[str, Any]], None] | None = None) -> TrainResult:
+def train(
+    cfg: TrainConfig, *, on_step: Callable[[Mapping[str, Any]], None] | None = None,
+    on_start: Callable[[report.StartReport], None] | None = None,
+) -> TrainResult:
     """Run (or resume) the training job ``cfg`` describes. Collective under torchrun.
 
     Args:
         cfg: the settings.
         on_step: called on every process after each step with its metrics line (the CLI draws
             the progress bar with it on rank 0).
+        on_start: called on every process before the first step with the start-up block (the
+            model, layout, schedule, batch, the plan's predictions, where the files go), which
+            rank 0 also writes to ``OUT/train.log``.
 
     Returns:
         The steps run now, their metrics, and the final export's folder.
 
     Raises:
         TrainConfigError, DataError, FolderError, UnsupportedModelError: before any step.
+        MissingDependencyError: ``cfg.tensorboard`` without the tensorboard package, before ``cfg.out`` is touched.
         PipecutError: anything planning or training refuses (see docs/runtime.md).
     """
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -155,10 +162,11 @@ def train(cfg: TrainConfig, *, on_step: Callable[[Mapping[str, Any]], None] | No
     lay = layout(cfg, world, rank)
     # The model folder is honoured or refused before --out is touched: a refused one leaves nothing there.
     folder, config, weights = _open_folder(cfg, warn=lay.rank == 0)
+    journal = report.Journal(cfg, leader=lay.rank == 0)  # refuses --tensorboard without the package
     # The run folder is this run's from before it is read (a resume point, the metrics) until it ends.
-    with runfolder.owned(Path(cfg.out), leader=lay.rank == 0):
+    with runfolder.owned(Path(cfg.out), leader=lay.rank == 0), journal:
         try:
-            return _run(cfg, lay, world, on_step, folder, config, weights)
+            return _run(cfg, lay, world, on_step, folder, config, weights, journal=journal, on_start=on_start)
         except OSError as e:
             if e.errno != errno.ENOSPC:
                 raise
@@ -175,7 +183,8 @@ def _open_folder(cfg: TrainConfig, *, warn: bool) -> tuple[HFFolder, Any, Path |
 
 def _run(
     cfg: TrainConfig, lay: Layout, world: int, on_step: Callable[[Mapping[str, Any]], None] | None,
-    folder: HFFolder, config: Any, weights: Path | None,
+    folder: HFFolder, config: Any, weights: Path | None, *, journal: report.Journal,
+    on_start: Callable[[report.StartReport], None] | None,
 ) -> TrainResult:
     """:func:`train`, once the process group is up, the model folder admitted and the run folder this run's."""
     leader = lay.rank == 0
@@ -209,6 +218,7 @@ def _run(
     metrics_file = out / "metrics.jsonl"
     if leader:
         metrics_log.cut_back(metrics_file, trainer.step_count)
+    _started(cfg, plan, lay, world, trainer.step_count, journal, on_start)
     weights_ok = True
     while trainer.step_count < cfg.steps:
         line = _checked_step(trainer, data, cfg, lay, vocab, ckpts)
@@ -226,6 +236,7 @@ def _run(
             line["eval_loss"] = evaluate(trainer, eval_data, cfg, lay, vocab)
         if leader:
             metrics_log.append(metrics_file, line)
+        journal.step(line)
         result.metrics.append(line)
         if on_step is not None:
             on_step(line)
@@ -262,6 +273,20 @@ def _build(
         data_parallel=DataParallel(size=lay.dp) if world > 1 else None,
     )
     return plan, trainer
+
+
+def _started(
+    cfg: TrainConfig, plan: Plan, lay: Layout, world: int, resumed_from: int, journal: report.Journal,
+    on_start: Callable[[report.StartReport], None] | None,
+) -> None:
+    """The start-up block, to ``train.log`` and to ``on_start``."""
+    params, trainable = report.count_parameters(plan.model)
+    facts = report.RunFacts(model_class=type(plan.model).__name__, params=params, trainable=trainable, dp=lay.dp,
+                            pp=lay.pp, world=world, resumed_from=resumed_from)
+    block = report.start_report(cfg, plan, facts)
+    journal.start(block)
+    if on_start is not None:
+        on_start(block)
 
 
 def _checked_step(

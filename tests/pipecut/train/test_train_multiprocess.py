@@ -41,6 +41,11 @@ def torchrun_2x1(llama_folder: Path, token_file: Path, tmp_path_factory: pytest.
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert done.stdout.count("trained 4 steps") == 1  # rank 0 alone reports
+    # ... its start-up block and, stdout being a pipe, a plain line per step (4 steps: every one is due)
+    assert done.stdout.count("pipecut train: ") == 1 and "2 replica(s) x 1-rank pipeline on 2 processes" in done.stdout
+    assert [s.split("  ")[0] for s in done.stdout.splitlines() if s.startswith("step ")] == [
+        f"step {n}/4" for n in range(1, 5)]
+    assert (out / "train.log").read_text().count("pipecut train: ") == 1
     return out
 
 

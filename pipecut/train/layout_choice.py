@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from partitioner.cost.devices import Cluster
-from partitioner.errors import MissingPredictionError, PipecutError, PlanMismatchError
+from partitioner.errors import CalibrationError, MissingPredictionError, PipecutError, PlanMismatchError
 from partitioner.plan.layout import DEFAULT_ZERO, Option
 from partitioner.plan.plan import Plan
 from partitioner.plan.units import fmt_time
@@ -111,8 +111,8 @@ def choose(
         settled = resolved(cfg, plan, world, source=f"--plan {cfg.plan}")
         return Choice(settled, bind_plan(plan, folder, config, cfg, source=f"--plan {cfg.plan}"), f"--plan {cfg.plan}")
     if cfg.layout == "manual":  # the defaults written out, as the run's config.toml records them
-        return Choice(dataclasses.replace(cfg, schedule=cfg.schedule or "1f1b", micro_batch_size=cfg.micro_batch_size
-                                          or 1), None, "the flags")
+        filled = dataclasses.replace(cfg, schedule=cfg.schedule or "1f1b", micro_batch_size=cfg.micro_batch_size or 1)
+        return Choice(filled, None, "the flags")
     recorded = _recorded(cfg, folder, config, world, out)
     if recorded is not None:
         return Choice(resolved(cfg, recorded, world, source=str(out / "plan.json")), recorded,
@@ -260,13 +260,21 @@ def _search(cfg: TrainConfig, folder: HFFolder, config: Any, world: int, preset:
     n = world if world > 1 else cfg.pp or (torch.cuda.device_count() if torch.cuda.is_available() else 0) or 1
     space = search_space(cfg, devices=n, world=world)  # refused before anything is traced
     example = folder.example_inputs(seq_len=cfg.seq_len, micro_batch_size=1)
-    options: dict[str, Any] = {"global_batch": cfg.global_batch, "precision": cfg.precision, "recompute": RECOMPUTE[cfg.recompute]}
-    cluster, priced_on = (_cluster_file(cfg.calibrate, n), f"the cluster in {cfg.calibrate}") if cfg.calibrate else (
-        Cluster.uniform(n, preset), f"{n} x {preset}")
+    options: dict[str, Any] = {
+        "global_batch": cfg.global_batch, "precision": cfg.precision, "recompute": RECOMPUTE[cfg.recompute],
+    }
+    if cfg.calibrate is not None:
+        cluster, priced_on = _cluster_file(cfg.calibrate, n), f"the cluster in {cfg.calibrate}"
+    else:
+        cluster, priced_on = Cluster.uniform(n, preset), f"{n} x {preset}"
     search = LayoutSearch(folder.build(meta=True, config=config), example, cluster=cluster, **options)
     if cfg.calibrate is None and cfg.device == "auto" and preset == "cpu":
-        search.use_cluster(_calibrated(cfg, folder, config, cluster, example, options, loss_fn))
-        priced_on = f"{n} x cpu calibrated on the job's ranks"
+        try:
+            search.use_cluster(_calibrated(cfg, folder, config, cluster, example, options, loss_fn))
+            priced_on = f"{n} x cpu calibrated on the job's ranks"
+        except CalibrationError as e:  # every rank fits the same (all-reduced) timings: all fall back together
+            log.warning("calibration on the job's ranks failed (%s): the layouts are priced on the %r preset; give "
+                        "--device cpu to skip calibration, or --calibrate FILE (pipecut calibrate)", e, preset)
     plan = _agreed(search, search.run(**space))
     return plan, priced_on
 

@@ -24,7 +24,7 @@ another layout, and the resumed steps must be those the first run would have tak
 Example:
     >>> from pipecut.train.config import TrainConfig
     >>> cfg = TrainConfig(model="m", data="d", out="o", layout="auto", global_batch=16, pp=2)
-    >>> space = search_space(cfg, devices=4, world=4)
+    >>> space = search_space(cfg, world=4)
     >>> space["dp_sizes"], space["schedules"], space["zero"]
     ((2,), None, ('none', 'zero1'))
 """
@@ -121,8 +121,8 @@ def choose(
     return Choice(resolved(cfg, plan, world, source="the planner"), plan, f"the planner, priced on {priced_on}")
 
 
-def search_space(cfg: TrainConfig, *, devices: int, world: int) -> dict[str, Any]:
-    """``LayoutSearch.run``'s keywords for ``devices`` devices: the layout keys ``cfg`` sets, as constraints.
+def search_space(cfg: TrainConfig, *, world: int) -> dict[str, Any]:
+    """``LayoutSearch.run``'s keywords for a job of ``world`` processes: the layout keys ``cfg`` sets, as constraints.
 
     Raises:
         TrainConfigError: ``--dp``/``--pp`` that no split of the job's processes gives, or
@@ -258,7 +258,7 @@ def _search(cfg: TrainConfig, folder: HFFolder, config: Any, world: int, preset:
             ) -> tuple[Plan, str]:
     """The planner's layout for the job, the same on every rank, and what its devices were priced as."""
     n = world if world > 1 else cfg.pp or (torch.cuda.device_count() if torch.cuda.is_available() else 0) or 1
-    space = search_space(cfg, devices=n, world=world)  # refused before anything is traced
+    space = search_space(cfg, world=world)  # refused before anything is traced
     example = folder.example_inputs(seq_len=cfg.seq_len, micro_batch_size=1)
     options: dict[str, Any] = {
         "global_batch": cfg.global_batch, "precision": cfg.precision, "recompute": RECOMPUTE[cfg.recompute],

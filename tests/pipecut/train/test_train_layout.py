@@ -40,14 +40,14 @@ def test_manual_is_the_default_and_fills_in_the_flags_defaults(tmp_path: Path) -
 
 def test_the_layout_keys_given_constrain_the_search() -> None:
     auto = TrainConfig(**REQUIRED, layout="auto", global_batch=16)
-    assert search_space(auto, devices=4, world=4) == {
+    assert search_space(auto, world=4) == {
         "dp_sizes": None, "schedules": None, "microbatch_sizes": None, "zero": ("none", "zero1")}
     given = dataclasses.replace(auto, pp=4, schedule="zbv", micro_batch_size=2, zero="none")
-    assert search_space(given, devices=8, world=8) == {
+    assert search_space(given, world=8) == {
         "dp_sizes": (2,), "schedules": ("zbv",), "microbatch_sizes": (2,), "zero": ("none",)}
-    assert search_space(dataclasses.replace(auto, dp=2, schedule="auto"), devices=4, world=4)["schedules"] is None
+    assert search_space(dataclasses.replace(auto, dp=2, schedule="auto"), world=4)["schedules"] is None
     # In one process: one replica over --pp ranks.
-    assert search_space(dataclasses.replace(auto, pp=2), devices=2, world=1)["dp_sizes"] == (1,)
+    assert search_space(dataclasses.replace(auto, pp=2), world=1)["dp_sizes"] == (1,)
 
 
 @pytest.mark.parametrize(
@@ -67,7 +67,7 @@ def test_the_layout_keys_given_constrain_the_search() -> None:
 def test_conflicting_settings_are_refused_with_the_flags_named(flags: dict[str, object], world: int,
                                                                 message: str) -> None:
     with pytest.raises(TrainConfigError, match=message):
-        search_space(resolve(REQUIRED, flags), devices=world, world=world)
+        search_space(resolve(REQUIRED, flags), world=world)
 
 
 def test_zero_by_hand_needs_replicas() -> None:

@@ -14,6 +14,8 @@ Examples::
     pipecut plan gpt2-tiny --stages 4 --calibrate cluster.json
     pipecut train --model path/to/hf-folder --data tokens.bin --out run --pp 2 --steps 100
     torchrun --standalone --nproc-per-node 4 -m pipecut train --model ... --pp 2 --dp 2
+    torchrun --standalone --nproc-per-node 8 -m pipecut train --model ... --layout auto --global-batch 64
+    torchrun --standalone --nproc-per-node 8 -m pipecut train --model ... --plan plan.json --global-batch 64
     pipecut --version
 
 Exit codes: 0 done, 2 an error, 3 a device over capacity (docs/partitioning.md, "Exit codes of the
@@ -434,6 +436,11 @@ _TRAIN_FLAGS: dict[str, tuple[Any, str]] = {
     "pp": (int, "pipeline ranks (default: world size / dp; 1 in one process)"),
     "dp": (int, "data-parallel replicas, under torchrun (default: world size / pp)"),
     "schedule": (str, "pipeline schedule or 'auto' (default 1f1b)"),
+    "zero": (str, "sharding over the replicas (dp >= 2): none (default), zero1 (optimizer state) or fsdp (FSDP2)"),
+    "layout": (str, ("manual (default: the flags above) or auto: the planner chooses dp, pp, schedule, micro-batch "
+                     "size, recomputation and sharding for --global-batch; the layout flags given constrain it")),
+    "plan": (str, "train this saved plan (pipecut plan ... --json, or a run's OUT/plan.json): its layout"),
+    "calibrate": (str, "with --layout auto: price the layouts on this cluster JSON (from pipecut calibrate)"),
     "precision": (str, "fp32, bf16 or fp16 (autocast over fp32 weights; default fp32)"),
     "recompute": (str, "activation recomputation: auto (where memory binds), on, off"),
     "lr": (float, "peak learning rate (default 3e-4)"),

@@ -57,6 +57,9 @@ from pipecut.folder import UnsupportedModelError as UnsupportedModelError
 from pipecut.train.config import TrainConfigError as TrainConfigError
 from pipecut.train.data import DataError as DataError
 from pipecut.train.finite import NonFiniteLossError as NonFiniteLossError
+from pipecut.train.layout_choice import PlanModelError as PlanModelError
+from pipecut.train.layout_choice import PlanWorldError as PlanWorldError
+from pipecut.train.layout_choice import TrainPlanError as TrainPlanError
 from pipecut.train.metrics_log import MetricsFileError as MetricsFileError
 from pipecut.train.runfolder import DiskFullError as DiskFullError
 from pipecut.train.runfolder import RunFolderError as RunFolderError

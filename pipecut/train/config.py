@@ -25,9 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from partitioner.errors import MissingDependencyError, PipecutError
+from partitioner.plan.layout import ZERO_OPTIONS
 from partitioner.schedule.registry import TRAINING_SCHEDULES
 
-__all__ = ["TrainConfig", "TrainConfigError", "resolve", "read_toml", "to_toml", "KEYS"]
+__all__ = ["TrainConfig", "TrainConfigError", "resolve", "read_toml", "to_toml", "KEYS", "LAYOUT_KEYS"]
 
 
 class TrainConfigError(PipecutError, ValueError):
@@ -48,12 +49,25 @@ class TrainConfig:
     seq_len: int = 256
     global_batch: int = 8
     """Sequences per optimizer step, over all replicas."""
-    micro_batch_size: int = 1
+    micro_batch_size: int | None = None
+    """Sequences per micro-batch (default 1; with ``layout = "auto"`` the planner's unless given)."""
     pp: int | None = None
     """Pipeline ranks (default: the world size over ``dp``; 1 in one process)."""
     dp: int | None = None
     """Data-parallel replicas (default: the world size over ``pp``; 1 in one process)."""
-    schedule: str = "1f1b"
+    schedule: str | None = None
+    """The pipeline schedule, or ``auto`` (default 1f1b; with ``layout = "auto"`` the planner's unless given)."""
+    zero: str | None = None
+    """How the replicas shard the training state: ``none``, ``zero1`` (the optimizer state) or ``fsdp``
+    (FSDP2); with dp > 1 only (default none; with ``layout = "auto"`` the planner's unless given)."""
+    layout: str = "manual"
+    """``manual``: dp, pp, schedule, micro-batch size and sharding as given (their defaults where not);
+    ``auto``: the planner searches them (``partitioner.plan_layout``), the ones given constraining it."""
+    plan: str | None = None
+    """A saved plan to train (``pipecut plan ... --json``, or a run's ``OUT/plan.json``): its layout,
+    checked against the job's processes and the model."""
+    calibrate: str | None = None
+    """With ``layout = "auto"``: the cluster JSON (``pipecut calibrate``) the layouts are priced on."""
     precision: str = "fp32"
     recompute: str = "auto"
     lr: float = 3e-4
@@ -118,7 +132,10 @@ _REQUIRED = ("model", "data", "out")
 _CHOICES = {
     "schedule": (*TRAINING_SCHEDULES, "auto"), "precision": ("fp32", "bf16", "fp16"),
     "recompute": ("auto", "on", "off"), "data_dtype": ("uint16", "uint32", "int32", "int64"),
+    "zero": ZERO_OPTIONS, "layout": ("manual", "auto"),
 }
+# The keys that say how the job's processes and the batch divide: what --layout auto searches.
+LAYOUT_KEYS = ("dp", "pp", "schedule", "micro_batch_size", "zero")
 
 
 def resolve(file_values: Mapping[str, Any], flags: Mapping[str, Any]) -> TrainConfig:
@@ -217,10 +234,10 @@ def _typed(key: str, value: Any) -> Any:
 
 
 def _check(cfg: TrainConfig) -> None:
-    for key in ("steps", "seq_len", "global_batch", "micro_batch_size", "keep", "eval_batches"):
+    for key in ("steps", "seq_len", "global_batch", "keep", "eval_batches"):
         if getattr(cfg, key) < 1:
             raise TrainConfigError(f"{key} must be at least 1, got {getattr(cfg, key)}")
-    for key in ("pp", "dp", "decay_steps", "log_every"):
+    for key in ("pp", "dp", "decay_steps", "log_every", "micro_batch_size"):
         if getattr(cfg, key) is not None and getattr(cfg, key) < 1:
             raise TrainConfigError(f"{key} must be at least 1, got {getattr(cfg, key)}")
     for key in ("warmup", "checkpoint_every", "eval_every", "seed"):
@@ -240,5 +257,24 @@ def _check(cfg: TrainConfig) -> None:
             "the other trains on past it): give one of them"
         )
     for key, allowed in _CHOICES.items():
-        if getattr(cfg, key) not in allowed:
+        if getattr(cfg, key) is not None and getattr(cfg, key) not in allowed:
             raise TrainConfigError(f"{key} must be one of {', '.join(allowed)}, got {getattr(cfg, key)!r}")
+    _check_modes(cfg)
+
+
+def _check_modes(cfg: TrainConfig) -> None:
+    """``--layout auto``, ``--plan`` and ``--calibrate`` with each other and the device."""
+    if cfg.plan is not None and cfg.layout == "auto":
+        raise TrainConfigError(
+            f"--plan {cfg.plan} and --layout auto both decide the layout: give --plan to train that plan, or "
+            "--layout auto to let the planner search one"
+        )
+    if cfg.calibrate is not None and cfg.layout != "auto":
+        raise TrainConfigError(
+            f"--calibrate {cfg.calibrate} prices the layouts --layout auto searches: add --layout auto, or drop "
+            "--calibrate" + (" (a --plan was priced when it was made)" if cfg.plan else "")
+        )
+    if cfg.calibrate is not None and cfg.device != "auto":
+        raise TrainConfigError(
+            f"--calibrate {cfg.calibrate} and --device {cfg.device} both say what the devices are: give one"
+        )

@@ -34,7 +34,7 @@ from partitioner.cost.devices import Cluster
 from partitioner.errors import PipecutError
 from partitioner.plan.plan import Plan
 from pipecut.folder import HFFolder, max_positions
-from pipecut.train import checkpoints, finite, metrics_log, report, runfolder
+from pipecut.train import checkpoints, finite, layout_choice, metrics_log, report, runfolder
 from pipecut.train.config import TrainConfig, TrainConfigError, read_toml, resolve, to_toml
 from pipecut.train.data import EVAL, TRAIN, TokenData, open_tokens
 from pipecut.train.export import export_final
@@ -50,7 +50,6 @@ __all__ = ["train", "TrainResult", "Layout", "layout", "lm_loss", "BETAS"]
 log = logging.getLogger(__name__)
 
 BETAS = (0.9, 0.95)  # AdamW's, as nanoGPT and most LLM recipes use
-_RECOMPUTE: dict[str, bool | str] = {"auto": "auto", "on": True, "off": False}
 _GPU_PRESETS = {"H200": "H200-141GB", "H100": "H100-80GB", "A100": "A100-80GB", "V100": "V100-32GB", "L4": "L4-24GB"}
 
 
@@ -99,7 +98,7 @@ def layout(cfg: TrainConfig, world: int, rank: int) -> Layout:
         >>> layout(cfg, world=4, rank=3)
         Layout(pp=2, dp=2, m=2, rank=3, dp_rank=1)
     """
-    pp, dp = cfg.pp, cfg.dp
+    pp, dp, b = cfg.pp, cfg.dp, cfg.micro_batch_size or 1
     if world == 1:
         pp, dp = pp or 1, dp or 1
     elif pp is None and dp is None:
@@ -120,11 +119,16 @@ def layout(cfg: TrainConfig, world: int, rank: int) -> Layout:
             f"give --dp and --pp whose product is {world}, or one of them"
         )
     assert pp is not None and dp is not None  # internal invariant
-    per_replica = cfg.micro_batch_size * dp
+    if cfg.zero not in (None, "none") and dp == 1:
+        raise TrainConfigError(
+            f"--zero {cfg.zero} shards the training state over data-parallel replicas, and this job has one "
+            f"(dp 1, pp {pp}): run dp >= 2 replicas (torchrun --nproc-per-node {2 * pp} ... --dp 2), or drop --zero"
+        )
+    per_replica = b * dp
     if cfg.global_batch % per_replica:
         raise TrainConfigError(
             f"--global-batch {cfg.global_batch} does not divide into {dp} replicas of micro-batches of "
-            f"{cfg.micro_batch_size}: use a multiple of dp x micro-batch-size = {per_replica}"
+            f"{b}: use a multiple of dp x micro-batch-size = {per_replica}"
         )
     if world == 1:
         return Layout(pp=pp, dp=1, m=cfg.global_batch // per_replica, rank=0, dp_rank=0)
@@ -159,14 +163,15 @@ def train(
         ensure_process_group()
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    lay = layout(cfg, world, rank)
+    if cfg.layout == "manual" and cfg.plan is None:
+        layout(cfg, world, rank)  # the flags' layout is refused before anything is read
     # The model folder is honoured or refused before --out is touched: a refused one leaves nothing there.
-    folder, config, weights = _open_folder(cfg, warn=lay.rank == 0)
-    journal = report.Journal(cfg, leader=lay.rank == 0)  # refuses --tensorboard without the package
+    folder, config, weights = _open_folder(cfg, warn=rank == 0)
+    journal = report.Journal(cfg, leader=rank == 0)  # refuses --tensorboard without the package
     # The run folder is this run's from before it is read (a resume point, the metrics) until it ends.
-    with runfolder.owned(Path(cfg.out), leader=lay.rank == 0), journal:
+    with runfolder.owned(Path(cfg.out), leader=rank == 0), journal:
         try:
-            return _run(cfg, lay, world, on_step, folder, config, weights, journal=journal, on_start=on_start)
+            return _run(cfg, rank, world, on_step, folder, config, weights, journal=journal, on_start=on_start)
         except OSError as e:
             if e.errno != errno.ENOSPC:
                 raise
@@ -182,12 +187,12 @@ def _open_folder(cfg: TrainConfig, *, warn: bool) -> tuple[HFFolder, Any, Path |
 
 
 def _run(
-    cfg: TrainConfig, lay: Layout, world: int, on_step: Callable[[Mapping[str, Any]], None] | None,
+    cfg: TrainConfig, rank: int, world: int, on_step: Callable[[Mapping[str, Any]], None] | None,
     folder: HFFolder, config: Any, weights: Path | None, *, journal: report.Journal,
     on_start: Callable[[report.StartReport], None] | None,
 ) -> TrainResult:
     """:func:`train`, once the process group is up, the model folder admitted and the run folder this run's."""
-    leader = lay.rank == 0
+    leader = rank == 0
     out = Path(cfg.out)
     longest = max_positions(config)
     if longest is not None and cfg.seq_len > longest:
@@ -201,12 +206,20 @@ def _run(
             f"{out} holds a checkpoint at step {done[-1][0]}, past --steps {cfg.steps}: give --steps "
             f"{done[-1][0]} or more to continue that run, or another --out to start afresh"
         )
+    # The layout: the flags', the planner's (--layout auto) or a saved plan's, with its keys filled in.
+    choice = layout_choice.choose(cfg, folder, config, world=world, preset=_preset(cfg.device), out=out,
+                                  loss_fn=lm_loss)
+    cfg = choice.cfg
+    lay = layout(cfg, world, rank)
     if leader:
         _warn_if_changed(out / "config.toml", cfg)
-        runfolder.write_text_atomic(out / "config.toml", to_toml(cfg))
 
-    plan, trainer = _build(cfg, lay, folder, config, weights, world)
+    plan, trainer = _build(cfg, lay, folder, config, weights, world, choice.plan)
+    predicted = layout_choice.predicted_step(plan)
     if leader:
+        described = layout_choice.describe(plan, dp=lay.dp, pp=lay.pp, m=lay.m, zero=cfg.zero, how=choice.how)
+        log.info("%s", described)
+        runfolder.write_text_atomic(out / "config.toml", to_toml(cfg) + f"# {described}\n")
         plan.save(out / "plan.json")
     lay = dataclasses.replace(lay, dp_rank=trainer.mesh.dp_rank)  # the runtime's mesh decides
     ckpts = out / "checkpoints"
@@ -222,6 +235,8 @@ def _run(
     weights_ok = True
     while trainer.step_count < cfg.steps:
         line = _checked_step(trainer, data, cfg, lay, vocab, ckpts)
+        if predicted is not None:
+            line["predicted_step_s"] = predicted
         bad = finite.problem(line, skipped=bool(trainer.last_found_inf))
         if bad is not None and not cfg.allow_nonfinite_loss:
             if leader:  # the record of what happened; a resumed run drops it with the steps after its checkpoint
@@ -254,23 +269,26 @@ def _run(
 
 
 def _build(
-    cfg: TrainConfig, lay: Layout, folder: HFFolder, config: Any, weights: Path | None, world: int
+    cfg: TrainConfig, lay: Layout, folder: HFFolder, config: Any, weights: Path | None, world: int,
+    plan: Plan | None = None,
 ) -> tuple[Plan, PipelineTrainer]:
-    """The plan (the same on every process) and this process's part of the pipeline."""
-    # The Hugging Face model as it is: its own parameter names, so the folder's weights load and
-    # export with their own keys (docs/train.md, *The model as it is*).
-    module = folder.build(meta=True, config=config)
-    plan = partition(
-        module, folder.example_inputs(seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size),
-        cluster=Cluster.uniform(lay.pp, _preset(cfg.device)), microbatches=lay.m, schedule=cfg.schedule,
-        precision=cfg.precision, recompute=_RECOMPUTE[cfg.recompute],
-    )
+    """The plan (the same on every process: ``plan`` when one was chosen, else the flags' cut) and this
+    process's part of the pipeline."""
+    if plan is None:
+        # The Hugging Face model as it is: its own parameter names, so the folder's weights load and
+        # export with their own keys (docs/train.md, *The model as it is*).
+        module = folder.build(meta=True, config=config)
+        plan = partition(
+            module, folder.example_inputs(seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size or 1),
+            cluster=Cluster.uniform(lay.pp, _preset(cfg.device)), microbatches=lay.m, schedule=cfg.schedule or "1f1b",
+            precision=cfg.precision, recompute=layout_choice.RECOMPUTE[cfg.recompute],
+        )
     trainer = PipelineTrainer(
         plan, lm_loss, _adamw(cfg),
         execution=Execution(devices=_devices(plan) if world == 1 else None, check_finite=cfg.check_finite),
         init=Init(seed=cfg.seed, weights=Weights(weights, cast=True, allow_nonfinite=cfg.nonfinite_patterns)
                   if weights else None),
-        data_parallel=DataParallel(size=lay.dp) if world > 1 else None,
+        data_parallel=_data_parallel(cfg, lay) if world > 1 else None,
     )
     return plan, trainer
 
@@ -287,6 +305,13 @@ def _started(
     journal.start(block)
     if on_start is not None:
         on_start(block)
+
+
+def _data_parallel(cfg: TrainConfig, lay: Layout) -> DataParallel:
+    """The replicas and their sharding (``--zero``: ``zero1`` shards the optimizer state, ``fsdp`` is FSDP2)."""
+    if cfg.zero == "fsdp":
+        return DataParallel(size=lay.dp, engine="fsdp", reshard_after_forward=True)
+    return DataParallel(size=lay.dp, shard_optimizer=cfg.zero == "zero1")
 
 
 def _checked_step(

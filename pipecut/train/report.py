@@ -219,8 +219,8 @@ def start_report(cfg: TrainConfig, plan: Plan, facts: RunFacts) -> StartReport:
     return StartReport(
         model=cfg.model, model_class=facts.model_class, params=facts.params, trainable=facts.trainable,
         dp=facts.dp, pp=facts.pp, world=facts.world, ranks=tuple(ranks), schedule=plan.schedule,
-        schedule_asked=cfg.schedule, choice=plan.choice, microbatches=plan.microbatches,
-        microbatch_size=plan.microbatch_size or cfg.micro_batch_size, global_batch=cfg.global_batch,
+        schedule_asked=cfg.schedule or plan.schedule, choice=plan.choice, microbatches=plan.microbatches,
+        microbatch_size=plan.microbatch_size or cfg.micro_batch_size or 1, global_batch=cfg.global_batch,
         seq_len=cfg.seq_len, precision=plan.precision,
         recompute=tuple(st.index for st in plan.stages if st.recompute), device=plan.stages[0].device,
         step_time=lay.step_time if lay is not None else pred.step_time, whole_step=lay is not None,

@@ -63,7 +63,8 @@ def wire_shapes(gm: fx.GraphModule, inputs: Mapping[str, Any], *, method: str = 
     try:
         # Leaf modules run on fake tensors still write their real buffers in place
         # (BatchNorm's num_batches_tracked): finding shapes must leave the model as it was.
-        with preserved(gm, what="wire_shapes()"), whole_fake_params(gm, mode), mode, _quiet(_FAKE_LOG):
+        with preserved(gm, what="wire_shapes()"), whole_fake_params(gm, mode), _meta_as_fake(gm, mode, fake), mode, \
+                _quiet(_FAKE_LOG):
             rec.run(*fake)
     except Exception as e:  # any op may reject the new shapes: say why in pipecut's terms
         given = {n: tuple(v.shape) for n, v in inputs.items() if isinstance(v, torch.Tensor)}
@@ -78,6 +79,32 @@ def wire_shapes(gm: fx.GraphModule, inputs: Mapping[str, Any], *, method: str = 
             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}).{hint}"
         ) from e
     return rec.shapes
+
+
+@contextmanager
+def _meta_as_fake(gm: fx.GraphModule, mode: FakeTensorMode, inputs: Sequence[Any]) -> Iterator[None]:
+    """Within: every parameter and buffer still on ``meta`` is a fake tensor on the inputs' device.
+
+    A model built on meta keeps the stages of other ranks there (each rank materialises only its
+    own): run as they are beside the inputs' real device, they would fail the fake run for mixing
+    devices, though only their shapes matter. Put back on exit.
+    """
+    device = next((x.device for x in inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
+    swapped: list[tuple[dict[str, Any], str, Any]] = []
+    try:
+        for module in gm.modules():
+            tables: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
+            for slots in tables:
+                for name, t in list(slots.items()):
+                    if isinstance(t, torch.Tensor) and t.is_meta and device.type != "meta":
+                        with mode:
+                            fake = torch.empty(t.shape, dtype=t.dtype, device=device)
+                        swapped.append((slots, name, t))
+                        slots[name] = fake  # the dict directly: Module.__setattr__ wants a Parameter
+        yield
+    finally:
+        for slots, name, t in reversed(swapped):
+            slots[name] = t
 
 
 # FakeTensorMode logs a traceback at ERROR level when an op rejects the shapes; the error we

@@ -47,7 +47,8 @@ def test_a_run_writes_plan_metrics_checkpoints_config_and_a_loadable_export(
     out = uninterrupted
     lines = metrics(out)
     assert [m["step"] for m in lines] == [1, 2, 3, 4]
-    assert set(lines[0]) == {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"}
+    assert set(lines[0]) == {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "predicted_step_s"}
+    assert 0 < lines[0]["predicted_step_s"] == lines[-1]["predicted_step_s"]  # the plan's pipeline step
     assert "eval_loss" in lines[1] and "eval_loss" in lines[3] and "eval_loss" not in lines[2]
     assert lines[0]["lr"] == pytest.approx(3e-4) and lines[-1]["lr"] < lines[0]["lr"]  # warm-up 1, then decay
     assert (out / "plan.json").is_file()

@@ -271,3 +271,21 @@ def test_released_weights_stay_tied_on_meta_and_still_give_the_graph_its_shapes(
     got = wire_shapes(plan.traced.gm, {m.name: torch.zeros(5, 8) for m in plan.traced.example_inputs})
     assert got == want
     assert plan.traced.gm.get_parameter(next(n for n, _ in plan.traced.gm.named_parameters())).is_meta  # put back
+
+
+def test_new_micro_batch_sizes_are_found_with_other_ranks_stages_still_on_meta() -> None:
+    # A rank of a meta-built model materialises its own stages only; the trainer's fake run of the
+    # whole traced graph at a micro-batch size other than the plan's example must still find every
+    # shape (meta tensors stand in as fakes on the inputs' device), and leave the meta ones in place.
+    from runtime.execute.shapes import wire_shapes
+
+    model = MLPChain((8, 8, 8, 8))
+    plan = partition(model, (torch.randn(2, 8),), num_stages=1)
+    inputs = {m.name: torch.zeros(5, 8) for m in plan.traced.example_inputs}
+    want = wire_shapes(plan.traced.gm, inputs)
+    meta = copy.deepcopy(model.layers[1]).to("meta")
+    gm = plan.traced.gm
+    owner = gm.get_submodule("layers.1")  # the traced graph calls the model's own Linear
+    owner.weight, owner.bias = meta.weight, meta.bias
+    assert wire_shapes(gm, inputs) == want
+    assert owner.weight.is_meta and isinstance(owner.weight, nn.Parameter)  # put back

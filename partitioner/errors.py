@@ -8,6 +8,7 @@ caller would expect (``ValueError`` for a bad argument, ``TypeError`` for a wron
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 
 # The root is defined at the bottom of the import graph, in the pure schedule layer.
 from partitioner.schedule.errors import MissingDependencyError as MissingDependencyError
@@ -26,6 +27,7 @@ __all__ = [
     "PlanFieldError",
     "UnknownDeviceError",
     "SplitPointError",
+    "AmbiguousSplitPointError",
     "PartitionOptionError",
     "TraceOptionError",
     "TraceInputError",
@@ -143,6 +145,19 @@ class UnknownDeviceError(PipecutError, ValueError):
 
 class SplitPointError(PartitionError):
     """A manual split point does not name a module of the traced graph, or splits are out of order."""
+
+
+class AmbiguousSplitPointError(SplitPointError):
+    """A split point is the dot-boundary suffix of more than one module name (``h.4`` of both
+    ``encoder.h.4`` and ``decoder.h.4``); ``candidates`` are the full names it matches."""
+
+    def __init__(self, name: str, candidates: Sequence[str]) -> None:
+        self.name = name
+        self.candidates = tuple(candidates)
+        super().__init__(
+            f"split point {name!r} is the end of {len(self.candidates)} module names: "
+            f"{', '.join(self.candidates)}; give enough of the name to pick one (e.g. {self.candidates[0]!r})"
+        )
 
 
 class PartitionOptionError(PipecutError, ValueError):

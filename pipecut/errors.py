@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 from partitioner.errors import AlgorithmInputError as AlgorithmInputError
+from partitioner.errors import AmbiguousSplitPointError as AmbiguousSplitPointError
 from partitioner.errors import CalibrationError as CalibrationError
 from partitioner.errors import CliArgumentError as CliArgumentError
 from partitioner.errors import ClusterError as ClusterError

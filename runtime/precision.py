@@ -74,6 +74,9 @@ class MixedPrecision:
             optimizer and the reduction stay fp32, but layers autocast keeps in fp32 (norms,
             embeddings) then read weights rounded to the low dtype: no longer the plain
             autocast model's step, bit for bit.
+        cache_enabled: autocast's cache of low-precision weight copies within a forward
+            (``torch.autocast(cache_enabled=...)``; it changes no value). A caller's autocast
+            carried into the stages brings its own (``runtime.caller_autocast``).
 
     Raises:
         PrecisionError: ``name`` is not one of ``PRECISIONS``, or ``gather_low_precision`` with
@@ -92,6 +95,7 @@ class MixedPrecision:
     init_scale: float = 2.0**16
     growth_interval: int = 2000
     gather_low_precision: bool = False
+    cache_enabled: bool = True
 
     def __post_init__(self) -> None:
         if self.name not in PRECISIONS:
@@ -130,7 +134,7 @@ class MixedPrecision:
         low = self.dtype
         if low is None:
             return contextlib.nullcontext()
-        return torch.autocast(device_type=device.type, dtype=low)
+        return torch.autocast(device_type=device.type, dtype=low, cache_enabled=self.cache_enabled)
 
 
 def resolve_precision(precision: str | MixedPrecision | None, plan_precision: str = "fp32") -> MixedPrecision:
@@ -179,7 +183,10 @@ def wire_dtypes(
     # The graph's device constants (export's ``arange(..., device='cpu')``) follow the device too.
     with retargeted(gm, device), whole_fake_params(gm, mode), mode:
         args = [torch.empty(m.shape, dtype=_plan_dtype(m.dtype), device=device) for m in inputs]
-        with torch.autocast(device_type=device_type, dtype=policy.dtype):
+        # No cast cache: under a caller's autocast (runtime.caller_autocast) this one is nested and
+        # would leave the fake bf16 copies of the real weights that call_module nodes cast in the
+        # cache, for the caller's next forward to read.
+        with torch.autocast(device_type=device_type, dtype=policy.dtype, cache_enabled=False):
             rec.run(*args)
     return {n: rec.dtypes[n] for n in sorted(floating) if n in rec.dtypes}
 

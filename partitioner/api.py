@@ -47,6 +47,7 @@ from partitioner.schedule.registry import (
     stages_per_rank,
 )
 from partitioner.schedule.validation import peak_inflight
+from partitioner.tracing.checkpoints import holds
 from partitioner.tracing.globalstate import preserved
 from partitioner.tracing.hf import block_depth, is_hf_model
 from partitioner.tracing.trace import Method as TraceMethod
@@ -288,6 +289,7 @@ def _context(
         example_microbatches=example_microbatches,
     )
     t1 = time.perf_counter()
+    _note_checkpoints(traced.checkpointed, recompute)
     costs = with_precision(traced.gm, cost_graph(traced, profile=profile, device=profile_device), precision)
     t2 = time.perf_counter()
     g = build_graph(traced.gm, costs, traced.module_path)
@@ -406,6 +408,25 @@ class _Context:
         return tuple(rows[dev] for dev in cluster.devices)
 
 
+def _note_checkpoints(modules: Sequence[str], recompute: bool | str) -> None:
+    """Say what becomes of the activation checkpointing the model asks for (once per partition)."""
+    if not modules:
+        return
+    shown = ", ".join(modules[:4]) + (f" and {len(modules) - 4} more" if len(modules) > 4 else "")
+    if recompute is False:
+        log.warning(
+            "the model checkpoints %s (torch.utils.checkpoint / gradient_checkpointing_enable), but recompute=False "
+            "was asked: no stage recomputes, each keeps its activations. Pass recompute='auto' or True "
+            "(`--recompute auto|on`) to have the stages holding them recompute", shown,
+        )
+    else:
+        log.warning(
+            "the model checkpoints %s (torch.utils.checkpoint / gradient_checkpointing_enable): the stages "
+            "holding them recompute (pipecut's recomputation: the whole stage's forward again in its backward, "
+            "exact; the plan's recompute column shows which)", shown,
+        )
+
+
 def _example_microbatches(example_is: str, microbatches: int | str) -> int:
     """How many micro-batches the example holds (1, or ``m`` for a whole-batch example)."""
     if example_is == "microbatch":
@@ -458,6 +479,8 @@ def _stage_plans(
         state = params * state_bytes_per_param + sum(c.buffer_bytes for c in costs)
         act = sum(c.saved_bytes for c in costs)
         (rc,) = choose_recompute([state], [act], [ins[s]], [held[s]], [problem.capacity[s]], recompute)
+        if not rc and recompute is not False and traced.checkpointed:  # the model's own checkpointing
+            rc = any(holds(g.nodes[v]["module"], traced.checkpointed) for v in nodes)
         times = [node_time(c, dev) for c in costs]
         stages.append(
             StagePlan(

@@ -27,6 +27,7 @@ __all__ = [
     "PlanFieldError",
     "UnknownDeviceError",
     "SplitPointError",
+    "ReentrantCheckpointError",
     "AmbiguousSplitPointError",
     "PartitionOptionError",
     "TraceOptionError",
@@ -145,6 +146,21 @@ class UnknownDeviceError(PipecutError, ValueError):
 
 class SplitPointError(PartitionError):
     """A manual split point does not name a module of the traced graph, or splits are out of order."""
+
+
+class ReentrantCheckpointError(PipecutError, ValueError):
+    """The model calls ``torch.utils.checkpoint.checkpoint(..., use_reentrant=True)``: its region
+    runs under ``no_grad`` inside an ``autograd.Function``, which neither tracer captures with its
+    gradients (fx refuses the grad-mode region; torch.export keeps it as a no-grad region)."""
+
+    def __init__(self, modules: Sequence[str]) -> None:
+        self.modules = tuple(modules)
+        shown = ", ".join(self.modules[:4]) + (f" and {len(self.modules) - 4} more" if len(self.modules) > 4 else "")
+        super().__init__(
+            f"the model checkpoints {shown} with torch.utils.checkpoint(use_reentrant=True), which cannot be "
+            "traced with its gradients: pass use_reentrant=False (pipecut then recomputes the stages holding "
+            "them), or drop the checkpoint and ask pipecut for recompute=True (`--recompute on`)"
+        )
 
 
 class AmbiguousSplitPointError(SplitPointError):

@@ -544,7 +544,8 @@ class PipelineTrainer:
             self._shape_cache[key] = wire_shapes(traced.gm, mb_inputs, method=traced.method)
         return self._shape_cache[key]
 
-    def _executors(self, transport: Transport, call: CallPrecision) -> dict[int, Executor]:
+    def _executors(self, transport: Transport, call: CallPrecision | None = None) -> dict[int, Executor]:
+        call = call or self._autocast.resolve("the executors")
         out = {}
         for r in self._ranks:
             mine = {s: self.stages[s] for s in self.schedule.stages_of(r) if s in self.stages}

@@ -47,9 +47,9 @@ from partitioner.schedule.registry import (
     stages_per_rank,
 )
 from partitioner.schedule.validation import peak_inflight
-from partitioner.tracing.checkpoints import holds
 from partitioner.tracing.globalstate import preserved
 from partitioner.tracing.hf import block_depth, is_hf_model
+from partitioner.tracing.hops import holds
 from partitioner.tracing.trace import Method as TraceMethod
 from partitioner.tracing.trace import trace
 

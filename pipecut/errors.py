@@ -77,6 +77,7 @@ from runtime.errors import TransportOptionError as TransportOptionError
 from runtime.execute.microbatch import MicrobatchError as MicrobatchError
 from runtime.execute.recompute import RecomputeOptionError as RecomputeOptionError
 from runtime.parallel.fsdp import FSDPOptionError as FSDPOptionError
+from runtime.precision import AutocastConflictError as AutocastConflictError
 from runtime.precision import PrecisionError as PrecisionError
 from runtime.state.checkpoint import CheckpointDtypeError as CheckpointDtypeError
 from runtime.state.checkpoint import CheckpointError as CheckpointError

@@ -30,7 +30,6 @@ from partitioner.schedule.ir import Schedule
 from partitioner.schedule.timeline import Timeline, from_records, save_chrome_trace
 from partitioner.schedule.validation import validate
 from runtime.assembly import assemble
-from runtime.caller_autocast import CallerAutocast, CallPrecision
 from runtime.errors import TrainerStateError
 from runtime.execute.accumulation import add_back, set_aside
 from runtime.execute.executor import ActionRecord, Executor, RunResult
@@ -45,7 +44,15 @@ from runtime.options import DataParallel, Execution, Init, apply_layout, resolve
 from runtime.parallel.clipping import clip_grad_norm_
 from runtime.parallel.fsdp import FSDPReplicas, check_optimizer, whole_buffers
 from runtime.parallel.tied import copy_tied_values, second_copies, sum_tied_grads
-from runtime.precision import LossScaler, MixedPrecision, PrecisionError, resolve_precision, wire_dtypes
+from runtime.precision import (
+    CallerAutocast,
+    CallPrecision,
+    LossScaler,
+    MixedPrecision,
+    PrecisionError,
+    resolve_precision,
+    wire_dtypes,
+)
 from runtime.state import checkpoint
 from runtime.state.weights import LoadReport, Weights, load_weights, stage_tensors
 from runtime.transport.agreement import StepAgreement
@@ -178,9 +185,8 @@ class PipelineTrainer:
         )
         # Under 'dist', every rank checks once per new batch shape that the others run the same step.
         self._agreement = StepAgreement(plan, mp, ex.timeout) if self.mode == "dist" else None
-        kind = next(iter(self.devices.values())).type  # the caller's autocast is resolved at each call
         self._autocast = CallerAutocast(mp, {d.type for d in self.devices.values()}, lambda policy: wire_dtypes(
-            policy, built.ios, plan.traced.gm, plan.traced.example_inputs, kind))
+            policy, built.ios, plan.traced.gm, plan.traced.example_inputs, next(iter(self.devices.values())).type))
         self._init_run_state()
         if self.options.init.weights is not None:
             self.load_weights(self.options.init.weights)
@@ -544,8 +550,7 @@ class PipelineTrainer:
             self._shape_cache[key] = wire_shapes(traced.gm, mb_inputs, method=traced.method)
         return self._shape_cache[key]
 
-    def _executors(self, transport: Transport, call: CallPrecision | None = None) -> dict[int, Executor]:
-        call = call or self._autocast.resolve("the executors")
+    def _executors(self, transport: Transport, call: CallPrecision) -> dict[int, Executor]:
         out = {}
         for r in self._ranks:
             mine = {s: self.stages[s] for s in self.schedule.stages_of(r) if s in self.stages}

@@ -21,7 +21,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
 
 from partitioner.errors import ModeRegionError, TraceInputError
-from partitioner.tracing import checkpoints
+from partitioner.tracing import hops
 from partitioner.tracing.capture import (
     Capture,
     cpu_fake,
@@ -71,7 +71,7 @@ class _LeafTracer(fx.Tracer):
         # A node traced inside torch.utils.checkpoint: its module is checkpointed (the tracer
         # records no checkpoint, and a leaf module runs no forward hook to see it by).
         inside = next(reversed(self.module_stack.values()), ("",))[0]
-        checkpoints.note(str(node.target) if node.op == "call_module" else inside)
+        hops.note(str(node.target) if node.op == "call_module" else inside)
         return node
 
 

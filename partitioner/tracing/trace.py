@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from partitioner.errors import ReentrantCheckpointError, TraceError, TraceOptionError
-from partitioner.tracing import capture, checkpoints, export_trace, fx_trace, hf
+from partitioner.tracing import capture, export_trace, fx_trace, hf, hops
 from partitioner.tracing.capture import Capture, on_meta, to_meta
 from partitioner.tracing.failures import first_line, trace_failure_message
 from partitioner.tracing.fingerprint import graph_fingerprint
@@ -96,7 +96,7 @@ class TracedModel:
             use from the inputs, and for graphs with no free size.
         checkpointed: the modules the model runs inside ``torch.utils.checkpoint`` (seen while
             tracing, or a Hugging Face model's ``gradient_checkpointing`` flags): the planner
-            makes the stages holding them recompute (``partitioner.tracing.checkpoints``).
+            makes the stages holding them recompute (``partitioner.tracing.hops``).
 
     Example:
         >>> import torch
@@ -196,12 +196,12 @@ def trace(
     """
     if method not in ("auto", "fx", "export"):
         raise TraceOptionError(f"method must be 'auto', 'fx' or 'export', got {method!r}")
-    with preserved(model, what="trace()"), checkpoints.watching(model) as seen:
+    with preserved(model, what="trace()"), hops.watching(model) as seen:
         traced = _trace(model, example_inputs, example_kwargs, leaf_modules, method, example_microbatches)
-    reentrant = checkpoints.outermost([name for name, r in seen.items() if r])
+    reentrant = hops.outermost([name for name, r in seen.items() if r])
     if reentrant:
         raise ReentrantCheckpointError(reentrant)
-    marked = checkpoints.outermost(set(seen) | set(checkpoints.flagged_modules(model)))
+    marked = hops.outermost(set(seen) | set(hops.flagged_modules(model)))
     if marked:
         log.info("trace: the model checkpoints %d modules (%s...)", len(marked), ", ".join(marked[:3]))
     return dataclasses.replace(traced, checkpointed=marked) if marked else traced

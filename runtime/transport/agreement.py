@@ -93,7 +93,7 @@ class StepAgreement:
     ) -> None:
         """Every rank runs ``schedule`` over micro-batches of these sizes (collective, the first
         time this rank meets them), in ``precision`` (default: the trainer's; a caller's autocast
-        changes it for a call, ``runtime.caller_autocast``).
+        changes it for a call, ``runtime.precision.CallerAutocast``).
 
         Raises:
             RankDisagreementError: a rank runs another schedule, micro-batch count, plan,

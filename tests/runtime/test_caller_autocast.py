@@ -1,4 +1,4 @@
-"""The caller's torch.autocast around step / forward_backward / predict reaches the stages (runtime.caller_autocast).
+"""The caller's torch.autocast around step / forward_backward / predict reaches the stages (CallerAutocast).
 
 autocast is thread-local and the in-process transport runs each rank on a thread of its own, so
 without this a ``with torch.autocast(...)`` around ``step`` trained in fp32. The reference is the
@@ -18,8 +18,7 @@ import torch
 from torch import nn
 
 from parity import case, make_trainer
-from runtime.caller_autocast import AutocastConflictError
-from runtime.precision import MixedPrecision, PrecisionError
+from runtime.precision import AutocastConflictError, MixedPrecision, PrecisionError
 
 BF16 = {"rtol": 2e-2, "atol": 2e-3}  # relative to bf16's 8 bits of mantissa, on fp32 gradients
 TIGHT = {"rtol": 1e-5, "atol": 1e-7}
@@ -165,7 +164,7 @@ def test_another_precision_is_refused_before_anything_runs() -> None:
 
 
 def test_the_callers_cache_flag_is_carried() -> None:
-    from runtime.caller_autocast import caller_policy
+    from runtime.precision import caller_policy
 
     with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
         mp = caller_policy(MixedPrecision("fp32"), ["cpu"])

@@ -1,4 +1,4 @@
-"""Activation checkpointing the user enabled becomes pipecut's recomputation (partitioner.tracing.checkpoints).
+"""Activation checkpointing the user enabled becomes pipecut's recomputation (partitioner.tracing.hops).
 
 Neither tracer keeps ``torch.utils.checkpoint``: without this, a checkpointed model was planned and
 trained with every stage keeping its activations, and nothing said so. Each case checks which

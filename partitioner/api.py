@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -50,6 +49,7 @@ from partitioner.schedule.registry import (
 from partitioner.schedule.validation import peak_inflight
 from partitioner.tracing.globalstate import preserved
 from partitioner.tracing.hf import block_depth, is_hf_model
+from partitioner.tracing.hops import holds
 from partitioner.tracing.trace import Method as TraceMethod
 from partitioner.tracing.trace import trace
 
@@ -94,6 +94,7 @@ def partition(
             where the model allows it).
         num_stages: stages to cut; defaults to the cluster's size (times 2 for the schedules that
             put two stages on each device). With ``schedule='auto'`` it is the device count.
+            With ``split_points`` and no cluster: one more than the split points.
         cluster: the devices in pipeline order; defaults to ``Cluster.uniform(p, "cpu")``.
         microbatches: ``m``, micro-batches per optimizer step (sets activation memory in flight),
             or ``'auto'`` to try ``p, 2p, 4p, 8p``.
@@ -105,7 +106,8 @@ def partition(
             ``'balanced_params'``, ``'equal_size'``; ``'manual'`` with ``split_points``.
         refine: after a contiguous cut, move boundary nodes between neighbouring stages while
             the bottleneck falls (helps DAGs whose best cut is not contiguous in one order).
-        split_points: module names where new stages begin (implies ``method='manual'``).
+        split_points: module names where new stages begin (implies ``method='manual'``): a full
+            name or any unambiguous end of one at a dot (``'h.4'`` for ``'transformer.h.4'``).
         granularity: ``'node'`` cuts anywhere; ``'module'`` only between layers. Default:
             ``'module'`` at the depth of the transformer blocks for a Hugging Face model (its
             ``_no_split_modules``, e.g. each of ``model.layers``: a block is never cut), else
@@ -221,6 +223,8 @@ def _partition(
                 "micro-batches per step, e.g. microbatches=8, or 'auto' to let the planner choose"
             )
     devices = len(cluster) if cluster is not None else None
+    if num_stages is None and devices is None and split_points is not None:
+        num_stages = len(split_points) + 1  # each split point begins a stage after the first
     if num_stages is None and devices is None:
         raise PartitionOptionError("give num_stages or a cluster (one device per stage)")
     if num_stages is not None and num_stages < 1:
@@ -285,6 +289,7 @@ def _context(
         example_microbatches=example_microbatches,
     )
     t1 = time.perf_counter()
+    _note_checkpoints(traced.checkpointed, recompute)
     costs = with_precision(traced.gm, cost_graph(traced, profile=profile, device=profile_device), precision)
     t2 = time.perf_counter()
     g = build_graph(traced.gm, costs, traced.module_path)
@@ -403,6 +408,25 @@ class _Context:
         return tuple(rows[dev] for dev in cluster.devices)
 
 
+def _note_checkpoints(modules: Sequence[str], recompute: bool | str) -> None:
+    """Say what becomes of the activation checkpointing the model asks for (once per partition)."""
+    if not modules:
+        return
+    shown = ", ".join(modules[:4]) + (f" and {len(modules) - 4} more" if len(modules) > 4 else "")
+    if recompute is False:
+        log.warning(
+            "the model checkpoints %s (torch.utils.checkpoint / gradient_checkpointing_enable), but recompute=False "
+            "was asked: no stage recomputes, each keeps its activations. Pass recompute='auto' or True "
+            "(`--recompute auto|on`) to have the stages holding them recompute", shown,
+        )
+    else:
+        log.warning(
+            "the model checkpoints %s (torch.utils.checkpoint / gradient_checkpointing_enable): the stages "
+            "holding them recompute (pipecut's recomputation: the whole stage's forward again in its backward, "
+            "exact; the plan's recompute column shows which)", shown,
+        )
+
+
 def _example_microbatches(example_is: str, microbatches: int | str) -> int:
     """How many micro-batches the example holds (1, or ``m`` for a whole-batch example)."""
     if example_is == "microbatch":
@@ -455,6 +479,8 @@ def _stage_plans(
         state = params * state_bytes_per_param + sum(c.buffer_bytes for c in costs)
         act = sum(c.saved_bytes for c in costs)
         (rc,) = choose_recompute([state], [act], [ins[s]], [held[s]], [problem.capacity[s]], recompute)
+        if not rc and recompute is not False and traced.checkpointed:  # the model's own checkpointing
+            rc = any(holds(g.nodes[v]["module"], traced.checkpointed) for v in nodes)
         times = [node_time(c, dev) for c in costs]
         stages.append(
             StagePlan(
@@ -531,25 +557,25 @@ def _make_plan(
 
 
 def _cuts_for(split_points: Sequence[str], units: Sequence[Unit], g: Any) -> list[int]:
-    """Unit positions where each named module's first node sits (a stage begins there)."""
-    known: list[str] = []
+    """Unit positions where each named module's first node sits (a stage begins there).
+
+    A split point is a module's full name or any unambiguous dot-boundary end of it
+    (``alg.resolve_split_point``)."""
+    paths = {g.nodes[v]["module"] for v in g.nodes}
+    known = {".".join(p.split(".")[:i]) for p in paths for i in range(1, p.count(".") + 2)}
     cuts: list[int] = []
-    for sp in split_points:
+    for written in split_points:
+        sp = alg.resolve_split_point(written, known)
         pos = None
         for u in units:
             mods = [g.nodes[v]["module"] for v in u.nodes]
             if any(m == sp or m.startswith(sp + ".") for m in mods):
                 pos = u.index
                 break
-        if pos is None:
-            if not known:
-                known = sorted({g.nodes[v]["module"] for v in g.nodes} - {""})
-            close = difflib.get_close_matches(sp, known, n=3)
-            hint = f"; did you mean {', '.join(close)}?" if close else f"; modules look like {known[:4]}"
-            raise SplitPointError(f"split point {sp!r} names no module of the traced graph{hint}")
+        assert pos is not None  # sp is the prefix of some node's module
         if pos == 0:
             raise SplitPointError(
-                f"split point {sp!r} starts at the first node, which would leave stage 0 empty; "
+                f"split point {written!r} ({sp}) starts at the first node, which would leave stage 0 empty; "
                 "name the module where the SECOND stage begins"
             )
         cuts.append(pos)

@@ -8,6 +8,7 @@ caller would expect (``ValueError`` for a bad argument, ``TypeError`` for a wron
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 
 # The root is defined at the bottom of the import graph, in the pure schedule layer.
 from partitioner.schedule.errors import MissingDependencyError as MissingDependencyError
@@ -26,6 +27,8 @@ __all__ = [
     "PlanFieldError",
     "UnknownDeviceError",
     "SplitPointError",
+    "ReentrantCheckpointError",
+    "AmbiguousSplitPointError",
     "PartitionOptionError",
     "TraceOptionError",
     "TraceInputError",
@@ -143,6 +146,34 @@ class UnknownDeviceError(PipecutError, ValueError):
 
 class SplitPointError(PartitionError):
     """A manual split point does not name a module of the traced graph, or splits are out of order."""
+
+
+class ReentrantCheckpointError(PipecutError, ValueError):
+    """The model calls ``torch.utils.checkpoint.checkpoint(..., use_reentrant=True)``: its region
+    runs under ``no_grad`` inside an ``autograd.Function``, which neither tracer captures with its
+    gradients (fx refuses the grad-mode region; torch.export keeps it as a no-grad region)."""
+
+    def __init__(self, modules: Sequence[str]) -> None:
+        self.modules = tuple(modules)
+        shown = ", ".join(self.modules[:4]) + (f" and {len(self.modules) - 4} more" if len(self.modules) > 4 else "")
+        super().__init__(
+            f"the model checkpoints {shown} with torch.utils.checkpoint(use_reentrant=True), which cannot be "
+            "traced with its gradients: pass use_reentrant=False (pipecut then recomputes the stages holding "
+            "them), or drop the checkpoint and ask pipecut for recompute=True (`--recompute on`)"
+        )
+
+
+class AmbiguousSplitPointError(SplitPointError):
+    """A split point is the dot-boundary suffix of more than one module name (``h.4`` of both
+    ``encoder.h.4`` and ``decoder.h.4``); ``candidates`` are the full names it matches."""
+
+    def __init__(self, name: str, candidates: Sequence[str]) -> None:
+        self.name = name
+        self.candidates = tuple(candidates)
+        super().__init__(
+            f"split point {name!r} is the end of {len(self.candidates)} module names: "
+            f"{', '.join(self.candidates)}; give enough of the name to pick one (e.g. {self.candidates[0]!r})"
+        )
 
 
 class PartitionOptionError(PipecutError, ValueError):

@@ -99,7 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "that fits; with --devices every schedule is searched unless one is named")
     plan.add_argument("--method", default="exact", choices=METHODS)
     plan.add_argument("--no-refine", action="store_true", help="skip the DAG refinement after 'exact'")
-    plan.add_argument("--split-points", default=None, help="comma-separated module names where stages begin")
+    plan.add_argument("--split-points", default=None,
+                      help="comma-separated module names where stages begin: full names or their ends "
+                      "(h.4 for model.transformer.h.4); without --stages, one stage more than the names")
     plan.add_argument("--granularity", default=None, choices=("node", "module"),
                       help="where stages may be cut (default: between blocks for Hugging Face models, else anywhere)")
     plan.add_argument("--recompute", default="auto", choices=("auto", "on", "off"),
@@ -182,6 +184,14 @@ def _plan(args: argparse.Namespace) -> int:
                                       trust_remote_code=args.trust_remote_code, command="pipecut plan")
     else:
         model, inputs = load_model(args.model)
+    split = [s.strip() for s in args.split_points.split(",") if s.strip()] if args.split_points else None
+    if split and args.stages is None and args.devices is None:
+        args.stages = len(split) + 1  # the cuts say how many stages
+    if split and args.devices is not None:
+        raise CliArgumentError(
+            "--split-points cuts a pipeline of --stages N; --devices searches the layout, whose depth it "
+            "chooses itself: give --stages (or only --split-points) instead of --devices"
+        )
     if (args.stages is None) == (args.devices is None):
         raise CliArgumentError("give --stages N (cut N stages) or --devices N --global-batch B (search the layout)")
     count = args.devices if args.devices is not None else args.stages
@@ -202,7 +212,6 @@ def _plan(args: argparse.Namespace) -> int:
             zero=tuple(z.strip() for z in args.zero.split(",") if z.strip()),
         )
     else:
-        split = [s.strip() for s in args.split_points.split(",")] if args.split_points else None
         plan = partition(
             model, inputs, args.stages, cluster=cluster, microbatches=args.microbatches,
             schedule=args.schedule or "1f1b", method=args.method, refine=not args.no_refine, split_points=split,

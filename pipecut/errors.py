@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 from partitioner.errors import AlgorithmInputError as AlgorithmInputError
+from partitioner.errors import AmbiguousSplitPointError as AmbiguousSplitPointError
 from partitioner.errors import CalibrationError as CalibrationError
 from partitioner.errors import CliArgumentError as CliArgumentError
 from partitioner.errors import ClusterError as ClusterError
@@ -38,6 +39,7 @@ from partitioner.errors import PipecutError as PipecutError
 from partitioner.errors import PlanFieldError as PlanFieldError
 from partitioner.errors import PlanFormatError as PlanFormatError
 from partitioner.errors import PlanMismatchError as PlanMismatchError
+from partitioner.errors import ReentrantCheckpointError as ReentrantCheckpointError
 from partitioner.errors import SplitPointError as SplitPointError
 from partitioner.errors import StageIndexError as StageIndexError
 from partitioner.errors import TooManyStagesError as TooManyStagesError
@@ -78,6 +80,7 @@ from runtime.errors import TransportOptionError as TransportOptionError
 from runtime.execute.microbatch import MicrobatchError as MicrobatchError
 from runtime.execute.recompute import RecomputeOptionError as RecomputeOptionError
 from runtime.parallel.fsdp import FSDPOptionError as FSDPOptionError
+from runtime.precision import AutocastConflictError as AutocastConflictError
 from runtime.precision import PrecisionError as PrecisionError
 from runtime.state.checkpoint import CheckpointDtypeError as CheckpointDtypeError
 from runtime.state.checkpoint import CheckpointError as CheckpointError

@@ -21,13 +21,23 @@ see every stage: each rank holds only its own stages' gradients, and GradScaler 
 process with no hook for a process group. Ours reduces the found-inf flag over the pipeline's
 ranks (as ``runtime.parallel.clipping`` reduces the norm) and otherwise follows GradScaler: initial scale
 2**16, x2 after 2000 steps without inf/NaN, x0.5 and the step skipped when one is found.
+
+The caller's own ``torch.autocast`` around a trainer call (:class:`CallerAutocast`): autocast's
+state is thread-local, and the in-process transport runs each rank's stages on a thread of its
+own, so ``with torch.autocast("cpu", dtype=torch.bfloat16): trainer.step(x, y)`` would reach no
+stage. Every call that runs stages reads the caller's state on the stages' device types and maps
+it onto this machinery rather than re-entering it per thread: a ``MixedPrecision`` of that dtype
+with ``cast_activations=False``, whose wire dtypes are those of the plain model's values under
+that autocast. A trainer already in a low precision runs as built under an autocast of the same
+dtype, and one of another dtype is refused (:class:`AutocastConflictError`) before anything runs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +54,7 @@ from runtime.transport.collective import run_bounded
 
 __all__ = [
     "MixedPrecision", "LossScaler", "PrecisionError", "PRECISIONS", "resolve_precision", "wire_dtypes",
-    "whole_fake_params",
+    "whole_fake_params", "AutocastConflictError", "CallPrecision", "CallerAutocast", "caller_policy",
 ]
 
 log = logging.getLogger(__name__)
@@ -74,6 +84,9 @@ class MixedPrecision:
             optimizer and the reduction stay fp32, but layers autocast keeps in fp32 (norms,
             embeddings) then read weights rounded to the low dtype: no longer the plain
             autocast model's step, bit for bit.
+        cache_enabled: autocast's cache of low-precision weight copies within a forward
+            (``torch.autocast(cache_enabled=...)``; it changes no value). A caller's autocast
+            carried into the stages brings its own (``runtime.precision.CallerAutocast``).
 
     Raises:
         PrecisionError: ``name`` is not one of ``PRECISIONS``, or ``gather_low_precision`` with
@@ -92,6 +105,7 @@ class MixedPrecision:
     init_scale: float = 2.0**16
     growth_interval: int = 2000
     gather_low_precision: bool = False
+    cache_enabled: bool = True
 
     def __post_init__(self) -> None:
         if self.name not in PRECISIONS:
@@ -130,7 +144,7 @@ class MixedPrecision:
         low = self.dtype
         if low is None:
             return contextlib.nullcontext()
-        return torch.autocast(device_type=device.type, dtype=low)
+        return torch.autocast(device_type=device.type, dtype=low, cache_enabled=self.cache_enabled)
 
 
 def resolve_precision(precision: str | MixedPrecision | None, plan_precision: str = "fp32") -> MixedPrecision:
@@ -179,7 +193,10 @@ def wire_dtypes(
     # The graph's device constants (export's ``arange(..., device='cpu')``) follow the device too.
     with retargeted(gm, device), whole_fake_params(gm, mode), mode:
         args = [torch.empty(m.shape, dtype=_plan_dtype(m.dtype), device=device) for m in inputs]
-        with torch.autocast(device_type=device_type, dtype=policy.dtype):
+        # No cast cache: under a caller's autocast (CallerAutocast) this one is nested and
+        # would leave the fake bf16 copies of the real weights that call_module nodes cast in the
+        # cache, for the caller's next forward to read.
+        with torch.autocast(device_type=device_type, dtype=policy.dtype, cache_enabled=False):
             rec.run(*args)
     return {n: rec.dtypes[n] for n in sorted(floating) if n in rec.dtypes}
 
@@ -339,3 +356,119 @@ class LossScaler:
         """Restore :meth:`state_dict`'s output."""
         self.scale = float(state["scale"])
         self.good_steps = int(state["good_steps"])
+
+
+# -- the caller's autocast ---------------------------------------------------------------
+
+_NAMES = {dtype: name for name, dtype in PRECISIONS.items() if dtype is not None}
+
+
+class AutocastConflictError(PrecisionError):
+    """The caller's ``torch.autocast`` around a trainer call cannot be honoured: its dtype differs
+    from the trainer's ``precision=``, it is on for some of the stages' device types only, or its
+    dtype is not one pipecut runs in."""
+
+
+def caller_policy(policy: MixedPrecision, device_types: Iterable[str], *, what: str = "this call") -> MixedPrecision:
+    """The policy a call runs with: ``policy``, or the caller's autocast as one.
+
+    Args:
+        policy: the trainer's precision.
+        device_types: the device types the stages run on (``'cpu'``, ``'cuda'``).
+        what: the call, for messages (``'step()'``).
+
+    Returns:
+        ``policy`` when autocast is off on every device type of the stages, or on in
+        ``policy``'s own dtype (its cache flag taken from the caller); else, for a trainer in
+        fp32, ``MixedPrecision(<the caller's dtype>, cast_activations=False)``.
+
+    Raises:
+        AutocastConflictError: autocast is on in another low dtype than ``policy``'s, on some
+            of the stages' device types only, or in a dtype pipecut does not run in.
+
+    Example:
+        >>> caller_policy(MixedPrecision("fp32"), ["cpu"]).name
+        'fp32'
+        >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+        ...     mp = caller_policy(MixedPrecision("fp32"), ["cpu"])
+        >>> mp.name, mp.cast_activations
+        ('bf16', False)
+        >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+        ...     caller_policy(MixedPrecision("fp16"), ["cpu"], what="step()")
+        Traceback (most recent call last):
+          ...
+        runtime.precision.AutocastConflictError: step() runs under torch.autocast('cpu', dtype=torch.bfloat16), but this trainer was built with precision='fp16': the stages cannot compute in both. Build the trainer with precision='bf16' (MixedPrecision('bf16', cast_activations=False) computes what the plain model does under that autocast), or call step() outside the autocast
+    """  # noqa: E501 - the error message above is one line, as the doctest compares it
+    kinds = sorted(set(device_types))
+    on = {k: torch.get_autocast_dtype(k) for k in kinds if torch.is_autocast_enabled(k)}
+    if not on:
+        return policy
+    shown = ", ".join(f"torch.autocast({k!r}, dtype={on[k]})" for k in on)
+    off = [k for k in kinds if k not in on]
+    if off or len(set(on.values())) > 1:
+        raise AutocastConflictError(
+            f"{what} runs under {shown}, but its stages also run on {', '.join(off) or 'devices'} "
+            f"{'without autocast' if off else 'in another dtype'}; the pipeline runs in one precision: "
+            "enter autocast for every device type of the stages alike, or pass precision= to the trainer"
+        )
+    dtype = next(iter(on.values()))
+    name = _NAMES.get(dtype)
+    if name is None:
+        raise AutocastConflictError(
+            f"{what} runs under {shown}, a dtype pipecut's precision does not take "
+            f"(precision= is one of {', '.join(PRECISIONS)}); call it outside the autocast"
+        )
+    cache = torch.is_autocast_cache_enabled()
+    if policy.dtype is None:
+        log.debug("%s: the caller's %s carried into the stages", what, shown)
+        return dataclasses.replace(policy, name=name, cast_activations=False, cache_enabled=cache)
+    if policy.dtype == dtype:
+        return policy if policy.cache_enabled == cache else dataclasses.replace(policy, cache_enabled=cache)
+    raise AutocastConflictError(
+        f"{what} runs under {shown}, but this trainer was built with precision={policy.name!r}: the stages "
+        f"cannot compute in both. Build the trainer with precision={name!r} (MixedPrecision({name!r}, "
+        f"cast_activations=False) computes what the plain model does under that autocast), or call {what} "
+        "outside the autocast"
+    )
+
+
+@dataclass(frozen=True)
+class CallPrecision:
+    """What one trainer call runs with: its policy and the dtypes its boundary values travel in."""
+
+    policy: MixedPrecision
+    wire: Mapping[str, torch.dtype]
+
+
+class CallerAutocast:
+    """A trainer's precision, resolved against the caller's autocast at each call.
+
+    Args:
+        policy: the trainer's precision.
+        device_types: the device types of this process's stages.
+        wire_for: the wire dtypes of a policy (``runtime.precision.wire_dtypes`` bound to the
+            plan); computed once per policy met.
+
+    Example:
+        >>> ca = CallerAutocast(MixedPrecision("fp32"), ["cpu"], lambda mp: {"x": mp.dtype or torch.float32})
+        >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+        ...     call = ca.resolve("predict()")
+        >>> call.policy.name, dict(call.wire), ca.resolve("predict()").policy.name
+        ('bf16', {'x': torch.bfloat16}, 'fp32')
+    """
+
+    def __init__(
+        self, policy: MixedPrecision, device_types: Iterable[str],
+        wire_for: Callable[[MixedPrecision], Mapping[str, torch.dtype]],
+    ) -> None:
+        self.policy = policy
+        self.device_types = tuple(sorted(set(device_types)))
+        self._wire_for = wire_for
+        self._wire: dict[MixedPrecision, Mapping[str, torch.dtype]] = {policy: wire_for(policy)}
+
+    def resolve(self, what: str) -> CallPrecision:
+        """The policy and wire dtypes for a call made now (see :func:`caller_policy`)."""
+        mp = caller_policy(self.policy, self.device_types, what=what)
+        if mp not in self._wire:
+            self._wire[mp] = self._wire_for(mp)
+        return CallPrecision(mp, self._wire[mp])

@@ -38,13 +38,21 @@ from runtime.execute.local_run import RankThreads, run_interleaved, run_threads
 from runtime.execute.microbatch import MicrobatchError, microbatch_count, split_microbatches
 from runtime.execute.recompute import RecomputeOption, stages_to_recompute
 from runtime.execute.shapes import wire_shapes
-from runtime.execute.wiring import model_output
+from runtime.execute.wiring import merge_microbatches, model_output
 from runtime.metrics import step_metrics
 from runtime.options import DataParallel, Execution, Init, apply_layout, resolve_options
 from runtime.parallel.clipping import clip_grad_norm_
 from runtime.parallel.fsdp import FSDPReplicas, check_optimizer, whole_buffers
 from runtime.parallel.tied import copy_tied_values, second_copies, sum_tied_grads
-from runtime.precision import LossScaler, MixedPrecision, PrecisionError, resolve_precision, wire_dtypes
+from runtime.precision import (
+    CallerAutocast,
+    CallPrecision,
+    LossScaler,
+    MixedPrecision,
+    PrecisionError,
+    resolve_precision,
+    wire_dtypes,
+)
 from runtime.state import checkpoint
 from runtime.state.weights import LoadReport, Weights, load_weights, stage_tensors
 from runtime.transport.agreement import StepAgreement
@@ -177,8 +185,8 @@ class PipelineTrainer:
         )
         # Under 'dist', every rank checks once per new batch shape that the others run the same step.
         self._agreement = StepAgreement(plan, mp, ex.timeout) if self.mode == "dist" else None
-        self._wire_dtypes = wire_dtypes(mp, built.ios, plan.traced.gm, plan.traced.example_inputs,
-                                        next(iter(self.devices.values())).type)
+        self._autocast = CallerAutocast(mp, {d.type for d in self.devices.values()}, lambda policy: wire_dtypes(
+            policy, built.ios, plan.traced.gm, plan.traced.example_inputs, next(iter(self.devices.values())).type))
         self._init_run_state()
         if self.options.init.weights is not None:
             self.load_weights(self.options.init.weights)
@@ -230,6 +238,7 @@ class PipelineTrainer:
         """
         if not self._trains:
             raise TrainerStateError("this trainer has no optimizer: pass optimizer=lambda params: ... to step")
+        self._autocast.resolve("step()")  # a refusal before zero_grad clears anything
         start = time.perf_counter()
         self.zero_grad()
         loss = self.forward_backward(inputs, targets)
@@ -256,6 +265,7 @@ class PipelineTrainer:
 
         ``inputs`` and ``targets`` as in :meth:`step`. Under fp16 the gradients it adds are
         unscaled before it returns; ``last_found_inf`` says whether any rank's had an inf or NaN."""
+        call = self._autocast.resolve("forward_backward()")
         ins = self._micro_inputs(inputs)
         check_targets(self.plan.traced, as_flat(self.plan.input_names, inputs), targets)
         tgts = split_microbatches(targets, self.m, "targets")
@@ -264,7 +274,7 @@ class PipelineTrainer:
         # are, and the earlier ones are added back (runtime.execute.accumulation).
         aside = set_aside(list(self.parameters()))
         try:
-            results = self._run(self.schedule, ins, tgts, train=True,
+            results = self._run(self.schedule, ins, tgts, call, train=True,
                                 on_stage_done=averager.stage_done if averager is not None else None)
             sum_tied_grads(self._tied, _comm_device, timeout=self.timeout)
             if averager is not None:
@@ -312,17 +322,18 @@ class PipelineTrainer:
         Under ``'dist'`` only the rank holding the last stage returns the output; others return
         ``None``.
         """
+        call = self._autocast.resolve("predict()")
         ins = self._micro_inputs(inputs)
         fwd = forward_only(self.schedule.num_ranks, self.m, stage_to_rank=self.schedule.stage_to_rank)
         with torch.no_grad():
-            results = self._run(fwd, ins, None, train=False)
+            results = self._run(fwd, ins, None, call, train=False)
         outs: dict[int, tuple[Any, ...]] = {}
         for res in results:
             outs.update(res.outputs)
         if not outs:
             return None
         cols = list(zip(*(outs[mb] for mb in range(self.m))))
-        return model_output(tuple(_merge(c) for c in cols), self._out_spec)
+        return model_output(tuple(merge_microbatches(c) for c in cols), self._out_spec)
 
     def zero_grad(self) -> None:
         """Clear the gradients of this process's parameters."""
@@ -539,25 +550,26 @@ class PipelineTrainer:
             self._shape_cache[key] = wire_shapes(traced.gm, mb_inputs, method=traced.method)
         return self._shape_cache[key]
 
-    def _executors(self, transport: Transport) -> dict[int, Executor]:
+    def _executors(self, transport: Transport, call: CallPrecision) -> dict[int, Executor]:
         out = {}
         for r in self._ranks:
             mine = {s: self.stages[s] for s in self.schedule.stages_of(r) if s in self.stages}
             out[r] = Executor(mine, self._ios, transport, self.loss_fn, rank=r, record=self.record,
-                              check_finite=self.check_finite, precision=self.precision,
+                              check_finite=self.check_finite, precision=call.policy,
                               loss_scale=self.scaler.scale if self.scaler is not None else 1.0,
-                              wire_dtypes=self._wire_dtypes, recompute=self.recompute, out_spec=self._out_spec)
+                              wire_dtypes=call.wire, recompute=self.recompute, out_spec=self._out_spec)
         return out
 
     def _run(
-        self, schedule: Schedule, ins: list[dict[str, Any]], tgts: list[Any] | None, *, train: bool,
+        self, schedule: Schedule, ins: list[dict[str, Any]], tgts: list[Any] | None, call: CallPrecision, *,
+        train: bool,
         on_stage_done: Callable[[int], None] | None = None,
     ) -> list[RunResult]:
         started = time.perf_counter()
         if self.mode == "dist":
             assert self._dist_transport is not None and self._agreement is not None
-            self._agreement.check(schedule, ins)  # RankDisagreementError on every rank, before any message
-            ex = self._executors(self._dist_transport)[self.rank]
+            self._agreement.check(schedule, ins, call.policy)  # RankDisagreementError on every rank, before any message
+            ex = self._executors(self._dist_transport, call)[self.rank]
             shapes = self._wire_shapes(ins[0])
             mb_shapes = dict.fromkeys(range(len(ins)), shapes) if shapes is not None else None
             try:
@@ -570,7 +582,7 @@ class PipelineTrainer:
                 raise
         else:
             transport = LocalTransport(self.devices, self.timeout)
-            exs = self._executors(transport)
+            exs = self._executors(transport, call)
             try:
                 if self.mode == "sequential":
                     results = run_interleaved(exs, schedule, transport, ins, tgts, train)
@@ -586,13 +598,3 @@ class PipelineTrainer:
         self.last_records = sorted((r for res in results for r in res.records), key=lambda r: r.start)
         self._example_sized = is_example_size(self.plan.traced, ins[0]) if ins else False
         return results
-
-
-def _merge(column: Sequence[Any]) -> Any:
-    """One output over the micro-batches: rows concatenated, a 0-dim float (a loss) averaged."""
-    first = column[0]
-    if not isinstance(first, torch.Tensor):
-        return first
-    if first.dim():
-        return torch.cat(list(column))
-    return torch.stack(list(column)).mean() if first.is_floating_point() else first

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from partitioner.algorithms.baselines import balanced_params, equal_count, equal_size
 from partitioner.algorithms.evaluate import Evaluation, check_assignment, evaluate, lower_bound
 from partitioner.algorithms.exact import exact
-from partitioner.algorithms.manual import manual
+from partitioner.algorithms.manual import manual, resolve_split_point
 from partitioner.algorithms.problem import Partition, Problem, Tensor
 from partitioner.algorithms.refine import refine
 
@@ -30,6 +30,7 @@ __all__ = [
     "balanced_params",
     "equal_size",
     "manual",
+    "resolve_split_point",
     "METHODS",
 ]
 

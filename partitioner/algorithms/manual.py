@@ -5,13 +5,14 @@ Legend: ``n`` units, ``p`` stages, ``k`` a cut position (units ``< k`` lie befor
 
 from __future__ import annotations
 
+import difflib
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from partitioner.algorithms.problem import Partition, Problem
-from partitioner.errors import SplitPointError
+from partitioner.errors import AmbiguousSplitPointError, SplitPointError
 
-__all__ = ["manual"]
+__all__ = ["manual", "resolve_split_point"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,3 +83,47 @@ def manual(problem: Problem, cuts: Sequence[int]) -> Partition:
                 )
     logger.debug("manual: cuts %s", cuts)
     return Partition.from_cuts(cuts, n, "manual")
+
+
+def resolve_split_point(name: str, modules: Iterable[str]) -> str:
+    """The full module name a split point stands for: ``name`` itself when it is one of
+    ``modules``, else the one module whose name ends with ``'.' + name`` (a suffix at a dot
+    boundary: ``h.4`` is ``model.transformer.h.4``, never ``model.transformer.hh.4``).
+
+    Args:
+        name: the split point as the user wrote it (``--split-points h.4,h.8``).
+        modules: every module name of the traced graph (each node's module and its parents).
+
+    Returns:
+        The full module name.
+
+    Raises:
+        AmbiguousSplitPointError: ``name`` ends more than one module name (they are listed).
+        SplitPointError: ``name`` ends none; the message lists the closest names.
+
+    Example:
+        >>> mods = ["model", "model.transformer", "model.transformer.h.4", "model.transformer.hh.4"]
+        >>> resolve_split_point("h.4", mods)
+        'model.transformer.h.4'
+        >>> resolve_split_point("transformer.hh.4", mods)
+        'model.transformer.hh.4'
+        >>> resolve_split_point("4", mods)
+        Traceback (most recent call last):
+          ...
+        partitioner.errors.AmbiguousSplitPointError: split point '4' is the end of 2 module names: model.transformer.h.4, model.transformer.hh.4; give enough of the name to pick one (e.g. 'model.transformer.h.4')
+    """  # noqa: E501 - the error message above is one line, as the doctest compares it
+    known = sorted(set(modules) - {""})
+    if name in known:
+        return name
+    matches = [m for m in known if m.endswith("." + name)]
+    if len(matches) == 1:
+        return matches[0]
+    if matches:
+        raise AmbiguousSplitPointError(name, matches)
+    # The close names by their full spelling and by the same number of trailing parts.
+    parts = name.count(".") + 1
+    tails = {".".join(m.split(".")[-parts:]): m for m in known}
+    close = [tails[t] for t in difflib.get_close_matches(name, list(tails), n=3)]
+    close += [m for m in difflib.get_close_matches(name, known, n=3) if m not in close]
+    hint = f"; did you mean {', '.join(close[:3])}?" if close else f"; modules look like {known[:4]}"
+    raise SplitPointError(f"split point {name!r} names no module of the traced graph, nor ends one{hint}")

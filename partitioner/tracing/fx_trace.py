@@ -21,6 +21,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
 
 from partitioner.errors import ModeRegionError, TraceInputError
+from partitioner.tracing import hops
 from partitioner.tracing.capture import (
     Capture,
     cpu_fake,
@@ -66,7 +67,12 @@ class _LeafTracer(fx.Tracer):
                 f"torch.autocast region: {self._modes} -> {now}), which torch.fx cannot record; "
                 "trace with method='export'"
             )
-        return super().create_node(*args, **kwargs)
+        node = super().create_node(*args, **kwargs)
+        # A node traced inside torch.utils.checkpoint: its module is checkpointed (the tracer
+        # records no checkpoint, and a leaf module runs no forward hook to see it by).
+        inside = next(reversed(self.module_stack.values()), ("",))[0]
+        hops.note(str(node.target) if node.op == "call_module" else inside)
+        return node
 
 
 def _modes() -> tuple[bool, bool, bool]:

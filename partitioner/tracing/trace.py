@@ -15,6 +15,7 @@ the CPU (fake CPU tensors), so its graph is exactly the graph of the same model 
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import hashlib
 import logging
@@ -29,8 +30,8 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from partitioner.errors import TraceError, TraceOptionError
-from partitioner.tracing import capture, export_trace, fx_trace, hf
+from partitioner.errors import ReentrantCheckpointError, TraceError, TraceOptionError
+from partitioner.tracing import capture, export_trace, fx_trace, hf, hops
 from partitioner.tracing.capture import Capture, on_meta, to_meta
 from partitioner.tracing.failures import first_line, trace_failure_message
 from partitioner.tracing.fingerprint import graph_fingerprint
@@ -93,6 +94,9 @@ class TracedModel:
             sizes the graph is valid for (``guards.SizeGuards``; the runtime checks every new
             micro-batch size against them). ``None`` for fx graphs, whose ops read every size they
             use from the inputs, and for graphs with no free size.
+        checkpointed: the modules the model runs inside ``torch.utils.checkpoint`` (seen while
+            tracing, or a Hugging Face model's ``gradient_checkpointing`` flags): the planner
+            makes the stages holding them recompute (``partitioner.tracing.hops``).
 
     Example:
         >>> import torch
@@ -111,6 +115,7 @@ class TracedModel:
     param_aliases: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     example_inputs: tuple[InputMeta, ...] = ()
     size_guards: SizeGuards | None = field(default=None, repr=False)
+    checkpointed: tuple[str, ...] = ()
 
     def module_path(self, node: fx.Node) -> str:
         """Qualified name of the innermost module ``node`` was traced in, ``''`` at top level."""
@@ -177,6 +182,8 @@ def trace(
     Raises:
         TraceError: no tracer could capture the model; the message carries each tracer's error,
             where in the model it happened, and what to change.
+        ReentrantCheckpointError: the model calls ``torch.utils.checkpoint.checkpoint`` with
+            ``use_reentrant=True``, which no tracer captures with its gradients.
 
     Example:
         >>> import torch
@@ -189,8 +196,15 @@ def trace(
     """
     if method not in ("auto", "fx", "export"):
         raise TraceOptionError(f"method must be 'auto', 'fx' or 'export', got {method!r}")
-    with preserved(model, what="trace()"):
-        return _trace(model, example_inputs, example_kwargs, leaf_modules, method, example_microbatches)
+    with preserved(model, what="trace()"), hops.watching(model) as seen:
+        traced = _trace(model, example_inputs, example_kwargs, leaf_modules, method, example_microbatches)
+    reentrant = hops.outermost([name for name, r in seen.items() if r])
+    if reentrant:
+        raise ReentrantCheckpointError(reentrant)
+    marked = hops.outermost(set(seen) | set(hops.flagged_modules(model)))
+    if marked:
+        log.info("trace: the model checkpoints %d modules (%s...)", len(marked), ", ".join(marked[:3]))
+    return dataclasses.replace(traced, checkpointed=marked) if marked else traced
 
 
 def _trace(

@@ -18,7 +18,7 @@ from partitioner.errors import PlanFormatError
 from partitioner.plan.split import StageIO, ValueSpec
 from runtime.transport.p2p import TensorMeta
 
-__all__ = ["Wiring", "wire", "message_values", "is_float", "on_wire", "dtype_of", "model_output"]
+__all__ = ["Wiring", "wire", "message_values", "is_float", "on_wire", "dtype_of", "model_output", "merge_microbatches"]
 
 
 def message_values(ios: Sequence[StageIO], src: int, dst: int) -> list[ValueSpec]:
@@ -97,3 +97,21 @@ def model_output(flat: Sequence[Any], spec: pytree.TreeSpec | None) -> Any:
     if spec is not None:
         return pytree.tree_unflatten(list(flat), spec)
     return flat[0] if len(flat) == 1 else tuple(flat)
+
+
+def merge_microbatches(column: Sequence[Any]) -> Any:
+    """One output over the micro-batches: rows concatenated, a 0-dim float (a loss) averaged,
+    anything else the first micro-batch's.
+
+    Example:
+        >>> merge_microbatches([torch.ones(2, 3), torch.zeros(1, 3)]).shape
+        torch.Size([3, 3])
+        >>> merge_microbatches([torch.tensor(1.0), torch.tensor(3.0)])
+        tensor(2.)
+    """
+    first = column[0]
+    if not isinstance(first, torch.Tensor):
+        return first
+    if first.dim():
+        return torch.cat(list(column))
+    return torch.stack(list(column)).mean() if first.is_floating_point() else first

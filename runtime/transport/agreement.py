@@ -54,7 +54,8 @@ _FIXES = {
                 "predict() on every rank together",
     "plan": "give every rank the same plan: partition once and Plan.save / Plan.load it, or partition the "
             "same model with the same options everywhere",
-    "precision": "build every rank's trainer with the same precision=",
+    "precision": "build every rank's trainer with the same precision=, and call it under the same "
+                 "torch.autocast (or none) on every rank",
     "input": "give every rank a batch of the same sizes: each rank of a pipeline takes the whole batch, and "
              "with data parallelism each replica its equal share (trainer.local_batch(x, y))",
 }
@@ -83,13 +84,16 @@ class StepAgreement:
         self._setup = {
             "plan": f"{plan.num_stages} stages, graph {plan.fingerprint[:12]}, boundaries "
                     f"{hashlib.sha256(stages.encode()).hexdigest()[:12]}",
-            "precision": precision.name + ("" if precision.cast_activations else " (activations uncast)"),
+            "precision": _precision_text(precision),
         }
         self._agreed: set[int] = set()
 
-    def check(self, schedule: Schedule, microbatches: Sequence[Mapping[str, Any]]) -> None:
+    def check(
+        self, schedule: Schedule, microbatches: Sequence[Mapping[str, Any]], precision: _Precision | None = None,
+    ) -> None:
         """Every rank runs ``schedule`` over micro-batches of these sizes (collective, the first
-        time this rank meets them).
+        time this rank meets them), in ``precision`` (default: the trainer's; a caller's autocast
+        changes it for a call, ``runtime.precision.CallerAutocast``).
 
         Raises:
             RankDisagreementError: a rank runs another schedule, micro-batch count, plan,
@@ -100,6 +104,8 @@ class StepAgreement:
         if not dist.is_initialized() or dist.get_world_size(self.group) < 2:
             return
         facts = {**step_facts(schedule, microbatches), **self._setup}
+        if precision is not None:
+            facts["precision"] = _precision_text(precision)
         digest = _digest(facts)
         if digest in self._agreed:
             return
@@ -164,6 +170,10 @@ def disagreement(by_rank: Mapping[int, Mapping[str, Any]], me: int) -> str:
             fixes.append(fix)
     lines += [f"  Fix: {fix}" for fix in fixes]
     return "\n".join(lines)
+
+
+def _precision_text(precision: _Precision) -> str:
+    return precision.name + ("" if precision.cast_activations else " (activations uncast)")
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -67,7 +67,7 @@ def test_recomputation_holds_only_inputs_between_forward_and_backward() -> None:
 def test_stash_keeps_only_inputs() -> None:
     c = case("mlp", 2)
     trainer = make_trainer(c, 2, "gpipe", transport="sequential", recompute={0})
-    ex = trainer._executors(_NullTransport())[0]
+    ex = trainer._executors(_NullTransport(), trainer._autocast.resolve("this test"))[0]
     micro = [{"x": x} for x in c["x"].chunk(4)]
     state = ex.start(micro, list(c["y"].chunk(4)))
     forward = next(a for a in trainer.schedule.actions[0] if a.stage == 0)

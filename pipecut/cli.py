@@ -361,7 +361,6 @@ def _calibrated(args: argparse.Namespace, devices: int, model: nn.Module) -> Clu
     if os.path.exists(path):
         cluster = Cluster.load(path)
         print(f"cluster measured earlier, read from {path}")
-        _check_fitted_to(path, args.model, devices, model)
     else:
         limit = 8 * (os.cpu_count() or 1)
         if devices > limit:
@@ -377,6 +376,7 @@ def _calibrated(args: argparse.Namespace, devices: int, model: nn.Module) -> Clu
             f"{path} describes {len(cluster)} devices but the plan needs {devices}; measure again: "
             f"pipecut calibrate --model {args.model} --devices {devices} --out {path}"
         )
+    _check_fitted_to(path, args.model, devices, model)
     return cluster.with_devices(devices)
 
 

@@ -125,9 +125,10 @@ def fit_model(
     Example:
         >>> from functools import partial
         >>> from partitioner.zoo import load_model
-        >>> fit = fit_model(partial(load_model, "mlp"), Cluster.uniform(2, "cpu"), model="mlp")  # doctest: +SKIP
-        >>> fit.cluster.devices[0].action_overhead > 0, fit.loss  # doctest: +SKIP
-        (True, 'mean squared output')
+        >>> host = Cluster.measure(2)  # doctest: +SKIP
+        >>> fit = fit_model(partial(load_model, "gpt2-tiny"), host, model="gpt2-tiny")  # doctest: +SKIP
+        >>> fit.cluster.devices[0].name, fit.cluster.cores, fit.loss  # doctest: +SKIP
+        ('cpu (measured) (fitted to the model)', 2, 'next-token cross-entropy')
     """
     devices = len(host)
     batch_rows = devices if global_batch is None else global_batch

@@ -6,6 +6,7 @@ Run (CPU, 4 gloo processes of one thread each; writes ``benchmarks/results/layou
     python benchmarks/layout.py --rounds 10 --warmup 2 --consecutive 3 --n-layer 4 --n-embd 128 --n-head 4 \\
         --vocab 2048 --seq 64 --batch 16 --microbatch-sizes 1,2,4 --schedules 1f1b,zbh1,interleaved,zbv,gpipe  # same
     python benchmarks/layout.py --quick --out /tmp/layout.json   # a tiny GPT-2, 5 layouts, 30 s to a minute
+    python benchmarks/layout.py --cli-calibrate   # priced on `pipecut calibrate --model ...`'s file: layout_cli.json
 
 Legend: ``dp`` replicas, ``pp`` ranks per pipeline (``dp * pp = 4``), ``b`` rows per micro-batch,
 ``m = B / (dp * b)`` micro-batches per step and replica, ``B`` the global batch (sequences), ``S``
@@ -25,6 +26,11 @@ How the three columns are made:
   ``plan_layout`` chooses over the same space. ``--cluster FILE`` prices on a calibrated cluster
   (``pipecut calibrate --devices 4 --out FILE``: this host's measured matmul speed with 4 processes
   sharing its cores, gloo's links and all-reduce); without it, the roofline ``'cpu'`` preset.
+  ``--calibrate`` measures the host so, then fits it to the model on the benchmark's 4 processes
+  (``runtime.overheads.calibrate_job``). ``--cli-calibrate`` runs ``pipecut calibrate --model
+  benchmarks/layout_model.py:model --devices 4 --global-batch B`` (the same measurement and fit, in
+  processes of its own) and prices, and cuts, on its file; the in-benchmark fit is made beside it
+  (from the file's links) and its predictions of the same measured steps are reported too.
 * **measured**: ONE job of 4 processes (``runtime.transport.launch.spawn``: file rendezvous, one
   thread per process, a deadline, stragglers killed) builds a trainer for every layout, each from
   its own copy of one seeded model, and then runs rounds: each round runs every layout in turn
@@ -70,10 +76,11 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 from _common import int_list, load_before, run_env, step_times, write_result  # noqa: E402
+from layout_model import CONFIGS, calibrate_with_cli, factory_for  # noqa: E402
+from layout_model import build as build_model  # noqa: E402
 from partitioner import Cluster, LayoutSearch, Plan  # noqa: E402
 from partitioner.plan.layout import Option  # noqa: E402
 from partitioner.schedule.registry import TRAINING_SCHEDULES, stages_per_rank  # noqa: E402
-from partitioner.zoo import gpt2  # noqa: E402
 from runtime import DataParallel, Execution, PipelineTrainer  # noqa: E402
 from runtime.overheads import calibrate_job  # noqa: E402
 from runtime.transport.launch import spawn  # noqa: E402
@@ -95,8 +102,9 @@ PREDICTOR = (
 )
 # --quick: a tiny GPT-2 and a few layouts (anything given explicitly on the command line wins).
 _QUICK = ["--rounds", "2", "--warmup", "1", "--consecutive", "2",
-          "--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--vocab", "128",
-          "--seq", "16", "--batch", "8", "--microbatch-sizes", "2", "--schedules", "1f1b"]
+          *(f for k, v in CONFIGS["model_quick"].items() for f in (f"--{k.replace('_', '-')}", str(v))),
+          "--batch", "8", "--microbatch-sizes", "2", "--schedules", "1f1b"]
+_MODEL = CONFIGS["model"]
 
 
 @dataclass(frozen=True)
@@ -317,10 +325,7 @@ def _lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # (B,
 
 
 def _model(cfg: dict[str, Any]) -> nn.Module:
-    torch.manual_seed(1234)
-    model, _ = gpt2(n_layer=cfg["n_layer"], n_embd=cfg["n_embd"], n_head=cfg["n_head"], vocab_size=cfg["vocab"],
-                    n_positions=cfg["seq"], batch=1, seq=cfg["seq"])
-    return model
+    return build_model(**{k: cfg[k] for k in _MODEL})
 
 
 def _data(cfg: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -360,8 +365,14 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     build_s: dict[str, tuple[float, float]] = {}  # per layout: seconds to plan, to build the trainer
     search = LayoutSearch(copy.deepcopy(model), (x[:1],), cluster=cluster, global_batch=cfg["batch"])
     fitted: dict[str, float] = {}
+    beside: dict[str, Any] = {}  # --cli-calibrate: the in-benchmark fit's predictions of the same runs
     if cfg.get("calibrate"):
         search.use_cluster(_fit(search, fitted, x, y))
+    elif cfg.get("cli"):
+        _fit(search, fitted, x, y)  # from the file's cluster: its links, a fit of this job's own
+        beside = {"predicted": {lay.name: search.price(option(lay, cfg["batch"])).step_time for lay in todo},
+                  "choice": planner_choice(search, todo) if rank == 0 else ""}
+        search.use_cluster(cluster)  # the command line's cluster prices, and cuts, what is run
     for layout in todo:  # the same order on every rank: meshes and trainers are collective
         t0 = time.perf_counter()
         plan = layout_plan(search, layout)  # every layout's own copy of the model
@@ -401,7 +412,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     phases["steps"] = time.perf_counter()
     marks = list(phases.values())
     return {"spans": spans, "predicted": predicted, "choice": choice, "build_s": build_s, "first_loss": first_loss,
-            "fitted": fitted,
+            "fitted": fitted, "beside": beside,
             "reference_loss": float(want),
             "phases_s": {k: b - a for k, a, b in zip(list(phases)[1:], marks, marks[1:])}}
 
@@ -455,17 +466,30 @@ def _print(cfg: dict[str, Any], rows: list[dict[str, Any]], summary: dict[str, A
                   f"{SPEARMAN_AT_LEAST}: {ok[summary['spearman_ok']]}")
 
 
+def _print_beside(summary: dict[str, Any]) -> None:
+    """The two calibrations' figures on the same measured steps, side by side."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="the same measured steps, priced by each calibration", title_justify="left")
+    for col in ("cluster", "choice", "choice vs best", "median |pred/meas - 1|", "Spearman"):
+        table.add_column(col, justify="left" if col in ("cluster", "choice") else "right")
+    for label, t in (("pipecut calibrate --model (run)", summary),
+                     ("in-benchmark fit (calibrate_job)", summary["in_benchmark_fit"])):
+        rho = t["spearman"]
+        table.add_row(label, t["choice"], f"{t['choice_vs_best']:+.1%}", f"{t['median_abs_error']:.3f}",
+                      "n/a" if rho is None else f"{rho:.3f}")
+    Console(width=140).print(table)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=10, help="timed rounds (median over these)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed rounds first (>= 1: the first checks the loss)")
     ap.add_argument("--consecutive", type=int, default=3,
                     help="steps of a layout in a row per round; the first is not timed (it warms the caches)")
-    ap.add_argument("--n-layer", type=int, default=4)
-    ap.add_argument("--n-embd", type=int, default=128)
-    ap.add_argument("--n-head", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=2048)
-    ap.add_argument("--seq", type=int, default=64)
+    for key, value in _MODEL.items():  # the model: benchmarks/layout_model.py's
+        ap.add_argument(f"--{key.replace('_', '-')}", type=int, default=value)
     ap.add_argument("--batch", type=int, default=16, help="global batch (sequences), the same in every layout")
     ap.add_argument("--microbatch-sizes", type=int_list, default=[1, 2, 4], help="b values to try, e.g. 1,2,4")
     ap.add_argument("--schedules", default=",".join(TRAINING_SCHEDULES), help="schedules to try (pp > 1)")
@@ -476,11 +500,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calibrate", action="store_true",
                     help="measure this host right before the run (4 processes at the model's matrix sizes), save it "
                     "beside --out as *.cluster.json and price on it")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "layout.json"))
+    ap.add_argument("--cli-calibrate", action="store_true",
+                    help="price on the cluster `pipecut calibrate --model benchmarks/layout_model.py:model --devices 4 "
+                    "--global-batch B` writes (beside --out as *.cluster.json), with the in-benchmark fit beside it")
+    ap.add_argument("--out", default=None,
+                    help="the result (default benchmarks/results/layout.json; layout_cli.json with --cli-calibrate)")
     cli = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(cli)
     if args.quick:
         args = ap.parse_args(_QUICK + cli)
+    if args.out is None:
+        args.out = str(ROOT / "benchmarks" / "results" / ("layout_cli.json" if args.cli_calibrate else "layout.json"))
     schedules = [s for s in args.schedules.split(",") if s]
     unknown = sorted(set(schedules) - set(TRAINING_SCHEDULES))
     if unknown or args.rounds < 1 or args.warmup < 1 or args.consecutive < 1:
@@ -496,8 +526,20 @@ def main(argv: list[str] | None = None) -> int:
     cfg.update(schedules=schedules, layouts=[asdict(lay) for lay in todo],
                timeout=min(300.0, args.timeout))  # a peer waited on longer than this has failed
 
+    factory = factory_for(cfg)
+    if args.cli_calibrate and (args.calibrate or args.cluster or factory is None):
+        ap.error("--cli-calibrate calibrates through `pipecut calibrate` on its own: without --calibrate or "
+                 "--cluster, and on benchmarks/layout_model.py's models (the default or --quick's)")
+
     t0 = time.time()
-    cfg["calibrate"] = args.calibrate
+    cfg["calibrate"], cfg["cli"] = args.calibrate, args.cli_calibrate
+    cli_run: dict[str, Any] = {}
+    if args.cli_calibrate:
+        assert factory is not None  # checked above
+        cfg["cluster"] = str(Path(args.out).with_suffix(".cluster.json"))
+        cli_run = calibrate_with_cli(factory, PROCESSES, args.batch, cfg["cluster"], quick=args.quick,
+                                     timeout=min(900.0, args.timeout))
+        print(f"calibrated through the command line in {cli_run['wall_s']:.0f} s: {cli_run['command']}")
     if args.calibrate:
         cfg["cluster"] = str(Path(args.out).with_suffix(".cluster.json"))
         measured = calibrate(cfg, cfg["cluster"])
@@ -510,27 +552,36 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(todo)} layouts; building a trainer for each on every rank, then {args.warmup} + {args.rounds} rounds")
     ranks_out = spawn(_worker, PROCESSES, cfg, timeout=args.timeout, threads=1)
     print("phases (s, rank 0): " + ", ".join(f"{k} {v:.1f}" for k, v in ranks_out[0]["phases_s"].items()))
-    if ranks_out[0]["fitted"]:
-        f = ranks_out[0]["fitted"]
-        print(f"fitted to the model on the 4 ranks: {f['peak_flops_fp32'] / 1e9:.1f} GFLOP/s, "
-              f"{f['mem_bandwidth'] / 1e9:.1f} GB/s, {f['op_overhead'] * 1e6:.1f} us per op, "
-              f"{f['action_overhead'] * 1e3:.2f} ms per action, {f['cores']:.0f} cores shared")
+    fits = {"fitted to the model on the 4 ranks": ranks_out[0]["fitted"],
+            "fitted by pipecut calibrate --model": (cli_run.get("fitted_to") or {}) if args.cli_calibrate else {}}
+    for what, f in fits.items():
+        if f:
+            print(f"{what}: {f['peak_flops_fp32'] / 1e9:.1f} GFLOP/s, {f['mem_bandwidth'] / 1e9:.1f} GB/s, "
+                  f"{f['op_overhead'] * 1e6:.1f} us per op, {f['action_overhead'] * 1e3:.2f} ms per action, "
+                  f"{f['cores'] or 0:.0f} cores shared")
     times = step_times([r["spans"] for r in ranks_out])
     predicted = ranks_out[0]["predicted"]
     measured = {name: statistics.median(ts) for name, ts in times.items()}
     summary = {"predictor": PREDICTOR, **targets(predicted, measured, ranks_out[0]["choice"])}
     rows = _rows(todo, predicted, times, cfg)
     _print(cfg, rows, summary)
+    beside = ranks_out[0]["beside"]
+    if beside:
+        summary["in_benchmark_fit"] = targets(beside["predicted"], measured, beside["choice"])
+        for row in rows:
+            row["predicted_in_benchmark_fit_s"] = beside["predicted"][row["name"]]
+        _print_beside(summary)
     result = {
         "benchmark": "layout",
         "command": shlex.join(["python", "benchmarks/layout.py", *cli]),
         "config": {**{k: v for k, v in cfg.items() if k != "layouts"}, "processes": PROCESSES,
                    "threads_per_process": 1, "model": "partitioner.zoo.gpt2 (Hugging Face GPT-2, tied embedding, "
                    "dropout 0)", "loss": "cross_entropy", "optimizer": "AdamW(lr=1e-4)",
-                   "tokens_per_step": args.batch * args.seq, "cluster": args.cluster or "Cluster.uniform(4, 'cpu')"},
+                   "tokens_per_step": args.batch * args.seq, "cluster": cfg["cluster"] or "Cluster.uniform(4, 'cpu')"},
         "env": run_env(load, t0),
         "summary": summary,
         "fitted": ranks_out[0]["fitted"],
+        "cli_calibration": cli_run or None,
         "targets": {"choice_within": CHOICE_WITHIN, "median_abs_error_at_most": MEDIAN_ERROR_AT_MOST,
                     "spearman_at_least": SPEARMAN_AT_LEAST},
         "layouts": rows,

@@ -10,8 +10,8 @@ Examples::
     pipecut plan gpt2-175b --devices 512 --global-batch 1536 --device A100-80GB --precision bf16 --granularity module
     pipecut plan examples/my_model.py:build --stages 2 --device cpu --dot plan.dot
     pipecut plan path/to/hf-folder --stages 8 --device H100-80GB --seq-len 4096
-    pipecut calibrate --devices 4 --model gpt2-tiny --out cluster.json
-    pipecut plan gpt2-tiny --stages 4 --calibrate cluster.json
+    pipecut calibrate --model gpt2-tiny --devices 4 --global-batch 16 --out cluster.json
+    pipecut plan gpt2-tiny --devices 4 --global-batch 16 --calibrate cluster.json
     pipecut train --model path/to/hf-folder --data tokens.bin --out run --pp 2 --steps 100
     torchrun --standalone --nproc-per-node 4 -m pipecut train --model ... --pp 2 --dp 2
     torchrun --standalone --nproc-per-node 8 -m pipecut train --model ... --layout auto --global-batch 64
@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib.metadata
 import logging
 import os
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -121,8 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="let a Hugging Face folder's own code (auto_map, modeling_*.py) run to build its model; "
                       "off by default: read that code first")
     plan.add_argument("--calibrate", metavar="FILE", default=None,
-                      help="plan for the measured cluster in FILE (from `pipecut calibrate`); if FILE does "
-                      "not exist, measure this host for the plan's devices at the model's sizes and save it there")
+                      help="plan for the cluster in FILE, fitted to this model on this host by `pipecut calibrate "
+                      "--model MODEL --devices N --out FILE` (warns when it was fitted on another model or device "
+                      "count); if FILE does not exist, that fit is made first (N processes, a minute or more) and "
+                      "saved there")
     _add_calibrate_parser(sub)
 
     sim = sub.add_parser("simulate", help="simulate a saved plan under a schedule; print the step and write a trace")
@@ -196,7 +199,7 @@ def _plan(args: argparse.Namespace) -> int:
         raise CliArgumentError("give --stages N (cut N stages) or --devices N --global-batch B (search the layout)")
     count = args.devices if args.devices is not None else args.stages
     if args.calibrate:
-        cluster = _calibrated(args.calibrate, count, model, inputs, args.link_bandwidth)
+        cluster = _calibrated(args, count, model)
     else:
         cluster = Cluster.uniform(count, args.device, link_bandwidth=args.link_bandwidth)
     if args.devices is not None:
@@ -323,39 +326,48 @@ def _simulate(args: argparse.Namespace) -> int:
 
 def _add_calibrate_parser(sub: Any) -> None:
     cal = sub.add_parser(
-        "calibrate", help="measure this host (compute per process, gloo links) and save it for `plan --calibrate`",
-        description="Measure what DEVICES one-thread processes of this host really get when they run at "
-        "once: matmul FLOP/s (fp32, bf16), memory bandwidth, per-op overhead, and the gloo p2p and "
-        "all-reduce speed between them; save the cluster as JSON (docs/partitioning.md, Calibration).",
+        "calibrate", help="fit the planner's cluster to a model on this host (or measure the host alone); "
+        "save it for `plan --calibrate`",
+        description="With --model: measure this host as DEVICES one-thread processes get it (matmul FLOP/s at "
+        "the model's sizes, memory bandwidth, per-op overhead, gloo p2p and all-reduce), then fit that cluster "
+        "to the model as the runtime trains it on DEVICES processes at once (its step's speed and per-op "
+        "overhead, the runtime's cost per pipeline action, the cores they share) and save it as JSON. Without "
+        "--model: the host measurement alone (docs/partitioning.md, Calibration).",
     )
-    cal.add_argument("--devices", type=_count, required=True, help="pipeline devices (processes) to measure")
+    cal.add_argument("--devices", type=_count, required=True, help="devices (one process each) to measure and fit")
     cal.add_argument("--backend", default="gloo", choices=("gloo",), help="torch.distributed backend (gloo)")
     cal.add_argument("--processes", type=_count, default=None,
-                     help="processes computing at once (default: --devices)")
+                     help="processes computing at once while the host is measured (default: --devices)")
     cal.add_argument("--model", default=None,
-                     help="time this model's matrix products (a plan MODEL) instead of a small GPT-2's")
+                     help="the model to fit to (a plan MODEL: built-in name, path/to/file.py:factory or a Hugging "
+                     "Face folder, built with random weights); without it, only the host is measured")
+    cal.add_argument("--global-batch", type=_count, default=None,
+                     help="with --model: the job's rows per step, the rows the fit draws from (default: --devices)")
+    cal.add_argument("--seq-len", type=_count, default=None,
+                     help="a Hugging Face folder's sequence length (default: 1024, or the model's maximum)")
     cal.add_argument("--trust-remote-code", action="store_true",
                      help="let a --model folder's own code (auto_map, modeling_*.py) run; off by default")
-    cal.add_argument("--quick", action="store_true", help="tiny sizes: a rough measurement in seconds")
-    cal.add_argument("--timeout", type=float, default=600.0, help="seconds before the measurement is stopped")
-    cal.add_argument("--out", required=True, help="write the measured cluster (JSON) here")
+    cal.add_argument("--quick", action="store_true",
+                     help="tiny probe sizes and 3 timed steps per fit: a rough calibration in seconds")
+    cal.add_argument("--timeout", type=float, default=600.0, help="seconds before each phase is stopped")
+    cal.add_argument("--out", required=True, help="write the measured (or fitted) cluster (JSON) here")
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    probe = Probe.tiny() if args.quick else Probe()
-    if args.model:
-        if is_hf_folder(args.model):
-            model, inputs = _folder_model(args.model, None, 1, trust_remote_code=args.trust_remote_code,
-                                          command="pipecut calibrate")
-        else:
-            model, inputs = load_model(args.model)
-        probe = _model_probe(probe, model, inputs)
-    _measure_and_save(args.out, args.devices, probe, processes=args.processes, timeout=args.timeout)
+    if not args.model:
+        probe = Probe.tiny() if args.quick else Probe()
+        _measure_and_save(args.out, args.devices, probe, processes=args.processes, timeout=args.timeout)
+        return 0
+    _fit_and_save(args.out, args.model, args.devices, global_batch=args.global_batch, seq_len=args.seq_len,
+                  trust_remote_code=args.trust_remote_code, quick=args.quick, processes=args.processes,
+                  timeout=args.timeout)
     return 0
 
 
-def _calibrated(path: str, devices: int, model: nn.Module, inputs: tuple[Any, ...], link: float | None) -> Cluster:
-    """The cluster in ``path`` for ``devices`` devices; measured there first when it does not exist."""
+def _calibrated(args: argparse.Namespace, devices: int, model: nn.Module) -> Cluster:
+    """The cluster in ``args.calibrate`` for ``devices`` devices; fitted to the model there first when
+    it does not exist (what ``pipecut calibrate --model`` does)."""
+    path, link = args.calibrate, args.link_bandwidth
     if link is not None:
         raise CliArgumentError(f"--link-bandwidth {link:g} and --calibrate {path} both set the links; give one")
     if os.path.exists(path):
@@ -365,16 +377,90 @@ def _calibrated(path: str, devices: int, model: nn.Module, inputs: tuple[Any, ..
         limit = 8 * (os.cpu_count() or 1)
         if devices > limit:
             raise CliArgumentError(
-                f"--calibrate measures this host with one process per device, and {devices} devices are more than "
-                f"it runs ({limit} at most here): plan another machine's cluster with --device, or measure on it"
+                f"--calibrate fits the model on this host with one process per device, and {devices} devices are "
+                f"more than it runs ({limit} at most here): plan another machine's cluster with --device, or "
+                "calibrate on it"
             )
-        cluster = _measure_and_save(path, devices, _model_probe(None, model, inputs))
+        cluster = _fit_and_save(path, args.model, devices, global_batch=args.global_batch, seq_len=args.seq_len,
+                                trust_remote_code=args.trust_remote_code)
     if len(cluster) < devices:
         raise CliArgumentError(
             f"{path} describes {len(cluster)} devices but the plan needs {devices}; measure again: "
-            f"pipecut calibrate --devices {devices} --out {path}"
+            f"pipecut calibrate --model {args.model} --devices {devices} --out {path}"
         )
+    _check_fitted_to(path, args.model, devices, model)
     return cluster.with_devices(devices)
+
+
+def _check_fitted_to(path: str, spec: str, devices: int, model: nn.Module) -> None:
+    """Warn when the cluster in ``path`` was fitted on another model or device count, or on none."""
+    from runtime.calibration import FITTED_TO, fit_mismatch, model_id
+
+    fitted_to = Cluster.load_details(path).get(FITTED_TO)
+    refit = f"pipecut calibrate --model {spec} --devices {devices} --out {path}"
+    if not fitted_to:
+        print(f"pipecut: note: {path} measured this host alone, not fitted to a model; its predictions rank "
+              f"layouts poorly on CPU processes (docs/partitioning.md, Calibration): {refit}", file=sys.stderr)
+        return
+    why = fit_mismatch(fitted_to, model_id=model_id(spec), devices=devices,
+                       parameters=sum(p.numel() for p in model.parameters()))
+    if why:
+        print(f"pipecut: warning: {path}: {why}; its speeds and overheads are that job's. Fit this one: {refit}",
+              file=sys.stderr)
+
+
+def _builder(spec: str, seq_len: int | None, trust_remote_code: bool) -> Callable[[], tuple[nn.Module, Any]]:
+    """A picklable factory of ``spec``'s model and one micro-batch (every fitting process calls it)."""
+    if is_hf_folder(spec):  # on meta: each process makes its tensors real and initialises them
+        return functools.partial(_folder_model, spec, seq_len, 1, trust_remote_code=trust_remote_code,
+                                 command="pipecut calibrate")
+    return functools.partial(load_model, spec)
+
+
+def _fit_and_save(
+    path: str, spec: str, devices: int, *, global_batch: int | None, seq_len: int | None, trust_remote_code: bool,
+    quick: bool = False, processes: int | None = None, timeout: float = 600.0,
+) -> Cluster:
+    """Measure the host at the model's sizes, fit it to the model on ``devices`` processes, print both, save."""
+    from runtime import calibration
+
+    build = _builder(spec, seq_len, trust_remote_code)
+    model, inputs = build()
+    probe = _model_probe(Probe.tiny() if quick else None, model, inputs)
+    del model
+    host, cal = _measure_host(devices, probe, processes=processes, timeout=timeout)
+    console = _console()
+    console.print(f"fitting it to {spec} on {devices} processes (each trains the model as the runtime does)...")
+    fit = calibration.fit_model(build, host, model=spec, model_id=calibration.model_id(spec), global_batch=global_batch,
+                                repeat=3 if quick else 7, timeout=timeout)
+    fit.cluster.save(path, details={**cal.summary(), **fit.details()})
+    _print_fit(console, host, fit.cluster, spec)
+    console.print(f"fitted in {fit.wall_s:.1f} s ({fit.loss}, {fit.parameters:,} parameters, global batch "
+                  f"{fit.global_batch}); cluster written to {path}")
+    return fit.cluster
+
+
+def _print_fit(console: Console, host: Cluster, fitted: Cluster, spec: str) -> None:
+    was, now = host.devices[0], fitted.devices[0]
+    _print_table(console, ("per process", "host measured", f"fitted to {spec}"), [
+        ("matmul fp32", _flops(was.peak_flops_fp32), _flops(now.peak_flops_fp32)),
+        ("matmul bf16", _flops(was.peak_flops), _flops(now.peak_flops)),
+        ("memory bandwidth", _rate(was.mem_bandwidth), _rate(now.mem_bandwidth)),
+        ("op overhead", _secs(was.op_overhead), _secs(now.op_overhead)),
+        ("action overhead", _secs(was.action_overhead), _secs(now.action_overhead)),
+        ("cores shared", str(host.cores or "-"), str(fitted.cores or "-")),
+    ])
+
+
+def _print_table(console: Console, columns: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    from rich.table import Table
+
+    table = Table(show_edge=False)
+    for col in columns:
+        table.add_column(col, justify="right")
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
 
 
 def _model_probe(probe: Probe | None, model: nn.Module, inputs: tuple[Any, ...]) -> Probe:
@@ -386,49 +472,51 @@ def _model_probe(probe: Probe | None, model: nn.Module, inputs: tuple[Any, ...])
     return probe.with_gemms(gemms) if gemms else probe
 
 
+def _flops(x: float) -> str:
+    return f"{x / 1e9:.1f} GFLOP/s"
+
+
+def _rate(x: float | None) -> str:
+    return "-" if x is None else f"{fmt_bytes(x)}/s"
+
+
+def _secs(x: float | None) -> str:
+    return "-" if x is None else fmt_time(x)
+
+
 def _measure_and_save(path: str, devices: int, probe: Probe, *, processes: int | None = None,
                       timeout: float = 600.0) -> Cluster:
-    from rich.table import Table
+    cluster, cal = _measure_host(devices, probe, processes=processes, timeout=timeout)
+    cluster.save(path, details=cal.summary())
+    _console().print(f"cluster written to {path}")
+    return cluster
 
+
+def _measure_host(devices: int, probe: Probe, *, processes: int | None, timeout: float) -> tuple[Cluster, Any]:
+    """This host measured as ``devices`` processes get it (``calibrate.measure``), printed beside the preset."""
     from partitioner.cost import calibrate
 
     console = _console()
     console.print(f"measuring {devices} gloo processes of this host ({os.cpu_count()} CPUs)...")
     cal = calibrate.measure(devices, processes=processes, probe=probe, timeout=timeout)
     cluster = Cluster.from_calibration(cal)
-    cluster.save(path, details=cal.summary())
     dev, cpu = cluster.devices[0], DEVICE_PRESETS["cpu"]
-    table = Table(show_edge=False)
-    for col in ("per process", "measured", "preset 'cpu'"):
-        table.add_column(col, justify="right")
-
-    def flops(x: float) -> str:
-        return f"{x / 1e9:.1f} GFLOP/s"
-
-    def rate(x: float | None) -> str:
-        return "-" if x is None else f"{fmt_bytes(x)}/s"
-
-    def secs(x: float | None) -> str:
-        return "-" if x is None else fmt_time(x)
-
     rows = [
-        ("matmul fp32", flops(dev.peak_flops_fp32), flops(cpu.peak_flops_fp32)),
-        ("matmul bf16", flops(dev.peak_flops), flops(cpu.peak_flops)),
-        ("memory bandwidth", rate(dev.mem_bandwidth), rate(cpu.mem_bandwidth)),
-        ("op overhead", secs(dev.op_overhead), secs(cpu.op_overhead)),
+        ("matmul fp32", _flops(dev.peak_flops_fp32), _flops(cpu.peak_flops_fp32)),
+        ("matmul bf16", _flops(dev.peak_flops), _flops(cpu.peak_flops)),
+        ("memory bandwidth", _rate(dev.mem_bandwidth), _rate(cpu.mem_bandwidth)),
+        ("op overhead", _secs(dev.op_overhead), _secs(cpu.op_overhead)),
     ]
     if devices > 1:
         rows += [
-            ("p2p bandwidth", rate(cluster.link_bandwidth[0]), rate(cpu.link_bandwidth)),
-            ("p2p latency", secs(cluster.link_latency[0]), secs(cpu.link_latency)),
-            ("all-reduce bus bandwidth", rate(cluster.collective_bandwidth), "-"),
-            ("all-reduce latency per step", secs(cluster.collective_latency), "-"),
+            ("p2p bandwidth", _rate(cluster.link_bandwidth[0]), _rate(cpu.link_bandwidth)),
+            ("p2p latency", _secs(cluster.link_latency[0]), _secs(cpu.link_latency)),
+            ("all-reduce bus bandwidth", _rate(cluster.collective_bandwidth), "-"),
+            ("all-reduce latency per step", _secs(cluster.collective_latency), "-"),
         ]
-    for row in rows:
-        table.add_row(*row)
-    console.print(table)
-    console.print(f"{cal.processes} processes measured at once in {cal.wall_s:.1f} s; cluster written to {path}")
-    return cluster
+    _print_table(console, ("per process", "measured", "preset 'cpu'"), rows)
+    console.print(f"{cal.processes} processes measured at once in {cal.wall_s:.1f} s")
+    return cluster, cal
 
 
 # -- pipecut train -----------------------------------------------------------------------------

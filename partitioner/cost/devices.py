@@ -346,6 +346,24 @@ class Cluster:
                 f"with `pipecut calibrate --out {path}`"
             ) from None
 
+    @staticmethod
+    def load_details(path: str | os.PathLike[str]) -> dict[str, Any]:
+        """The ``details`` :meth:`save` wrote beside the cluster in ``path`` (``{}`` when none): a
+        calibration's raw numbers, and what a fitted cluster was fitted on (``'fitted_to'``).
+
+        Raises:
+            FileNotFoundError, ClusterFormatError: as :meth:`load`.
+
+        Example:
+            >>> import tempfile
+            >>> path = Cluster.uniform(2, "cpu").save(tempfile.mkdtemp() + "/c.json", details={"devices": 2})
+            >>> Cluster.load_details(path)
+            {'devices': 2}
+        """
+        Cluster.load(path)  # the same checks: a file that is not a cluster is refused alike
+        details = json.loads(Path(path).read_text()).get("details")
+        return dict(details) if isinstance(details, dict) else {}
+
     def with_devices(self, num_devices: int) -> Cluster:
         """The first ``num_devices`` devices of this cluster (for planning fewer stages)."""
         if not 1 <= num_devices <= len(self.devices):

@@ -146,3 +146,38 @@ def test_layout_quick(bench: ModuleType, tmp_path: Path) -> None:
     assert set(check["first_step_loss"]) == {r["name"] for r in rows}
     for loss in check["first_step_loss"].values():
         assert loss == pytest.approx(check["reference_loss"], rel=1e-4)
+
+
+def test_the_benchmarks_gpt2_is_a_command_line_factory(bench: ModuleType) -> None:
+    """``pipecut calibrate --model benchmarks/layout_model.py:model_quick`` fits the model the benchmark runs."""
+    import torch
+
+    import layout_model
+
+    quick = {**layout_model.CONFIGS["model_quick"], "batch": 8}
+    model, (ids,) = layout_model.model_quick()
+    assert layout_model.factory_for(quick) == "model_quick" and layout_model.factory_for({**quick, "seq": 8}) is None
+    assert ids.shape == (1, quick["seq"])
+    mine, theirs = bench._model(quick).state_dict(), model.state_dict()
+    assert mine.keys() == theirs.keys()
+    for k in mine:
+        torch.testing.assert_close(mine[k], theirs[k])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_layout_quick_priced_on_the_command_lines_calibration(tmp_path: Path) -> None:
+    out = tmp_path / "layout_cli.json"
+    argv = ["--quick", "--cli-calibrate", "--timeout", "400", "--out", str(out)]
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "layout.py"), *argv], capture_output=True,
+                         text=True, timeout=900, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    data = json.loads(out.read_text())
+    fitted_to = data["cli_calibration"]["fitted_to"]
+    assert fitted_to["model"] == "benchmarks/layout_model.py:model_quick" and fitted_to["devices"] == 4
+    assert data["config"]["cluster"] == str(out.with_suffix(".cluster.json"))
+    cluster = json.loads(out.with_suffix(".cluster.json").read_text())["cluster"]
+    assert cluster["devices"][0]["name"] == "cpu (measured) (fitted to the model)"
+    # Both calibrations priced the same measured steps.
+    assert {"choice", "median_abs_error", "spearman"} <= data["summary"]["in_benchmark_fit"].keys()
+    assert all(r["predicted_in_benchmark_fit_s"] > 0 and r["predicted_s"] > 0 for r in data["layouts"])

@@ -466,7 +466,7 @@ def _stage_plans(
                 fwd_flops=float(sum(c.fwd_flops for c in costs)),
                 bwd_flops=float(sum(c.bwd_flops for c in costs)),
                 memory=float(state + held[s] * ins[s] + act if rc else state + held[s] * act),
-                capacity=float(dev.memory),
+                capacity=float(dev.usable_memory),
                 inflight=held[s],
                 fwd_time=float(sum(f for f, _ in times)),
                 bwd_time=float(sum(b for _, b in times)),

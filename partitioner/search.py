@@ -414,7 +414,7 @@ class _Pricer:
     def __init__(self, ctx: _Context, cluster: Cluster, rows: tuple[int, int], bucket_bytes: int) -> None:
         self.ctx, self.cluster, self.bucket_bytes = ctx, cluster, bucket_bytes
         self.rows, self.tokens = rows
-        self.capacity = min(d.memory for d in cluster.devices)
+        self.capacity = min(d.usable_memory for d in cluster.devices)
         once = {name for name, _ in ctx.traced.gm.named_parameters()}  # each tensor once, tied ones included
         self.params = float(sum(ctx.numel.get(n, 0) for n in once))
         self.gathered_bpp = GATHERED_BYTES_PER_PARAM  # fsdp: what each gather moves and holds, per parameter
@@ -505,7 +505,7 @@ class _Pricer:
         ctx = replace(ctx, state_bytes_per_param=self._state_per_param(o))
         links = pipeline_links(self.cluster, o.pp)
         if self._reserved(o):  # the stages fit in what the gathered units leave
-            links = replace(links, devices=tuple(replace(d, memory=max(0.0, d.memory - self._reserved(o)))
+            links = replace(links, devices=tuple(replace(d, memory=max(d.memory_reserve, d.memory - self._reserved(o)))
                                                  for d in links.devices))
         stages = stage_cluster(links, o.stages, o.schedule)
         plan = ctx.plan(stages, o.schedule, o.microbatches, split=split, predictions=split, built=built)

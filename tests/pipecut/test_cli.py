@@ -156,7 +156,7 @@ def test_plan_table_fits_the_terminal_width(
     out = capsys.readouterr().out
     lines = out.splitlines()
     assert max(len(line) for line in lines) <= columns, out
-    header = next(line for line in lines if "memory / capacity" in line)
+    header = next(line for line in lines if "memory / usable" in line)
     assert "stage" in header and "modules" in header and "time" in header and "schedule choice" in out
     if columns == 80:  # the least read columns leave, and a line says which
         assert "fwd FLOPs" not in header and "left out at 80 columns: fwd FLOPs" in out
@@ -186,7 +186,7 @@ def test_str_plan_keeps_its_fixed_width_whatever_the_terminal(monkeypatch: pytes
     assert text == render_text(plan, width=TEXT_WIDTH) and "fwd FLOPs" in text and "left out" not in text
     assert all(line == line.rstrip() for line in text.splitlines())  # no padding to the width
     narrow = render_text(plan, width=60)
-    assert max(len(line) for line in narrow.splitlines()) <= 60 and "memory / capacity" in narrow
+    assert max(len(line) for line in narrow.splitlines()) <= 60 and "memory / usable" in narrow
 
 
 def test_plan_devices_searches_the_shardings_named_by_zero(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

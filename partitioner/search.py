@@ -59,6 +59,7 @@ from partitioner.cost.precision import check_precision
 from partitioner.cost.probes import fit_speed_and_overhead, rows_like, time_forward_backward
 from partitioner.cost.recompute import check_option
 from partitioner.errors import InfeasibleMemoryError, PartitionOptionError
+from partitioner.plan.capacity import StateBound, refused
 from partitioner.plan.layout import DEFAULT_ZERO, ZERO_OPTIONS, Layout, Option, explain, layout_space, pick, search
 from partitioner.plan.placement import stage_cluster
 from partitioner.plan.plan import Plan
@@ -314,7 +315,14 @@ class LayoutSearch:
         p = self._pricer
         with preserved(self.model, what="plan_layout()"):
             rows = search(options, p.price, p.bound, capacity=p.capacity, top=top, prune=prune)
-            best, why = pick(rows)
+            try:
+                best, why = pick(rows)
+            except InfeasibleMemoryError as e:  # the bound it breaks, and what would fit
+                raise refused(e, StateBound.of(
+                    p.cluster, p.params, p.ctx.state_bytes_per_param, dp_sizes=tuple(sorted({o.dp for o in options})),
+                    zero=tuple(sorted({o.zero for o in options})), max_pp=len(p.ctx.units), gathered=p.gathered,
+                ), f"no layout fits {len(p.cluster)} x {p.cluster.devices[0].name} (tried {len(rows)}: every dp x pp, "
+                   "micro-batch size, schedule and sharding searched).") from None
             rows = explain(rows, best)
             log.info("plan_layout: %d layouts, %.2fs: %s", len(rows), time.perf_counter() - t0, why)
             plan = p.plan(best.option)
@@ -415,8 +423,7 @@ class _Pricer:
         self.ctx, self.cluster, self.bucket_bytes = ctx, cluster, bucket_bytes
         self.rows, self.tokens = rows
         self.capacity = min(d.usable_memory for d in cluster.devices)
-        once = {name for name, _ in ctx.traced.gm.named_parameters()}  # each tensor once, tied ones included
-        self.params = float(sum(ctx.numel.get(n, 0) for n in once))
+        self.params = ctx.params  # each tensor once, tied ones included
         self.gathered_bpp = GATHERED_BYTES_PER_PARAM  # fsdp: what each gather moves and holds, per parameter
         # FSDP's gathered weights on a rank, whole backward: two of the largest block and the parameters
         # outside the blocks (see partitioner.plan.sharding).

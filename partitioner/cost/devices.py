@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DeviceSpec", "Cluster", "DEVICE_PRESETS", "ReserveRule", "GPU_MEMORY_RESERVE", "HOST_MEMORY_RESERVE",
-    "reserve_bytes", "default_device",
+    "parse_reserve", "reserve_bytes", "default_device",
 ]
 
 log = logging.getLogger(__name__)
@@ -201,6 +201,35 @@ _UNITS = {"b": 1.0, **{f"{p}b": 1e3 ** (i + 1) for i, p in enumerate("kmgt")},
           **{f"{p}ib": 2.0 ** (10 * (i + 1)) for i, p in enumerate("kmgt")}}
 
 
+def parse_reserve(text: str) -> tuple[float, bool]:
+    """``(bytes, False)`` for a size (``'2GiB'``, ``'512MiB'``, ``'1.5GB'``, ``'0'``), ``(fraction, True)``
+    for a share of the memory (``'10%'``).
+
+    Raises:
+        ClusterError: neither, naming the forms it takes.
+
+    Example:
+        >>> parse_reserve("1.5GiB"), parse_reserve("10%")
+        ((1610612736.0, False), (0.1, True))
+    """
+    value = text.strip()
+    if value.endswith("%"):
+        try:
+            share = float(value[:-1])
+        except ValueError:
+            share = -1.0
+        if not 0 <= share < 100:
+            raise ClusterError(f"memory reserve {text!r}: a share of the memory is 0% to 99%, e.g. '10%'")
+        return share / 100, True
+    found = _SIZE.match(value)
+    if not found or (found.group(2) is None and float(found.group(1)) != 0):
+        raise ClusterError(
+            f"memory reserve {text!r} is not a size: give it with its unit ('2GiB', '512MiB', '1.5GB'), "
+            "as a share of each device's memory ('10%'), or '0' for none"
+        )
+    return float(found.group(1)) * _UNITS[(found.group(2) or "b").lower()], False
+
+
 def reserve_bytes(reserve: float | str, memory: float) -> float:
     """A memory reserve as bytes of a device of ``memory`` bytes.
 
@@ -215,29 +244,14 @@ def reserve_bytes(reserve: float | str, memory: float) -> float:
         (2.0, 8.0)
     """
     if isinstance(reserve, str):
-        text = reserve.strip()
-        if text.endswith("%"):
-            try:
-                share = float(text[:-1])
-            except ValueError:
-                share = -1.0
-            if not 0 <= share < 100:
-                raise ClusterError(f"memory reserve {reserve!r}: a share of the memory is 0% to 99%, e.g. '10%'")
-            value = share / 100 * memory
-        else:
-            found = _SIZE.match(text)
-            if not found or (found.group(2) is None and float(found.group(1)) != 0):
-                raise ClusterError(
-                    f"memory reserve {reserve!r} is not a size: give it with its unit ('2GiB', '512MiB', '1.5GB'), "
-                    "as a share of each device's memory ('10%'), or '0' for none"
-                )
-            value = float(found.group(1)) * _UNITS[(found.group(2) or "b").lower()]
+        amount, share = parse_reserve(reserve)
+        value = amount * memory if share else amount
     else:
         value = float(reserve)
     if not 0 <= value < memory:
         raise ClusterError(
-            f"memory reserve {reserve!r} ({value / _GIB:.3g} GiB) leaves nothing of a device's {memory / _GIB:.3g} GiB: "
-            "give a smaller reserve"
+            f"memory reserve {reserve!r} ({value / _GIB:.3g} GiB) leaves nothing of a device's "
+            f"{memory / _GIB:.3g} GiB: give a smaller reserve"
         )
     return value
 

@@ -91,7 +91,8 @@ def _title(plan: PlanRecord) -> str:
     size = f" of {plan.microbatch_size}" if plan.microbatch_size else ""
     return (
         f"pipecut plan: {plan.num_stages} stages on {where}, method {plan.method}, "
-        f"{plan.microbatches} micro-batches{size}, schedule {plan.schedule}, precision {precision_words(plan.precision)}"
+        f"{plan.microbatches} micro-batches{size}, schedule {plan.schedule}, "
+        f"precision {precision_words(plan.precision)}"
     )
 
 
@@ -280,16 +281,18 @@ def _layout_lines(plan: PlanRecord, lay: Layout, stage_capacity: float) -> list[
         f"{lay.microbatch_size}{zero}; precision {precision_words(plan.precision)}"
     )
     cost = (
-        f"{plan.cluster.estimate_basis}: step {fmt_time(lay.step_time)} = pipeline {fmt_time(lay.pipeline_time)} (bubble {lay.bubble:.1%}"
+        f"{plan.cluster.estimate_basis}: step {fmt_time(lay.step_time)} = pipeline {fmt_time(lay.pipeline_time)} "
+        f"(bubble {lay.bubble:.1%}"
         f"{f', FSDP gathers {fmt_time(lay.gather_time)} per rank' if lay.gather_time else ''}) "
         f"+ exchange not hidden {fmt_time(lay.exchange_time)} + optimizer {fmt_time(lay.optimizer_time)}; {rate}; "
         f"peak memory {fmt_bytes(lay.memory)} of {fmt_bytes(lay.capacity)} usable per device"
     )
+    lines = [head, cost, memory_words(plan.cluster)]
     kept = lay.capacity - stage_capacity if lay.zero == "fsdp" else 0.0
-    if kept <= 0:
-        return [head, cost, memory_words(plan.cluster)]
-    return [head, cost, memory_words(plan.cluster), (f"FSDP keeps {fmt_bytes(kept)} of each device for gathered weights (two of the largest "
-                         "block and the parameters outside blocks): the stages' capacity below is what is left")]
+    if kept > 0:
+        lines.append(f"FSDP keeps {fmt_bytes(kept)} of each device for gathered weights (two of the largest block and "
+                     "the parameters outside blocks): the stages' capacity below is what is left")
+    return lines
 
 
 def _layouts_table(plan: PlanRecord, *, width: int, top: int) -> tuple[Table, list[str]]:

@@ -321,7 +321,7 @@ class LayoutSearch:
                 raise refused(e, StateBound.of(
                     p.cluster, p.params, p.ctx.state_bytes_per_param, dp_sizes=tuple(sorted({o.dp for o in options})),
                     zero=tuple(sorted({o.zero for o in options})), max_pp=len(p.ctx.units), gathered=p.gathered,
-                ), f"no layout fits {len(p.cluster)} x {p.cluster.devices[0].name} (tried {len(rows)}: every dp x pp, "
+                ), f"No layout fits {len(p.cluster)} x {p.cluster.devices[0].name} (tried {len(rows)}: every dp x pp, "
                    "micro-batch size, schedule and sharding searched).") from None
             rows = explain(rows, best)
             log.info("plan_layout: %d layouts, %.2fs: %s", len(rows), time.perf_counter() - t0, why)

@@ -135,7 +135,8 @@ class DeviceSpec:
         if not 0 <= self.memory_reserve <= self.memory:
             raise ClusterError(
                 f"device {self.name!r}: memory_reserve {self.memory_reserve / _GIB:.3g} GiB must be at least 0 and "
-                f"at most its memory ({self.memory / _GIB:.3g} GiB): give a smaller reserve"
+                f"at most its memory ({self.memory / _GIB:.3g} GiB): give a smaller reserve (a preset's is kept by "
+                "replace(preset, memory=...): pass memory_reserve=... with it, 0 for none)"
             )
 
     @property

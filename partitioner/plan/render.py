@@ -189,7 +189,8 @@ def _fitted(
 
 
 def _summary_lines(plan: PlanRecord) -> list[str]:
-    """The lines under the table: bottleneck vs lower bound, predicted steps, recomputation, sharing."""
+    """The lines under the table: bottleneck vs lower bound, predicted steps and what they are estimated
+    from, each device's memory and reserve, recomputation, sharing."""
     worst = plan.bottleneck_stage
     lines = [
         f"bottleneck: {fmt_time(plan.bottleneck)} (stage {worst}, marked *)   "
@@ -197,12 +198,12 @@ def _summary_lines(plan: PlanRecord) -> list[str]:
         f"bottleneck / lower bound: {plan.bottleneck / plan.lower_bound:.3f}"
         if plan.lower_bound > 0
         else f"bottleneck: {fmt_time(plan.bottleneck)} (stage {worst})",
-        f"predicted step of {plan.microbatches} micro-batches (event simulator, {plan.cluster.estimate_basis}): "
+        f"predicted step of {plan.microbatches} micro-batches (event simulator): "
         + "   ".join(
             f"{pr.schedule} {fmt_time(pr.step_time)} (bubble {pr.bubble:.1%})" for pr in plan.predictions
         ),
     ]
-    lines.append(memory_words(plan.cluster))
+    lines += [f"times {plan.cluster.estimate_basis}", memory_words(plan.cluster)]
     recomputing = [st.index for st in plan.stages if st.recompute]
     if recomputing:
         lines.append(

@@ -98,7 +98,10 @@ def test_plan_command_precision_flag(capsys: pytest.CaptureFixture[str]) -> None
     bf16 = capsys.readouterr().out
     assert main(["plan", "gpt2-tiny", "--stages", "2"]) == 0
     fp32 = capsys.readouterr().out
-    assert "precision bf16" in bf16.splitlines()[0] and "precision fp32" in fp32.splitlines()[0]
+    # The plan's title (after the line naming this machine's device, the default) says the precision.
+    bf16_title, fp32_title = (next(line for line in out.splitlines() if line.startswith("pipecut plan:"))
+                              for out in (bf16, fp32))
+    assert "precision bf16 autocast over fp32 weights" in bf16_title and fp32_title.endswith("precision fp32")
     assert bf16 != fp32  # 16-bit matmuls and halved activations change the times and memory
 
 

@@ -5,9 +5,11 @@ big for its devices refused with the bound and what would fit (exit 3)."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
+from partitioner import Plan
 from partitioner.cost.devices import default_device
 from partitioner.plan.units import fmt_bytes, fmt_count
 from partitioner.zoo import load_model
@@ -23,7 +25,9 @@ def test_plan_defaults_to_this_machines_device_and_says_so(capsys: pytest.Captur
     assert f"2 stages on 2 x {here}," in out
     assert main(["plan", "mlp", "--stages", "2", "--device", "cpu"]) == 0
     assert "planning for" not in capsys.readouterr().out  # named: nothing to say
-    assert "this machine's" in build_parser()._subparsers._group_actions[0].choices["plan"].format_help()  # type: ignore[union-attr]
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    assert "this machine's" in capsys.readouterr().out
 
 
 def test_memory_reserve_flag_sets_what_each_device_keeps(capsys: pytest.CaptureFixture[str]) -> None:
@@ -83,3 +87,15 @@ def test_train_takes_the_reserve_as_a_setting() -> None:
     assert resolve({"model": "m", "data": "d", "out": "o"}, {}).memory_reserve is None  # the device's own
     with pytest.raises(TrainConfigError, match="memory_reserve: memory reserve '3 bananas' is not a size"):
         resolve({"model": "m", "data": "d", "out": "o", "memory_reserve": "3 bananas"}, {})
+
+
+def test_train_plans_for_the_same_default_device_with_the_reserve_given(
+    llama_folder: Path, token_file: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    argv = ["train", "--model", str(llama_folder), "--data", str(token_file), "--out", str(out), "--seq-len", "16",
+            "--global-batch", "2", "--pp", "2", "--steps", "1", "--memory-reserve", "1GiB"]
+    assert main(argv) == 0
+    devices = Plan.load(out / "plan.json").cluster.devices
+    assert {d.name for d in devices} == {default_device()}  # what `pipecut plan` defaults to
+    assert {d.memory_reserve for d in devices} == {2**30}

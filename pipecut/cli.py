@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--memory-reserve", default=None, metavar="SIZE",
                       help="memory each device keeps out of the plan, a size ('2GiB', '512MiB') or a share "
-                      "('10%%'); default the device's own: max(2 GiB, 5%%) of a GPU, max(0.5 GiB, 10%%) of cpu")
+                      "('10%%'); default the device's own: 2 GiB + 5%% of a GPU, 0.5 GiB + 10%% of cpu")
     plan.add_argument("--microbatches", type=_count_or_auto, default=8,
                       help="micro-batches per step (default 8), or 'auto'")
     plan.add_argument("--schedule", default=None, choices=(*TRAINING_SCHEDULES, "auto"),

@@ -78,7 +78,7 @@ class StateBound:
 
         Example:
             >>> StateBound.of(Cluster.uniform(4, "H100-80GB"), 1e9, 16.0).usable / 2**30
-            76.0
+            74.0
         """
         least = min(cluster.devices, key=lambda d: d.usable_memory)
         names = list(dict.fromkeys(d.name for d in cluster.devices))

@@ -65,7 +65,7 @@ def memory_words(cluster: Cluster) -> str:
     Example:
         >>> from partitioner import Cluster
         >>> print(memory_words(Cluster.uniform(2, "H100-80GB")))
-        memory per device: 80.0 GiB less a 4.0 GiB reserve (--memory-reserve) = 76.0 GiB usable
+        memory per device: 80.0 GiB less a 6.0 GiB reserve (--memory-reserve) = 74.0 GiB usable
     """
     kinds = dict.fromkeys((d.name, d.memory, d.memory_reserve) for d in cluster.devices)
     parts = []

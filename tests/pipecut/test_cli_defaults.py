@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from partitioner import Plan
-from partitioner.cost.devices import default_device
+from partitioner.cost.devices import DeviceSpec, default_device
 from partitioner.plan.units import fmt_bytes, fmt_count
 from partitioner.zoo import load_model
 from pipecut.cli import EXIT_ERROR, EXIT_OVER_CAPACITY, build_parser, main
@@ -33,8 +33,8 @@ def test_plan_defaults_to_this_machines_device_and_says_so(capsys: pytest.Captur
 def test_memory_reserve_flag_sets_what_each_device_keeps(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "mlp", "--stages", "2", "--device", "H100-80GB"]) == 0
     default = capsys.readouterr().out
-    assert "memory per device: 80.0 GiB less a 4.0 GiB reserve (--memory-reserve) = 76.0 GiB usable" in default
-    assert "/ 76.0 GiB" in default and "times estimated from the H100-80GB preset (roofline)" in default
+    assert "memory per device: 80.0 GiB less a 6.0 GiB reserve (--memory-reserve) = 74.0 GiB usable" in default
+    assert "/ 74.0 GiB" in default and "times estimated from the H100-80GB preset (roofline)" in default
     assert main(["plan", "mlp", "--stages", "2", "--device", "H100-80GB", "--memory-reserve", "10%"]) == 0
     out = capsys.readouterr().out
     assert "80.0 GiB less a 8.0 GiB reserve (--memory-reserve) = 72.0 GiB usable" in out and "/ 72.0 GiB" in out
@@ -53,7 +53,7 @@ def test_the_layout_says_its_precision_and_what_its_estimate_rests_on(capsys: py
     first = " ".join(text.split("\nestimated from")[0].split())  # the layout's first line, unwrapped
     assert first.endswith("precision bf16 autocast over fp32 weights")
     assert "estimated from the H100-80GB preset (roofline): step " in text
-    assert "usable per device" in text and "80.0 GiB less a 4.0 GiB reserve" in text
+    assert "usable per device" in text and "80.0 GiB less a 6.0 GiB reserve" in text
     assert main(argv) == 0
     assert capsys.readouterr().out.split("\nestimated from")[0].endswith("precision fp32")
 
@@ -61,16 +61,17 @@ def test_the_layout_says_its_precision_and_what_its_estimate_rests_on(capsys: py
 @pytest.mark.parametrize("how", [["--stages", "2"], ["--devices", "2", "--global-batch", "4"]])
 def test_a_job_too_big_exits_3_with_the_bound_and_the_options(how: list[str],
                                                              capsys: pytest.CaptureFixture[str]) -> None:
-    # 1e5 bytes of training state per parameter: the MLP's needs terabytes; two L4s hold 44 GiB.
+    # 1e5 bytes of training state per parameter: the MLP's needs terabytes; two L4s hold 41.6 GiB.
     assert main(["plan", "mlp", *how, "--device", "L4-24GB", "--state-bytes", "1e5"]) == EXIT_OVER_CAPACITY
     err = capsys.readouterr().err
     model, _ = load_model("mlp")
     p = sum(x.numel() for x in model.parameters())
     assert (f"The training state alone needs {fmt_bytes(p * 1e5)} ({fmt_count(p)} parameters x 100000 bytes) and "
-            "the 2 x L4-24GB hold 44.0 GiB usable (22.0 GiB each: 24.0 GiB less a 2.0 GiB reserve)") in err
+            "the 2 x L4-24GB hold 41.6 GiB usable (20.8 GiB each: 24.0 GiB less a 3.2 GiB reserve)") in err
     assert (f"with --state-bytes 8 (bf16 weights, gradients and Adam moments, or fp32 SGD without momentum): "
-            f"{fmt_bytes(p * 8 / 2)} per device of 22.0 GiB (dp1 x pp2: fits the state)") in err
-    assert f"with more devices: at least {math.ceil(p * 1e5 / (22 * 2**30))} x L4-24GB" in err
+            f"{fmt_bytes(p * 8 / 2)} per device of 20.8 GiB (dp1 x pp2: fits the state)") in err
+    k = math.ceil(p * 1e5 / DeviceSpec.preset("L4-24GB").usable_memory)
+    assert f"with more devices: at least {k} x L4-24GB" in err
     if "--devices" in how:
         assert err.startswith("pipecut: error: No layout fits 2 x L4-24GB") and "with --zero fsdp" in err
     else:

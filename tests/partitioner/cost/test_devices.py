@@ -25,16 +25,16 @@ from partitioner.errors import ClusterError
 GIB = 2**30
 
 
-def test_gpu_presets_keep_the_larger_of_2_gib_and_5_percent() -> None:
+def test_gpu_presets_keep_2_gib_and_5_percent() -> None:
     assert (GPU_MEMORY_RESERVE.fixed, GPU_MEMORY_RESERVE.fraction) == (2 * GIB, 0.05)
-    expected = {"V100-32GB": 2.0, "A100-40GB": 2.0, "A100-80GB": 4.0, "H100-80GB": 4.0, "H200-141GB": 7.05,
-                "L4-24GB": 2.0}
+    expected = {"V100-32GB": 3.6, "A100-40GB": 4.0, "A100-80GB": 6.0, "H100-80GB": 6.0, "H200-141GB": 9.05,
+                "L4-24GB": 3.2}
     for name, reserve in expected.items():
         dev = DeviceSpec.preset(name)
         assert dev.memory_reserve / GIB == pytest.approx(reserve), name
         assert dev.usable_memory == dev.memory - dev.memory_reserve
     cpu = DEVICE_PRESETS["cpu"]
-    assert cpu.memory_reserve == pytest.approx(max(0.5 * GIB, 0.10 * cpu.memory))
+    assert cpu.memory_reserve == pytest.approx(0.5 * GIB + 0.10 * cpu.memory)
     assert HOST_MEMORY_RESERVE.of(float("inf")) == 0.0  # an unlimited device keeps nothing back
 
 

@@ -33,6 +33,7 @@ from partitioner.cost.recompute import (
     stage_input_bytes,
 )
 from partitioner.errors import InfeasibleMemoryError, PartitionOptionError, SplitPointError, TooManyStagesError
+from partitioner.plan.capacity import StateBound, refused
 from partitioner.plan.choose import choose, microbatch_candidates
 from partitioner.plan.placement import per_stage_capacity, stage_cluster
 from partitioner.plan.plan import Plan
@@ -252,14 +253,20 @@ def _partition(
         def price(sched: str, stages: int, m: int, split: bool) -> Plan:
             return ctx.plan(stage_cluster(cluster, stages, sched), sched, m, split=split)
 
-        return choose(price, p, schedules, ms)
+        try:
+            return choose(price, p, schedules, ms)
+        except InfeasibleMemoryError as e:  # the bound it breaks, and what would fit
+            raise refused(e, ctx.state_bound(cluster, p)) from None
     assert isinstance(microbatches, int)  # checked above: not auto
     if num_stages is not None:
         stages = num_stages
     else:
         assert devices is not None  # checked above: num_stages or a cluster
         stages = devices * stages_per_rank(schedule)
-    return ctx.plan(stage_cluster(cluster, stages, schedule), schedule, microbatches, split=True)
+    try:
+        return ctx.plan(stage_cluster(cluster, stages, schedule), schedule, microbatches, split=True)
+    except InfeasibleMemoryError as e:
+        raise refused(e, ctx.state_bound(cluster, stages // stages_per_rank(schedule))) from None
 
 
 def _context(
@@ -324,6 +331,17 @@ class _Context:
     recompute: bool | str = "auto"
     costs: Mapping[str, NodeCost] = field(default_factory=dict)
     module_depth: int | None = None
+
+    @property
+    def params(self) -> float:
+        """Parameters of the model, each tensor once (tied ones too)."""
+        once = {name for name, _ in self.traced.gm.named_parameters()}
+        return float(sum(self.numel.get(n, 0) for n in once))
+
+    def state_bound(self, cluster: Cluster | None, devices: int) -> StateBound:
+        """The training state against ``devices`` devices of ``cluster`` (default ``cpu``), one pipeline."""
+        used = cluster.with_devices(devices) if cluster is not None else Cluster.uniform(devices, "cpu")
+        return StateBound.of(used, self.params, self.state_bytes_per_param, max_pp=len(self.units))
 
     def scaled(self, factor: float) -> _Context:
         """The same model costed for micro-batches ``factor`` times as large (``scale_cost``)."""
@@ -492,7 +510,7 @@ def _stage_plans(
                 fwd_flops=float(sum(c.fwd_flops for c in costs)),
                 bwd_flops=float(sum(c.bwd_flops for c in costs)),
                 memory=float(state + held[s] * ins[s] + act if rc else state + held[s] * act),
-                capacity=float(dev.memory),
+                capacity=float(dev.usable_memory),
                 inflight=held[s],
                 fwd_time=float(sum(f for f, _ in times)),
                 bwd_time=float(sum(b for _, b in times)),

@@ -81,11 +81,19 @@ class InfeasibleMemoryError(PartitionError):
     Attributes:
         needed: per stage, the least memory (bytes) the best attempt needed.
         available: per stage, the device capacity (bytes).
+
+    ``message`` replaces the text made of the stages' numbers, for a refusal that is not about one
+    cut (the layout search's: ``partitioner.plan.capacity.refused``).
     """
 
-    def __init__(self, needed: list[float], available: list[float], detail: str = "") -> None:
+    def __init__(
+        self, needed: list[float], available: list[float], detail: str = "", *, message: str | None = None
+    ) -> None:
         self.needed = list(needed)
         self.available = list(available)
+        if message is not None:
+            super().__init__(message)
+            return
         rows = ", ".join(
             f"stage {s}: needs {_gib(n)} of {_gib(a)}" for s, (n, a) in enumerate(zip(needed, available))
         )

@@ -59,6 +59,7 @@ from partitioner.cost.precision import check_precision
 from partitioner.cost.probes import fit_speed_and_overhead, rows_like, time_forward_backward
 from partitioner.cost.recompute import check_option
 from partitioner.errors import InfeasibleMemoryError, PartitionOptionError
+from partitioner.plan.capacity import StateBound, refused
 from partitioner.plan.layout import DEFAULT_ZERO, ZERO_OPTIONS, Layout, Option, explain, layout_space, pick, search
 from partitioner.plan.placement import stage_cluster
 from partitioner.plan.plan import Plan
@@ -314,7 +315,14 @@ class LayoutSearch:
         p = self._pricer
         with preserved(self.model, what="plan_layout()"):
             rows = search(options, p.price, p.bound, capacity=p.capacity, top=top, prune=prune)
-            best, why = pick(rows)
+            try:
+                best, why = pick(rows)
+            except InfeasibleMemoryError as e:  # the bound it breaks, and what would fit
+                raise refused(e, StateBound.of(
+                    p.cluster, p.params, p.ctx.state_bytes_per_param, dp_sizes=tuple(sorted({o.dp for o in options})),
+                    zero=tuple(sorted({o.zero for o in options})), max_pp=len(p.ctx.units), gathered=p.gathered,
+                ), f"No layout fits {len(p.cluster)} x {p.cluster.devices[0].name} (tried {len(rows)}: every dp x pp, "
+                   "micro-batch size, schedule and sharding searched).") from None
             rows = explain(rows, best)
             log.info("plan_layout: %d layouts, %.2fs: %s", len(rows), time.perf_counter() - t0, why)
             plan = p.plan(best.option)
@@ -414,9 +422,8 @@ class _Pricer:
     def __init__(self, ctx: _Context, cluster: Cluster, rows: tuple[int, int], bucket_bytes: int) -> None:
         self.ctx, self.cluster, self.bucket_bytes = ctx, cluster, bucket_bytes
         self.rows, self.tokens = rows
-        self.capacity = min(d.memory for d in cluster.devices)
-        once = {name for name, _ in ctx.traced.gm.named_parameters()}  # each tensor once, tied ones included
-        self.params = float(sum(ctx.numel.get(n, 0) for n in once))
+        self.capacity = min(d.usable_memory for d in cluster.devices)
+        self.params = ctx.params  # each tensor once, tied ones included
         self.gathered_bpp = GATHERED_BYTES_PER_PARAM  # fsdp: what each gather moves and holds, per parameter
         # FSDP's gathered weights on a rank, whole backward: two of the largest block and the parameters
         # outside the blocks (see partitioner.plan.sharding).
@@ -505,7 +512,7 @@ class _Pricer:
         ctx = replace(ctx, state_bytes_per_param=self._state_per_param(o))
         links = pipeline_links(self.cluster, o.pp)
         if self._reserved(o):  # the stages fit in what the gathered units leave
-            links = replace(links, devices=tuple(replace(d, memory=max(0.0, d.memory - self._reserved(o)))
+            links = replace(links, devices=tuple(replace(d, memory=max(d.memory_reserve, d.memory - self._reserved(o)))
                                                  for d in links.devices))
         stages = stage_cluster(links, o.stages, o.schedule)
         plan = ctx.plan(stages, o.schedule, o.microbatches, split=split, predictions=split, built=built)

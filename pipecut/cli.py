@@ -43,7 +43,7 @@ from rich.console import Console
 from torch import nn
 
 from partitioner.api import METHODS, partition
-from partitioner.cost.devices import DEVICE_PRESETS, Cluster
+from partitioner.cost.devices import DEVICE_PRESETS, Cluster, default_device
 from partitioner.cost.gemms import model_gemms
 from partitioner.cost.probes import Probe
 from partitioner.errors import CliArgumentError, InfeasibleMemoryError, PipecutError
@@ -91,8 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="with --devices: the shardings over the replicas to search, comma-separated, of "
                       f"{', '.join(ZERO_OPTIONS)} (default {','.join(DEFAULT_ZERO)}; fsdp, FSDP2, only when named)")
     plan.add_argument(
-        "--device", default="A100-80GB", help=f"device preset for every stage ({', '.join(DEVICE_PRESETS)})"
+        "--device", default=None, help=f"device preset for every stage ({', '.join(DEVICE_PRESETS)}); default: "
+        "this machine's (its GPU's preset, else cpu), the same as pipecut train's"
     )
+    plan.add_argument("--memory-reserve", default=None, metavar="SIZE",
+                      help="memory each device keeps out of the plan, a size ('2GiB', '512MiB') or a share "
+                      "('10%%'); default the device's own: 2 GiB + 5%% of a GPU, 0.5 GiB + 10%% of cpu")
     plan.add_argument("--microbatches", type=_count_or_auto, default=8,
                       help="micro-batches per step (default 8), or 'auto'")
     plan.add_argument("--schedule", default=None, choices=(*TRAINING_SCHEDULES, "auto"),
@@ -200,8 +204,14 @@ def _plan(args: argparse.Namespace) -> int:
     count = args.devices if args.devices is not None else args.stages
     if args.calibrate:
         cluster = _calibrated(args, count, model)
+        if args.memory_reserve is not None:
+            cluster = cluster.with_memory_reserve(args.memory_reserve)
     else:
-        cluster = Cluster.uniform(count, args.device, link_bandwidth=args.link_bandwidth)
+        device = args.device if args.device not in (None, "auto") else default_device()
+        if args.device in (None, "auto"):
+            print(f"planning for {device}: this machine's device (the default; --device NAME plans for another)")
+        cluster = Cluster.uniform(count, device, link_bandwidth=args.link_bandwidth,
+                                  memory_reserve=args.memory_reserve)
     if args.devices is not None:
         if args.global_batch is None:
             raise CliArgumentError(
@@ -539,6 +549,7 @@ _TRAIN_FLAGS: dict[str, tuple[Any, str]] = {
     "plan": (str, "train this saved plan (pipecut plan ... --json, or a run's OUT/plan.json): its layout"),
     "calibrate": (str, "with --layout auto: price the layouts on this cluster JSON (from pipecut calibrate)"),
     "precision": (str, "fp32, bf16 or fp16 (autocast over fp32 weights; default fp32)"),
+    "memory-reserve": (str, "memory each device keeps out of the plan: '2GiB', '10%%' (default: the device's own)"),
     "recompute": (str, "activation recomputation: auto (where memory binds), on, off"),
     "lr": (float, "peak learning rate (default 3e-4)"),
     "warmup": (int, "steps of linear warm-up (default 0)"),

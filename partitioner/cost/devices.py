@@ -1,9 +1,19 @@
-"""Device and cluster descriptions: peak speed, memory bandwidth, capacity, and the links between stages."""
+"""Device and cluster descriptions: peak speed, memory bandwidth, capacity, and the links between stages.
+
+A device's memory is its capacity (80 GiB for an H100-80GB); the planner fits stages in
+``DeviceSpec.usable_memory``, that less ``DeviceSpec.memory_reserve``: what the CUDA context, the
+caching allocator's fragmentation and NCCL's buffers take on a GPU (``GPU_MEMORY_RESERVE``), the
+interpreter and the operating system on a host (``HOST_MEMORY_RESERVE``). Presets carry their
+kind's reserve; ``Cluster.with_memory_reserve`` sets another (``pipecut plan --memory-reserve``).
+"""
 
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -15,10 +25,66 @@ if TYPE_CHECKING:
     from partitioner.cost.calibrate import Calibration
     from partitioner.cost.probes import Probe
 
-__all__ = ["DeviceSpec", "Cluster", "DEVICE_PRESETS"]
+__all__ = [
+    "DeviceSpec", "Cluster", "DEVICE_PRESETS", "ReserveRule", "GPU_MEMORY_RESERVE", "HOST_MEMORY_RESERVE",
+    "parse_reserve", "reserve_bytes", "default_device",
+]
+
+log = logging.getLogger(__name__)
 
 _GB = 1e9
 _GIB = 2**30
+
+
+@dataclass(frozen=True)
+class ReserveRule:
+    """How much of a device's memory the planner leaves free: ``fixed + fraction x capacity`` bytes
+    (at most the capacity).
+
+    Example:
+        >>> rule = ReserveRule(fixed=2 * 2**30, fraction=0.05)
+        >>> rule.of(80 * 2**30) / 2**30, rule.of(24 * 2**30) / 2**30
+        (6.0, 3.2)
+    """
+
+    fixed: float
+    """Bytes every device loses whatever its size (a CUDA context, NCCL's buffers, a process's libraries)."""
+    fraction: float
+    """The share of the capacity lost on top of that, for what grows with the memory in use (fragmentation)."""
+
+    def of(self, memory: float) -> float:
+        """The reserve of a device of ``memory`` bytes (none when its memory is unlimited)."""
+        if not math.isfinite(memory):
+            return 0.0
+        return min(memory, self.fixed + self.fraction * memory)
+
+
+GPU_MEMORY_RESERVE = ReserveRule(fixed=2 * _GIB, fraction=0.05)
+"""The memory a GPU preset keeps out of the plan: ``2 GiB + 5 %`` of the card (6 GiB of an
+H100-80GB or A100-80GB, 9.05 of an H200-141GB, 3.2 of an L4-24GB).
+
+What a training process holds on a GPU beyond the planner's tensors, measured on one H100 80GB
+HBM3 (torch 2.11, CUDA 13; docs/partitioning.md, *Device memory and the reserve*), in two parts:
+
+* fixed, about 2 GiB: the card exposes less than its name (``total_memory`` 79.18 GiB of the
+  preset's 80: 0.82 GiB); the CUDA context with cuBLAS loaded, 0.58 GiB outside PyTorch's
+  allocator; a one-rank NCCL communicator, 0.64 GiB more (a job has one per pipeline neighbour and
+  one per "dp" group, with buffers per peer: more, not less);
+* growing with the memory in use, 5 %: the caching allocator's fragmentation, reserved but not
+  allocated at the peak: 1.35 GiB on a 26.2 GiB peak (5.1 %) training a GPT-2 350M with AdamW
+  under bf16 autocast over sequence lengths that vary.
+
+Without it a plan at 99 % of the card is chosen and fails with out-of-memory. One GPU leaves
+multi-rank NCCL unmeasured: a real job's ``torch.cuda.mem_get_info`` against
+``max_memory_allocated`` may move it; ``Cluster.with_memory_reserve`` or ``--memory-reserve``
+override it per run.
+"""
+
+HOST_MEMORY_RESERVE = ReserveRule(fixed=0.5 * _GIB, fraction=0.10)
+"""The memory a CPU device (the ``cpu`` preset, a ``Cluster.measure`` process) keeps out of the
+plan: ``0.5 GiB + 10 %``. Each process loads the interpreter and torch's libraries (about 0.3 to
+0.5 GiB resident before a tensor), the allocator (glibc malloc) keeps freed pages, and the
+operating system and page cache live in the same memory."""
 CLUSTER_FORMAT = "pipecut.cluster"
 CLUSTER_VERSION = 1
 
@@ -45,10 +111,17 @@ class DeviceSpec:
             scheduling, stashing, posting sends and waiting to be woken. Negligible beside GPU
             kernels (0 in the presets); on shared CPU cores it is measured
             (``runtime.overheads.measure_action_overhead``).
+        memory_reserve: bytes of ``memory`` the plan leaves free (see the module docstring):
+            the presets' is ``GPU_MEMORY_RESERVE`` or ``HOST_MEMORY_RESERVE``; a device described
+            by hand has none unless given.
+
+    Raises:
+        ClusterError: a negative reserve, or one larger than the memory.
 
     Example:
-        >>> DeviceSpec.preset("A100-80GB").memory / 2**30
-        80.0
+        >>> h100 = DeviceSpec.preset("H100-80GB")
+        >>> h100.memory / 2**30, h100.memory_reserve / 2**30, h100.usable_memory / 2**30
+        (80.0, 6.0, 74.0)
     """
 
     name: str
@@ -63,6 +136,20 @@ class DeviceSpec:
     inter_node_bandwidth: float = 25 * _GB
     inter_node_latency: float = 5e-6
     action_overhead: float = 0.0
+    memory_reserve: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.memory_reserve <= self.memory:
+            raise ClusterError(
+                f"device {self.name!r}: memory_reserve {self.memory_reserve / _GIB:.3g} GiB must be at least 0 and "
+                f"at most its memory ({self.memory / _GIB:.3g} GiB): give a smaller reserve (a preset's is kept by "
+                "replace(preset, memory=...): pass memory_reserve=... with it, 0 for none)"
+            )
+
+    @property
+    def usable_memory(self) -> float:
+        """Bytes the plan may fill: ``memory`` less ``memory_reserve``."""
+        return self.memory - self.memory_reserve
 
     @staticmethod
     def preset(name: str) -> DeviceSpec:
@@ -95,22 +182,114 @@ def _cpu_memory() -> float:
 # are the vendor's 8-GPU boxes (DGX/HGX), one InfiniBand port per GPU between nodes: HDR
 # (200 Gb/s, 25 GB/s) for V100/A100, NDR (400 Gb/s, 50 GB/s) for H100/H200; L4 servers over
 # 100 Gb/s Ethernet shared by 8.
+def _gpu(name: str, flops: float, fp32: float, bandwidth: float, memory: float, link: float, latency: float,
+         inter_node: float) -> DeviceSpec:
+    return DeviceSpec(name, flops, fp32, bandwidth, memory, link, latency, node_size=8,
+                      inter_node_bandwidth=inter_node, memory_reserve=GPU_MEMORY_RESERVE.of(memory))
+
+
 DEVICE_PRESETS: dict[str, DeviceSpec] = {
-    "V100-32GB": DeviceSpec("V100-32GB", 125e12, 15.7e12, 900 * _GB, 32 * _GIB, 150 * _GB, 10e-6,
-                            node_size=8, inter_node_bandwidth=12.5 * _GB),
-    "A100-40GB": DeviceSpec("A100-40GB", 312e12, 19.5e12, 1555 * _GB, 40 * _GIB, 300 * _GB, 10e-6,
-                            node_size=8, inter_node_bandwidth=25 * _GB),
-    "A100-80GB": DeviceSpec("A100-80GB", 312e12, 19.5e12, 2039 * _GB, 80 * _GIB, 300 * _GB, 10e-6,
-                            node_size=8, inter_node_bandwidth=25 * _GB),
-    "H100-80GB": DeviceSpec("H100-80GB", 989e12, 67e12, 3350 * _GB, 80 * _GIB, 450 * _GB, 8e-6,
-                            node_size=8, inter_node_bandwidth=50 * _GB),
-    "H200-141GB": DeviceSpec("H200-141GB", 989e12, 67e12, 4800 * _GB, 141 * _GIB, 450 * _GB, 8e-6,
-                             node_size=8, inter_node_bandwidth=50 * _GB),
-    "L4-24GB": DeviceSpec("L4-24GB", 121e12, 30.3e12, 300 * _GB, 24 * _GIB, 32 * _GB, 15e-6,
-                          node_size=8, inter_node_bandwidth=1.5 * _GB),
+    "V100-32GB": _gpu("V100-32GB", 125e12, 15.7e12, 900 * _GB, 32 * _GIB, 150 * _GB, 10e-6, 12.5 * _GB),
+    "A100-40GB": _gpu("A100-40GB", 312e12, 19.5e12, 1555 * _GB, 40 * _GIB, 300 * _GB, 10e-6, 25 * _GB),
+    "A100-80GB": _gpu("A100-80GB", 312e12, 19.5e12, 2039 * _GB, 80 * _GIB, 300 * _GB, 10e-6, 25 * _GB),
+    "H100-80GB": _gpu("H100-80GB", 989e12, 67e12, 3350 * _GB, 80 * _GIB, 450 * _GB, 8e-6, 50 * _GB),
+    "H200-141GB": _gpu("H200-141GB", 989e12, 67e12, 4800 * _GB, 141 * _GIB, 450 * _GB, 8e-6, 50 * _GB),
+    "L4-24GB": _gpu("L4-24GB", 121e12, 30.3e12, 300 * _GB, 24 * _GIB, 32 * _GB, 15e-6, 1.5 * _GB),
     # One CPU core running fp32 matmuls; gloo over loopback between processes.
-    "cpu": DeviceSpec("cpu", 50e9, 50e9, 10 * _GB, _cpu_memory(), 2 * _GB, 50e-6, 2e-6),
+    "cpu": DeviceSpec("cpu", 50e9, 50e9, 10 * _GB, _cpu_memory(), 2 * _GB, 50e-6, 2e-6,
+                      memory_reserve=HOST_MEMORY_RESERVE.of(_cpu_memory())),
 }
+
+# The words of ``torch.cuda.get_device_name`` that name each GPU preset's part (the A100s by memory).
+_GPU_PARTS = (("H200", "H200-141GB"), ("H100", "H100-80GB"), ("A100", "A100"), ("V100", "V100-32GB"),
+              ("L4", "L4-24GB"))
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1.0, **{f"{p}b": 1e3 ** (i + 1) for i, p in enumerate("kmgt")},
+          **{f"{p}ib": 2.0 ** (10 * (i + 1)) for i, p in enumerate("kmgt")}}
+
+
+def parse_reserve(text: str) -> tuple[float, bool]:
+    """``(bytes, False)`` for a size (``'2GiB'``, ``'512MiB'``, ``'1.5GB'``, ``'0'``), ``(fraction, True)``
+    for a share of the memory (``'10%'``).
+
+    Raises:
+        ClusterError: neither, naming the forms it takes.
+
+    Example:
+        >>> parse_reserve("1.5GiB"), parse_reserve("10%")
+        ((1610612736.0, False), (0.1, True))
+    """
+    value = text.strip()
+    if value.endswith("%"):
+        try:
+            share = float(value[:-1])
+        except ValueError:
+            share = -1.0
+        if not 0 <= share < 100:
+            raise ClusterError(f"memory reserve {text!r}: a share of the memory is 0% to 99%, e.g. '10%'")
+        return share / 100, True
+    found = _SIZE.match(value)
+    if not found or (found.group(2) is None and float(found.group(1)) != 0):
+        raise ClusterError(
+            f"memory reserve {text!r} is not a size: give it with its unit ('2GiB', '512MiB', '1.5GB'), "
+            "as a share of each device's memory ('10%'), or '0' for none"
+        )
+    return float(found.group(1)) * _UNITS[(found.group(2) or "b").lower()], False
+
+
+def reserve_bytes(reserve: float | str, memory: float) -> float:
+    """A memory reserve as bytes of a device of ``memory`` bytes.
+
+    ``reserve`` is bytes (a number), or text: a size with its unit (``'2GiB'``, ``'512MiB'``,
+    ``'1.5GB'``; ``'0'`` for none) or a share of the device's memory (``'10%'``).
+
+    Raises:
+        ClusterError: text that is neither, or a reserve not less than ``memory``.
+
+    Example:
+        >>> reserve_bytes("2GiB", 80 * 2**30) / 2**30, reserve_bytes("10%", 80 * 2**30) / 2**30
+        (2.0, 8.0)
+    """
+    if isinstance(reserve, str):
+        amount, share = parse_reserve(reserve)
+        value = amount * memory if share else amount
+    else:
+        value = float(reserve)
+    if not 0 <= value < memory:
+        raise ClusterError(
+            f"memory reserve {reserve!r} ({value / _GIB:.3g} GiB) leaves nothing of a device's "
+            f"{memory / _GIB:.3g} GiB: give a smaller reserve"
+        )
+    return value
+
+
+def default_device() -> str:
+    """This machine's device preset, what ``pipecut plan`` and ``pipecut train`` cost for unless told.
+
+    The first CUDA GPU's preset, matched by the words of its name (``'NVIDIA H100 80GB HBM3'`` is
+    ``'H100-80GB'``; an A100 by its memory); ``'cpu'`` with no GPU, or with one no preset
+    describes (a warning names it: pass ``--device`` or describe it with ``DeviceSpec``).
+
+    Example:
+        >>> default_device() in DEVICE_PRESETS
+        True
+    """
+    import torch  # only here: the device descriptions need no torch
+
+    if not torch.cuda.is_available():
+        return "cpu"
+    name = torch.cuda.get_device_name(0)
+    words = re.split(r"[^A-Z0-9]+", name.upper())  # 'NVIDIA A100-SXM4-80GB': NVIDIA, A100, SXM4, 80GB
+    for word, preset in _GPU_PARTS:
+        if word in words:
+            if preset == "A100":
+                big = torch.cuda.get_device_properties(0).total_memory > 60 * _GIB
+                return "A100-80GB" if big else "A100-40GB"
+            return preset
+    log.warning("no device preset describes this machine's GPU %r: planning for 'cpu'; pass --device "
+                "(one of %s) or describe it with DeviceSpec", name, ", ".join(DEVICE_PRESETS))
+    return "cpu"
 
 
 @dataclass(frozen=True)
@@ -142,6 +321,12 @@ class Cluster:
     cores: int | None = None
     """The CPU cores the devices share, when they are processes of one host measured busy all at once
     (``Cluster.measure``): the layout search then lets the busy ones run faster while others idle."""
+    calibrated: str | None = field(default=None, compare=False)
+    """Where the devices' figures were measured (``'this host'`` from ``Cluster.measure``, the file a
+    ``Cluster.load`` read); ``None``: a description's own figures (a preset's datasheet), priced by
+    the roofline. :attr:`estimate_basis` says which in a plan. Not compared: a cluster read back
+    from its file is the same cluster."""
+
     def __post_init__(self) -> None:
         if not self.devices:
             raise ClusterError("a Cluster needs at least one device")
@@ -175,6 +360,7 @@ class Cluster:
         *,
         link_bandwidth: float | None = None,
         link_latency: float | None = None,
+        memory_reserve: float | str | None = None,
     ) -> Cluster:
         """``num_devices`` identical devices in a chain with identical links.
 
@@ -183,10 +369,19 @@ class Cluster:
             device: a preset name (see ``DEVICE_PRESETS``) or a ``DeviceSpec``.
             link_bandwidth: bytes/s between neighbours; defaults to the device's preset link.
             link_latency: seconds per transfer; defaults to the device's preset latency.
+            memory_reserve: each device's memory the plan leaves free, as :func:`reserve_bytes`
+                reads it (``'2GiB'``, ``'10%'``, bytes); default the device's own.
+
+        Example:
+            >>> c = Cluster.uniform(2, "H100-80GB", memory_reserve="10%")
+            >>> c.devices[0].memory_reserve / 2**30, c.devices[0].usable_memory / 2**30
+            (8.0, 72.0)
         """
         if num_devices < 1:
             raise ClusterError(f"num_devices must be at least 1, got {num_devices}")
         spec = DeviceSpec.preset(device) if isinstance(device, str) else device
+        if memory_reserve is not None:
+            spec = replace(spec, memory_reserve=reserve_bytes(memory_reserve, spec.memory))
         bw = spec.link_bandwidth if link_bandwidth is None else link_bandwidth
         lat = spec.link_latency if link_latency is None else link_latency
         return Cluster(
@@ -203,7 +398,7 @@ class Cluster:
             "link_bandwidth": list(self.link_bandwidth),
             "link_latency": list(self.link_latency),
         }
-        for key in ("collective_bandwidth", "collective_latency", "cores"):
+        for key in ("collective_bandwidth", "collective_latency", "cores", "calibrated"):
             if getattr(self, key) is not None:
                 data[key] = getattr(self, key)
         return data
@@ -224,6 +419,7 @@ class Cluster:
             collective_bandwidth=_opt_float(data.get("collective_bandwidth")),
             collective_latency=_opt_float(data.get("collective_latency")),
             cores=None if data.get("cores") is None else int(data["cores"]),
+            calibrated=None if data.get("calibrated") is None else str(data["calibrated"]),
         )
 
     @staticmethod
@@ -286,8 +482,9 @@ class Cluster:
             link_bandwidth=cal.p2p.bandwidth if cal.p2p else cpu.link_bandwidth,
             link_latency=cal.p2p.latency if cal.p2p else cpu.link_latency,
             op_overhead=cal.compute.op_overhead,
+            memory_reserve=HOST_MEMORY_RESERVE.of(cpu.memory / cal.processes),
         )
-        base = Cluster.uniform(cal.devices, spec)
+        base = replace(Cluster.uniform(cal.devices, spec), calibrated=f"this host ({cal.processes} processes)")
         if cal.allreduce is None:
             return base
         return replace(base, collective_bandwidth=cal.allreduce.bandwidth, collective_latency=cal.allreduce.latency)
@@ -337,7 +534,7 @@ class Cluster:
                 f"{CLUSTER_VERSION}: upgrade pipecut, or measure again with `pipecut calibrate --out {path}`"
             )
         try:
-            return Cluster.from_dict(doc["cluster"])
+            cluster = Cluster.from_dict(doc["cluster"])
         except ClusterError as e:
             raise ClusterFormatError(f"{path}: {e}") from None
         except (KeyError, TypeError, ValueError) as e:
@@ -345,6 +542,35 @@ class Cluster:
                 f"{path} holds a cluster that cannot be read ({type(e).__name__}: {e}); measure it again "
                 f"with `pipecut calibrate --out {path}`"
             ) from None
+        # A measured cluster says where it was measured: this file (the host it was measured on may be
+        # gone). Files written before ``calibrated`` existed say so by their devices' name.
+        measured = cluster.calibrated is not None or any("(measured)" in d.name for d in cluster.devices)
+        return replace(cluster, calibrated=str(path)) if measured else cluster
+
+    @property
+    def estimate_basis(self) -> str:
+        """What the plan's times and throughput are estimated from, for the plan's text.
+
+        Example:
+            >>> Cluster.uniform(2, "H100-80GB").estimate_basis
+            'estimated from the H100-80GB preset (roofline)'
+        """
+        names = list(dict.fromkeys(d.name for d in self.devices))
+        if self.calibrated is not None:
+            fitted = " and fitted to the model's step" if any("fitted to the model" in n for n in names) else ""
+            return f"calibrated on {self.calibrated}{fitted}"
+        described = [f"the {n} preset" if n in DEVICE_PRESETS else f"the device {n!r} as described" for n in names]
+        return f"estimated from {', '.join(described)} (roofline)"
+
+    def with_memory_reserve(self, reserve: float | str) -> Cluster:
+        """This cluster with each device keeping ``reserve`` of its memory free (:func:`reserve_bytes`).
+
+        Example:
+            >>> Cluster.uniform(2, "A100-80GB").with_memory_reserve("1GiB").devices[1].usable_memory / 2**30
+            79.0
+        """
+        devices = tuple(replace(d, memory_reserve=reserve_bytes(reserve, d.memory)) for d in self.devices)
+        return replace(self, devices=devices)
 
     @staticmethod
     def load_details(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -213,7 +213,7 @@ def to_problem(
         state_bytes=tuple(state),
         act_bytes=tuple(act),
         tensors=tuple(tensors),
-        capacity=tuple(d.memory for d in cluster.devices),
+        capacity=tuple(d.usable_memory for d in cluster.devices),
         inflight=tuple(inflight),
         link_bandwidth=tuple(cluster.link_bandwidth),
         link_latency=tuple(cluster.link_latency),

@@ -52,7 +52,7 @@ def stage_cluster(cluster: Cluster | None, stages: int, schedule: str) -> Cluste
         else:  # the wrap-around of a round-robin placement: no direct link in a chain
             bws.append(slow_bw)
             lats.append(slow_lat)
-    return Cluster(tuple(cluster.devices[r] for r in to_rank), tuple(bws), tuple(lats))
+    return Cluster(tuple(cluster.devices[r] for r in to_rank), tuple(bws), tuple(lats), calibrated=cluster.calibrated)
 
 
 def per_stage_capacity(cluster: Cluster, schedule: str) -> Cluster:
@@ -60,5 +60,5 @@ def per_stage_capacity(cluster: Cluster, schedule: str) -> Cluster:
     v = stages_per_rank(schedule)
     if v == 1:
         return cluster
-    devices = tuple(replace(d, memory=d.memory / v) for d in cluster.devices)
+    devices = tuple(replace(d, memory=d.memory / v, memory_reserve=d.memory_reserve / v) for d in cluster.devices)
     return replace(cluster, devices=devices)

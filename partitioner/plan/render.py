@@ -20,10 +20,12 @@ from partitioner.plan.units import fmt_bytes, fmt_count, fmt_flops, fmt_time
 from partitioner.schedule.registry import stages_per_rank
 
 if TYPE_CHECKING:
+    from partitioner.cost.devices import Cluster
     from partitioner.plan.layout import Layout
     from partitioner.plan.records import PlanRecord, StagePlan
 
-__all__ = ["TEXT_WIDTH", "render_text", "render_dot", "printable", "fmt_bytes", "fmt_time", "fmt_flops", "fmt_count"]
+__all__ = ["TEXT_WIDTH", "render_text", "render_dot", "printable", "precision_words", "memory_words", "fmt_bytes",
+           "fmt_time", "fmt_flops", "fmt_count"]
 
 TEXT_WIDTH = 160  # str(plan)'s width: every column of a typical plan, with room for the module names
 
@@ -46,6 +48,37 @@ def _text(s: str) -> Text:
     return Text(printable(s))
 
 
+def precision_words(precision: str) -> str:
+    """How a plan's precision reads: ``'fp32'``, or ``'bf16 autocast over fp32 weights'``.
+
+    Example:
+        >>> precision_words("bf16"), precision_words("fp32")
+        ('bf16 autocast over fp32 weights', 'fp32')
+    """
+    return precision if precision == "fp32" else f"{precision} autocast over fp32 weights"
+
+
+def memory_words(cluster: Cluster) -> str:
+    """What each device's memory is and what of it a plan fills: its capacity, the reserve kept
+    free (``DeviceSpec.memory_reserve``) and what is left, per kind of device.
+
+    Example:
+        >>> from partitioner import Cluster
+        >>> print(memory_words(Cluster.uniform(2, "H100-80GB")))
+        memory per device: 80.0 GiB less a 6.0 GiB reserve (--memory-reserve) = 74.0 GiB usable
+    """
+    kinds = dict.fromkeys((d.name, d.memory, d.memory_reserve) for d in cluster.devices)
+    parts = []
+    for name, memory, reserve in kinds:
+        who = f" ({name})" if len(kinds) > 1 else ""
+        if reserve > 0:
+            parts.append(f"{fmt_bytes(memory)}{who} less a {fmt_bytes(reserve)} reserve (--memory-reserve) = "
+                         f"{fmt_bytes(memory - reserve)} usable")
+        else:
+            parts.append(f"{fmt_bytes(memory)}{who}, no reserve: the plan may fill it all")
+    return "memory per device: " + "; ".join(parts)
+
+
 def _title(plan: PlanRecord) -> str:
     """The table's title: stages, devices, method, micro-batches, schedule and precision."""
     names = {st.device for st in plan.stages}
@@ -58,14 +91,15 @@ def _title(plan: PlanRecord) -> str:
     size = f" of {plan.microbatch_size}" if plan.microbatch_size else ""
     return (
         f"pipecut plan: {plan.num_stages} stages on {where}, method {plan.method}, "
-        f"{plan.microbatches} micro-batches{size}, schedule {plan.schedule}, precision {plan.precision}"
+        f"{plan.microbatches} micro-batches{size}, schedule {plan.schedule}, "
+        f"precision {precision_words(plan.precision)}"
     )
 
 
 def _stage_row(plan: PlanRecord, st: StagePlan, *, worst: int, recompute_column: bool) -> list[str]:
     """One stage's cells, the bottleneck's index marked ``*``, over-capacity memory marked ``OVER``."""
     over = st.memory > st.capacity
-    mem = f"{fmt_bytes(st.memory)} / {fmt_bytes(st.capacity)}" + (" OVER" if over else "")
+    mem = f"{fmt_bytes(st.memory)} / {fmt_bytes(st.capacity)}" + (" OVER" if over else "")  # usable, less the reserve
     return [
         f"{st.index}{'*' if st.index == worst else ''}",
         st.device,
@@ -103,7 +137,7 @@ def _stage_table(plan: PlanRecord, *, width: int) -> tuple[Table, list[str]]:
     columns: list[tuple[str, JustifyMethod]] = [
         ("stage", "right"), ("device", "left"), ("modules", "left"), ("nodes", "right"),
         ("params", "right"), ("fwd FLOPs", "right"), ("bwd FLOPs", "right"),
-        ("memory / capacity", "right"), ("F", "right"), ("B", "right"), ("comm", "right"),
+        ("memory / usable", "right"), ("F", "right"), ("B", "right"), ("comm", "right"),
         ("time", "right"), ("sends", "right"),
     ]
     recomputing = any(st.recompute for st in plan.stages)
@@ -155,7 +189,8 @@ def _fitted(
 
 
 def _summary_lines(plan: PlanRecord) -> list[str]:
-    """The lines under the table: bottleneck vs lower bound, predicted steps, recomputation, sharing."""
+    """The lines under the table: bottleneck vs lower bound, predicted steps and what they are estimated
+    from, each device's memory and reserve, recomputation, sharing."""
     worst = plan.bottleneck_stage
     lines = [
         f"bottleneck: {fmt_time(plan.bottleneck)} (stage {worst}, marked *)   "
@@ -168,6 +203,7 @@ def _summary_lines(plan: PlanRecord) -> list[str]:
             f"{pr.schedule} {fmt_time(pr.step_time)} (bubble {pr.bubble:.1%})" for pr in plan.predictions
         ),
     ]
+    lines += [f"times {plan.cluster.estimate_basis}", memory_words(plan.cluster)]
     recomputing = [st.index for st in plan.stages if st.recompute]
     if recomputing:
         lines.append(
@@ -200,7 +236,7 @@ def render_text(plan: PlanRecord, width: int = TEXT_WIDTH, top: int = 5) -> str:
     buf = io.StringIO()
     console = Console(file=buf, width=width, no_color=True, highlight=False, soft_wrap=False)
     if plan.layout is not None:
-        for line in _layout_lines(plan.layout, min((st.capacity for st in plan.stages), default=0.0)):
+        for line in _layout_lines(plan, plan.layout, min((st.capacity for st in plan.stages), default=0.0)):
             console.print(_text(line))
         table, dropped = _layouts_table(plan, width=width, top=top)
         console.print(table)
@@ -233,28 +269,31 @@ _SHARDING = {
 }
 
 
-def _layout_lines(lay: Layout, stage_capacity: float) -> list[str]:
-    """The chosen layout in two lines: how the devices are spent, and what one step costs; a third
-    under FSDP when the stages were cut for less than a device holds (``stage_capacity``, the
-    least any stage had): what each device keeps for the gathered weights."""
+def _layout_lines(plan: PlanRecord, lay: Layout, stage_capacity: float) -> list[str]:
+    """The chosen layout in two lines: how the devices are spent (and at what precision), and what
+    one step costs, estimated from what (``Cluster.estimate_basis``); then each device's memory
+    and reserve; a fourth under FSDP when the stages were cut for less than a device holds
+    (``stage_capacity``, the least any stage had): what each device keeps for the gathered weights."""
     rate = f"{fmt_count(lay.tokens_per_s)} tokens/s" if lay.tokens_per_row else f"{fmt_count(lay.samples_per_s)} rows/s"
     zero = _SHARDING.get(lay.zero, f", sharding {lay.zero!r}")
     head = (
         f"pipecut layout: {lay.devices} devices = {lay.dp} replica(s) x {lay.pp}-rank pipeline ({lay.stages} stages, "
         f"{lay.schedule}); global batch {lay.global_batch} = {lay.dp} x {lay.microbatches} micro-batches of "
-        f"{lay.microbatch_size}{zero}"
+        f"{lay.microbatch_size}{zero}; precision {precision_words(plan.precision)}"
     )
     cost = (
-        f"predicted step {fmt_time(lay.step_time)} = pipeline {fmt_time(lay.pipeline_time)} (bubble {lay.bubble:.1%}"
+        f"{plan.cluster.estimate_basis}: step {fmt_time(lay.step_time)} = pipeline {fmt_time(lay.pipeline_time)} "
+        f"(bubble {lay.bubble:.1%}"
         f"{f', FSDP gathers {fmt_time(lay.gather_time)} per rank' if lay.gather_time else ''}) "
         f"+ exchange not hidden {fmt_time(lay.exchange_time)} + optimizer {fmt_time(lay.optimizer_time)}; {rate}; "
-        f"peak memory {fmt_bytes(lay.memory)} of {fmt_bytes(lay.capacity)} per device"
+        f"peak memory {fmt_bytes(lay.memory)} of {fmt_bytes(lay.capacity)} usable per device"
     )
+    lines = [head, cost, memory_words(plan.cluster)]
     kept = lay.capacity - stage_capacity if lay.zero == "fsdp" else 0.0
-    if kept <= 0:
-        return [head, cost]
-    return [head, cost, (f"FSDP keeps {fmt_bytes(kept)} of each device for gathered weights (two of the largest "
-                         "block and the parameters outside blocks): the stages' capacity below is what is left")]
+    if kept > 0:
+        lines.append(f"FSDP keeps {fmt_bytes(kept)} of each device for gathered weights (two of the largest block and "
+                     "the parameters outside blocks): the stages' capacity below is what is left")
+    return lines
 
 
 def _layouts_table(plan: PlanRecord, *, width: int, top: int) -> tuple[Table, list[str]]:

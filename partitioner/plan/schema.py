@@ -285,9 +285,9 @@ CLUSTER = Record(
     {
         "devices": ListOf(DEVICE), "link_bandwidth": ListOf(_UNLIMITED), "link_latency": ListOf(Num()),
         "collective_bandwidth": Maybe(_UNLIMITED), "collective_latency": Maybe(Num()),
-        "cores": Maybe(Num(integer=True, minimum=1)),
+        "cores": Maybe(Num(integer=True, minimum=1)), "calibrated": Maybe(Text()),
     },
-    optional=frozenset({"collective_bandwidth", "collective_latency", "cores"}),
+    optional=frozenset({"collective_bandwidth", "collective_latency", "cores", "calibrated"}),
 )
 
 #: What ``Plan.to_dict`` writes (format version 1), key by key.

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from partitioner.errors import MissingDependencyError, PipecutError
+from partitioner.cost.devices import parse_reserve
+from partitioner.errors import ClusterError, MissingDependencyError, PipecutError
 from partitioner.plan.layout import ZERO_OPTIONS
 from partitioner.schedule.registry import TRAINING_SCHEDULES
 
@@ -86,7 +87,11 @@ class TrainConfig:
     seed: int = 0
     data_dtype: str = "uint16"
     device: str = "auto"
-    """The device preset the plan is costed for (``auto``: this machine's)."""
+    """The device preset the plan is costed for (``auto``: this machine's, as ``pipecut plan`` defaults to:
+    ``partitioner.cost.devices.default_device``)."""
+    memory_reserve: str | None = None
+    """Memory each device keeps out of the plan: a size (``'2GiB'``) or a share (``'10%'``); default the
+    device's own (``DeviceSpec.memory_reserve``)."""
     trust_remote_code: bool = False
     """Let the folder's own code (``auto_map``, ``modeling_*.py``) run; a folder that needs it is refused without."""
     allow_nonfinite_weights: str = ""
@@ -256,6 +261,11 @@ def _check(cfg: TrainConfig) -> None:
             "--check-finite and --allow-nonfinite-loss contradict each other (one stops at a NaN loss, "
             "the other trains on past it): give one of them"
         )
+    if cfg.memory_reserve is not None:
+        try:
+            parse_reserve(cfg.memory_reserve)
+        except ClusterError as e:
+            raise TrainConfigError(f"memory_reserve: {e}") from None
     for key, allowed in _CHOICES.items():
         if getattr(cfg, key) is not None and getattr(cfg, key) not in allowed:
             raise TrainConfigError(f"{key} must be one of {', '.join(allowed)}, got {getattr(cfg, key)!r}")

@@ -265,8 +265,11 @@ def _search(cfg: TrainConfig, folder: HFFolder, config: Any, world: int, preset:
     }
     if cfg.calibrate is not None:
         cluster, priced_on = _cluster_file(cfg.calibrate, n), f"the cluster in {cfg.calibrate}"
+        if cfg.memory_reserve is not None:
+            cluster = cluster.with_memory_reserve(cfg.memory_reserve)
     else:
-        cluster, priced_on = Cluster.uniform(n, preset), f"{n} x {preset}"
+        cluster = Cluster.uniform(n, preset, memory_reserve=cfg.memory_reserve)
+        priced_on = f"{n} x {preset}"
     search = LayoutSearch(folder.build(meta=True, config=config), example, cluster=cluster, **options)
     if cfg.calibrate is None and cfg.device == "auto" and preset == "cpu":
         try:

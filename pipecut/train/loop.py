@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from partitioner.api import partition
-from partitioner.cost.devices import Cluster
+from partitioner.cost.devices import Cluster, default_device
 from partitioner.errors import PipecutError
 from partitioner.plan.plan import Plan
 from pipecut.folder import HFFolder, max_positions
@@ -50,7 +50,6 @@ __all__ = ["train", "TrainResult", "Layout", "layout", "lm_loss", "BETAS"]
 log = logging.getLogger(__name__)
 
 BETAS = (0.9, 0.95)  # AdamW's, as nanoGPT and most LLM recipes use
-_GPU_PRESETS = {"H200": "H200-141GB", "H100": "H100-80GB", "A100": "A100-80GB", "V100": "V100-32GB", "L4": "L4-24GB"}
 
 
 @dataclass(frozen=True)
@@ -280,8 +279,9 @@ def _build(
         module = folder.build(meta=True, config=config)
         plan = partition(
             module, folder.example_inputs(seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size or 1),
-            cluster=Cluster.uniform(lay.pp, _preset(cfg.device)), microbatches=lay.m, schedule=cfg.schedule or "1f1b",
-            precision=cfg.precision, recompute=layout_choice.RECOMPUTE[cfg.recompute],
+            cluster=Cluster.uniform(lay.pp, _preset(cfg.device), memory_reserve=cfg.memory_reserve),
+            microbatches=lay.m, schedule=cfg.schedule or "1f1b", precision=cfg.precision,
+            recompute=layout_choice.RECOMPUTE[cfg.recompute],
         )
     trainer = PipelineTrainer(
         plan, lm_loss, _adamw(cfg),
@@ -432,15 +432,8 @@ def _eval_data(cfg: TrainConfig, data: TokenData, folder: HFFolder) -> TokenData
 
 
 def _preset(device: str) -> str:
-    """The device preset the plan is costed for: the name given, or this machine's."""
-    if device != "auto":
-        return device
-    if torch.cuda.is_available():
-        name = torch.cuda.get_device_name(0)
-        for key, preset in _GPU_PRESETS.items():
-            if key in name:
-                return preset
-    return "cpu"
+    """The device preset the plan is costed for: the name given, or this machine's (``default_device``)."""
+    return default_device() if device == "auto" else device
 
 
 def _devices(plan: Plan) -> list[str] | None:

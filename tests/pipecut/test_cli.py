@@ -98,7 +98,10 @@ def test_plan_command_precision_flag(capsys: pytest.CaptureFixture[str]) -> None
     bf16 = capsys.readouterr().out
     assert main(["plan", "gpt2-tiny", "--stages", "2"]) == 0
     fp32 = capsys.readouterr().out
-    assert "precision bf16" in bf16.splitlines()[0] and "precision fp32" in fp32.splitlines()[0]
+    # The plan's title (after the line naming this machine's device, the default) says the precision.
+    bf16_title, fp32_title = (next(line for line in out.splitlines() if line.startswith("pipecut plan:"))
+                              for out in (bf16, fp32))
+    assert "precision bf16 autocast over fp32 weights" in bf16_title and fp32_title.endswith("precision fp32")
     assert bf16 != fp32  # 16-bit matmuls and halved activations change the times and memory
 
 
@@ -156,7 +159,7 @@ def test_plan_table_fits_the_terminal_width(
     out = capsys.readouterr().out
     lines = out.splitlines()
     assert max(len(line) for line in lines) <= columns, out
-    header = next(line for line in lines if "memory / capacity" in line)
+    header = next(line for line in lines if "memory / usable" in line)
     assert "stage" in header and "modules" in header and "time" in header and "schedule choice" in out
     if columns == 80:  # the least read columns leave, and a line says which
         assert "fwd FLOPs" not in header and "left out at 80 columns: fwd FLOPs" in out
@@ -186,7 +189,7 @@ def test_str_plan_keeps_its_fixed_width_whatever_the_terminal(monkeypatch: pytes
     assert text == render_text(plan, width=TEXT_WIDTH) and "fwd FLOPs" in text and "left out" not in text
     assert all(line == line.rstrip() for line in text.splitlines())  # no padding to the width
     narrow = render_text(plan, width=60)
-    assert max(len(line) for line in narrow.splitlines()) <= 60 and "memory / capacity" in narrow
+    assert max(len(line) for line in narrow.splitlines()) <= 60 and "memory / usable" in narrow
 
 
 def test_plan_devices_searches_the_shardings_named_by_zero(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -194,6 +194,20 @@ def test_cluster_file_round_trips_measured_fields(tmp_path: Path) -> None:
     assert (doc["format"], doc["version"], doc["details"]) == ("pipecut.cluster", 1, {"note": "test"})
 
 
+def test_a_measured_cluster_says_where_it_was_measured_and_keeps_a_hosts_reserve(tmp_path: Path) -> None:
+    c = Cluster.from_calibration(_calibration(2, LinearFit(1e-4, 2e9), None))
+    assert c.estimate_basis == "calibrated on this host (4 processes)"
+    dev = c.devices[0]
+    assert dev.memory_reserve == pytest.approx(0.5 * 2**30 + 0.1 * dev.memory)  # HOST_MEMORY_RESERVE
+    path = c.save(tmp_path / "c.json")
+    assert Cluster.load(path).estimate_basis == f"calibrated on {path}"
+    old = json.loads(path.read_text())  # a file written before clusters said where they were measured
+    del old["cluster"]["calibrated"]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert Cluster.load(tmp_path / "old.json").estimate_basis == f"calibrated on {tmp_path / 'old.json'}"
+    assert Cluster.load(Cluster.uniform(2, "cpu").save(tmp_path / "p.json")).calibrated is None  # a preset's
+
+
 _HEAD = '{"format": "pipecut.cluster", "version": '
 
 

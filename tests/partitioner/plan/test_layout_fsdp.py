@@ -89,10 +89,11 @@ def test_the_bound_stays_below_every_price(flop_bound: bool) -> None:
 
 
 def _small(memory_blocks: int) -> Cluster:
-    """Four devices of ``memory_blocks`` 256-wide blocks' bytes each, bound by FLOPs, with a free collective."""
+    """Four devices of ``memory_blocks`` 256-wide blocks' bytes each (all usable: no reserve), bound by FLOPs,
+    with a free collective."""
     block = 256 * 256 + 256
-    dev = replace(DeviceSpec.preset("cpu"), name="small", memory=memory_blocks * block, op_overhead=0.0,
-                  mem_bandwidth=1e15)
+    dev = replace(DeviceSpec.preset("cpu"), name="small", memory=memory_blocks * block, memory_reserve=0.0,
+                  op_overhead=0.0, mem_bandwidth=1e15)
     return replace(Cluster.uniform(4, dev), collective_bandwidth=1e15, collective_latency=0.0)
 
 

@@ -32,7 +32,7 @@ def _mlp_plan(**kw: object) -> tuple[nn.Module, torch.Tensor, Plan]:
 def test_plan_table_shows_stages_bounds_and_predictions() -> None:
     _, _, plan = _mlp_plan()
     text = str(plan)
-    for word in ("stage", "modules", "params", "fwd FLOPs", "memory / capacity", "sends"):
+    for word in ("stage", "modules", "params", "fwd FLOPs", "memory / usable", "sends"):
         assert word in text
     assert "bottleneck:" in text and "lower bound:" in text
     assert "gpipe" in text and "1f1b" in text and "bubble" in text

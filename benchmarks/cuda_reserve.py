@@ -20,6 +20,9 @@ the device's used bytes) minus what PyTorch's caching allocator has reserved:
   peaks (``max_memory_reserved - max_memory_allocated``) over ``benchmarks/cuda_memory.py``'s
   training runs of GPT-2 (fragmentation and rounding of the blocks it caches).
 
+* **the name's memory**: what the card's ``total_memory`` falls short of its preset's (the
+  planner's capacity).
+
 Their sum is the reserve a device needs beside the plan's bytes; the table compares it with the
 planner's default reserve for the GPU measured (``partitioner.cost.devices``).
 """
@@ -105,14 +108,12 @@ def measure(device: torch.device, *, quick: bool = False) -> dict[str, Any]:
             "capacity_bytes": torch.cuda.get_device_properties(device).total_memory, "runs": slack}
 
 
-def _default_reserve(name: str, capacity: int) -> tuple[str | None, float | None]:
-    """The planner's default reserve for the preset matching ``name`` (``None`` without one)."""
-    from partitioner.cost import devices
+def _default_reserve() -> tuple[str, float]:
+    """This machine's device preset (``default_device``) and the reserve the planner gives it by default."""
+    from partitioner.cost.devices import DEVICE_PRESETS, default_device
 
-    preset = devices.this_machine_preset() if hasattr(devices, "this_machine_preset") else None
-    spec = devices.DEVICE_PRESETS.get(preset) if preset else None
-    reserve = getattr(spec, "memory_reserve", None) if spec is not None else None
-    return preset, None if reserve is None else float(reserve)
+    preset = default_device()
+    return preset, float(DEVICE_PRESETS[preset].memory_reserve)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,16 +131,28 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda", torch.cuda.current_device())
     got = measure(device, quick=args.quick)
     name = torch.cuda.get_device_name(device)
-    preset, default = _default_reserve(name, got["capacity_bytes"])
+    preset, default = _default_reserve()
+    from partitioner.cost.devices import DEVICE_PRESETS
+
+    # The preset's memory is the card's name (80 GB); torch sees less: that gap is reserve too.
+    shortfall = max(0.0, DEVICE_PRESETS[preset].memory - got["capacity_bytes"]) if preset != "cpu" else 0.0
+    got["preset_shortfall_bytes"] = shortfall
+    got["needed_reserve_bytes"] += shortfall
     got["preset"], got["default_reserve_bytes"] = preset, default
-    lines = [("CUDA context", got["context_bytes"]), ("cuBLAS/cuBLASLt handles", got["libraries_bytes"]),
-             ("NCCL, one rank", got["nccl_one_rank_bytes"]), ("allocator slack at peak (worst run)",
-                                                               got["allocator_slack_bytes"]),
-             ("needed beside the plan", got["needed_reserve_bytes"]),
-             (f"planner's default reserve ({preset})", default)]
+    lines = [
+        ("card's memory short of the preset's", shortfall),
+        ("CUDA context", got["context_bytes"]),
+        ("cuBLAS/cuBLASLt handles", got["libraries_bytes"]),
+        ("NCCL, one rank", got["nccl_one_rank_bytes"]),
+        ("allocator slack at peak (worst run)", got["allocator_slack_bytes"]),
+        ("needed beside the plan", got["needed_reserve_bytes"]),
+        (f"planner's default reserve ({preset})", default),
+    ]
+    got["covered"] = default >= got["needed_reserve_bytes"]
     print(f"outside the plan's bytes on one {name} ({got['capacity_bytes'] / 2**30:.1f} GiB):")
     for label, b in lines:
         print(f"  {label:<40} {'n/a' if b is None else f'{b / _MIB:>9,.0f} MiB'}")
+    print(f"  the default reserve {'covers' if got['covered'] else 'does NOT cover'} what was measured")
     meta = {"benchmark": "cuda_reserve", "command": shlex.join(["python", "benchmarks/cuda_reserve.py", *cli]),
             "device_name": name, "cuda": torch.version.cuda, **run_env(load, t0)}
     write_result(args.out, {"meta": meta, "config": {"quick": args.quick}, "results": got})

@@ -29,32 +29,29 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import importlib.metadata
 import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-import torch
 from rich.console import Console
-from torch import nn
 
 from partitioner.api import METHODS, partition
 from partitioner.cost.devices import DEVICE_PRESETS, Cluster, default_device
-from partitioner.cost.gemms import model_gemms
-from partitioner.cost.probes import Probe
 from partitioner.errors import CliArgumentError, InfeasibleMemoryError, PipecutError
 from partitioner.plan.layout import DEFAULT_ZERO, ZERO_OPTIONS
 from partitioner.plan.plan import Plan
 from partitioner.plan.predict import prediction, simulate_stages
-from partitioner.plan.render import TEXT_WIDTH, fmt_bytes, fmt_time, render_text
+from partitioner.plan.render import fmt_bytes, fmt_time, render_text
 from partitioner.schedule.registry import TRAINING_SCHEDULES
 from partitioner.search import plan_layout
 from partitioner.zoo import MODELS, load_model
-from pipecut.folder import HFFolder, is_hf_folder, max_positions
+from pipecut.cli_calibrate import add_calibrate_parser, calibrate_command, calibrated
+from pipecut.cli_common import folder_model, make_console, positive_count, positive_count_or_auto
+from pipecut.folder import is_hf_folder
 
 __all__ = ["main", "build_parser", "version", "EXIT_ERROR", "EXIT_OVER_CAPACITY"]
 
@@ -82,11 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
         "folder (config.json; built on meta, so any size plans here)"
     )
     plan.add_argument("--stages", type=int, default=None, help="number of pipeline stages (or --devices)")
-    plan.add_argument("--devices", type=_count, default=None,
+    plan.add_argument("--devices", type=positive_count, default=None,
                       help="search the whole layout of this many devices (dp x pp, micro-batch size, schedule, "
                       "ZeRO-1) for --global-batch rows per step, instead of cutting --stages")
-    plan.add_argument("--global-batch", type=_count, default=None, help="rows per optimizer step (with --devices)")
-    plan.add_argument("--top", type=_count, default=5, help="layouts ranked in the table (with --devices; default 5)")
+    plan.add_argument("--global-batch", type=positive_count, default=None,
+                      help="rows per optimizer step (with --devices)")
+    plan.add_argument("--top", type=positive_count, default=5,
+                      help="layouts ranked in the table (with --devices; default 5)")
     plan.add_argument("--zero", default=",".join(DEFAULT_ZERO),
                       help="with --devices: the shardings over the replicas to search, comma-separated, of "
                       f"{', '.join(ZERO_OPTIONS)} (default {','.join(DEFAULT_ZERO)}; fsdp, FSDP2, only when named)")
@@ -97,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--memory-reserve", default=None, metavar="SIZE",
                       help="memory each device keeps out of the plan, a size ('2GiB', '512MiB') or a share "
                       "('10%%'); default the device's own: 2 GiB + 5%% of a GPU, 0.5 GiB + 10%% of cpu")
-    plan.add_argument("--microbatches", type=_count_or_auto, default=8,
+    plan.add_argument("--microbatches", type=positive_count_or_auto, default=8,
                       help="micro-batches per step (default 8), or 'auto'")
     plan.add_argument("--schedule", default=None, choices=(*TRAINING_SCHEDULES, "auto"),
                       help="pipeline schedule (default 1f1b), or 'auto' to simulate them all and keep the fastest "
@@ -118,9 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--link-bandwidth", type=float, default=None, help="bytes/s between neighbouring devices")
     plan.add_argument("--json", dest="json_path", default=None, help="write the plan as JSON here")
     plan.add_argument("--dot", dest="dot_path", default=None, help="write a Graphviz DOT picture here")
-    plan.add_argument("--seq-len", type=_count, default=None,
+    plan.add_argument("--seq-len", type=positive_count, default=None,
                       help="a Hugging Face folder's example sequence length (default: 1024, or the model's maximum)")
-    plan.add_argument("--micro-batch-size", type=_count, default=1,
+    plan.add_argument("--micro-batch-size", type=positive_count, default=1,
                       help="a Hugging Face folder's example rows per micro-batch (default 1)")
     plan.add_argument("--trust-remote-code", action="store_true",
                       help="let a Hugging Face folder's own code (auto_map, modeling_*.py) run to build its model; "
@@ -130,13 +129,14 @@ def build_parser() -> argparse.ArgumentParser:
                       "--model MODEL --devices N --out FILE` (warns when it was fitted on another model or device "
                       "count); if FILE does not exist, that fit is made first (N processes, a minute or more) and "
                       "saved there")
-    _add_calibrate_parser(sub)
+    add_calibrate_parser(sub)
 
     sim = sub.add_parser("simulate", help="simulate a saved plan under a schedule; print the step and write a trace")
     sim.add_argument("plan", help="a plan JSON file written by `pipecut plan ... --json`")
     sim.add_argument("--schedule", default=None, choices=TRAINING_SCHEDULES,
                      help="schedule to simulate (default: the plan's)")
-    sim.add_argument("--microbatches", type=_count, default=None, help="micro-batches per step (default: the plan's)")
+    sim.add_argument("--microbatches", type=positive_count, default=None,
+                     help="micro-batches per step (default: the plan's)")
     sim.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace JSON here")
     sim.add_argument("--gantt", default=None, help="write a Gantt chart PNG here (needs matplotlib)")
     _add_train_parser(sub)
@@ -159,21 +159,11 @@ def version() -> str:
         return pipecut.__version__
 
 
-def _console() -> Console:
-    """A console as wide as the terminal (rich reads ``COLUMNS``, else asks the terminal); into a
-    file or a pipe, with no ``COLUMNS``, ``str(plan)``'s fixed width rather than rich's 80, so
-    saved output keeps every column."""
-    console = Console(highlight=False, markup=False)  # a path or model name is shown as written
-    if "COLUMNS" not in os.environ and not console.is_terminal:
-        console = Console(highlight=False, markup=False, width=TEXT_WIDTH)
-    return console
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the process exit code."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
-    commands = {"plan": _plan, "simulate": _simulate, "train": _train, "calibrate": _calibrate}
+    commands = {"plan": _plan, "simulate": _simulate, "train": _train, "calibrate": calibrate_command}
     try:
         return commands[args.command](args)
     except InfeasibleMemoryError as e:
@@ -187,7 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _plan(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     if is_hf_folder(args.model):
-        model, inputs = _folder_model(args.model, args.seq_len, args.micro_batch_size,
+        model, inputs = folder_model(args.model, args.seq_len, args.micro_batch_size,
                                       trust_remote_code=args.trust_remote_code, command="pipecut plan")
     else:
         model, inputs = load_model(args.model)
@@ -203,7 +193,7 @@ def _plan(args: argparse.Namespace) -> int:
         raise CliArgumentError("give --stages N (cut N stages) or --devices N --global-batch B (search the layout)")
     count = args.devices if args.devices is not None else args.stages
     if args.calibrate:
-        cluster = _calibrated(args, count, model)
+        cluster = calibrated(args, count, model)
         if args.memory_reserve is not None:
             cluster = cluster.with_memory_reserve(args.memory_reserve)
     else:
@@ -231,7 +221,7 @@ def _plan(args: argparse.Namespace) -> int:
             granularity=args.granularity, state_bytes_per_param=args.state_bytes,
             recompute=_RECOMPUTE[args.recompute], precision=args.precision,
         )
-    print(render_text(plan, width=_console().width, top=args.top), end="")
+    print(render_text(plan, width=make_console().width, top=args.top), end="")
     if args.json_path:
         plan.save(args.json_path)
         print(f"plan written to {args.json_path}")
@@ -248,37 +238,6 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _folder_model(
-    path: str, seq_len: int | None, rows: int, *, trust_remote_code: bool, command: str
-) -> tuple[nn.Module, tuple[torch.Tensor]]:
-    """A Hugging Face folder's model on meta (no weight memory) and one micro-batch of token ids."""
-    folder = HFFolder(path, trust_remote_code=trust_remote_code)
-    config = folder.config
-    folder.check_causal_lm(config, command=command)
-    longest = max_positions(config)
-    length = seq_len or min(1024, longest or 1024)
-    if longest is not None and length > longest:
-        raise CliArgumentError(f"--seq-len {length} is longer than the model's {longest} positions")
-    module = folder.build(meta=True, config=config)  # partition takes the Hugging Face model as it is
-    return module, folder.example_inputs(seq_len=length, micro_batch_size=rows)
-
-
-def _count_or_auto(text: str) -> int | str:
-    return text if text == "auto" else _count(text, "or 'auto'")
-
-
-def _count(text: str, alternative: str = "") -> int:
-    """A positive count (``--microbatches``), or a usage error saying what was given."""
-    expected = f"a positive integer{' ' + alternative if alternative else ''}"
-    try:
-        value = int(text)
-    except ValueError:
-        raise CliArgumentError(f"expected {expected}, got {text!r}") from None
-    if value < 1:
-        raise CliArgumentError(f"expected {expected}, got {value}")
-    return value
-
-
 def _simulate(args: argparse.Namespace) -> int:
     from rich.table import Table
 
@@ -289,7 +248,7 @@ def _simulate(args: argparse.Namespace) -> int:
     m = plan.microbatches if args.microbatches is None else args.microbatches
     sched, sim = simulate_stages(plan.stages, plan.cluster, schedule, m)
     pred = prediction(plan.stages, schedule, m, sched, sim)  # the step simulated once, not twice
-    console = _console()
+    console = make_console()
     console.print(
         f"{args.plan}: {plan.num_stages} stages on {sched.num_ranks} ranks, schedule {schedule}, "
         f"{m} micro-batches (event simulator)"
@@ -329,204 +288,6 @@ def _simulate(args: argparse.Namespace) -> int:
               f"in flight or a schedule that holds fewer (exit code {EXIT_OVER_CAPACITY})", file=sys.stderr)
         return EXIT_OVER_CAPACITY
     return 0
-
-
-# -- pipecut calibrate / plan --calibrate ------------------------------------------------------
-
-
-def _add_calibrate_parser(sub: Any) -> None:
-    cal = sub.add_parser(
-        "calibrate", help="fit the planner's cluster to a model on this host (or measure the host alone); "
-        "save it for `plan --calibrate`",
-        description="With --model: measure this host as DEVICES one-thread processes get it (matmul FLOP/s at "
-        "the model's sizes, memory bandwidth, per-op overhead, gloo p2p and all-reduce), then fit that cluster "
-        "to the model as the runtime trains it on DEVICES processes at once (its step's speed and per-op "
-        "overhead, the runtime's cost per pipeline action, the cores they share) and save it as JSON. Without "
-        "--model: the host measurement alone (docs/partitioning.md, Calibration).",
-    )
-    cal.add_argument("--devices", type=_count, required=True, help="devices (one process each) to measure and fit")
-    cal.add_argument("--backend", default="gloo", choices=("gloo",), help="torch.distributed backend (gloo)")
-    cal.add_argument("--processes", type=_count, default=None,
-                     help="processes computing at once while the host is measured (default: --devices)")
-    cal.add_argument("--model", default=None,
-                     help="the model to fit to (a plan MODEL: built-in name, path/to/file.py:factory or a Hugging "
-                     "Face folder, built with random weights); without it, only the host is measured")
-    cal.add_argument("--global-batch", type=_count, default=None,
-                     help="with --model: the job's rows per step, the rows the fit draws from (default: --devices)")
-    cal.add_argument("--seq-len", type=_count, default=None,
-                     help="a Hugging Face folder's sequence length (default: 1024, or the model's maximum)")
-    cal.add_argument("--trust-remote-code", action="store_true",
-                     help="let a --model folder's own code (auto_map, modeling_*.py) run; off by default")
-    cal.add_argument("--quick", action="store_true",
-                     help="tiny probe sizes and 3 timed steps per fit: a rough calibration in seconds")
-    cal.add_argument("--timeout", type=float, default=600.0, help="seconds before each phase is stopped")
-    cal.add_argument("--out", required=True, help="write the measured (or fitted) cluster (JSON) here")
-
-
-def _calibrate(args: argparse.Namespace) -> int:
-    if not args.model:
-        probe = Probe.tiny() if args.quick else Probe()
-        _measure_and_save(args.out, args.devices, probe, processes=args.processes, timeout=args.timeout)
-        return 0
-    _fit_and_save(args.out, args.model, args.devices, global_batch=args.global_batch, seq_len=args.seq_len,
-                  trust_remote_code=args.trust_remote_code, quick=args.quick, processes=args.processes,
-                  timeout=args.timeout)
-    return 0
-
-
-def _calibrated(args: argparse.Namespace, devices: int, model: nn.Module) -> Cluster:
-    """The cluster in ``args.calibrate`` for ``devices`` devices; fitted to the model there first when
-    it does not exist (what ``pipecut calibrate --model`` does)."""
-    path, link = args.calibrate, args.link_bandwidth
-    if link is not None:
-        raise CliArgumentError(f"--link-bandwidth {link:g} and --calibrate {path} both set the links; give one")
-    if os.path.exists(path):
-        cluster = Cluster.load(path)
-        print(f"cluster measured earlier, read from {path}")
-    else:
-        limit = 8 * (os.cpu_count() or 1)
-        if devices > limit:
-            raise CliArgumentError(
-                f"--calibrate fits the model on this host with one process per device, and {devices} devices are "
-                f"more than it runs ({limit} at most here): plan another machine's cluster with --device, or "
-                "calibrate on it"
-            )
-        cluster = _fit_and_save(path, args.model, devices, global_batch=args.global_batch, seq_len=args.seq_len,
-                                trust_remote_code=args.trust_remote_code)
-    if len(cluster) < devices:
-        raise CliArgumentError(
-            f"{path} describes {len(cluster)} devices but the plan needs {devices}; measure again: "
-            f"pipecut calibrate --model {args.model} --devices {devices} --out {path}"
-        )
-    _check_fitted_to(path, args.model, devices, model)
-    return cluster.with_devices(devices)
-
-
-def _check_fitted_to(path: str, spec: str, devices: int, model: nn.Module) -> None:
-    """Warn when the cluster in ``path`` was fitted on another model or device count, or on none."""
-    from runtime.calibration import FITTED_TO, fit_mismatch, model_id
-
-    fitted_to = Cluster.load_details(path).get(FITTED_TO)
-    refit = f"pipecut calibrate --model {spec} --devices {devices} --out {path}"
-    if not fitted_to:
-        print(f"pipecut: note: {path} measured this host alone, not fitted to a model; its predictions rank "
-              f"layouts poorly on CPU processes (docs/partitioning.md, Calibration): {refit}", file=sys.stderr)
-        return
-    why = fit_mismatch(fitted_to, model_id=model_id(spec), devices=devices,
-                       parameters=sum(p.numel() for p in model.parameters()))
-    if why:
-        print(f"pipecut: warning: {path}: {why}; its speeds and overheads are that job's. Fit this one: {refit}",
-              file=sys.stderr)
-
-
-def _builder(spec: str, seq_len: int | None, trust_remote_code: bool) -> Callable[[], tuple[nn.Module, Any]]:
-    """A picklable factory of ``spec``'s model and one micro-batch (every fitting process calls it)."""
-    if is_hf_folder(spec):  # on meta: each process makes its tensors real and initialises them
-        return functools.partial(_folder_model, spec, seq_len, 1, trust_remote_code=trust_remote_code,
-                                 command="pipecut calibrate")
-    return functools.partial(load_model, spec)
-
-
-def _fit_and_save(
-    path: str, spec: str, devices: int, *, global_batch: int | None, seq_len: int | None, trust_remote_code: bool,
-    quick: bool = False, processes: int | None = None, timeout: float = 600.0,
-) -> Cluster:
-    """Measure the host at the model's sizes, fit it to the model on ``devices`` processes, print both, save."""
-    from runtime import calibration
-
-    build = _builder(spec, seq_len, trust_remote_code)
-    model, inputs = build()
-    probe = _model_probe(Probe.tiny() if quick else None, model, inputs)
-    del model
-    host, cal = _measure_host(devices, probe, processes=processes, timeout=timeout)
-    console = _console()
-    console.print(f"fitting it to {spec} on {devices} processes (each trains the model as the runtime does)...")
-    fit = calibration.fit_model(build, host, model=spec, model_id=calibration.model_id(spec), global_batch=global_batch,
-                                repeat=3 if quick else 7, timeout=timeout)
-    fit.cluster.save(path, details={**cal.summary(), **fit.details()})
-    _print_fit(console, host, fit.cluster, spec)
-    console.print(f"fitted in {fit.wall_s:.1f} s ({fit.loss}, {fit.parameters:,} parameters, global batch "
-                  f"{fit.global_batch}); cluster written to {path}")
-    return fit.cluster
-
-
-def _print_fit(console: Console, host: Cluster, fitted: Cluster, spec: str) -> None:
-    was, now = host.devices[0], fitted.devices[0]
-    _print_table(console, ("per process", "host measured", f"fitted to {spec}"), [
-        ("matmul fp32", _flops(was.peak_flops_fp32), _flops(now.peak_flops_fp32)),
-        ("matmul bf16", _flops(was.peak_flops), _flops(now.peak_flops)),
-        ("memory bandwidth", _rate(was.mem_bandwidth), _rate(now.mem_bandwidth)),
-        ("op overhead", _secs(was.op_overhead), _secs(now.op_overhead)),
-        ("action overhead", _secs(was.action_overhead), _secs(now.action_overhead)),
-        ("cores shared", str(host.cores or "-"), str(fitted.cores or "-")),
-    ])
-
-
-def _print_table(console: Console, columns: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
-    from rich.table import Table
-
-    table = Table(show_edge=False)
-    for col in columns:
-        table.add_column(col, justify="right")
-    for row in rows:
-        table.add_row(*row)
-    console.print(table)
-
-
-def _model_probe(probe: Probe | None, model: nn.Module, inputs: tuple[Any, ...]) -> Probe:
-    """``probe`` (default ``Probe()``) timing the model's own matrix products."""
-    from partitioner.tracing.trace import trace
-
-    probe = probe or Probe()
-    gemms = model_gemms(trace(model, inputs))
-    return probe.with_gemms(gemms) if gemms else probe
-
-
-def _flops(x: float) -> str:
-    return f"{x / 1e9:.1f} GFLOP/s"
-
-
-def _rate(x: float | None) -> str:
-    return "-" if x is None else f"{fmt_bytes(x)}/s"
-
-
-def _secs(x: float | None) -> str:
-    return "-" if x is None else fmt_time(x)
-
-
-def _measure_and_save(path: str, devices: int, probe: Probe, *, processes: int | None = None,
-                      timeout: float = 600.0) -> Cluster:
-    cluster, cal = _measure_host(devices, probe, processes=processes, timeout=timeout)
-    cluster.save(path, details=cal.summary())
-    _console().print(f"cluster written to {path}")
-    return cluster
-
-
-def _measure_host(devices: int, probe: Probe, *, processes: int | None, timeout: float) -> tuple[Cluster, Any]:
-    """This host measured as ``devices`` processes get it (``calibrate.measure``), printed beside the preset."""
-    from partitioner.cost import calibrate
-
-    console = _console()
-    console.print(f"measuring {devices} gloo processes of this host ({os.cpu_count()} CPUs)...")
-    cal = calibrate.measure(devices, processes=processes, probe=probe, timeout=timeout)
-    cluster = Cluster.from_calibration(cal)
-    dev, cpu = cluster.devices[0], DEVICE_PRESETS["cpu"]
-    rows = [
-        ("matmul fp32", _flops(dev.peak_flops_fp32), _flops(cpu.peak_flops_fp32)),
-        ("matmul bf16", _flops(dev.peak_flops), _flops(cpu.peak_flops)),
-        ("memory bandwidth", _rate(dev.mem_bandwidth), _rate(cpu.mem_bandwidth)),
-        ("op overhead", _secs(dev.op_overhead), _secs(cpu.op_overhead)),
-    ]
-    if devices > 1:
-        rows += [
-            ("p2p bandwidth", _rate(cluster.link_bandwidth[0]), _rate(cpu.link_bandwidth)),
-            ("p2p latency", _secs(cluster.link_latency[0]), _secs(cpu.link_latency)),
-            ("all-reduce bus bandwidth", _rate(cluster.collective_bandwidth), "-"),
-            ("all-reduce latency per step", _secs(cluster.collective_latency), "-"),
-        ]
-    _print_table(console, ("per process", "measured", "preset 'cpu'"), rows)
-    console.print(f"{cal.processes} processes measured at once in {cal.wall_s:.1f} s")
-    return cluster, cal
 
 
 # -- pipecut train -----------------------------------------------------------------------------

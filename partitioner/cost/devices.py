@@ -61,23 +61,13 @@ class ReserveRule:
 
 GPU_MEMORY_RESERVE = ReserveRule(fixed=2 * _GIB, fraction=0.05)
 """The memory a GPU preset keeps out of the plan: ``2 GiB + 5 %`` of the card (6 GiB of an
-H100-80GB or A100-80GB, 9.05 of an H200-141GB, 3.2 of an L4-24GB).
-
-What a training process holds on a GPU beyond the planner's tensors, measured on one H100 80GB
-HBM3 (torch 2.11, CUDA 13; docs/partitioning.md, *Device memory and the reserve*), in two parts:
-
-* fixed, about 2 GiB: the card exposes less than its name (``total_memory`` 79.18 GiB of the
-  preset's 80: 0.82 GiB); the CUDA context with cuBLAS loaded, 0.58 GiB outside PyTorch's
-  allocator; a one-rank NCCL communicator, 0.64 GiB more (a job has one per pipeline neighbour and
-  one per "dp" group, with buffers per peer: more, not less);
-* growing with the memory in use, 5 %: the caching allocator's fragmentation, reserved but not
-  allocated at the peak: 1.35 GiB on a 26.2 GiB peak (5.1 %) training a GPT-2 350M with AdamW
-  under bf16 autocast over sequence lengths that vary.
-
-Without it a plan at 99 % of the card is chosen and fails with out-of-memory. One GPU leaves
-multi-rank NCCL unmeasured: a real job's ``torch.cuda.mem_get_info`` against
-``max_memory_allocated`` may move it; ``Cluster.with_memory_reserve`` or ``--memory-reserve``
-override it per run.
+H100-80GB or A100-80GB, 9.05 of an H200-141GB, 3.2 of an L4-24GB). Measured on one H100 80GB
+(``benchmarks/cuda_reserve.py``; docs/partitioning.md, *Device memory and the reserve*): fixed,
+the card's ``total_memory`` short of its name (0.82 GiB), the CUDA context with cuBLAS (0.58 GiB)
+and a one-rank NCCL communicator (0.64 GiB; a job has several, with buffers per peer); growing
+with use, the caching allocator's reserved-but-unallocated bytes at the peak (about 5 %).
+Without it a plan at 99 % of the card is chosen and fails with out-of-memory;
+``Cluster.with_memory_reserve`` or ``--memory-reserve`` override it per run.
 """
 
 HOST_MEMORY_RESERVE = ReserveRule(fixed=0.5 * _GIB, fraction=0.10)

@@ -273,3 +273,22 @@ def test_cuda_memory_refuses_without_cuda(capsys: pytest.CaptureFixture[str]) ->
         pytest.skip("CUDA is here")
     assert _load("cuda_memory").main(["--quick", "--out", "/nonexistent/cm.json"]) == 2
     assert "CUDA is not available" in capsys.readouterr().err
+
+
+def test_cuda_reserve_refuses_without_cuda(capsys: pytest.CaptureFixture[str]) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is here")
+    assert _load("cuda_reserve").main(["--quick", "--out", "/nonexistent/cr.json"]) == 2
+    assert "CUDA is not available" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_cuda_reserve_quick_on_cuda(tmp_path: Path) -> None:
+    # The readings are the driver's; the default reserve of this GPU's preset must cover them.
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    out = tmp_path / "cr.json"
+    assert _load("cuda_reserve").main(["--quick", "--out", str(out)]) == 0
+    got = json.loads(out.read_text())["results"]
+    assert got["context_bytes"] > 0 and got["allocator_slack_bytes"] >= 0
+    assert got["needed_reserve_bytes"] < got["capacity_bytes"] / 4

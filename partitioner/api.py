@@ -29,6 +29,7 @@ from partitioner.cost.recompute import (
     check_option,
     choose_recompute,
     cut_recomputing,
+    note_user_checkpoints,
     recomputing_problem,
     stage_input_bytes,
 )
@@ -296,7 +297,7 @@ def _context(
         example_microbatches=example_microbatches,
     )
     t1 = time.perf_counter()
-    _note_checkpoints(traced.checkpointed, recompute)
+    note_user_checkpoints(traced.checkpointed, recompute)
     costs = with_precision(traced.gm, cost_graph(traced, profile=profile, device=profile_device), precision)
     t2 = time.perf_counter()
     g = build_graph(traced.gm, costs, traced.module_path)
@@ -424,25 +425,6 @@ class _Context:
                     sum(node_time(self.g.nodes[v]["cost"], dev)[0] for v in u.nodes) for u in self.units
                 )
         return tuple(rows[dev] for dev in cluster.devices)
-
-
-def _note_checkpoints(modules: Sequence[str], recompute: bool | str) -> None:
-    """Say what becomes of the activation checkpointing the model asks for (once per partition)."""
-    if not modules:
-        return
-    shown = ", ".join(modules[:4]) + (f" and {len(modules) - 4} more" if len(modules) > 4 else "")
-    if recompute is False:
-        log.warning(
-            "the model checkpoints %s (torch.utils.checkpoint / gradient_checkpointing_enable), but recompute=False "
-            "was asked: no stage recomputes, each keeps its activations. Pass recompute='auto' or True "
-            "(`--recompute auto|on`) to have the stages holding them recompute", shown,
-        )
-    else:
-        log.warning(
-            "the model checkpoints %s (torch.utils.checkpoint / gradient_checkpointing_enable): the stages "
-            "holding them recompute (pipecut's recomputation: the whole stage's forward again in its backward, "
-            "exact; the plan's recompute column shows which)", shown,
-        )
 
 
 def _example_microbatches(example_is: str, microbatches: int | str) -> int:

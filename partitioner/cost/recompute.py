@@ -31,6 +31,7 @@ from partitioner.algorithms.problem import GRAPH_INPUT, Partition, Problem
 from partitioner.errors import InfeasibleMemoryError, PartitionOptionError
 
 __all__ = [
+    "note_user_checkpoints",
     "RECOMPUTE_OPTIONS", "check_option", "choose_recompute", "cut_recomputing", "recomputing_problem",
     "stage_input_bytes", "stage_sums",
 ]
@@ -182,3 +183,23 @@ def choose_recompute(
         recomputing = state[s] + held[s] * in_bytes[s] + act[s]
         out.append(plain > capacity[s] and recomputing < plain)
     return tuple(out)
+
+
+def note_user_checkpoints(modules: Sequence[str], recompute: bool | str) -> None:
+    """Warn what becomes of the activation checkpointing the model asks for (``modules``: where it
+    checkpoints; once per partition): the stages holding them recompute, unless ``recompute=False``."""
+    if not modules:
+        return
+    shown = ", ".join(modules[:4]) + (f" and {len(modules) - 4} more" if len(modules) > 4 else "")
+    if recompute is False:
+        log.warning(
+            "the model checkpoints %s (torch.utils.checkpoint / gradient_checkpointing_enable), but recompute=False "
+            "was asked: no stage recomputes, each keeps its activations. Pass recompute='auto' or True "
+            "(`--recompute auto|on`) to have the stages holding them recompute", shown,
+        )
+    else:
+        log.warning(
+            "the model checkpoints %s (torch.utils.checkpoint / gradient_checkpointing_enable): the stages "
+            "holding them recompute (pipecut's recomputation: the whole stage's forward again in its backward, "
+            "exact; the plan's recompute column shows which)", shown,
+        )

@@ -191,6 +191,8 @@ def _plan(args: argparse.Namespace) -> int:
         )
     if (args.stages is None) == (args.devices is None):
         raise CliArgumentError("give --stages N (cut N stages) or --devices N --global-batch B (search the layout)")
+    if args.devices is not None and args.global_batch is None:  # before a --calibrate fit runs
+        raise CliArgumentError("--devices searches layouts for a global batch: add --global-batch B (rows per step)")
     count = args.devices if args.devices is not None else args.stages
     if args.calibrate:
         cluster = calibrated(args, count, model)
@@ -203,10 +205,6 @@ def _plan(args: argparse.Namespace) -> int:
         cluster = Cluster.uniform(count, device, link_bandwidth=args.link_bandwidth,
                                   memory_reserve=args.memory_reserve)
     if args.devices is not None:
-        if args.global_batch is None:
-            raise CliArgumentError(
-                "--devices searches layouts for a global batch: add --global-batch B (rows per step)"
-            )
         plan = plan_layout(
             model, inputs, cluster=cluster, global_batch=args.global_batch, top=args.top,
             schedules=(args.schedule,) if args.schedule not in (None, "auto") else None,

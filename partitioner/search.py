@@ -56,7 +56,7 @@ from partitioner.cost.exchange import (
 )
 from partitioner.cost.nodecost import weight_share
 from partitioner.cost.precision import check_precision
-from partitioner.cost.probes import fit_speed_and_overhead, rows_like, time_forward_backward
+from partitioner.cost.probes import fit_or_overhead_only, rows_like, time_forward_backward
 from partitioner.cost.recompute import check_option
 from partitioner.errors import InfeasibleMemoryError, PartitionOptionError
 from partitioner.plan.capacity import StateBound, refused
@@ -260,8 +260,8 @@ class LayoutSearch:
         (``seconds``), however they were timed: :meth:`fit_to_model` times the traced graph, and
         ``runtime.overheads.fit_to_runtime`` a one-stage trainer step, loss included.
 
-        Raises:
-            CalibrationError: the timings do not grow with the size.
+        Where the timings do not grow with the size, the devices' speed is kept and only the per-op
+        overhead is fitted (``fit_or_overhead_only``; logged as a warning).
         """
         p, times = self._pricer, seconds
         bare = with_fit(p.cluster, 1.0, 0.0)
@@ -271,7 +271,11 @@ class LayoutSearch:
         for b in sizes:
             g = p.ctx.scaled(b / p.rows).g
             roof.append(sum(sum(node_time(g.nodes[v]["cost"], bare.devices[0])) for v in g.nodes))
-        speed, overhead = fit_speed_and_overhead((roof[0], roof[1]), (times[0], times[1]), ops)
+        speed, overhead, grew = fit_or_overhead_only((roof[0], roof[1]), (times[0], times[1]), ops)
+        if not grew:
+            log.warning("the model's step did not take longer at %d rows than at %d (%.4gs, %.4gs: overhead and noise "
+                        "swamp its compute here): the devices' speed is kept, the per-op overhead fitted alone",
+                        sizes[1], sizes[0], times[0], times[1])
         log.info("fit to the model: %d ops, %s rows: %.4gs, %.4gs measured; speed x%.3g, %.3g s per op",
                  ops, sizes, times[0], times[1], speed, overhead)
         return with_fit(p.cluster, speed, overhead)

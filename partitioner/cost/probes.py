@@ -27,6 +27,7 @@ from partitioner.errors import CalibrationError, ClusterError
 
 __all__ = [
     "fit_speed_and_overhead",
+    "fit_or_overhead_only",
     "rows_like",
     "time_forward_backward",
     "GemmShape",
@@ -387,6 +388,31 @@ def fit_speed_and_overhead(
         )
     s = (r2 - r1) / (t2 - t1)
     return s, max(0.0, (t1 - r1 / s) / ops)
+
+
+def fit_or_overhead_only(
+    roofline: tuple[float, float], measured: tuple[float, float], ops: int
+) -> tuple[float, float, bool]:
+    """:func:`fit_speed_and_overhead`'s ``(s, overhead, True)``, or, where the larger size was not
+    measured slower (a step all overhead, timed on busy shared cores), ``(1.0, overhead, False)``:
+    the devices' speed kept and the per-op overhead fitted to the mean time over the roofline.
+
+    Raises:
+        CalibrationError: there are no ops, or a time is not positive.
+
+    Example:
+        >>> fit_or_overhead_only((1.0, 4.0), (0.6, 2.1), ops=100)[2]
+        True
+        >>> s, overhead, fitted = fit_or_overhead_only((0.001, 0.002), (0.0143, 0.0129), ops=200)
+        >>> s, round(overhead, 7), fitted
+        (1.0, 6.05e-05, False)
+    """
+    (r1, r2), (t1, t2) = roofline, measured
+    if r2 > r1 and t2 > t1 and ops > 0:
+        return (*fit_speed_and_overhead(roofline, measured, ops), True)
+    if ops <= 0 or min(t1, t2) <= 0:
+        raise CalibrationError(f"cannot fit the per-op overhead: {ops} ops measured at {t1:.4g} s and {t2:.4g} s")
+    return 1.0, max(0.0, ((t1 - r1) + (t2 - r2)) / (2 * ops)), False
 
 
 def rows_like(x: Any, rows: int) -> Any:

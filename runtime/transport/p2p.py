@@ -85,7 +85,7 @@ def gone_error(me: int, what: str, elapsed: float, peers: Sequence[int]) -> Peer
     if announced_failure(me):
         return None
     dead = gone([r for r in peers if r != me])
-    if not dead:
+    if not dead or announced_failure(me):  # again: an announcement can land while its process exits
         return None
     names = ", ".join(str(d) for d in dead)
     verb = "is" if len(dead) == 1 else "are"

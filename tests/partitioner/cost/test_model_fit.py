@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from partitioner import Cluster, LayoutSearch
-from partitioner.cost.probes import fit_speed_and_overhead, rows_like
+from partitioner.cost.probes import fit_or_overhead_only, fit_speed_and_overhead, rows_like
 from partitioner.errors import CalibrationError
 from partitioner.search import with_fit
 
@@ -25,6 +25,16 @@ def test_the_fit_recovers_speed_and_overhead(r1: float, grow: float, overhead: f
 def test_timings_that_do_not_grow_are_refused() -> None:
     with pytest.raises(CalibrationError, match="larger micro-batch must take longer"):
         fit_speed_and_overhead((1.0, 2.0), (0.5, 0.4), 10)
+
+
+def test_timings_that_do_not_grow_keep_the_speed_and_fit_the_overhead_alone() -> None:
+    # The tiny model on 4 processes of 2 busy cores: the larger size timed faster.
+    s, overhead, grew = fit_or_overhead_only((1e-4, 6e-4), (0.0143, 0.0129), 227)
+    assert (s, grew) == (1.0, False) and overhead == pytest.approx((0.0142 + 0.0123) / (2 * 227))
+    assert fit_or_overhead_only((1.0, 4.0), (0.6, 2.1), 100) == (*fit_speed_and_overhead((1.0, 4.0), (0.6, 2.1), 100),
+                                                                 True)
+    with pytest.raises(CalibrationError, match="cannot fit the per-op overhead"):
+        fit_or_overhead_only((1.0, 2.0), (0.0, 0.4), 10)
 
 
 def test_rows_repeat_and_fitted_devices_keep_their_memory() -> None:

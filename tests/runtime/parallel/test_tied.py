@@ -67,15 +67,18 @@ def _rank_1_misses_the_tied_sum(rank: int, world: int, how: str, gave_up: str) -
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("how", "error"), [("fails", "PeerFailed"), ("late", "TransportTimeout")])
+# "fails": rank 1 returns from its error and its process exits, announcing nothing: rank 0 names it
+# gone (PeerGone) when the process has ended by the time it looks, else failed (PeerFailed).
+@pytest.mark.parametrize(("how", "error"), [("fails", "PeerFailed|PeerGone"), ("late", "TransportTimeout")])
 def test_the_tied_weight_sum_is_bounded_by_the_timeout(tmp_path: Path, how: str, error: str) -> None:
     got, missed = spawn(_rank_1_misses_the_tied_sum, 2, how, str(tmp_path / "rank-0-gave-up"), timeout=90)
     assert missed["type"] == "RuntimeError", missed
-    assert got["type"] == error, got
+    assert got["type"] in error.split("|"), got
     assert "the all-reduce of tied weights' gradients (a tensor of (8, 8)) with ranks [0, 1]" in got["message"]
     if how == "fails":  # rank 1's connection closed: at once
         assert got["waited"] < TIMEOUT, got
-        assert "before the 5 s timeout" in got["message"], got["message"]
+        said = "before the 5 s timeout" if got["type"] == "PeerFailed" else "is gone"
+        assert said in got["message"], got["message"]
     else:
         assert TIMEOUT * 0.9 < got["waited"] < TIMEOUT + 3, got
         assert "did not complete within 5 s (the timeout; waited" in got["message"], got["message"]

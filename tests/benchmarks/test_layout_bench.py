@@ -109,11 +109,13 @@ def test_layouts_cover_every_divisible_layout(bench: ModuleType) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_layout_quick(bench: ModuleType, tmp_path: Path) -> None:
-    # A subprocess, as users run it: its spawned ranks re-import the script as __main__.
+    # A subprocess, as users run it: its spawned ranks re-import the script as __main__. Priced on
+    # the command line's calibration (`pipecut calibrate --model`, run by the script), with the
+    # in-benchmark fit beside it on the same measured steps: one run covers both predictors.
     out = tmp_path / "layout.json"
-    argv = ["--quick", "--timeout", "240", "--out", str(out)]
+    argv = ["--quick", "--cli-calibrate", "--timeout", "400", "--out", str(out)]
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "layout.py"), *argv], capture_output=True,
-                         text=True, timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                         text=True, timeout=900, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, run.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["benchmark"] == "layout"
@@ -139,6 +141,13 @@ def test_layout_quick(bench: ModuleType, tmp_path: Path) -> None:
     assert s["choice_measured_rank"] == [r["name"] for r in by_measured].index(s["choice"]) + 1
     assert [r["rank_measured"] for r in by_measured] == [1, 2, 3, 4, 5]
     assert [r["rank_predicted"] for r in rows] == bench.ranks(pred)
+    fitted_to = data["cli_calibration"]["fitted_to"]
+    assert fitted_to["model"] == "benchmarks/layout_model.py:model_quick" and fitted_to["devices"] == 4
+    assert data["config"]["cluster"] == str(out.with_suffix(".cluster.json"))
+    cluster = json.loads(out.with_suffix(".cluster.json").read_text())["cluster"]
+    assert cluster["devices"][0]["name"] == "cpu (measured) (fitted to the model)"
+    assert {"choice", "median_abs_error", "spearman"} <= data["summary"]["in_benchmark_fit"].keys()
+    assert all(r["predicted_in_benchmark_fit_s"] > 0 for r in rows)
     rho = bench.spearman(pred, meas)
     assert s["spearman"] is None if math.isnan(rho) else s["spearman"] == pytest.approx(rho)
     # Every layout's first step trained the plain model on the global batch.
@@ -162,22 +171,3 @@ def test_the_benchmarks_gpt2_is_a_command_line_factory(bench: ModuleType) -> Non
     assert mine.keys() == theirs.keys()
     for k in mine:
         torch.testing.assert_close(mine[k], theirs[k])
-
-
-@pytest.mark.multiprocess
-@pytest.mark.slow
-def test_layout_quick_priced_on_the_command_lines_calibration(tmp_path: Path) -> None:
-    out = tmp_path / "layout_cli.json"
-    argv = ["--quick", "--cli-calibrate", "--timeout", "400", "--out", str(out)]
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "layout.py"), *argv], capture_output=True,
-                         text=True, timeout=900, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert run.returncode == 0, run.stderr[-3000:]
-    data = json.loads(out.read_text())
-    fitted_to = data["cli_calibration"]["fitted_to"]
-    assert fitted_to["model"] == "benchmarks/layout_model.py:model_quick" and fitted_to["devices"] == 4
-    assert data["config"]["cluster"] == str(out.with_suffix(".cluster.json"))
-    cluster = json.loads(out.with_suffix(".cluster.json").read_text())["cluster"]
-    assert cluster["devices"][0]["name"] == "cpu (measured) (fitted to the model)"
-    # Both calibrations priced the same measured steps.
-    assert {"choice", "median_abs_error", "spearman"} <= data["summary"]["in_benchmark_fit"].keys()
-    assert all(r["predicted_in_benchmark_fit_s"] > 0 and r["predicted_s"] > 0 for r in data["layouts"])

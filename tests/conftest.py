@@ -17,3 +17,11 @@ def _seed_everything() -> None:
 def pytest_configure(config: pytest.Config) -> None:
     # The CI machine has 2 cores; tests that spawn processes set their own thread counts.
     torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _no_inherited_terminal_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Output widths are the tests' to set: a COLUMNS inherited from the shell or a test runner
+    # (pytest-xdist's workers) would wrap the CLI's tables at another width.
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.delenv("LINES", raising=False)

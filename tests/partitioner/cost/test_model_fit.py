@@ -34,7 +34,7 @@ def test_timings_that_do_not_grow_keep_the_speed_and_fit_the_overhead_alone() ->
     assert fit_or_overhead_only((1.0, 4.0), (0.6, 2.1), 100) == (*fit_speed_and_overhead((1.0, 4.0), (0.6, 2.1), 100),
                                                                  True)
     with pytest.raises(CalibrationError, match="cannot fit the per-op overhead"):
-        fit_or_overhead_only((1.0, 2.0), (0.0, 0.4), 10)
+        fit_or_overhead_only((1.0, 2.0), (0.5, 0.0), 10)
 
 
 def test_rows_repeat_and_fitted_devices_keep_their_memory() -> None:

@@ -365,8 +365,12 @@ def _train(args: argparse.Namespace) -> int:
     flags = {k: v for k, v in vars(args).items() if k.replace("_", "-") in {**_TRAIN_FLAGS, **_TRAIN_SWITCHES}}
     cfg = resolve(read_toml(args.config_file) if args.config_file else {}, flags)
     t0 = time.perf_counter()
-    # The process group starts inside train(); under torchrun, RANK says who prints.
-    leader = os.environ.get("RANK", "0") == "0"
+    # The process group starts inside train(); under torchrun, RANK says who prints (a caller that
+    # started the group itself, as torch.multiprocessing's spawn does, has no RANK: its group says).
+    import torch.distributed as dist
+
+    grouped = dist.is_available() and dist.is_initialized()
+    leader = dist.get_rank() == 0 if grouped else os.environ.get("RANK", "0") == "0"
     # A terminal gets the live bar; a file or a pipe (a batch job's log) a plain line every --log-every steps,
     # since a bar written there shows only its last frame.
     terminal = Console().is_terminal

@@ -30,10 +30,20 @@ def _flags(folder: Path, data: Path, out: Path, *extra: str) -> list[str]:
             "--global-batch", "4", "--warmup", "1", "--decay-steps", "4", *extra]
 
 
-def _commands(rank: int, world: int, argvs: list[list[str]]) -> list[int]:
+def _commands(rank: int, world: int, argvs: list[list[str]]) -> list[tuple[int, bool]]:
+    """Each command's exit code, and whether this rank printed the run's summary line."""
+    import contextlib
+    import io
+
     from pipecut.cli import main
 
-    return [main(argv) for argv in argvs]
+    done = []
+    for argv in argvs:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            code = main(argv)
+        done.append((code, "trained " in out.getvalue()))
+    return done
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +66,9 @@ def runs(planned: tuple[Plan, Path], llama_folder: Path, token_file: Path,
         _flags(llama_folder, token_file, auto, "--layout", "auto", "--device", "cpu", "--steps", "4"),
         _flags(llama_folder, token_file, saved, "--plan", str(planned[1]), "--steps", "4"),
     ]
-    assert spawn(_commands, 4, argvs, timeout=400) == [[0, 0, 0]] * 4
+    # Every command exits 0; only rank 0 prints (spawn sets no RANK: the process group says who leads).
+    got = spawn(_commands, 4, argvs, timeout=400)
+    assert got == [[(0, rank == 0)] * 3 for rank in range(4)], got
     return {"auto": auto, "saved": saved}
 
 

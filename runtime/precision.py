@@ -54,7 +54,7 @@ from runtime.transport.collective import run_bounded
 
 __all__ = [
     "MixedPrecision", "LossScaler", "PrecisionError", "PRECISIONS", "resolve_precision", "wire_dtypes",
-    "whole_fake_params", "AutocastConflictError", "CallPrecision", "CallerAutocast", "caller_policy",
+    "whole_fake_params", "fake_slots", "AutocastConflictError", "CallPrecision", "CallerAutocast", "caller_policy",
 ]
 
 log = logging.getLogger(__name__)
@@ -216,22 +216,49 @@ def whole_fake_params(model: torch.nn.Module, mode: FakeTensorMode) -> Iterator[
         >>> type(lin.weight).__name__
         'Parameter'
     """
+    def sharded(prm: torch.Tensor) -> torch.device | None:
+        to_local = getattr(prm, "to_local", None)
+        return to_local().device if callable(to_local) else released_device(prm)
+
+    with fake_slots(model, mode, sharded):
+        yield
+
+
+@contextlib.contextmanager
+def fake_slots(
+    model: torch.nn.Module, mode: FakeTensorMode, device_of: Callable[[torch.Tensor], torch.device | None],
+    *, buffers: bool = False,
+) -> Iterator[None]:
+    """Within: every parameter (and with ``buffers``, buffer) ``t`` of ``model`` for which
+    ``device_of(t)`` gives a device is a fake tensor of ``t``'s shape and dtype on that device;
+    put back on exit. The fake runs that find shapes and dtypes use it for what is not there
+    whole (:func:`whole_fake_params`; ``runtime.execute.shapes``' stages left on meta).
+
+    Example:
+        >>> lin = torch.nn.Linear(2, 3, device="meta")
+        >>> with fake_slots(lin, FakeTensorMode(), lambda t: torch.device("cpu")):
+        ...     lin.weight.device.type, type(lin.weight).__name__
+        ('cpu', 'FakeTensor')
+        >>> lin.weight.device.type
+        'meta'
+    """
     swapped: list[tuple[dict[str, Any], str, Any]] = []
     try:
         for module in model.modules():
-            slots: dict[str, Any] = module._parameters
-            for name, prm in list(slots.items()):
-                to_local = getattr(prm, "to_local", None)
-                device = to_local().device if callable(to_local) else released_device(prm) if prm is not None else None
-                if device is not None:
-                    with mode:
-                        fake = torch.empty(prm.shape, dtype=prm.dtype, device=device)
-                    swapped.append((slots, name, prm))
-                    slots[name] = fake  # the dict directly: Module.__setattr__ wants a Parameter
+            tables: tuple[dict[str, Any], ...] = (module._parameters, module._buffers) if buffers else (
+                module._parameters,)
+            for slots in tables:
+                for name, t in list(slots.items()):
+                    device = device_of(t) if isinstance(t, torch.Tensor) else None
+                    if device is not None:
+                        with mode:
+                            fake = torch.empty(t.shape, dtype=t.dtype, device=device)
+                        swapped.append((slots, name, t))
+                        slots[name] = fake  # the dict directly: Module.__setattr__ wants a Parameter
         yield
     finally:
-        for slots, name, prm in reversed(swapped):
-            slots[name] = prm
+        for slots, name, t in reversed(swapped):
+            slots[name] = t
 
 
 class _DtypeRecorder(fx.Interpreter):

@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from partitioner.errors import InputShapeError, PlanMismatchError
 from partitioner.tracing.globalstate import preserved
 from partitioner.tracing.trace import InputMeta
-from runtime.precision import whole_fake_params
+from runtime.precision import fake_slots, whole_fake_params
 
 __all__ = ["wire_shapes", "check_fixed_dims"]
 
@@ -90,21 +90,8 @@ def _meta_as_fake(gm: fx.GraphModule, mode: FakeTensorMode, inputs: Sequence[Any
     devices, though only their shapes matter. Put back on exit.
     """
     device = next((x.device for x in inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
-    swapped: list[tuple[dict[str, Any], str, Any]] = []
-    try:
-        for module in gm.modules():
-            tables: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
-            for slots in tables:
-                for name, t in list(slots.items()):
-                    if isinstance(t, torch.Tensor) and t.is_meta and device.type != "meta":
-                        with mode:
-                            fake = torch.empty(t.shape, dtype=t.dtype, device=device)
-                        swapped.append((slots, name, t))
-                        slots[name] = fake  # the dict directly: Module.__setattr__ wants a Parameter
+    with fake_slots(gm, mode, lambda t: device if t.is_meta and device.type != "meta" else None, buffers=True):
         yield
-    finally:
-        for slots, name, t in reversed(swapped):
-            slots[name] = t
 
 
 # FakeTensorMode logs a traceback at ERROR level when an op rejects the shapes; the error we

@@ -41,6 +41,7 @@ from rich.console import Console
 
 from partitioner.api import METHODS, partition
 from partitioner.cost.devices import DEVICE_PRESETS, Cluster, default_device
+from partitioner.cost.recompute import RECOMPUTE_FLAGS
 from partitioner.errors import CliArgumentError, InfeasibleMemoryError, PipecutError
 from partitioner.plan.layout import DEFAULT_ZERO, ZERO_OPTIONS
 from partitioner.plan.plan import Plan
@@ -60,8 +61,6 @@ __all__ = ["main", "build_parser", "version", "EXIT_ERROR", "EXIT_OVER_CAPACITY"
 # row marked OVER) or no cut fits (InfeasibleMemoryError), so scripts can tell "too big" apart.
 EXIT_ERROR = 2
 EXIT_OVER_CAPACITY = 3
-
-_RECOMPUTE: dict[str, bool | str] = {"auto": "auto", "on": True, "off": False}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -209,7 +208,7 @@ def _plan(args: argparse.Namespace) -> int:
             model, inputs, cluster=cluster, global_batch=args.global_batch, top=args.top,
             schedules=(args.schedule,) if args.schedule not in (None, "auto") else None,
             granularity=args.granularity, state_bytes_per_param=args.state_bytes,
-            recompute=_RECOMPUTE[args.recompute], precision=args.precision,
+            recompute=RECOMPUTE_FLAGS[args.recompute], precision=args.precision,
             zero=tuple(z.strip() for z in args.zero.split(",") if z.strip()),
         )
     else:
@@ -217,7 +216,7 @@ def _plan(args: argparse.Namespace) -> int:
             model, inputs, args.stages, cluster=cluster, microbatches=args.microbatches,
             schedule=args.schedule or "1f1b", method=args.method, refine=not args.no_refine, split_points=split,
             granularity=args.granularity, state_bytes_per_param=args.state_bytes,
-            recompute=_RECOMPUTE[args.recompute], precision=args.precision,
+            recompute=RECOMPUTE_FLAGS[args.recompute], precision=args.precision,
         )
     print(render_text(plan, width=make_console().width, top=args.top), end="")
     if args.json_path:

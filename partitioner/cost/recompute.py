@@ -31,6 +31,7 @@ from partitioner.algorithms.problem import GRAPH_INPUT, Partition, Problem
 from partitioner.errors import InfeasibleMemoryError, PartitionOptionError
 
 __all__ = [
+    "RECOMPUTE_FLAGS",
     "note_user_checkpoints",
     "RECOMPUTE_OPTIONS", "check_option", "choose_recompute", "cut_recomputing", "recomputing_problem",
     "stage_input_bytes", "stage_sums",
@@ -41,6 +42,11 @@ log = logging.getLogger(__name__)
 RECOMPUTE_OPTIONS = ("auto", True, False)
 # Rounds of lowering an overflowing stage's capacity by its input bytes before giving up.
 _ROUNDS = 4
+
+
+# The command line's ``--recompute auto|on|off`` (``pipecut plan`` and ``pipecut train``) as the
+# ``recompute=`` value of ``partition`` and ``plan_layout``.
+RECOMPUTE_FLAGS: dict[str, bool | str] = {"auto": "auto", "on": True, "off": False}
 
 
 def check_option(recompute: object) -> bool | str:

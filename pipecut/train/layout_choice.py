@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from partitioner.cost.devices import Cluster
+from partitioner.cost.recompute import RECOMPUTE_FLAGS
 from partitioner.errors import CalibrationError, MissingPredictionError, PipecutError, PlanMismatchError
 from partitioner.plan.layout import DEFAULT_ZERO, Option
 from partitioner.plan.plan import Plan
@@ -53,13 +54,12 @@ from pipecut.train import checkpoints
 from pipecut.train.config import LAYOUT_KEYS, TrainConfig, TrainConfigError
 
 __all__ = [
-    "Choice", "choose", "search_space", "resolved", "bind_plan", "predicted_step", "describe", "RECOMPUTE",
+    "Choice", "choose", "search_space", "resolved", "bind_plan", "predicted_step", "describe",
     "TrainPlanError", "PlanWorldError", "PlanModelError",
 ]
 
 log = logging.getLogger(__name__)
 
-RECOMPUTE: dict[str, bool | str] = {"auto": "auto", "on": True, "off": False}
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
@@ -261,7 +261,7 @@ def _search(cfg: TrainConfig, folder: HFFolder, config: Any, world: int, preset:
     space = search_space(cfg, world=world)  # refused before anything is traced
     example = folder.example_inputs(seq_len=cfg.seq_len, micro_batch_size=1)
     options: dict[str, Any] = {
-        "global_batch": cfg.global_batch, "precision": cfg.precision, "recompute": RECOMPUTE[cfg.recompute],
+        "global_batch": cfg.global_batch, "precision": cfg.precision, "recompute": RECOMPUTE_FLAGS[cfg.recompute],
     }
     if cfg.calibrate is not None:
         cluster, priced_on = _cluster_file(cfg.calibrate, n), f"the cluster in {cfg.calibrate}"

@@ -31,6 +31,7 @@ from torch import nn
 
 from partitioner.api import partition
 from partitioner.cost.devices import Cluster, default_device
+from partitioner.cost.recompute import RECOMPUTE_FLAGS
 from partitioner.errors import PipecutError
 from partitioner.plan.plan import Plan
 from pipecut.folder import HFFolder, max_positions
@@ -281,7 +282,7 @@ def _build(
             module, folder.example_inputs(seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size or 1),
             cluster=Cluster.uniform(lay.pp, _preset(cfg.device), memory_reserve=cfg.memory_reserve),
             microbatches=lay.m, schedule=cfg.schedule or "1f1b", precision=cfg.precision,
-            recompute=layout_choice.RECOMPUTE[cfg.recompute],
+            recompute=RECOMPUTE_FLAGS[cfg.recompute],
         )
     trainer = PipelineTrainer(
         plan, lm_loss, _adamw(cfg),

@@ -194,9 +194,10 @@ def model_id(spec: str) -> str:
 
 def next_token_loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy, the mean over the tokens: ``output`` is logits ``(b, T, V)`` or holds them
-    as ``.logits`` (a Hugging Face model's output); ``targets`` ``(b, T)`` are the inputs shifted by one."""
+    as ``.logits`` (a Hugging Face model's output); ``targets`` ``(b, T)`` are the inputs shifted by one,
+    moved to the logits' device. ``pipecut train`` trains with it (``pipecut.train.loop.lm_loss``)."""
     logits = output.logits if hasattr(output, "logits") else output
-    return nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    return nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.to(logits.device).flatten())
 
 
 def output_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

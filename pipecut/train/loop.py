@@ -40,6 +40,7 @@ from pipecut.train.config import TrainConfig, TrainConfigError, read_toml, resol
 from pipecut.train.data import EVAL, TRAIN, TokenData, open_tokens
 from pipecut.train.export import export_final
 from pipecut.train.lr import lr_at
+from runtime.calibration import next_token_loss
 from runtime.errors import LossError
 from runtime.options import DataParallel, Execution, Init
 from runtime.state.weights import Weights
@@ -77,14 +78,9 @@ class TrainResult:
     plan: Plan | None = None
 
 
-def lm_loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy, the mean over the micro-batch's tokens.
-
-    ``output`` is the logits ``(b, L, V)``, or a model output holding them as ``.logits`` (what a
-    Hugging Face model returns when traced without a wrapper); ``targets`` is ``(b, L)``.
-    """
-    logits = output.logits if hasattr(output, "logits") else output
-    return nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.to(logits.device).flatten())
+# Next-token cross-entropy, the mean over the micro-batch's tokens: the loss `pipecut calibrate
+# --model` fits with is the one a run trains with.
+lm_loss = next_token_loss
 
 
 def layout(cfg: TrainConfig, world: int, rank: int) -> Layout:

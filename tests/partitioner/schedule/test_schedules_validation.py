@@ -61,11 +61,11 @@ def test_grid_of_gpipe_p3_m2_and_wide_labels() -> None:
 
 
 def test_docs_show_the_generated_grids() -> None:
-    docs = (DOCS / "runtime.md").read_text()
-    assert docs.startswith("# Runtime\n") and "\n## Schedules\n" in docs
+    docs = (DOCS / "reference" / "schedule-ir.md").read_text()
+    assert docs.startswith("# Reference: the schedule IR\n") and "\n## The grid\n" in docs
     for name in TRAINING:
         assert format_grid(get_schedule(name, 4, 8)) in docs, (
-            f"docs/runtime.md has a stale {name} grid"
+            f"docs/reference/schedule-ir.md has a stale {name} grid"
         )
 
 

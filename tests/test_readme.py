@@ -1,4 +1,4 @@
-"""Every shell command in README.md runs (or, where a test cannot run it, has the right form).
+"""Every shell command in README.md and CONTRIBUTING.md runs (or, where a test cannot run it, has the right form).
 
 What counts as a command: the lines of each fenced block marked ```bash, ```sh, ```shell or
 ```console (in a console block, only the lines starting with ``$ ``). ``\\`` at a line's end
@@ -61,6 +61,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+PAGES = (README, ROOT / "CONTRIBUTING.md")  # the pages whose commands this file runs
 SHELLS = ("bash", "sh", "shell", "console")
 RUN = ("python", "python3", "pipecut", "torchrun")
 CI_STEPS = ("pytest", "ruff", "mypy")
@@ -75,6 +76,7 @@ class Command:
     line: int
     argv: tuple[str, ...]
     env: tuple[tuple[str, str], ...] = ()
+    page: str = "README.md"
 
     def __str__(self) -> str:
         return " ".join([*(f"{k}={v}" for k, v in self.env), *map(shlex.quote, self.argv)])
@@ -90,9 +92,10 @@ class Block:
     replace: tuple[tuple[str, str], ...] = ()
     skip: str = ""
     run_by: str = ""
+    page: str = "README.md"
 
 
-def read_blocks(text: str) -> list[Block]:
+def read_blocks(text: str, page: str = "README.md") -> list[Block]:
     """The shell blocks of a Markdown text, outside HTML comments, with their directives.
 
     Example:
@@ -106,12 +109,12 @@ def read_blocks(text: str) -> list[Block]:
             continue
         first = text.count("\n", 0, m.start()) + 2  # the line after the fence
         before = re.search(r"<!--\s*test:((?:(?!-->).)*)-->\s*\Z", text[: m.start()], re.DOTALL)
-        commands = _commands(m.group(2), first, console=m.group(1) == "console")
-        blocks.append(_with_directives(Block(first, commands), before.group(1) if before else ""))
+        commands = _commands(m.group(2), first, console=m.group(1) == "console", page=page)
+        blocks.append(_with_directives(Block(first, commands, page=page), before.group(1) if before else ""))
     return blocks
 
 
-def _commands(body: str, first: int, *, console: bool) -> tuple[Command, ...]:
+def _commands(body: str, first: int, *, console: bool, page: str = "README.md") -> tuple[Command, ...]:
     commands = []
     lines = body.splitlines()
     i = 0
@@ -129,7 +132,7 @@ def _commands(body: str, first: int, *, console: bool) -> tuple[Command, ...]:
         if not words:
             continue
         bad = [w for w in words if w in _OPERATORS or w.startswith(("$(", "`"))]
-        assert not bad, f"README.md:{start}: {text!r} uses {bad}: the README test runs one command per line, no shell"
+        assert not bad, f"{page}:{start}: {text!r} uses {bad}: the README test runs one command per line, no shell"
         chain: list[list[str]] = [[]]
         for w in words:
             if w == "&&":
@@ -141,8 +144,8 @@ def _commands(body: str, first: int, *, console: bool) -> tuple[Command, ...]:
             while part and re.fullmatch(r"[A-Za-z_]\w*=.*", part[0]):
                 name, value = part.pop(0).split("=", 1)
                 env.append((name, value))
-            assert part, f"README.md:{start}: {text!r} has an empty command (around `&&`)"
-            commands.append(Command(start, tuple(part), tuple(env)))
+            assert part, f"{page}:{start}: {text!r} has an empty command (around `&&`)"
+            commands.append(Command(start, tuple(part), tuple(env), page))
     return tuple(commands)
 
 
@@ -160,7 +163,7 @@ def _with_directives(block: Block, directives: str) -> Block:
             replace.append((old, new))
         elif d:
             append += shlex.split(d)
-    return Block(block.line, block.commands, tuple(append), tuple(replace), skip, run_by)
+    return Block(block.line, block.commands, tuple(append), tuple(replace), skip, run_by, block.page)
 
 
 def readme_block(test: str) -> Block:
@@ -182,7 +185,7 @@ def kind(cmd: Command) -> str:
     if prog in RUN:
         return "run"
     pytest.fail(
-        f"README.md:{cmd.line}: {cmd}: the README test does not know how to check {prog!r}. "
+        f"{cmd.page}:{cmd.line}: {cmd}: the README test does not know how to check {prog!r}. "
         f"Add it to RUN (run it) or CI_STEPS (a step of .ci/run) in tests/test_readme.py"
     )
 
@@ -192,7 +195,7 @@ def applied(block: Block) -> list[Command]:
     out = []
     for old, _ in block.replace:
         assert any(old in str(c) for c in block.commands), (
-            f"README.md:{block.line}: the test directive replaces {old!r}, which no command of the block has"
+            f"{block.page}:{block.line}: the test directive replaces {old!r}, which no command of the block has"
         )
     for cmd in block.commands:
         text = " ".join(map(shlex.quote, cmd.argv))
@@ -201,7 +204,7 @@ def applied(block: Block) -> list[Command]:
         argv = tuple(shlex.split(text))
         if kind(cmd) == "run":
             argv += block.append
-        out.append(Command(cmd.line, argv, cmd.env))
+        out.append(Command(cmd.line, argv, cmd.env, cmd.page))
     return out
 
 
@@ -221,7 +224,7 @@ def check_pip(cmd: Command) -> None:
     from packaging.requirements import Requirement
     from packaging.utils import canonicalize_name
 
-    where = f"README.md:{cmd.line}: {cmd}"
+    where = f"{cmd.page}:{cmd.line}: {cmd}"
     argv = list(cmd.argv[cmd.argv.index("install") + 1:]) if "install" in cmd.argv else []
     assert argv, f"{where}: expected `pip install ...`"
     project = _pyproject()
@@ -256,7 +259,7 @@ def ci_steps() -> list[str]:
 
 
 def check_ci(cmd: Command) -> None:
-    assert " ".join(cmd.argv) in ci_steps(), f"README.md:{cmd.line}: {cmd} is not a step of .ci/run: {ci_steps()}"
+    assert " ".join(cmd.argv) in ci_steps(), f"{cmd.page}:{cmd.line}: {cmd} is not a step of .ci/run: {ci_steps()}"
 
 
 # -- running ------------------------------------------------------------------------------------
@@ -299,7 +302,7 @@ def run_block(block: Block, cwd: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _run(cmd: Command, cwd: Path, extra_env: dict[str, str]) -> None:
-    where = f"README.md:{cmd.line}: {cmd}"
+    where = f"{cmd.page}:{cmd.line}: {cmd}"
     env = {**os.environ, **extra_env}
     try:
         done = subprocess.run(_argv(cmd), cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
@@ -331,17 +334,17 @@ def _run_here(cmd: Command, args: list[str], cwd: Path, monkeypatch: pytest.Monk
     finally:
         torch.set_num_threads(threads)  # a command may set its own; the next test starts from ours
     assert code == 0, (
-        f"README.md:{cmd.line}: {cmd} exited with {code}\n"
+        f"{cmd.page}:{cmd.line}: {cmd} exited with {code}\n"
         f"stdout (end):\n{out.getvalue()[-3000:]}\nstderr (end):\n{err.getvalue()[-3000:]}"
     )
 
 
 def _params() -> list[object]:
     params = []
-    for b in read_blocks(README.read_text()):
+    for b in (b for page in PAGES for b in read_blocks(page.read_text(), page.name)):
         launches = not b.run_by and any(Path(c.argv[0]).name == "torchrun" for c in b.commands)
         marks = [pytest.mark.multiprocess, pytest.mark.slow] if launches else []
-        params.append(pytest.param(b, id=f"README.md:{b.line}", marks=marks))
+        params.append(pytest.param(b, id=f"{b.page}:{b.line}", marks=marks))
     return params
 
 
@@ -351,10 +354,10 @@ def test_readme_block(block: Block, tmp_path: Path, monkeypatch: pytest.MonkeyPa
 
 
 def test_run_by_names_a_test_that_reads_its_block() -> None:
-    handed = [b for b in read_blocks(README.read_text()) if b.run_by]
+    handed = [b for page in PAGES for b in read_blocks(page.read_text(), page.name) if b.run_by]
     for b in handed:
         path, _, name = b.run_by.partition("::")
-        where = f"README.md:{b.line}: run-by: {b.run_by}"
+        where = f"{b.page}:{b.line}: run-by: {b.run_by}"
         assert (ROOT / path).is_file() and name, f"{where}: expected an existing tests/FILE.py::test_name"
         source = (ROOT / path).read_text()
         # The test itself, and the block it runs taken from the README by this same name.
@@ -435,6 +438,8 @@ def test_reader_splits_chains_joins_lines_and_skips_comments() -> None:
     assert console.argv == ("pipecut", "plan", "old", "text") and console.env == (("COLUMNS", "80"),)
     assert blocks[2].skip == "needs a GPU" and blocks[2].append == ()
     assert blocks[3].run_by == "tests/test_examples.py::test_demo_runs" and not blocks[3].skip
+    elsewhere = read_blocks(_SAMPLE, "CONTRIBUTING.md")[0]  # messages name the page they come from
+    assert elsewhere.page == "CONTRIBUTING.md" and {c.page for c in elsewhere.commands} == {"CONTRIBUTING.md"}
 
 
 def test_directives_apply_to_the_commands_that_run() -> None:

@@ -7,6 +7,8 @@ working for one release through ``SHORTCUTS``, and plans the same as the object 
 from __future__ import annotations
 
 import dataclasses
+import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -186,3 +188,21 @@ def test_a_whole_batch_example_is_partitions_alone() -> None:
     with pytest.raises(PartitionOptionError, match="takes one micro-batch as the example"):
         plan_layout(_model(), (torch.randn(4, 8),), cluster=Cluster.uniform(2, "cpu"), global_batch=4,
                     capture=Capture(example_is="batch"))
+
+
+# -- docs/partitioning.md, "The planner's inputs" --------------------------------------------------
+
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "partitioning.md"
+MARKER = "<!-- test: tests/partitioner/test_options.py::test_the_docs_example_runs -->"
+
+
+def test_the_docs_example_runs() -> None:
+    text = PAGE.read_text()
+    block = text.split(MARKER, 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    exec(compile(block, f"{PAGE}:planner inputs", "exec"), {})  # its asserts are the checks
+
+
+def test_the_docs_table_of_old_keywords_is_the_table() -> None:
+    rows = re.findall(r"^\| `(\w+)` \| `(\w+)\.(\w+)` \|$", PAGE.read_text(), flags=re.M)
+    table = {key: (cls, name) for key, cls, name in rows}
+    assert table == {key: (_SECTIONS[section].__name__, name) for key, (section, name) in SHORTCUTS.items()}

@@ -12,11 +12,13 @@ from partitioner.errors import (
     PipecutError,
     PlanFormatError,
     PlanMismatchError,
+    PlannerKeywordError,
     SplitPointError,
     TooManyStagesError,
     TraceError,
     UnknownDeviceError,
 )
+from partitioner.options import Capture, Costing, Cut, LayoutSpace
 from partitioner.plan.layout import Layout
 from partitioner.plan.plan import Plan, Prediction, StagePlan
 from partitioner.plan.split import StagedModel, StageIO, ValueSpec
@@ -27,6 +29,10 @@ __all__ = [
     "partition",
     "plan_layout",
     "LayoutSearch",
+    "Capture",
+    "Costing",
+    "Cut",
+    "LayoutSpace",
     "Layout",
     "METHODS",
     "Plan",
@@ -51,4 +57,5 @@ __all__ = [
     "PlanFormatError",
     "UnknownDeviceError",
     "SplitPointError",
+    "PlannerKeywordError",
 ]

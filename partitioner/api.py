@@ -8,7 +8,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import torch
 from torch import nn
 
 from partitioner import algorithms as alg
@@ -24,9 +23,8 @@ from partitioner.cost.graph import (
     to_problem,
 )
 from partitioner.cost.nodecost import scale_cost
-from partitioner.cost.precision import check_precision, with_precision
+from partitioner.cost.precision import with_precision
 from partitioner.cost.recompute import (
-    check_option,
     choose_recompute,
     cut_recomputing,
     note_user_checkpoints,
@@ -34,6 +32,7 @@ from partitioner.cost.recompute import (
     stage_input_bytes,
 )
 from partitioner.errors import InfeasibleMemoryError, PartitionOptionError, SplitPointError, TooManyStagesError
+from partitioner.options import METHODS, Capture, Costing, Cut, PlannerOptions, resolve_options
 from partitioner.plan.capacity import StateBound, refused
 from partitioner.plan.choose import choose, microbatch_candidates
 from partitioner.plan.placement import per_stage_capacity, stage_cluster
@@ -50,16 +49,12 @@ from partitioner.schedule.registry import (
 )
 from partitioner.schedule.validation import peak_inflight
 from partitioner.tracing.globalstate import preserved
-from partitioner.tracing.hf import block_depth, is_hf_model
 from partitioner.tracing.hops import holds
-from partitioner.tracing.trace import Method as TraceMethod
 from partitioner.tracing.trace import trace
 
 __all__ = ["partition", "METHODS"]
 
 log = logging.getLogger(__name__)
-
-METHODS = ("exact", "equal_count", "balanced_params", "equal_size", "manual")
 
 
 def partition(
@@ -68,76 +63,32 @@ def partition(
     num_stages: int | None = None,
     *,
     cluster: Cluster | None = None,
-    microbatches: int | str = 8,
-    schedule: str = "1f1b",
-    method: str = "exact",
-    refine: bool = True,
-    split_points: Sequence[str] | None = None,
-    granularity: str | None = None,
-    module_depth: int | None = None,
-    leaf_modules: Sequence[type | str] = (),
-    state_bytes_per_param: float = 16.0,
-    profile: bool = False,
-    profile_device: str | torch.device | None = None,
-    trace_method: TraceMethod = "auto",
-    example_kwargs: Mapping[str, Any] | None = None,
-    example_is: str = "microbatch",
-    precision: str = "fp32",
-    recompute: bool | str = "auto",
+    cut: Cut | None = None,
+    capture: Capture | None = None,
+    costing: Costing | None = None,
+    **legacy: Any,
 ) -> Plan:
     """Cut ``model`` into pipeline stages and return the plan.
 
     Args:
         model: the model; it may live on ``meta`` (nothing is allocated for tracing and costing).
         example_inputs: inputs (positional), real, fake or meta tensors: one micro-batch, or
-            the whole batch with ``example_is='batch'``. Costs are per micro-batch either way.
-            The plan trains any batch that divides into its micro-batches: the trace leaves
+            the whole batch with ``Capture(example_is='batch')``. Costs are per micro-batch either
+            way. The plan trains any batch that divides into its micro-batches: the trace leaves
             the batch dimension free (and, for torch.export, integer inputs' sequence length,
             where the model allows it).
         num_stages: stages to cut; defaults to the cluster's size (times 2 for the schedules that
             put two stages on each device). With ``schedule='auto'`` it is the device count.
-            With ``split_points`` and no cluster: one more than the split points.
+            With split points and no cluster: one more than the split points.
         cluster: the devices in pipeline order; defaults to ``Cluster.uniform(p, "cpu")``.
-        microbatches: ``m``, micro-batches per optimizer step (sets activation memory in flight),
-            or ``'auto'`` to try ``p, 2p, 4p, 8p``.
-        schedule: ``'1f1b'``, ``'gpipe'``, ``'zbh1'``, ``'interleaved'`` or ``'zbv'`` (the last
-            two place two stages per device); it decides how many micro-batches each stage
-            holds. ``'auto'`` prices every schedule with the simulator and keeps the fastest
-            that fits (``plan.candidates``, ``plan.choice``).
-        method: ``'exact'`` (optimal contiguous cut), or a baseline: ``'equal_count'``,
-            ``'balanced_params'``, ``'equal_size'``; ``'manual'`` with ``split_points``.
-        refine: after a contiguous cut, move boundary nodes between neighbouring stages while
-            the bottleneck falls (helps DAGs whose best cut is not contiguous in one order).
-        split_points: module names where new stages begin (implies ``method='manual'``): a full
-            name or any unambiguous end of one at a dot (``'h.4'`` for ``'transformer.h.4'``).
-        granularity: ``'node'`` cuts anywhere; ``'module'`` only between layers. Default:
-            ``'module'`` at the depth of the transformer blocks for a Hugging Face model (its
-            ``_no_split_modules``, e.g. each of ``model.layers``: a block is never cut), else
-            ``'node'``.
-        module_depth: with ``granularity='module'``, the module depth of a layer (auto).
-        leaf_modules: module classes or names that tracing keeps whole.
-        state_bytes_per_param: bytes of weights + grads + optimizer state per parameter element.
-        profile: measure each node's time on ``profile_device`` instead of the roofline.
-        profile_device: device for ``profile=True`` (default: CUDA if available, else CPU).
-        trace_method: ``'auto'``, ``'fx'`` or ``'export'`` (``'auto'`` is export for a Hugging
-            Face model).
-        example_kwargs: keyword inputs for tracing (``attention_mask``, ``labels``,
-            ``pixel_values``, ``decoder_input_ids``...): graph inputs after the positional ones,
-            named by their keys; the trainer takes them the same way (``trainer.step({...}, y)``).
-        example_is: ``'microbatch'`` (the example is one micro-batch) or ``'batch'`` (it is the
-            whole batch of ``microbatches`` micro-batches along dimension 0; needs an int
-            ``microbatches``).
-        precision: the mixed-precision policy the plan is costed for (and trains with by
-            default): ``'fp32'``, ``'bf16'`` or ``'fp16'`` (autocast, fp32 master weights; see
-            ``partitioner.cost.precision``): low-precision matmuls at the 16-bit peak, activations
-            saved and sent in half the bytes, training state unchanged.
-        recompute: activation recomputation per stage (``runtime.execute.recompute``; the plan records
-            it in ``StagePlan.recompute`` and the trainer follows it). ``'auto'`` (default):
-            only when memory binds, i.e. no cut fits the devices with every micro-batch's
-            activations held, cut for recomputing stages and turn it on for the stages that do
-            not fit without it (with ``microbatches='auto'`` / ``schedule='auto'`` every
-            candidate is priced that way, so more micro-batches can fit); a plan that fits is
-            unchanged. ``True``: every stage recomputes; ``False``: none.
+        cut: the schedule and micro-batches the plan is for, and how the cut is chosen
+            (:class:`~partitioner.options.Cut`; default ``Cut()``: ``1f1b``, 8 micro-batches, exact).
+        capture: how the model is captured and into which units (:class:`~partitioner.options.Capture`).
+        costing: how the graph is priced: precision, recomputation, state bytes, profiling
+            (:class:`~partitioner.options.Costing`).
+        **legacy: the keywords ``partition`` took before the objects (``microbatches=8``,
+            ``schedule='zbh1'``, ``precision='bf16'``, ``split_points=[...]``...), for one release:
+            ``partitioner.options.SHORTCUTS`` says which object and field each sets.
 
     A Hugging Face ``transformers`` model is passed as it is (``partitioner.tracing.hf``): traced
     with its cache off, its stages keep its parameter names (so ``weights=`` its own
@@ -155,101 +106,56 @@ def partition(
         SplitPointError: a split point names no module, or they are out of order.
         PartitionOptionError: an argument has a value ``partition`` does not take (an unknown method,
             schedule, granularity, precision or recompute option; a stage count that is not positive
-            or does not fit the schedule; ``microbatches`` not a positive int or ``'auto'``); a
-            ``ValueError``.
+            or does not fit the schedule; ``microbatches`` not a positive int or ``'auto'``; an old
+            keyword beside the object that holds it); a ``ValueError``.
+        PlannerKeywordError: a keyword ``partition`` does not take (a ``TypeError``).
         ScheduleSizeError: ``num_stages * microbatches`` would make a schedule of more than
             ``partitioner.schedule.generators.MAX_ACTIONS`` actions; raised before tracing.
 
     Example:
         >>> import torch
         >>> from torch import nn
-        >>> from partitioner import partition, Cluster
+        >>> from partitioner import partition, Cluster, Cut, Costing
         >>> m = nn.Sequential(*[nn.Linear(32, 32) for _ in range(6)])
         >>> plan = partition(m, (torch.randn(8, 32),), 3, cluster=Cluster.uniform(3, "cpu"))
         >>> len(plan.stages), sum(len(st.nodes) for st in plan.stages)
         (3, 6)
         >>> plan.bottleneck >= plan.lower_bound
         True
+        >>> plan = partition(m, (torch.randn(8, 32),), 2, cut=Cut(schedule="zbh1", microbatches=4),
+        ...                  costing=Costing(precision="bf16"))
+        >>> plan.schedule, plan.microbatches, plan.precision
+        ('zbh1', 4, 'bf16')
     """
+    opts = resolve_options("partition", {"cut": cut, "capture": capture, "costing": costing}, legacy)
     with preserved(model, what="partition()"):
-        return _partition(
-            model, example_inputs, num_stages, cluster=cluster, microbatches=microbatches,
-            schedule=schedule, method=method, refine=refine, split_points=split_points,
-            granularity=granularity, module_depth=module_depth, leaf_modules=leaf_modules,
-            state_bytes_per_param=state_bytes_per_param, profile=profile,
-            profile_device=profile_device, trace_method=trace_method, example_kwargs=example_kwargs,
-            example_is=example_is, precision=precision, recompute=recompute,
-        )
+        return _partition(model, example_inputs, num_stages, cluster, opts)
 
 
 def _partition(
-    model: nn.Module,
-    example_inputs: Sequence[Any],
-    num_stages: int | None,
-    *,
-    cluster: Cluster | None,
-    microbatches: int | str,
-    schedule: str,
-    method: str,
-    refine: bool,
-    split_points: Sequence[str] | None,
-    granularity: str | None,
-    module_depth: int | None,
-    leaf_modules: Sequence[type | str],
-    state_bytes_per_param: float,
-    profile: bool,
-    profile_device: str | torch.device | None,
-    trace_method: TraceMethod,
-    example_kwargs: Mapping[str, Any] | None,
-    example_is: str,
-    precision: str,
-    recompute: bool | str = "auto",
+    model: nn.Module, example_inputs: Sequence[Any], num_stages: int | None, cluster: Cluster | None,
+    opts: PlannerOptions,
 ) -> Plan:
-    check_precision(precision)
-    recompute = check_option(recompute)
-    if granularity is None:  # a Hugging Face model's blocks stay whole; anything else cuts anywhere
-        depth = block_depth(model) if is_hf_model(model) else None
-        granularity, module_depth = ("module", module_depth or depth) if depth else ("node", module_depth)
-    if split_points is not None:
-        method = "manual"
-    if method not in METHODS:
-        raise PartitionOptionError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
-    if method == "manual" and split_points is None:
-        raise SplitPointError("method='manual' needs split_points=[module names where stages begin]")
-    auto = schedule == "auto" or microbatches == "auto"
-    if not auto:
-        _check_schedule(schedule)
-        if type(microbatches) is not int or microbatches < 1:  # a bool is not a count
-            raise PartitionOptionError(
-                f"microbatches must be a positive int or 'auto', got {microbatches!r}: pass the "
-                "micro-batches per step, e.g. microbatches=8, or 'auto' to let the planner choose"
-            )
+    cut = opts.cut
+    opts = replace(opts, capture=opts.capture.for_model(model))
     devices = len(cluster) if cluster is not None else None
-    if num_stages is None and devices is None and split_points is not None:
-        num_stages = len(split_points) + 1  # each split point begins a stage after the first
+    if num_stages is None and devices is None and cut.split_points is not None:
+        num_stages = len(cut.split_points) + 1  # each split point begins a stage after the first
     if num_stages is None and devices is None:
         raise PartitionOptionError("give num_stages or a cluster (one device per stage)")
     if num_stages is not None and num_stages < 1:
         raise PartitionOptionError(f"num_stages must be at least 1, got {num_stages}")
-    if not auto:  # before tracing: a schedule too large to build is refused at once
-        assert isinstance(microbatches, int)  # checked above
-        stages = num_stages if num_stages is not None else (devices or 1) * stages_per_rank(schedule)
-        check_schedule_size(schedule, stages, microbatches)
+    if not cut.auto:  # before tracing: a schedule too large to build is refused at once
+        assert isinstance(cut.microbatches, int)  # checked by Cut
+        stages = num_stages if num_stages is not None else (devices or 1) * stages_per_rank(cut.schedule)
+        check_schedule_size(cut.schedule, stages, cut.microbatches)
 
-    ctx = _context(
-        model, example_inputs, example_kwargs=example_kwargs, leaf_modules=leaf_modules, trace_method=trace_method,
-        example_microbatches=_example_microbatches(example_is, microbatches), profile=profile,
-        profile_device=profile_device, precision=precision, granularity=granularity, module_depth=module_depth,
-        method=method, refine=refine, split_points=split_points, state_bytes_per_param=state_bytes_per_param,
-        recompute=recompute,
-    )
-    if auto:
+    ctx = _context(model, example_inputs, opts, _example_microbatches(opts.capture.example_is, cut.microbatches))
+    if cut.auto:
         p = len(cluster) if cluster is not None else num_stages
         assert p is not None
-        schedules = TRAINING_SCHEDULES if schedule == "auto" else (schedule,)
-        if schedule != "auto":
-            _check_schedule(schedule)
-        ms = microbatch_candidates(p) if microbatches == "auto" else (int(microbatches),)
+        schedules = TRAINING_SCHEDULES if cut.schedule == "auto" else (cut.schedule,)
+        ms = microbatch_candidates(p) if cut.microbatches == "auto" else (int(cut.microbatches),)
 
         def price(sched: str, stages: int, m: int, split: bool) -> Plan:
             return ctx.plan(stage_cluster(cluster, stages, sched), sched, m, split=split)
@@ -258,60 +164,59 @@ def _partition(
             return choose(price, p, schedules, ms)
         except InfeasibleMemoryError as e:  # the bound it breaks, and what would fit
             raise refused(e, ctx.state_bound(cluster, p)) from None
-    assert isinstance(microbatches, int)  # checked above: not auto
+    assert isinstance(cut.microbatches, int)  # checked by Cut: not auto
     if num_stages is not None:
         stages = num_stages
     else:
         assert devices is not None  # checked above: num_stages or a cluster
-        stages = devices * stages_per_rank(schedule)
+        stages = devices * stages_per_rank(cut.schedule)
     try:
-        return ctx.plan(stage_cluster(cluster, stages, schedule), schedule, microbatches, split=True)
+        return ctx.plan(stage_cluster(cluster, stages, cut.schedule), cut.schedule, cut.microbatches, split=True)
     except InfeasibleMemoryError as e:
-        raise refused(e, ctx.state_bound(cluster, stages // stages_per_rank(schedule))) from None
+        raise refused(e, ctx.state_bound(cluster, stages // stages_per_rank(cut.schedule))) from None
 
 
 def _context(
-    model: nn.Module,
-    example_inputs: Sequence[Any],
-    *,
-    example_kwargs: Mapping[str, Any] | None,
-    leaf_modules: Sequence[type | str],
-    trace_method: TraceMethod,
-    example_microbatches: int,
-    profile: bool,
-    profile_device: str | torch.device | None,
-    precision: str,
-    granularity: str,
-    module_depth: int | None,
-    method: str,
-    refine: bool,
-    split_points: Sequence[str] | None,
-    state_bytes_per_param: float,
-    recompute: bool | str,
+    model: nn.Module, example_inputs: Sequence[Any], opts: PlannerOptions, example_microbatches: int
 ) -> _Context:
-    """Trace and cost ``model`` once: what every candidate cut of it starts from."""
+    """Trace and cost ``model`` once (``opts.capture`` decided for it): what every candidate cut of it starts from."""
+    capture, costing = opts.capture, opts.costing
+    assert capture.granularity is not None  # Capture.for_model decided it
     t0 = time.perf_counter()
     traced = trace(
-        model, tuple(example_inputs), example_kwargs=dict(example_kwargs or {}),
-        leaf_modules=leaf_modules, method=trace_method,
-        example_microbatches=example_microbatches,
+        model, tuple(example_inputs), example_kwargs=dict(capture.example_kwargs or {}),
+        leaf_modules=capture.leaf_modules, method=capture.method, example_microbatches=example_microbatches,
     )
     t1 = time.perf_counter()
-    note_user_checkpoints(traced.checkpointed, recompute)
-    costs = with_precision(traced.gm, cost_graph(traced, profile=profile, device=profile_device), precision)
+    note_user_checkpoints(traced.checkpointed, costing.recompute)
+    costs = with_precision(
+        traced.gm, cost_graph(traced, profile=costing.profile, device=costing.profile_device), costing.precision
+    )
     t2 = time.perf_counter()
     g = build_graph(traced.gm, costs, traced.module_path)
-    units = group_units(g, granularity, module_depth)
+    units = group_units(g, capture.granularity, capture.module_depth)
     log.info("partition: trace %.2fs (%s), cost %.2fs, %d units", t1 - t0, traced.method, t2 - t1, len(units))
     return _Context(
-        model=model, traced=traced, g=g, units=units, granularity=granularity, method=method,
-        refine=refine, split_points=split_points, state_bytes_per_param=state_bytes_per_param,
+        model=model, traced=traced, g=g, units=units, costs=costs, opts=opts,
         numel={name: prm.numel() for name, prm in traced.gm.named_parameters(remove_duplicate=False)},
-        precision=precision,
-        recompute=recompute,
-        costs=costs,
-        module_depth=module_depth,
     )
+
+
+@dataclass(frozen=True)
+class _Found:
+    """What one cut of a context produced, for the plan to describe: the problem it solved and its answer."""
+
+    cluster: Cluster
+    schedule: str
+    microbatches: int
+    problem: alg.Problem
+    assignment: Sequence[int]
+    method: str
+    held: Sequence[int]  # micro-batches each stage holds at its peak under the schedule
+    forward: Sequence[Sequence[float]]  # per stage, per unit, forward seconds (what recomputation repeats)
+    built: Schedule | None
+    io: tuple[Any, ...] = ()
+    shared: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 @dataclass
@@ -322,16 +227,20 @@ class _Context:
     traced: Any
     g: Any
     units: list[Unit]
-    granularity: str
-    method: str
-    refine: bool
-    split_points: Sequence[str] | None
-    state_bytes_per_param: float
+    costs: Mapping[str, NodeCost]
     numel: dict[str, int]
-    precision: str = "fp32"
-    recompute: bool | str = "auto"
-    costs: Mapping[str, NodeCost] = field(default_factory=dict)
-    module_depth: int | None = None
+    opts: PlannerOptions  # the capture decided for the model; the cut's method, refine and split points
+
+    @property
+    def granularity(self) -> str:
+        """The units' granularity (``Capture.for_model`` decided it)."""
+        assert self.opts.capture.granularity is not None
+        return self.opts.capture.granularity
+
+    @property
+    def state_bytes_per_param(self) -> float:
+        """Training state bytes per parameter element the cuts are costed with."""
+        return self.opts.costing.state_bytes_per_param
 
     @property
     def params(self) -> float:
@@ -350,7 +259,12 @@ class _Context:
             return self
         costs = {name: scale_cost(c, factor) for name, c in self.costs.items()}
         g = build_graph(self.traced.gm, costs, self.traced.module_path)
-        return replace(self, g=g, units=group_units(g, self.granularity, self.module_depth), costs=costs)
+        return replace(self, g=g, units=group_units(g, self.granularity, self.opts.capture.module_depth), costs=costs)
+
+    def with_state_bytes(self, state_bytes_per_param: float) -> _Context:
+        """The same context with the training state costed at ``state_bytes_per_param`` (a sharded layout's)."""
+        costing = replace(self.opts.costing, state_bytes_per_param=state_bytes_per_param)
+        return replace(self, opts=replace(self.opts, costing=costing))
 
     def plan(
         self, cluster: Cluster, schedule: str, m: int, *, split: bool, predictions: bool = True,
@@ -373,20 +287,20 @@ class _Context:
         )
         t0 = time.perf_counter()
         forward = self._forward_rows(cluster)
-        if self.recompute is True:
+        recompute = self.opts.costing.recompute
+        if recompute is True:
             part = cut_recomputing(problem, forward, self._solve)
         else:
             try:
                 part = self._solve(problem)
             except InfeasibleMemoryError:
-                if self.recompute is False:
+                if recompute is False:
                     raise
                 # Memory binds: cut again for stages that keep only their inputs per micro-batch.
                 log.info("partition: %d stages, %s, m=%d: no cut fits; trying recomputation", p, schedule, m)
                 part = cut_recomputing(problem, forward, self._solve)
         log.info("partition: %d stages, %s, m=%d: %.3fs (%s)", p, schedule, m, time.perf_counter() - t0, part.method)
-        io: tuple[Any, ...] = ()
-        shared: Mapping[str, tuple[int, ...]] = {}
+        found = _Found(cluster, schedule, m, problem, part.assignment, part.method, held, forward, built)
         if split:
             stage_of = {v: part.assignment[u.index] for u in self.units for v in u.nodes}
             bound = binding(self.traced, self.model)
@@ -394,22 +308,16 @@ class _Context:
                 self.traced.gm, stage_of, p, param_aliases=self.traced.param_aliases,
                 persistent_buffers=bound.persistent, model_state=bound.state,
             )
-            io, shared = tuple(staged.io), staged.shared_params
-        return _make_plan(
-            traced=self.traced, model=self.model, g=self.g, units=self.units, problem=problem,
-            assignment=part.assignment, method=part.method, cluster=cluster, schedule=schedule,
-            microbatches=m, held=held, granularity=self.granularity, numel=self.numel,
-            state_bytes_per_param=self.state_bytes_per_param, staged_io=io, shared=shared,
-            precision=self.precision, recompute=self.recompute, forward=forward, built=built,
-            predictions=predictions,
-        )
+            found = replace(found, io=tuple(staged.io), shared=staged.shared_params)
+        return _make_plan(self, found, predictions=predictions)
 
     def _solve(self, problem: alg.Problem) -> alg.Partition:
         """The cut ``method`` finds (refined for ``'exact'``)."""
-        if self.method == "manual":
-            return alg.manual(problem, _cuts_for(self.split_points or (), self.units, self.g))
-        part: alg.Partition = getattr(alg, self.method)(problem)
-        if self.refine and self.method == "exact" and problem.p > 1:
+        cut = self.opts.cut
+        if cut.method == "manual":
+            return alg.manual(problem, _cuts_for(cut.split_points or (), self.units, self.g))
+        part: alg.Partition = getattr(alg, cut.method)(problem)
+        if cut.refine and cut.method == "exact" and problem.p > 1:
             better = alg.refine(problem, part)
             before = alg.evaluate(problem, part.assignment).bottleneck
             if alg.evaluate(problem, better.assignment).bottleneck < before:
@@ -431,21 +339,12 @@ def _example_microbatches(example_is: str, microbatches: int | str) -> int:
     """How many micro-batches the example holds (1, or ``m`` for a whole-batch example)."""
     if example_is == "microbatch":
         return 1
-    if example_is != "batch":
-        raise PartitionOptionError(f"example_is must be 'microbatch' or 'batch', got {example_is!r}")
     if not isinstance(microbatches, int):
         raise PartitionOptionError(
             "example_is='batch' needs microbatches as an int, to know the micro-batch size the "
             f"costs are for (got microbatches={microbatches!r}); or pass one micro-batch as the example"
         )
     return microbatches
-
-
-def _check_schedule(schedule: str) -> None:
-    if schedule not in TRAINING_SCHEDULES:
-        raise PartitionOptionError(
-            f"unknown schedule {schedule!r}; choose one of {', '.join(TRAINING_SCHEDULES)} or 'auto'"
-        )
 
 
 def _stage_nodes(g: Any, units: Sequence[Unit], assignment: Sequence[int], p: int) -> list[list[str]]:
@@ -458,12 +357,10 @@ def _stage_nodes(g: Any, units: Sequence[Unit], assignment: Sequence[int], p: in
     return by_stage
 
 
-def _stage_plans(
-    *, traced: Any, g: Any, units: Sequence[Unit], problem: alg.Problem, assignment: Sequence[int],
-    cluster: Cluster, held: Sequence[int], numel: Mapping[str, int], state_bytes_per_param: float,
-    recompute: bool | str,
-) -> list[StagePlan]:
+def _stage_plans(ctx: _Context, found: _Found) -> list[StagePlan]:
     """Per stage of the cut: its nodes and modules, summed costs, transfers, memory and whether it recomputes."""
+    traced, g, numel, cluster, problem = ctx.traced, ctx.g, ctx.numel, found.cluster, found.problem
+    assignment, held, recompute = found.assignment, found.held, ctx.opts.costing.recompute
     p = len(cluster)
     ev = alg.evaluate(problem, tuple(assignment))
     ins = stage_input_bytes(problem, assignment)
@@ -471,12 +368,12 @@ def _stage_plans(
     depth = layer_depth(list(dict.fromkeys(g.nodes[v]["module"] for v in g.nodes)))
     canon = canonical_names(traced.param_aliases)
     stages: list[StagePlan] = []
-    for s, nodes in enumerate(_stage_nodes(g, units, assignment, p)):
+    for s, nodes in enumerate(_stage_nodes(g, ctx.units, assignment, p)):
         dev = cluster.devices[s]
         costs = [g.nodes[v]["cost"] for v in nodes]
         names = {canon.get(name, name) for c in costs for name in c.param_names}
         params = sum(numel.get(name, 0) for name in names)
-        state = params * state_bytes_per_param + sum(c.buffer_bytes for c in costs)
+        state = params * ctx.state_bytes_per_param + sum(c.buffer_bytes for c in costs)
         act = sum(c.saved_bytes for c in costs)
         (rc,) = choose_recompute([state], [act], [ins[s]], [held[s]], [problem.capacity[s]], recompute)
         if not rc and recompute is not False and traced.checkpointed:  # the model's own checkpointing
@@ -509,19 +406,11 @@ def _stage_plans(
     return stages
 
 
-def _make_plan(
-    *, traced: Any, model: nn.Module, g: Any, units: Sequence[Unit], problem: alg.Problem,
-    assignment: Sequence[int], method: str, cluster: Cluster, schedule: str, microbatches: int,
-    held: Sequence[int], granularity: str, numel: Mapping[str, int], state_bytes_per_param: float,
-    staged_io: tuple[Any, ...], shared: Mapping[str, tuple[int, ...]], precision: str = "fp32",
-    recompute: bool | str = False, forward: Sequence[Sequence[float]] = (), built: Schedule | None = None,
-    predictions: bool = True,
-) -> Plan:
+def _make_plan(ctx: _Context, found: _Found, *, predictions: bool) -> Plan:
     """The Plan of a cut: its stages, the bound and predictions, and what it takes to build the stages again."""
-    stages = _stage_plans(
-        traced=traced, g=g, units=units, problem=problem, assignment=assignment, cluster=cluster, held=held,
-        numel=numel, state_bytes_per_param=state_bytes_per_param, recompute=recompute,
-    )
+    traced, cluster, schedule, microbatches = ctx.traced, found.cluster, found.schedule, found.microbatches
+    problem, forward, built = found.problem, found.forward, found.built
+    stages = _stage_plans(ctx, found)
     if any(st.recompute for st in stages):
         log.info("partition: stages %s recompute their activations", [st.index for st in stages if st.recompute])
     # With every stage recomputing, each unit's forward runs twice: the bound counts it too.
@@ -535,24 +424,24 @@ def _make_plan(
     ) if predictions else ()
     return Plan(
         stages=tuple(stages),
-        method=method,
+        method=found.method,
         schedule=schedule,
         microbatches=microbatches,
-        granularity=granularity,
+        granularity=ctx.granularity,
         bottleneck=max(st.time for st in stages),
         lower_bound=bound,
         predictions=preds,
         cluster=cluster,
-        state_bytes_per_param=state_bytes_per_param,
+        state_bytes_per_param=ctx.state_bytes_per_param,
         fingerprint=traced.fingerprint(),
         trace_method=traced.method,
         input_names=tuple(traced.input_names),
-        io=staged_io,
-        shared_params=tuple(sorted((k, tuple(v)) for k, v in shared.items())),
+        io=found.io,
+        shared_params=tuple(sorted((k, tuple(v)) for k, v in found.shared.items())),
         param_aliases=tuple(sorted((k, tuple(v)) for k, v in traced.param_aliases.items())),
-        precision=precision,
+        precision=ctx.opts.costing.precision,
         output_structure=structure_text(traced.out_spec),
-        _binding=binding(traced, model),
+        _binding=binding(traced, ctx.model),
     )
 
 

@@ -30,6 +30,7 @@ __all__ = [
     "ReentrantCheckpointError",
     "AmbiguousSplitPointError",
     "PartitionOptionError",
+    "PlannerKeywordError",
     "TraceOptionError",
     "TraceInputError",
     "ModeRegionError",
@@ -189,6 +190,12 @@ class PartitionOptionError(PipecutError, ValueError):
     take: an unknown method, schedule, granularity, precision or recompute option, a stage count
     that is not positive or not a multiple of the schedule's stages per device, or a cluster with
     fewer devices than the stages need."""
+
+
+class PlannerKeywordError(PipecutError, TypeError):
+    """``partition``, ``plan_layout`` or ``LayoutSearch`` got a keyword that is neither its parameter nor
+    an old keyword of an option object it takes (``partitioner.options.SHORTCUTS``); the message
+    suggests the closest name."""
 
 
 class TraceOptionError(PipecutError, ValueError):

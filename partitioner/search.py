@@ -44,7 +44,6 @@ from partitioner.api import _Context, _context
 from partitioner.cost.costs import node_time
 from partitioner.cost.devices import Cluster, DeviceSpec
 from partitioner.cost.exchange import (
-    DEFAULT_BUCKET_BYTES,
     GATHERED_BYTES_PER_PARAM,
     GRAD_BYTES_PER_PARAM,
     allreduce_time,
@@ -55,12 +54,11 @@ from partitioner.cost.exchange import (
     reduce_time,
 )
 from partitioner.cost.nodecost import weight_share
-from partitioner.cost.precision import check_precision
 from partitioner.cost.probes import fit_or_overhead_only, rows_like, time_forward_backward
-from partitioner.cost.recompute import check_option
 from partitioner.errors import InfeasibleMemoryError, PartitionOptionError
+from partitioner.options import Capture, Costing, LayoutSpace, resolve_options
 from partitioner.plan.capacity import StateBound, refused
-from partitioner.plan.layout import DEFAULT_ZERO, ZERO_OPTIONS, Layout, Option, explain, layout_space, pick, search
+from partitioner.plan.layout import Layout, Option, explain, layout_space, pick, search
 from partitioner.plan.placement import stage_cluster
 from partitioner.plan.plan import Plan
 from partitioner.plan.predict import prediction, simulate_stages
@@ -69,8 +67,6 @@ from partitioner.schedule.ir import Schedule
 from partitioner.schedule.registry import TRAINING_SCHEDULES, schedule_info, stage_schedule
 from partitioner.schedule.validation import peak_inflight
 from partitioner.tracing.globalstate import preserved
-from partitioner.tracing.hf import block_depth, is_hf_model
-from partitioner.tracing.trace import Method as TraceMethod
 
 __all__ = ["plan_layout", "LayoutSearch", "with_fit"]
 
@@ -83,23 +79,10 @@ def plan_layout(
     *,
     cluster: Cluster,
     global_batch: int,
-    schedules: Sequence[str] | None = None,
-    microbatch_sizes: Sequence[int] | None = None,
-    zero: Sequence[str] = DEFAULT_ZERO,
-    dp_sizes: Sequence[int] | None = None,
-    top: int = 5,
-    prune: bool = True,
-    precision: str = "fp32",
-    recompute: bool | str = "auto",
-    granularity: str | None = None,
-    module_depth: int | None = None,
-    leaf_modules: Sequence[type | str] = (),
-    state_bytes_per_param: float = 16.0,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    profile: bool = False,
-    profile_device: str | torch.device | None = None,
-    trace_method: TraceMethod = "auto",
-    example_kwargs: Mapping[str, Any] | None = None,
+    space: LayoutSpace | None = None,
+    capture: Capture | None = None,
+    costing: Costing | None = None,
+    **legacy: Any,
 ) -> Plan:
     """Choose the whole layout of a job on ``cluster`` for ``global_batch`` rows per step.
 
@@ -115,19 +98,14 @@ def plan_layout(
         cluster: the devices (``Cluster.uniform(64, "A100-80GB")``, or one ``Cluster.measure``
             made): their count is ``N``; the first device's kind, node size and links price all.
         global_batch: rows per optimizer step over all replicas, ``B``.
-        schedules: the schedules to try (default: every training schedule).
-        microbatch_sizes: the rows per micro-batch to try (default: every divisor of ``B / dp``).
-        zero: the shardings to try: ``'none'``, ``'zero1'`` (optimizer state), ``'fsdp'`` (weights,
-            gradients and optimizer state: FSDP2); the last two with ``dp > 1`` only. Default
-            ``('none', 'zero1')``: FSDP's time price is optimistic on CPU processes and not yet
-            checked on GPUs, so it is tried only when asked for (``zero=ZERO_OPTIONS``).
-        dp_sizes: the replica counts to try (default: every divisor of ``N`` that divides ``B``);
-            ``(1,)`` plans one pipeline over every device.
-        top: how many layouts are ranked exactly (the rest are pruned by a lower bound).
-        prune: ``False`` prices every layout whose state fits (the brute force; slow at scale).
-        precision, recompute, granularity, module_depth, leaf_modules, state_bytes_per_param,
-            profile, profile_device, trace_method, example_kwargs: as ``partition``.
-        bucket_bytes: the gradient buckets the exchange runs in (the runtime's default).
+        space: the layouts to search and how hard (:class:`~partitioner.options.LayoutSpace`:
+            schedules, micro-batch sizes, shardings, replica counts, ``top``, ``prune``).
+        capture: how the model is captured, as ``partition`` takes it (the example is one
+            micro-batch: ``example_is`` stays ``'microbatch'``).
+        costing: how it is priced, as ``partition`` takes it; ``Costing.bucket_bytes`` sizes the
+            gradient buckets the replicas' exchange runs in.
+        **legacy: the keywords ``plan_layout`` took before the objects (``zero=``, ``top=``,
+            ``precision=``...), for one release: ``partitioner.options.SHORTCUTS`` says where each goes.
 
     Returns:
         The chosen layout's plan, bound to ``model``: ``print(plan)`` shows the layout and the
@@ -136,33 +114,31 @@ def plan_layout(
 
     Raises:
         PartitionOptionError: an argument has a value the search does not take.
+        PlannerKeywordError: a keyword ``plan_layout`` does not take (a ``TypeError``).
         InfeasibleMemoryError: no layout fits the devices.
         TraceError: the model could not be captured.
 
     Example:
         >>> import torch
         >>> from torch import nn
-        >>> from partitioner import Cluster, plan_layout
+        >>> from partitioner import Cluster, LayoutSpace, plan_layout
         >>> m = nn.Sequential(*[nn.Linear(64, 64) for _ in range(8)])
-        >>> plan = plan_layout(m, (torch.randn(1, 64),), cluster=Cluster.uniform(4, "cpu"), global_batch=16)
-        >>> plan.layout.dp * plan.layout.pp, plan.layout.global_batch
-        (4, 16)
+        >>> plan = plan_layout(m, (torch.randn(1, 64),), cluster=Cluster.uniform(4, "cpu"), global_batch=16,
+        ...                    space=LayoutSpace(zero=("none",), top=3))
+        >>> plan.layout.dp * plan.layout.pp, plan.layout.global_batch, plan.layout.zero
+        (4, 16, 'none')
     """
-    _check_space(schedules, microbatch_sizes, zero, top)
+    opts = resolve_options("plan_layout", {"space": space, "capture": capture, "costing": costing}, legacy)
     found = LayoutSearch(
-        model, example_inputs, cluster=cluster, global_batch=global_batch, precision=precision,
-        recompute=recompute, granularity=granularity, module_depth=module_depth, leaf_modules=leaf_modules,
-        state_bytes_per_param=state_bytes_per_param, bucket_bytes=bucket_bytes, profile=profile,
-        profile_device=profile_device, trace_method=trace_method, example_kwargs=example_kwargs,
+        model, example_inputs, cluster=cluster, global_batch=global_batch, capture=opts.capture, costing=opts.costing,
     )
-    return found.run(schedules=schedules, microbatch_sizes=microbatch_sizes, zero=zero, dp_sizes=dp_sizes, top=top,
-                     prune=prune)
+    return found.run(opts.space)
 
 
 class LayoutSearch:
     """A model traced and costed once for a cluster and a global batch: search, price or plan any layout of it.
 
-    ``plan_layout(...)`` is ``LayoutSearch(...).run(...)``. Keep the object to price or plan other
+    ``plan_layout(...)`` is ``LayoutSearch(...).run(space)``. Keep the object to price or plan other
     layouts of the same model without tracing it again (a benchmark that runs every layout, say).
 
     Example:
@@ -184,35 +160,26 @@ class LayoutSearch:
         *,
         cluster: Cluster,
         global_batch: int,
-        precision: str = "fp32",
-        recompute: bool | str = "auto",
-        granularity: str | None = None,
-        module_depth: int | None = None,
-        leaf_modules: Sequence[type | str] = (),
-        state_bytes_per_param: float = 16.0,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        profile: bool = False,
-        profile_device: str | torch.device | None = None,
-        trace_method: TraceMethod = "auto",
-        example_kwargs: Mapping[str, Any] | None = None,
+        capture: Capture | None = None,
+        costing: Costing | None = None,
+        **legacy: Any,
     ) -> None:
-        """Trace and cost ``model``; the arguments are :func:`plan_layout`'s."""
+        """Trace and cost ``model``; the arguments are :func:`plan_layout`'s (the old keywords of
+        ``capture`` and ``costing`` too, for one release)."""
+        opts = resolve_options("LayoutSearch", {"capture": capture, "costing": costing}, legacy)
         _check(cluster, global_batch)
-        check_precision(precision)
-        recompute = check_option(recompute)
+        if opts.capture.example_is != "microbatch":
+            raise PartitionOptionError(
+                f"the layout search takes one micro-batch as the example (other sizes scale its costs), got "
+                f"Capture(example_is={opts.capture.example_is!r}): pass one micro-batch with example_is='microbatch'"
+            )
         self.model, self.global_batch = model, global_batch
         with preserved(model, what="plan_layout()"):
-            if granularity is None:  # as partition: a Hugging Face model's blocks stay whole
-                depth = block_depth(model) if is_hf_model(model) else None
-                granularity, module_depth = ("module", module_depth or depth) if depth else ("node", module_depth)
-            ctx = _context(
-                model, example_inputs, example_kwargs=example_kwargs, leaf_modules=leaf_modules,
-                trace_method=trace_method, example_microbatches=1, profile=profile, profile_device=profile_device,
-                precision=precision, granularity=granularity, module_depth=module_depth, method="exact",
-                refine=True, split_points=None, state_bytes_per_param=state_bytes_per_param, recompute=recompute,
-            )
-        self._pricer = _Pricer(ctx, cluster, _rows(example_inputs, example_kwargs), bucket_bytes)
-        self._example = (tuple(example_inputs), dict(example_kwargs or {}))
+            opts = replace(opts, capture=opts.capture.for_model(model))  # cut exactly: Cut()'s method and refine
+            ctx = _context(model, example_inputs, opts, 1)
+        kwargs = opts.capture.example_kwargs
+        self._pricer = _Pricer(ctx, cluster, _rows(example_inputs, kwargs), opts.costing.bucket_bytes)
+        self._example = (tuple(example_inputs), dict(kwargs or {}))
 
     @property
     def cluster(self) -> Cluster:
@@ -280,25 +247,20 @@ class LayoutSearch:
                  ops, sizes, times[0], times[1], speed, overhead)
         return with_fit(p.cluster, speed, overhead)
 
-    def space(
-        self,
-        *,
-        schedules: Sequence[str] | None = None,
-        microbatch_sizes: Sequence[int] | None = None,
-        zero: Sequence[str] = DEFAULT_ZERO,
-        dp_sizes: Sequence[int] | None = None,
-    ) -> list[Option]:
-        """Every layout of the cluster for the global batch (``layout_space``), within the model's units."""
-        _check_space(schedules, microbatch_sizes, zero, 1)
+    def space(self, space: LayoutSpace | None = None, **legacy: Any) -> list[Option]:
+        """Every layout of the cluster for the global batch (``layout_space``) within ``space`` and the
+        model's units (``space``'s fields as old keywords too, for one release: ``zero=...``)."""
+        space = resolve_options("LayoutSearch.space", {"space": space}, legacy).space
         options = layout_space(
-            len(self.cluster), self.global_batch, schedules=tuple(schedules or TRAINING_SCHEDULES),
-            microbatch_sizes=microbatch_sizes, zero=zero, max_stages=len(self._pricer.ctx.units), dp_sizes=dp_sizes,
+            len(self.cluster), self.global_batch, schedules=tuple(space.schedules or TRAINING_SCHEDULES),
+            microbatch_sizes=space.microbatch_sizes, zero=space.zero, max_stages=len(self._pricer.ctx.units),
+            dp_sizes=space.dp_sizes,
         )
         if not options:
             raise PartitionOptionError(
                 f"no layout of {len(self.cluster)} devices divides a global batch of {self.global_batch} rows "
-                f"into replicas and micro-batches (microbatch_sizes={microbatch_sizes}, dp_sizes={dp_sizes}); "
-                "pick a global batch that a replica count divides"
+                f"into replicas and micro-batches (microbatch_sizes={space.microbatch_sizes}, "
+                f"dp_sizes={space.dp_sizes}); pick a global batch that a replica count divides"
             )
         return options
 
@@ -311,14 +273,15 @@ class LayoutSearch:
         with preserved(self.model, what="plan_layout()"):
             return self._pricer.price(option)
 
-    def run(self, *, top: int = 5, prune: bool = True, **space: Any) -> Plan:
-        """Search the space (``space``'s keywords as :meth:`space` takes them) and return the chosen plan."""
-        _check_space(None, None, ZERO_OPTIONS, top)
+    def run(self, space: LayoutSpace | None = None, **legacy: Any) -> Plan:
+        """Search ``space`` (default ``LayoutSpace()``; its fields as old keywords too, for one release:
+        ``top=3``) and return the chosen plan."""
+        space = resolve_options("LayoutSearch.run", {"space": space}, legacy).space
         t0 = time.perf_counter()
-        options = self.space(**space)
+        options = self.space(space)
         p = self._pricer
         with preserved(self.model, what="plan_layout()"):
-            rows = search(options, p.price, p.bound, capacity=p.capacity, top=top, prune=prune)
+            rows = search(options, p.price, p.bound, capacity=p.capacity, top=space.top, prune=space.prune)
             try:
                 best, why = pick(rows)
             except InfeasibleMemoryError as e:  # the bound it breaks, and what would fit
@@ -389,21 +352,6 @@ def _check(cluster: Cluster, global_batch: int) -> None:
         )
     if type(global_batch) is not int or global_batch < 1:
         raise PartitionOptionError(f"global_batch must be a positive int (rows per step), got {global_batch!r}")
-
-
-def _check_space(
-    schedules: Sequence[str] | None, sizes: Sequence[int] | None, zero: Sequence[str], top: int
-) -> None:
-    unknown = [s for s in schedules or () if s not in TRAINING_SCHEDULES]
-    if unknown:
-        raise PartitionOptionError(f"unknown schedules {unknown}; choose among {', '.join(TRAINING_SCHEDULES)}")
-    bad = [b for b in sizes or () if type(b) is not int or b < 1]
-    if bad or (sizes is not None and not sizes):
-        raise PartitionOptionError(f"microbatch_sizes must be positive ints, got {sizes!r}")
-    if not zero or any(z not in ZERO_OPTIONS for z in zero):
-        raise PartitionOptionError(f"zero must list some of {', '.join(ZERO_OPTIONS)}, got {list(zero)!r}")
-    if type(top) is not int or top < 1:
-        raise PartitionOptionError(f"top must be a positive int, got {top!r}")
 
 
 def _rows(example_inputs: Sequence[Any], example_kwargs: Mapping[str, Any] | None) -> tuple[int, int]:
@@ -512,8 +460,7 @@ class _Pricer:
         return lb, None, state
 
     def _cut(self, o: Option, *, split: bool, built: Schedule | None = None) -> tuple[Plan, Cluster]:
-        ctx = self._sized(o.microbatch_size)[0]
-        ctx = replace(ctx, state_bytes_per_param=self._state_per_param(o))
+        ctx = self._sized(o.microbatch_size)[0].with_state_bytes(self._state_per_param(o))
         links = pipeline_links(self.cluster, o.pp)
         if self._reserved(o):  # the stages fit in what the gathered units leave
             links = replace(links, devices=tuple(replace(d, memory=max(d.memory_reserve, d.memory - self._reserved(o)))

@@ -39,10 +39,11 @@ from typing import Any
 
 from rich.console import Console
 
-from partitioner.api import METHODS, partition
+from partitioner.api import partition
 from partitioner.cost.devices import DEVICE_PRESETS, Cluster, default_device
 from partitioner.cost.recompute import RECOMPUTE_FLAGS
 from partitioner.errors import CliArgumentError, InfeasibleMemoryError, PipecutError
+from partitioner.options import METHODS, Capture, Costing, Cut, LayoutSpace
 from partitioner.plan.layout import DEFAULT_ZERO, ZERO_OPTIONS
 from partitioner.plan.plan import Plan
 from partitioner.plan.predict import prediction, simulate_stages
@@ -203,21 +204,20 @@ def _plan(args: argparse.Namespace) -> int:
             print(f"planning for {device}: this machine's device (the default; --device NAME plans for another)")
         cluster = Cluster.uniform(count, device, link_bandwidth=args.link_bandwidth,
                                   memory_reserve=args.memory_reserve)
+    capture = Capture(granularity=args.granularity)
+    costing = Costing(precision=args.precision, recompute=RECOMPUTE_FLAGS[args.recompute],
+                      state_bytes_per_param=args.state_bytes)
     if args.devices is not None:
-        plan = plan_layout(
-            model, inputs, cluster=cluster, global_batch=args.global_batch, top=args.top,
+        space = LayoutSpace(
             schedules=(args.schedule,) if args.schedule not in (None, "auto") else None,
-            granularity=args.granularity, state_bytes_per_param=args.state_bytes,
-            recompute=RECOMPUTE_FLAGS[args.recompute], precision=args.precision,
-            zero=tuple(z.strip() for z in args.zero.split(",") if z.strip()),
+            zero=tuple(z.strip() for z in args.zero.split(",") if z.strip()), top=args.top,
         )
+        plan = plan_layout(model, inputs, cluster=cluster, global_batch=args.global_batch, space=space,
+                           capture=capture, costing=costing)
     else:
-        plan = partition(
-            model, inputs, args.stages, cluster=cluster, microbatches=args.microbatches,
-            schedule=args.schedule or "1f1b", method=args.method, refine=not args.no_refine, split_points=split,
-            granularity=args.granularity, state_bytes_per_param=args.state_bytes,
-            recompute=RECOMPUTE_FLAGS[args.recompute], precision=args.precision,
-        )
+        cut = Cut(schedule=args.schedule or "1f1b", microbatches=args.microbatches, method=args.method,
+                  refine=not args.no_refine, split_points=split)
+        plan = partition(model, inputs, args.stages, cluster=cluster, cut=cut, capture=capture, costing=costing)
     print(render_text(plan, width=make_console().width, top=args.top), end="")
     if args.json_path:
         plan.save(args.json_path)

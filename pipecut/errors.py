@@ -39,6 +39,7 @@ from partitioner.errors import PipecutError as PipecutError
 from partitioner.errors import PlanFieldError as PlanFieldError
 from partitioner.errors import PlanFormatError as PlanFormatError
 from partitioner.errors import PlanMismatchError as PlanMismatchError
+from partitioner.errors import PlannerKeywordError as PlannerKeywordError
 from partitioner.errors import ReentrantCheckpointError as ReentrantCheckpointError
 from partitioner.errors import SplitPointError as SplitPointError
 from partitioner.errors import StageIndexError as StageIndexError

@@ -149,3 +149,45 @@ def test_importlib_finds_every_module(layout: Layout) -> None:
         if name.endswith("__main__"):
             continue
         importlib.import_module(name)
+
+
+# -- the planner's entry points take a few option objects (partitioner.options) ---------------------
+
+MAX_PLANNER_PARAMETERS = 8
+
+
+def test_planner_entry_points_take_a_few_option_objects() -> None:
+    # Every parameter counts: self, model, example_inputs and the **legacy catch-all of old keywords.
+    from partitioner.api import partition
+    from partitioner.options import _SECTIONS, ENTRY_POINTS
+    from partitioner.search import LayoutSearch, plan_layout
+
+    entry_points = {
+        "partition": partition, "plan_layout": plan_layout, "LayoutSearch": LayoutSearch.__init__,
+        "LayoutSearch.run": LayoutSearch.run, "LayoutSearch.space": LayoutSearch.space,
+    }
+    for name, fn in entry_points.items():
+        params = inspect.signature(fn).parameters
+        assert len(params) <= MAX_PLANNER_PARAMETERS, (name, list(params))
+        # The table of each entry point's keywords (what its messages and old keywords follow) is its signature's.
+        named = [p for p, v in params.items()
+                 if v.kind is not v.VAR_KEYWORD and p not in ("self", "model", "example_inputs")]
+        assert tuple(named) == ENTRY_POINTS[name], name
+        # Each option object is passed by its own parameter, typed with its class.
+        for section, cls in _SECTIONS.items():
+            if section in params:
+                assert cls.__name__ in str(params[section].annotation), (name, section)
+
+
+def test_planner_modules_relay_objects_not_keyword_lists() -> None:
+    # The objects are handed down whole: no function of the planner's top level takes a long list.
+    for module in ("partitioner/api.py", "partitioner/search.py", "partitioner/options.py"):
+        tree = ast.parse((ROOT / module).read_text())
+        long = {}
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                count = len([*a.posonlyargs, *a.args, *a.kwonlyargs]) + (a.vararg is not None) + (a.kwarg is not None)
+                if count > MAX_PLANNER_PARAMETERS:
+                    long[node.name] = count
+        assert long == {}, module

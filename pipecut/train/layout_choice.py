@@ -44,6 +44,7 @@ import torch.distributed as dist
 from partitioner.cost.devices import Cluster
 from partitioner.cost.recompute import RECOMPUTE_FLAGS
 from partitioner.errors import CalibrationError, MissingPredictionError, PipecutError, PlanMismatchError
+from partitioner.options import Costing, LayoutSpace
 from partitioner.plan.layout import DEFAULT_ZERO, Option
 from partitioner.plan.plan import Plan
 from partitioner.plan.units import fmt_time
@@ -122,7 +123,7 @@ def choose(
 
 
 def search_space(cfg: TrainConfig, *, world: int) -> dict[str, Any]:
-    """``LayoutSearch.run``'s keywords for a job of ``world`` processes: the layout keys ``cfg`` sets, as constraints.
+    """``LayoutSpace``'s fields for a job of ``world`` processes: the layout keys ``cfg`` sets, as constraints.
 
     Raises:
         TrainConfigError: ``--dp``/``--pp`` that no split of the job's processes gives, or
@@ -260,9 +261,7 @@ def _search(cfg: TrainConfig, folder: HFFolder, config: Any, world: int, preset:
     n = world if world > 1 else cfg.pp or (torch.cuda.device_count() if torch.cuda.is_available() else 0) or 1
     space = search_space(cfg, world=world)  # refused before anything is traced
     example = folder.example_inputs(seq_len=cfg.seq_len, micro_batch_size=1)
-    options: dict[str, Any] = {
-        "global_batch": cfg.global_batch, "precision": cfg.precision, "recompute": RECOMPUTE_FLAGS[cfg.recompute],
-    }
+    costing = Costing(precision=cfg.precision, recompute=RECOMPUTE_FLAGS[cfg.recompute])
     if cfg.calibrate is not None:
         cluster, priced_on = _cluster_file(cfg.calibrate, n), f"the cluster in {cfg.calibrate}"
         if cfg.memory_reserve is not None:
@@ -270,20 +269,21 @@ def _search(cfg: TrainConfig, folder: HFFolder, config: Any, world: int, preset:
     else:
         cluster = Cluster.uniform(n, preset, memory_reserve=cfg.memory_reserve)
         priced_on = f"{n} x {preset}"
-    search = LayoutSearch(folder.build(meta=True, config=config), example, cluster=cluster, **options)
+    search = LayoutSearch(folder.build(meta=True, config=config), example, cluster=cluster,
+                          global_batch=cfg.global_batch, costing=costing)
     if cfg.calibrate is None and cfg.device == "auto" and preset == "cpu":
         try:
-            search.use_cluster(_calibrated(cfg, folder, config, cluster, example, options, loss_fn))
+            search.use_cluster(_calibrated(cfg, folder, config, cluster, example, costing, loss_fn))
             priced_on = f"{n} x cpu calibrated on the job's ranks"
         except CalibrationError as e:  # every rank fits the same (all-reduced) timings: all fall back together
             log.warning("calibration on the job's ranks failed (%s): the layouts are priced on the %r preset; give "
                         "--device cpu to skip calibration, or --calibrate FILE (pipecut calibrate)", e, preset)
-    plan = _agreed(search, search.run(**space))
+    plan = _agreed(search, search.run(LayoutSpace(**space)))
     return plan, priced_on
 
 
 def _calibrated(cfg: TrainConfig, folder: HFFolder, config: Any, cluster: Cluster, example: Any,
-                options: dict[str, Any], loss_fn: LossFn) -> Cluster:
+                costing: Costing, loss_fn: LossFn) -> Cluster:
     """The cluster fitted to the model with real weights on the job's ranks (``calibrate_job``; collective)."""
     from runtime.overheads import calibrate_job
 
@@ -296,7 +296,7 @@ def _calibrated(cfg: TrainConfig, folder: HFFolder, config: Any, cluster: Cluste
         ids = torch.randint(0, vocab, (rows, cfg.seq_len + 1), generator=torch.Generator().manual_seed(cfg.seed))
         return ids[:, :-1], ids[:, 1:]
 
-    real = LayoutSearch(model, example, cluster=cluster, **options)
+    real = LayoutSearch(model, example, cluster=cluster, global_batch=cfg.global_batch, costing=costing)
     fitted = calibrate_job(real, loss_fn, batch)
     dev = fitted.devices[0]
     log.info("calibrated on the job's ranks: %.3g GFLOP/s fp32, %.3g s per op, %.3g s per action, %s cores",

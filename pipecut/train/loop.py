@@ -33,6 +33,7 @@ from partitioner.api import partition
 from partitioner.cost.devices import Cluster, default_device
 from partitioner.cost.recompute import RECOMPUTE_FLAGS
 from partitioner.errors import PipecutError
+from partitioner.options import Costing, Cut
 from partitioner.plan.plan import Plan
 from pipecut.folder import HFFolder, max_positions
 from pipecut.train import checkpoints, finite, layout_choice, metrics_log, report, runfolder
@@ -277,8 +278,8 @@ def _build(
         plan = partition(
             module, folder.example_inputs(seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size or 1),
             cluster=Cluster.uniform(lay.pp, _preset(cfg.device), memory_reserve=cfg.memory_reserve),
-            microbatches=lay.m, schedule=cfg.schedule or "1f1b", precision=cfg.precision,
-            recompute=RECOMPUTE_FLAGS[cfg.recompute],
+            cut=Cut(microbatches=lay.m, schedule=cfg.schedule or "1f1b"),
+            costing=Costing(precision=cfg.precision, recompute=RECOMPUTE_FLAGS[cfg.recompute]),
         )
     trainer = PipelineTrainer(
         plan, lm_loss, _adamw(cfg),

@@ -193,7 +193,7 @@ def test_a_whole_batch_example_is_partitions_alone() -> None:
 # -- docs/partitioning.md, "The planner's inputs" --------------------------------------------------
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "partitioning.md"
-MARKER = "<!-- test: tests/partitioner/test_options.py::test_the_docs_example_runs -->"
+MARKER = "<!-- example: the planner inputs (run by tests/partitioner/test_options.py) -->"
 
 
 def test_the_docs_example_runs() -> None:

@@ -190,9 +190,10 @@ def test_a_whole_batch_example_is_partitions_alone() -> None:
                     capture=Capture(example_is="batch"))
 
 
-# -- docs/partitioning.md, "The planner's inputs" --------------------------------------------------
+# -- docs/partitioning.md, "The planner's inputs"; docs/reference/planner-options.md, the old keywords --
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "partitioning.md"
+KEYWORDS_PAGE = PAGE.parent / "reference" / "planner-options.md"
 MARKER = "<!-- example: the planner inputs (run by tests/partitioner/test_options.py) -->"
 
 
@@ -203,6 +204,6 @@ def test_the_docs_example_runs() -> None:
 
 
 def test_the_docs_table_of_old_keywords_is_the_table() -> None:
-    rows = re.findall(r"^\| `(\w+)` \| `(\w+)\.(\w+)` \|$", PAGE.read_text(), flags=re.M)
+    rows = re.findall(r"^\| `(\w+)` \| `(\w+)\.(\w+)` \|$", KEYWORDS_PAGE.read_text(), flags=re.M)
     table = {key: (cls, name) for key, cls, name in rows}
     assert table == {key: (_SECTIONS[section].__name__, name) for key, (section, name) in SHORTCUTS.items()}

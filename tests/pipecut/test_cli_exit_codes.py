@@ -1,5 +1,5 @@
 """``pipecut plan`` and ``pipecut simulate`` exit 3 when a device is over capacity (the row marked
-``OVER``), 2 for other errors, 0 when the plan fits (docs/partitioning.md, "Exit codes")."""
+``OVER``), 2 for other errors, 0 when the plan fits (docs/reference/errors.md, "Exit codes of the command line")."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ import time
 import torch
 from torch import nn
 
-from partitioner import Cluster, partition
+from partitioner import Cluster, Cut, partition
 from partitioner.zoo import gpt2
 from runtime import Execution, PipelineTrainer
 
@@ -44,7 +44,7 @@ def main() -> None:
     example, _ = counting_task(micro, seq, vocab, gen)  # one micro-batch: the plan is per micro-batch
 
     t0 = time.perf_counter()
-    plan = partition(model, (example,), 4, cluster=Cluster.uniform(4, "A100-80GB"), microbatches=m)
+    plan = partition(model, (example,), 4, cluster=Cluster.uniform(4, "A100-80GB"), cut=Cut(microbatches=m))
     print(plan)
     print(f"planned in {time.perf_counter() - t0:.2f} s\n")
 

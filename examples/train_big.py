@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from partitioner import partition
+from partitioner import Cut, partition
 from runtime import Execution, Init, PipelineTrainer, Weights, empty_weights, save_safetensors
 
 
@@ -73,7 +73,7 @@ def build_trainer(layers: int, stages: int, pretrained: Path, transport: str) ->
     with empty_weights():  # parameters on meta: nothing allocated until a rank materialises its stages
         model = LlamaForCausalLM(config(layers))
     example = batch(0, rows=2)[0]  # one micro-batch
-    plan = partition(model, (example,), stages, microbatches=4, schedule="1f1b")
+    plan = partition(model, (example,), stages, cut=Cut(microbatches=4, schedule="1f1b"))
     return PipelineTrainer(
         plan, lm_loss, lambda ps: torch.optim.AdamW(ps, lr=1e-3),
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / 4)),

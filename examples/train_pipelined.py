@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from partitioner import Cluster, partition
+from partitioner import Cluster, Costing, Cut, partition
 from partitioner.schedule.registry import stages_per_rank
 from partitioner.zoo import gpt2
 from runtime import DataParallel, Execution, PipelineTrainer, TrainingProgress
@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> float:
     device = "H100-80GB" if torch.cuda.is_available() else "cpu"
     ranks = max(1, args.stages // per_rank)
     plan = partition(model, (example,), args.stages, cluster=Cluster.uniform(ranks, device),
-                     microbatches=args.microbatches, schedule=args.schedule, precision=args.precision)
+                     cut=Cut(microbatches=args.microbatches, schedule=args.schedule),
+                     costing=Costing(precision=args.precision))
     warmup = max(1, args.steps // 5)
     schedule = lambda opt: torch.optim.lr_scheduler.LambdaLR(  # noqa: E731
         opt, lambda i: min(1.0, (i + 1) / warmup) * max(0.1, 1 - i / args.steps))

@@ -107,10 +107,11 @@ def _common(ns: dict[str, Any]) -> None:
     from torch.optim.lr_scheduler import LambdaLR
 
     import runtime
-    from partitioner import Cluster, partition
+    from partitioner import Capture, Cluster, Costing, Cut, LayoutSpace, partition
     from runtime.precision import MixedPrecision
 
     ns.update(torch=torch, F=F, LambdaLR=LambdaLR, Cluster=Cluster, partition=partition,
+              Cut=Cut, Capture=Capture, Costing=Costing, LayoutSpace=LayoutSpace,
               warmup=lambda step: min(1.0, (step + 1) / 10),
               optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05),
               make_opt=lambda ps: torch.optim.SGD(ps, lr=0.05), MixedPrecision=MixedPrecision)
@@ -128,7 +129,7 @@ def _mlp(ns: dict[str, Any], cwd: Path) -> None:
     model = MLPChain((16, 32, 32, 32, 32, 32, 32, 32, 8))
     x, y = torch.randn(16, 16), torch.randint(0, 8, (16,))
     ns.update(model=model, x=x, y=y, inputs=x, targets=y, loss_fn=torch.nn.functional.cross_entropy,
-              plan=ns["partition"](model, (x[:2],), 2, microbatches=8))
+              plan=ns["partition"](model, (x[:2],), 2, cut=ns["Cut"](microbatches=8)))
 
 
 def _llama(ns: dict[str, Any], cwd: Path) -> None:
@@ -147,7 +148,7 @@ def _llama(ns: dict[str, Any], cwd: Path) -> None:
     ids = torch.randint(0, config.vocab_size, (4, 16))
     ns.update(LlamaForCausalLM=LlamaForCausalLM, config=config, model=model, ids=ids, x=ids, y=ids,
               mask=torch.ones_like(ids), start=0, steps=2,
-              plan=ns["partition"](model, (ids[:2],), 2, microbatches=2))
+              plan=ns["partition"](model, (ids[:2],), 2, cut=ns["Cut"](microbatches=2)))
 
 
 def _run_toml(ns: dict[str, Any], cwd: Path) -> None:

@@ -18,7 +18,7 @@ Examples::
     torchrun --standalone --nproc-per-node 8 -m pipecut train --model ... --plan plan.json --global-batch 64
     pipecut --version
 
-Exit codes: 0 done, 2 an error, 3 a device over capacity (docs/partitioning.md, "Exit codes of the
+Exit codes: 0 done, 2 an error, 3 a device over capacity (docs/reference/errors.md, "Exit codes of the
 command line").
 
 Tables take the terminal's width (``COLUMNS`` when set); written to a file or a pipe they keep
@@ -57,7 +57,7 @@ from pipecut.folder import is_hf_folder
 
 __all__ = ["main", "build_parser", "version", "EXIT_ERROR", "EXIT_OVER_CAPACITY"]
 
-# Exit codes (docs/partitioning.md, "Exit codes"): 0 done; 2 an error (a bad argument, model or
+# Exit codes (docs/reference/errors.md, "Exit codes of the command line"): 0 done; 2 an error (a bad argument, model or
 # plan file; argparse's usage errors too); 3 the plan does not fit: a device is over capacity (the
 # row marked OVER) or no cut fits (InfeasibleMemoryError), so scripts can tell "too big" apart.
 EXIT_ERROR = 2

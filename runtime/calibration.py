@@ -4,7 +4,7 @@ Legend: ``N`` devices (one gloo process each), ``B`` the global batch (rows per 
 per row, ``V`` a language model's vocabulary.
 
 A host measured alone (``Cluster.measure``: matrix products, memory, tiny ops, links) ranks
-layouts poorly on CPU processes (docs/partitioning.md, *Calibration*: a Spearman of 0.20 on the
+layouts poorly on CPU processes (docs/reference/calibration.md: a Spearman of 0.20 on the
 layout benchmark); what made the benchmark's predictions accurate is fitting that cluster to the
 model as the runtime trains it, on the job's own processes (``runtime.overheads.calibrate_job``).
 :func:`fit_model` runs that fit from a model factory, without a job: it spawns ``N`` processes on

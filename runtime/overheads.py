@@ -210,8 +210,8 @@ def calibrate_job(
 ) -> Cluster:
     """The cluster ``search`` should price on, fitted on the job's own ranks; ``search`` then uses it.
 
-    The whole calibration the layout benchmark found accurate, as one call (docs/partitioning.md,
-    *Calibration*): every rank times a one-stage trainer step of the model at two sizes at once
+    The whole calibration the layout benchmark found accurate, as one call (docs/reference/calibration.md,
+    *Checked against measured runs*): every rank times a one-stage trainer step of the model at two sizes at once
     (:func:`fit_to_runtime`: the slowest rank's times give the speed and per-op overhead), the
     cluster records the ``cores`` the ranks share (default: this host's), and the runtime's cost
     per pipeline action is measured on the model cut into one stage per rank

@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 # gradients and optimizer state with FSDP2 (``fully_shard`` over the "dp" group, ZeRO-3).
 ZERO_OPTIONS = ("none", "zero1", "fsdp")
 # What the search tries unless told: FSDP's time price is optimistic on CPU processes and not yet
-# checked on GPUs (docs/partitioning.md, "FSDP, and what it assumes"), so it is asked for, zero=ZERO_OPTIONS.
+# checked on GPUs (docs/reference/layout-search.md, "FSDP, and what it assumes"), so it is asked for, zero=ZERO_OPTIONS.
 DEFAULT_ZERO = ("none", "zero1")
 TIE = 0.01  # layouts within 1% of the best step time are ties
 

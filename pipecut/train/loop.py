@@ -154,7 +154,7 @@ def train(
     Raises:
         TrainConfigError, DataError, FolderError, UnsupportedModelError: before any step.
         MissingDependencyError: ``cfg.tensorboard`` without the tensorboard package, before ``cfg.out`` is touched.
-        PipecutError: anything planning or training refuses (see docs/runtime.md).
+        PipecutError: anything planning or training refuses (see docs/reference/errors.md).
     """
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         ensure_process_group()

@@ -181,7 +181,7 @@ def test_checkpoint_index_reads_headers_only(kind: str, tmp_path: Path) -> None:
 
 
 def test_stages_of_a_meta_model_load_and_run(tmp_path: Path) -> None:
-    """docs/runtime.md's flow: plan a meta model, allocate each stage, load it, run the stages."""
+    """docs/reference/weights.md's flow: plan a meta model, allocate each stage, load it, run the stages."""
     from partitioner import partition
 
     def build() -> nn.Module:

@@ -9,7 +9,7 @@ the next token) and ``generator`` (the decoding loop). See docs/generate.md.
 from __future__ import annotations
 
 from runtime.generate.cut import StageSpan, stage_spans
-from runtime.generate.errors import CutInsideBlockError, GenerateError, GenerateOptionError, UnsupportedModelError
+from runtime.generate.errors import CutInsideBlockError, GenerateError, GenerateModelError, GenerateOptionError
 from runtime.generate.generator import Generation, Generator, left_pad
 from runtime.generate.parts import DecoderParts, decoder_parts
 from runtime.generate.sampling import Sampling
@@ -17,5 +17,5 @@ from runtime.generate.stage import Hop, StageRunner
 
 __all__ = [
     "Generator", "Generation", "Sampling", "left_pad", "StageSpan", "stage_spans", "DecoderParts", "decoder_parts",
-    "Hop", "StageRunner", "GenerateError", "UnsupportedModelError", "CutInsideBlockError", "GenerateOptionError",
+    "Hop", "StageRunner", "GenerateError", "GenerateModelError", "CutInsideBlockError", "GenerateOptionError",
 ]

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from partitioner.errors import PipecutError
 
-__all__ = ["GenerateError", "UnsupportedModelError", "CutInsideBlockError", "GenerateOptionError"]
+__all__ = ["GenerateError", "GenerateModelError", "CutInsideBlockError", "GenerateOptionError"]
 
 
 class GenerateError(PipecutError, ValueError):
     """The root of generation's errors: a model, plan or option the generator cannot run."""
 
 
-class UnsupportedModelError(GenerateError):
+class GenerateModelError(GenerateError):
     """The model is not a Hugging Face decoder-only causal LM whose parts the generator can find."""
 
 

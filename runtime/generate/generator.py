@@ -28,7 +28,7 @@ from runtime.generate.parts import DecoderParts, decoder_parts
 from runtime.generate.sampling import Sampling, next_tokens, sequence_generators
 from runtime.generate.stage import Hop, StageRunner
 from runtime.state.materialize import InitFn
-from runtime.state.weights import LoadReport, Weights  # noqa: F401 - LoadReport: the type of load_report
+from runtime.state.weights import LoadReport, Weights
 
 __all__ = ["Generator", "Generation", "left_pad"]
 
@@ -78,7 +78,7 @@ class Generator:
 
     Raises:
         PlanMismatchError: the plan is not bound to a model.
-        UnsupportedModelError: the model is not a decoder-only causal LM of transformers.
+        GenerateModelError: the model is not a decoder-only causal LM of transformers.
         CutInsideBlockError: the plan cuts inside a layer, or out of model order.
         MaterializeError, WeightsError: building or loading the stages failed.
 
@@ -101,6 +101,7 @@ class Generator:
         self.plan = plan
         self.parts: DecoderParts = decoder_parts(plan.model)
         self.spans: tuple[StageSpan, ...] = stage_spans(plan, self.parts)
+        self.load_report: LoadReport | None
         self.modules, self.load_report = build_stages(plan, self.parts, self.spans, weights=weights, device=device,
                                                       seed=seed, init_fn=init_fn)
         self.stages = [StageRunner(self.parts, span) for span in self.spans]

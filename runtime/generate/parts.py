@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from partitioner.tracing.hf import blocks, is_hf_model
-from runtime.generate.errors import UnsupportedModelError
+from runtime.generate.errors import GenerateModelError
 
 __all__ = ["DecoderParts", "decoder_parts", "new_cache", "embed", "layer_masks", "run_layer", "final_logits",
            "CHECKED_FAMILIES", "FULL", "SLIDING"]
@@ -101,7 +101,7 @@ def decoder_parts(model: nn.Module) -> DecoderParts:
     """Find the parts of a Hugging Face decoder-only causal LM.
 
     Raises:
-        UnsupportedModelError: not a Hugging Face model, an encoder-decoder, or a model without
+        GenerateModelError: not a Hugging Face model, an encoder-decoder, or a model without
             decoder layers, a final norm or an LM head where these families keep them.
 
     Example:
@@ -114,29 +114,30 @@ def decoder_parts(model: nn.Module) -> DecoderParts:
     """
     name = type(model).__name__
     if not is_hf_model(model):
-        raise UnsupportedModelError(
+        raise GenerateModelError(
             f"{name} is not a Hugging Face transformers model; the generator runs decoder-only causal "
             "LMs of transformers (LlamaForCausalLM, GPT2LMHeadModel...): build the model with transformers"
         )
-    config = model.config
+    hf: Any = model  # a PreTrainedModel: its config and helpers are not nn.Module attributes to mypy
+    config = hf.config
     if getattr(config, "is_encoder_decoder", False):
-        raise UnsupportedModelError(
+        raise GenerateModelError(
             f"{name} is an encoder-decoder model; the generator runs decoder-only causal LMs only for now"
         )
     names = {id(m): n for n, m in model.named_modules()}
-    embed_module, head_module = model.get_input_embeddings(), model.get_output_embeddings()
+    embed_module, head_module = hf.get_input_embeddings(), hf.get_output_embeddings()
     if embed_module is None or head_module is None or id(head_module) not in names:
-        raise UnsupportedModelError(
+        raise GenerateModelError(
             f"{name} has no LM head (get_output_embeddings() is {type(head_module).__name__}): the "
             "generator needs a ...ForCausalLM model, not its base model"
         )
     layers = tuple(blocks(model))
-    base = model.base_model
+    base: nn.Module = hf.base_model
     base_name = names[id(base)]
     children = dict(base.named_children())
     norm = next((n for n in _NORMS if n in children), None)
     if not layers or norm is None:
-        raise UnsupportedModelError(
+        raise GenerateModelError(
             f"{name}: found {len(layers)} decoder layers (model._no_split_modules = "
             f"{getattr(model, '_no_split_modules', None)}) and final norm {norm!r} among {sorted(children)}; "
             f"the generator needs both (it knows the final norms {list(_NORMS)})"
@@ -144,7 +145,7 @@ def decoder_parts(model: nn.Module) -> DecoderParts:
     signature = inspect.signature(type(model.get_submodule(layers[0])).forward).parameters
     cache_keyword = next((k for k in _CACHE_KEYWORDS if k in signature), None)
     if cache_keyword is None:
-        raise UnsupportedModelError(
+        raise GenerateModelError(
             f"{name}: its decoder layers' forward takes no cache (parameters {list(signature)}; looked for "
             f"{list(_CACHE_KEYWORDS)})"
         )
@@ -218,7 +219,7 @@ def layer_masks(
         if kind in masks:
             continue
         if kind not in helpers:
-            raise UnsupportedModelError(
+            raise GenerateModelError(
                 f"layer {i} ({parts.layers[i]}) is of kind {kind!r}; the generator makes masks for "
                 f"{sorted(helpers)} layers only"
             )
@@ -259,7 +260,7 @@ def _call(fn: Any, **available: Any) -> Any:
     if "cache" in available and "cache" not in params:
         key = next((k for k in _CACHE_KEYWORDS if k in params), None)
         if key is None:
-            raise UnsupportedModelError(
+            raise GenerateModelError(
                 f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', fn)} takes no cache (parameters "
                 f"{list(params)}); this transformers version ({_version()}) is not supported by the generator"
             )

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from gen_cases import build
+
 from runtime.generate import CutInsideBlockError, StageSpan, decoder_parts
 from runtime.generate.cut import spans_from_parts
 
@@ -21,7 +21,7 @@ def test_spans_follow_the_stages_of_the_parts() -> None:
     parts = decoder_parts(build("llama"))
     spans = spans_from_parts(parts, _found([0, 0, 1, 2], norm=2, head=3), 4)
     assert spans == (
-        StageSpan(0, embed=True, layers=range(0, 2), norm=False, head=False),
+        StageSpan(0, embed=True, layers=range(2), norm=False, head=False),
         StageSpan(1, embed=False, layers=range(2, 3), norm=False, head=False),
         StageSpan(2, embed=False, layers=range(3, 4), norm=True, head=False),
         StageSpan(3, embed=False, layers=range(0), norm=False, head=True),
@@ -38,7 +38,8 @@ def test_a_cut_inside_a_layer_is_refused_with_the_layer_and_its_stages() -> None
 
 def test_parts_out_of_model_order_or_missing_are_refused() -> None:
     parts = decoder_parts(build("llama"))
-    with pytest.raises(CutInsideBlockError, match="puts model.layers.2 on stage 0, before model.layers.1 on stage 1"):
+    order = r"puts model\.layers\.2 on stage 0, before model\.layers\.1 on stage 1"
+    with pytest.raises(CutInsideBlockError, match=order):
         spans_from_parts(parts, _found([0, 1, 0, 1]), 2)
     found = _found([0, 0, 1, 1])
     del found["lm_head"]

@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 import torch
-
 from gen_cases import CASES, PROMPTS, build
+
 from partitioner import partition
 from runtime import empty_weights
-from runtime.generate import Generator, GenerateOptionError, Sampling, UnsupportedModelError, left_pad
+from runtime.generate import GenerateModelError, GenerateOptionError, Generator, Sampling, left_pad
 
 transformers = pytest.importorskip("transformers")
 
@@ -133,5 +133,5 @@ def test_tensor_prompts_with_a_mask_and_bad_options() -> None:
 
 def test_a_model_that_is_not_a_causal_lm_is_refused() -> None:
     mlp = torch.nn.Sequential(torch.nn.Linear(4, 4))
-    with pytest.raises(UnsupportedModelError, match="Sequential is not a Hugging Face transformers model"):
+    with pytest.raises(GenerateModelError, match="Sequential is not a Hugging Face transformers model"):
         Generator(partition(mlp, (torch.randn(2, 4),), 1))

@@ -41,10 +41,8 @@ def stage_module(parts: DecoderParts, span: StageSpan) -> nn.Module:
         ...                                num_attention_heads=2, intermediate_size=32)
         >>> parts = decoder_parts(transformers.LlamaForCausalLM(cfg))
         >>> last = stage_module(parts, StageSpan(1, embed=False, layers=range(1, 2), norm=True, head=True))
-        >>> sorted({k.rsplit('.', 2)[0] for k in last.state_dict()})
-        ['lm_head', 'model.layers.1.input_layernorm', 'model.layers.1.mlp.down_proj', 'model.layers.1.mlp.gate_proj', \
-'model.layers.1.mlp.up_proj', 'model.layers.1.post_attention_layernorm', 'model.layers.1.self_attn.k_proj', \
-'model.layers.1.self_attn.o_proj', 'model.layers.1.self_attn.q_proj', 'model.layers.1.self_attn.v_proj', 'model.norm']
+        >>> sorted(last.state_dict())[:3], len(last.state_dict())  # layer 1's 9 tensors, the norm, the head
+        (['lm_head.weight', 'model.layers.1.input_layernorm.weight', 'model.layers.1.mlp.down_proj.weight'], 11)
     """
     names: list[str] = []
     if span.embed:

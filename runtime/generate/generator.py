@@ -48,12 +48,15 @@ class Generation:
         tokens: per sequence, its new tokens, up to and including the end-of-sequence token that
             stopped it.
         steps: forward steps through the stages (the prefill is the first).
+        logits: with ``output_logits=True``, each step's logits (B, V) of the last position, as
+            the last stage returned them (``generate``'s ``output_logits``); else ``None``.
     """
 
     sequences: torch.Tensor
     attention_mask: torch.Tensor
     tokens: tuple[tuple[int, ...], ...]
     steps: int
+    logits: tuple[torch.Tensor, ...] | None = None
 
 
 class Generator:
@@ -113,7 +116,7 @@ class Generator:
     def generate(
         self, prompts: Prompts, *, attention_mask: torch.Tensor | None = None,
         max_new_tokens: int | Sequence[int] = 20, eos_token_id: int | Sequence[int] | None = None,
-        pad_token_id: int | None = None, sampling: Sampling | None = None,
+        pad_token_id: int | None = None, sampling: Sampling | None = None, output_logits: bool = False,
     ) -> Generation:
         """Continue each prompt until it emits an end-of-sequence token or its ``max_new_tokens``.
 
@@ -128,6 +131,7 @@ class Generator:
             pad_token_id: what pads prompts on the left and sequences after their stop; default the
                 model's ``generation_config.pad_token_id``, else the first end-of-sequence token, else 0.
             sampling: ``None`` for greedy decoding, or a :class:`~runtime.generate.sampling.Sampling`.
+            output_logits: keep each step's logits in ``Generation.logits``.
 
         Returns:
             A :class:`Generation`.
@@ -148,12 +152,15 @@ class Generator:
         unfinished = limits > 0
         eos_ids = torch.tensor(eos, dtype=torch.long, device=self.device)
         new: list[torch.Tensor] = []
+        logits: list[torch.Tensor] = []
         steps = 0
         while bool(unfinished.any()):
             out = hop
             for stage in self.stages:
                 out = stage(out)
             steps += 1
+            if output_logits:
+                logits.append(out.data)
             chosen = torch.where(unfinished, next_tokens(out.data, sampling, generators), pad)
             new.append(chosen)
             unfinished &= ~torch.isin(chosen, eos_ids) & (limits > len(new))
@@ -161,7 +168,7 @@ class Generator:
             hop = Hop(chosen[:, None], hop.position_ids[:, -1:] + 1, mask)
         tokens = torch.stack(new, dim=1) if new else ids.new_zeros(b, 0)
         return Generation(torch.cat([ids, tokens], dim=1), mask[:, : ids.shape[1]],
-                          _trimmed(tokens, eos, limits), steps)
+                          _trimmed(tokens, eos, limits), steps, tuple(logits) if output_logits else None)
 
     def cached_layers(self) -> list[list[int]]:
         """Per stage, the layers whose keys and values its cache holds now."""

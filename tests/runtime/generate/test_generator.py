@@ -22,11 +22,11 @@ NEW = 6  # new tokens: prompts of 3-7 tokens grow past the sliding windows (4)
 EXAMPLE = (torch.zeros(1, 8, dtype=torch.long),)
 
 
-def _reference(model: Any, eos: int | list[int] = 2, new: int = NEW) -> torch.Tensor:
+def _reference(model: Any, eos: int | list[int] = 2, new: int = NEW) -> Any:
+    """``model.generate``'s greedy output for PROMPTS: ``.sequences`` and each step's ``.logits``."""
     ids, mask = left_pad(PROMPTS, pad_token_id=0)
-    out: torch.Tensor = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new,
-                                       eos_token_id=eos, pad_token_id=0)
-    return out
+    return model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new, eos_token_id=eos,
+                          pad_token_id=0, output_logits=True, return_dict_in_generate=True)
 
 
 def _positions_per_call(gen: Generator) -> list[list[int]]:
@@ -47,8 +47,12 @@ def test_greedy_tokens_are_generates_on_2_and_4_stages(name: str) -> None:
     for p in (2, 4):
         gen = Generator(partition(model, EXAMPLE, p))
         assert [len(s.layers) for s in gen.spans] == [4 // p] * p
-        got = gen.generate(PROMPTS, max_new_tokens=NEW, eos_token_id=2, pad_token_id=0)
-        assert torch.equal(got.sequences, want), (p, got.sequences.tolist(), want.tolist())
+        got = gen.generate(PROMPTS, max_new_tokens=NEW, eos_token_id=2, pad_token_id=0, output_logits=True)
+        assert torch.equal(got.sequences, want.sequences), (p, got.sequences.tolist(), want.sequences.tolist())
+        # The logits too: tiny random models attend almost uniformly, so a wrong mask (padding or
+        # window) can leave the greedy tokens alone while it changes the logits.
+        assert got.logits is not None
+        torch.testing.assert_close(torch.stack(got.logits, 1), torch.stack(want.logits, 1), rtol=1e-5, atol=1e-5)
         # Each stage's cache holds its own layers' keys and values, and no other layer's.
         assert gen.cached_layers() == [list(s.layers) for s in gen.spans]
 
@@ -77,7 +81,7 @@ def test_each_sequence_stops_at_its_eos_or_its_own_limit() -> None:
     free = gen.generate(PROMPTS, max_new_tokens=NEW, eos_token_id=[], pad_token_id=0)
     eos = free.tokens[0][1]  # sequence 0's second token: it stops there (others may too, later or not)
     stopped = gen.generate(PROMPTS, max_new_tokens=NEW, eos_token_id=eos, pad_token_id=0)
-    assert torch.equal(stopped.sequences, _reference(model, eos=eos))
+    assert torch.equal(stopped.sequences, _reference(model, eos=eos).sequences)
     assert stopped.tokens[0] == free.tokens[0][:2]
     for b, tokens in enumerate(stopped.tokens):
         cut = free.tokens[b].index(eos) + 1 if eos in free.tokens[b] else NEW
@@ -113,7 +117,7 @@ def test_a_meta_model_is_built_and_loaded_per_stage(tmp_path: Path) -> None:
     assert gen.load_report is not None and len(gen.load_report.names) == len(pretrained.state_dict())
     assert not any(t.is_meta for t in model.parameters())
     got = gen.generate(PROMPTS, max_new_tokens=NEW, eos_token_id=2, pad_token_id=0)
-    assert torch.equal(got.sequences, _reference(pretrained))
+    assert torch.equal(got.sequences, _reference(pretrained).sequences)
 
 
 def test_tensor_prompts_with_a_mask_and_bad_options() -> None:

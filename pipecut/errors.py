@@ -80,6 +80,10 @@ from runtime.errors import TrainerStateError as TrainerStateError
 from runtime.errors import TransportOptionError as TransportOptionError
 from runtime.execute.microbatch import MicrobatchError as MicrobatchError
 from runtime.execute.recompute import RecomputeOptionError as RecomputeOptionError
+from runtime.generate.errors import CutInsideBlockError as CutInsideBlockError
+from runtime.generate.errors import GenerateError as GenerateError
+from runtime.generate.errors import GenerateModelError as GenerateModelError
+from runtime.generate.errors import GenerateOptionError as GenerateOptionError
 from runtime.parallel.fsdp import FSDPOptionError as FSDPOptionError
 from runtime.precision import AutocastConflictError as AutocastConflictError
 from runtime.precision import PrecisionError as PrecisionError

@@ -1,0 +1,273 @@
+"""The generator: a plan's stages, each with its own key/value cache, decoding a batch of prompts.
+
+Legend: ``p`` stages, ``s`` a stage index, ``B`` sequences, ``T0`` the padded prompt length,
+``n`` new tokens, ``V`` vocabulary.
+
+One step runs the stages one after another in this process: the first embeds, each runs its
+layers and hands the next a :class:`~runtime.generate.stage.Hop`, the last returns the logits of
+each sequence's last position, and the next tokens are chosen from them. The prompts are prefilled
+once (the whole padded batch through every stage); each later step sends one position per sequence.
+Ragged prompts are left-padded with an attention mask and per-sequence positions, as
+``model.generate`` does, so the greedy tokens are the same as its.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from partitioner.plan.plan import Plan
+from runtime.generate.build import build_stages
+from runtime.generate.cut import StageSpan, stage_spans
+from runtime.generate.errors import GenerateOptionError
+from runtime.generate.parts import DecoderParts, decoder_parts
+from runtime.generate.sampling import Sampling, next_tokens, sequence_generators
+from runtime.generate.stage import Hop, StageRunner
+from runtime.state.materialize import InitFn
+from runtime.state.weights import LoadReport, Weights
+
+__all__ = ["Generator", "Generation", "left_pad"]
+
+log = logging.getLogger(__name__)
+
+Prompts = torch.Tensor | Sequence[Sequence[int]]
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What :meth:`Generator.generate` returns.
+
+    Attributes:
+        sequences: (B, T0 + n) the left-padded prompts followed by the new tokens, a sequence that
+            stopped padded with ``pad_token_id`` after its stop: what ``model.generate`` returns.
+        attention_mask: (B, T0) the prompts' mask (0 on left padding).
+        tokens: per sequence, its new tokens, up to and including the end-of-sequence token that
+            stopped it.
+        steps: forward steps through the stages (the prefill is the first).
+        logits: with ``output_logits=True``, each step's logits (B, V) of the last position, as
+            the last stage returned them (``generate``'s ``output_logits``); else ``None``.
+    """
+
+    sequences: torch.Tensor
+    attention_mask: torch.Tensor
+    tokens: tuple[tuple[int, ...], ...]
+    steps: int
+    logits: tuple[torch.Tensor, ...] | None = None
+
+
+class Generator:
+    """Generates text with a plan's stages, each keeping the keys and values of its own layers.
+
+    For Hugging Face decoder-only causal LMs (Llama, Qwen2, Mistral, Gemma 2, GPT-2, Phi-3,
+    Mixtral, Qwen2-MoE...). The stages are the plan's: each runs the model's own modules for its
+    part (embedding, a run of layers, final norm, head; :mod:`runtime.generate.cut`), in this
+    process, one after another. A model built under :func:`runtime.empty_weights` gets real tensors
+    for the stages' parts only, and ``weights`` loads only those.
+
+    Args:
+        plan: a plan of the model, bound to it (``partition(model, (input_ids,), p)``, or a loaded
+            plan after ``plan.bind(model, example_inputs)``), cut between blocks (the default).
+        weights: a checkpoint to load the stages from (a Hugging Face folder, a ``.safetensors``
+            file, a DCP folder...) or a :class:`~runtime.state.weights.Weights`; ``None`` keeps the
+            model's values.
+        device: where meta tensors are made and the stages' modules go; default: meta tensors on
+            the CPU, real ones where they are.
+        seed: initialisation seed for meta tensors no checkpoint fills (as the trainer's ``Init``).
+        init_fn: ``init_fn(name, module)`` to initialise those instead.
+
+    Raises:
+        PlanMismatchError: the plan is not bound to a model.
+        GenerateModelError: the model is not a decoder-only causal LM of transformers.
+        CutInsideBlockError: the plan cuts inside a layer, or out of model order.
+        MaterializeError, WeightsError: building or loading the stages failed.
+
+    Example:
+        >>> import torch, transformers
+        >>> from partitioner import partition
+        >>> cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2,
+        ...                                num_attention_heads=2, intermediate_size=32)
+        >>> model = transformers.LlamaForCausalLM(cfg).eval()
+        >>> plan = partition(model, (torch.zeros(1, 8, dtype=torch.long),), 2)
+        >>> out = Generator(plan).generate([[5, 6, 7], [8, 9]], max_new_tokens=4)
+        >>> out.sequences.shape, [len(t) for t in out.tokens]
+        (torch.Size([2, 7]), [4, 4])
+    """
+
+    def __init__(
+        self, plan: Plan, *, weights: str | os.PathLike[str] | Weights | None = None,
+        device: torch.device | str | None = None, seed: int = 0, init_fn: InitFn | None = None,
+    ) -> None:
+        self.plan = plan
+        self.parts: DecoderParts = decoder_parts(plan.model)
+        self.spans: tuple[StageSpan, ...] = stage_spans(plan, self.parts)
+        self.load_report: LoadReport | None
+        self.modules, self.load_report = build_stages(plan, self.parts, self.spans, weights=weights, device=device,
+                                                      seed=seed, init_fn=init_fn)
+        self.stages = [StageRunner(self.parts, span) for span in self.spans]
+        first = next(iter(self.modules[0].parameters()), None)
+        self.device = first.device if first is not None else torch.device("cpu")
+        log.info("generator: %d stages: %s", len(self.stages), ", ".join(_describe(s) for s in self.spans))
+
+    @torch.no_grad()
+    def generate(
+        self, prompts: Prompts, *, attention_mask: torch.Tensor | None = None,
+        max_new_tokens: int | Sequence[int] = 20, eos_token_id: int | Sequence[int] | None = None,
+        pad_token_id: int | None = None, sampling: Sampling | None = None, output_logits: bool = False,
+    ) -> Generation:
+        """Continue each prompt until it emits an end-of-sequence token or its ``max_new_tokens``.
+
+        Args:
+            prompts: token id lists of any lengths, or a (B, T0) tensor of left-padded ids with
+                ``attention_mask`` (as a tokenizer with ``padding_side='left'`` gives; without a
+                mask, every position is a token).
+            attention_mask: (B, T0), 1 on tokens and 0 on left padding, for tensor ``prompts``.
+            max_new_tokens: the most new tokens, for all sequences or one per sequence.
+            eos_token_id: token(s) that stop a sequence; default the model's
+                ``generation_config.eos_token_id``.
+            pad_token_id: what pads prompts on the left and sequences after their stop; default the
+                model's ``generation_config.pad_token_id``, else the first end-of-sequence token, else 0.
+            sampling: ``None`` for greedy decoding, or a :class:`~runtime.generate.sampling.Sampling`.
+            output_logits: keep each step's logits in ``Generation.logits``.
+
+        Returns:
+            A :class:`Generation`.
+
+        Raises:
+            GenerateOptionError: an empty prompt, right padding, or a bad ``max_new_tokens``.
+        """
+        eos = _eos(self.parts, eos_token_id)
+        pad = _pad(self.parts, pad_token_id, eos)
+        ids, mask = _batch(prompts, attention_mask, pad, self.device)
+        b = ids.shape[0]
+        limits = _limits(max_new_tokens, b, self.device)
+        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)  # padding's positions reach no token
+        generators = sequence_generators(sampling, range(b), self.device) if sampling is not None else []
+        for stage in self.stages:
+            stage.reset()
+        hop = Hop(ids, positions, mask)
+        unfinished = limits > 0
+        eos_ids = torch.tensor(eos, dtype=torch.long, device=self.device)
+        new: list[torch.Tensor] = []
+        logits: list[torch.Tensor] = []
+        steps = 0
+        while bool(unfinished.any()):
+            out = hop
+            for stage in self.stages:
+                out = stage(out)
+            steps += 1
+            if output_logits:
+                logits.append(out.data)
+            chosen = torch.where(unfinished, next_tokens(out.data, sampling, generators), pad)
+            new.append(chosen)
+            unfinished &= ~torch.isin(chosen, eos_ids) & (limits > len(new))
+            mask = torch.cat([mask, mask.new_ones(b, 1)], dim=1)
+            hop = Hop(chosen[:, None], hop.position_ids[:, -1:] + 1, mask)
+        tokens = torch.stack(new, dim=1) if new else ids.new_zeros(b, 0)
+        return Generation(torch.cat([ids, tokens], dim=1), mask[:, : ids.shape[1]],
+                          _trimmed(tokens, eos, limits), steps, tuple(logits) if output_logits else None)
+
+    def cached_layers(self) -> list[list[int]]:
+        """Per stage, the layers whose keys and values its cache holds now."""
+        return [stage.cached_layers() for stage in self.stages]
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token id lists of any lengths as one left-padded (B, T0) tensor and its mask.
+
+    Raises:
+        GenerateOptionError: no prompts, or an empty prompt.
+
+    Example:
+        >>> left_pad([[5, 6, 7], [8]], pad_token_id=0)
+        (tensor([[5, 6, 7],
+                [0, 0, 8]]), tensor([[1, 1, 1],
+                [0, 0, 1]]))
+    """
+    if not prompts or any(len(p) == 0 for p in prompts):
+        empty = [b for b, p in enumerate(prompts) if len(p) == 0]
+        raise GenerateOptionError(
+            f"every prompt needs at least one token; got {len(prompts)} prompts, empty: {empty} "
+            "(start a prompt with the tokenizer's BOS token)"
+        )
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, width - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
+        mask[b, width - len(p):] = 1
+    return ids, mask
+
+
+def _batch(
+    prompts: Prompts, attention_mask: torch.Tensor | None, pad: int, device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if not isinstance(prompts, torch.Tensor):
+        ids, mask = left_pad(prompts, pad)
+        return ids.to(device), mask.to(device)
+    if prompts.ndim != 2 or prompts.shape[1] == 0:
+        raise GenerateOptionError(f"prompts must be (B, T0) token ids with T0 >= 1, got shape {tuple(prompts.shape)}")
+    mask = torch.ones_like(prompts) if attention_mask is None else attention_mask
+    if mask.shape != prompts.shape:
+        raise GenerateOptionError(
+            f"attention_mask has shape {tuple(mask.shape)}, the prompts {tuple(prompts.shape)}: give one mask value "
+            "per prompt token"
+        )
+    mask = mask.to(device=device, dtype=torch.long)
+    bad = [b for b in range(mask.shape[0]) if not bool(mask[b, -1]) or bool((mask[b, 1:] < mask[b, :-1]).any())]
+    if bad:
+        raise GenerateOptionError(
+            f"prompts {bad} are not left-padded (their mask must be 0s then 1s, ending with a token): pad on the "
+            "left (tokenizer.padding_side = 'left'), or pass the prompts as lists of token ids"
+        )
+    return prompts.to(device=device, dtype=torch.long), mask
+
+
+def _limits(max_new_tokens: int | Sequence[int], b: int, device: torch.device) -> torch.Tensor:
+    values = [max_new_tokens] * b if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    if len(values) != b or any(not isinstance(v, int) or v < 0 for v in values):
+        raise GenerateOptionError(
+            f"max_new_tokens must be an int >= 0 or one per prompt ({b}), got {max_new_tokens!r}"
+        )
+    return torch.tensor(values, dtype=torch.long, device=device)
+
+
+def _eos(parts: DecoderParts, eos_token_id: int | Sequence[int] | None) -> list[int]:
+    if eos_token_id is None:
+        config = getattr(parts.model, "generation_config", None) or parts.config
+        eos_token_id = getattr(config, "eos_token_id", None)
+    if eos_token_id is None:
+        return []
+    return [eos_token_id] if isinstance(eos_token_id, int) else [int(e) for e in eos_token_id]
+
+
+def _pad(parts: DecoderParts, pad_token_id: int | None, eos: list[int]) -> int:
+    if pad_token_id is not None:
+        return pad_token_id
+    config = getattr(parts.model, "generation_config", None) or parts.config
+    found = getattr(config, "pad_token_id", None)
+    return int(found) if found is not None else eos[0] if eos else 0
+
+
+def _trimmed(tokens: torch.Tensor, eos: list[int], limits: torch.Tensor) -> tuple[tuple[int, ...], ...]:
+    out = []
+    stops = set(eos)
+    for b, row in enumerate(tokens.tolist()):
+        kept: list[int] = []
+        for t in row[: int(limits[b])]:
+            kept.append(t)
+            if t in stops:
+                break
+        out.append(tuple(kept))
+    return tuple(out)
+
+
+def _describe(span: StageSpan) -> str:
+    parts = ["embed"] if span.embed else []
+    if len(span.layers):
+        parts.append(f"layers {span.layers.start}-{span.layers.stop - 1}")
+    parts += ["norm"] * span.norm + ["head"] * span.head
+    return f"stage {span.index}: {' + '.join(parts) or 'nothing'}"

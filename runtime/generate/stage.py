@@ -1,0 +1,109 @@
+"""One stage of a generating pipeline: its span of the model, its own key/value cache, one call per step.
+
+Legend: ``B`` sequences, ``T`` new positions this call (the prompt's length at prefill, 1 at each
+decode step), ``K`` positions seen so far including the new ones, ``H`` hidden size, ``V`` vocabulary.
+
+What crosses from stage to stage each call is a :class:`Hop`: the new positions' hidden states
+(token ids into the first stage, logits of the last position out of the last) with the small
+side inputs every stage needs to run its layers: the new positions' ids and the 2-D attention
+mask. Nothing the stage computed before is computed again: its layers' keys and values for the
+earlier positions are in its cache.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from runtime.generate.cut import StageSpan
+from runtime.generate.parts import DecoderParts, embed, final_logits, layer_masks, new_cache, run_layer
+
+__all__ = ["Hop", "StageRunner"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Hop:
+    """What one stage hands the next for one step.
+
+    Attributes:
+        data: token ids (B, T) into the first stage; hidden states (B, T, H) between stages; the
+            last position's logits (B, V) out of the stage running the head.
+        position_ids: the new positions' ids (B, T), per sequence (left padding shifts them).
+        attention_mask: which of the K positions seen so far are real tokens (B, K), new ones
+            included; 0 marks left padding.
+    """
+
+    data: torch.Tensor
+    position_ids: torch.Tensor
+    attention_mask: torch.Tensor
+
+
+class StageRunner:
+    """Runs one :class:`~runtime.generate.cut.StageSpan` of a model, keeping its layers' keys and values.
+
+    The stage calls the model's own modules (``runtime.generate.parts``) and keeps a transformers
+    ``DynamicCache`` in which only its own layers' entries are ever written: the entries of other
+    stages' layers stay empty (:meth:`cached_layers` lists the filled ones).
+
+    Args:
+        parts: the model's parts.
+        span: what this stage runs.
+    """
+
+    def __init__(self, parts: DecoderParts, span: StageSpan) -> None:
+        self.parts = parts
+        self.span = span
+        self.cache: Any = None
+        self.calls: list[tuple[int, ...]] = []  # the shape of ``data`` each call received, in order
+
+    def reset(self) -> None:
+        """Forget the cached keys and values (a new batch of prompts starts)."""
+        self.cache = new_cache(self.parts) if len(self.span.layers) else None
+        self.calls.clear()
+
+    @torch.no_grad()
+    def __call__(self, hop: Hop) -> Hop:
+        """Run the stage's parts on ``hop`` and return what the next stage needs.
+
+        Raises:
+            RuntimeError: from the model's modules (e.g. a device mismatch).
+        """
+        self.calls.append(tuple(hop.data.shape))
+        x = hop.data
+        if self.span.embed:
+            x = embed(self.parts, x, hop.position_ids)
+        if len(self.span.layers):
+            if self.cache is None:
+                self.reset()
+            rotary = self.parts.rotary
+            position_embeddings = (
+                None if rotary is None else self.parts.module(rotary)(x, hop.position_ids)
+            )
+            masks = layer_masks(self.parts, self.span.layers, x, hop.attention_mask, hop.position_ids, self.cache)
+            for i in self.span.layers:
+                x = run_layer(self.parts, i, x, masks, hop.position_ids, position_embeddings, self.cache)
+        if self.span.norm:
+            # The head reads the last position only (generate's logits_to_keep=1): only it travels on.
+            x = self.parts.module(self.parts.norm)(x)[:, -1:, :]
+        if self.span.head:
+            x = final_logits(self.parts, x)
+        return replace(hop, data=x)
+
+    def cached_layers(self) -> list[int]:
+        """The layers whose keys and values this stage's cache holds (empty before the first call)."""
+        if self.cache is None:
+            return []
+        return [i for i, layer in enumerate(self.cache.layers)
+                if getattr(layer, "keys", None) is not None and layer.keys.numel() > 0]
+
+    def cached_bytes(self) -> int:
+        """Bytes of keys and values this stage's cache holds."""
+        if self.cache is None:
+            return 0
+        return sum(t.numel() * t.element_size() for layer in self.cache.layers
+                   for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None)

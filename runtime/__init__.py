@@ -31,6 +31,7 @@ from runtime.errors import LossError, OptionKeywordError, StageError, TrainerOpt
 from runtime.execute.executor import ActionRecord, Executor, RunResult, StageRuntime
 from runtime.execute.recompute import RecomputeOptionError
 from runtime.execute.saved_memory import SavedBytes
+from runtime.generate import GenerateError, Generation, Generator, Sampling
 from runtime.metrics import TrainingProgress, step_metrics
 from runtime.options import DataParallel, Execution, Init
 from runtime.parallel.data_parallel import GradAverager, PipelineMesh, pipeline_mesh
@@ -76,6 +77,10 @@ from runtime.transport.placement import PlacementError
 
 __all__ = [
     "PipelineTrainer",
+    "Generator",
+    "Generation",
+    "Sampling",
+    "GenerateError",
     "Execution",
     "Init",
     "DataParallel",

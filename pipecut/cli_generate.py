@@ -102,7 +102,7 @@ def generate_command(args: argparse.Namespace) -> int:
     ids = _tokenized(tokenizer, prompts, args.prompts)
     length = _checked_length(ids, opts.max_new_tokens, config)
     eos, pad = _stops(folder, config)
-    err = Console(stderr=True, highlight=False, markup=False)
+    err = Console(stderr=True, highlight=False, markup=False, soft_wrap=True)  # a line per message, never wrapped
     generator = _generator(folder, config, weights, opts, length)
     mode = "greedy" if opts.sampling is None else "sampling"
     err.print(f"pipecut generate: {len(prompts)} prompts, {opts.pp} stage{'s' if opts.pp > 1 else ''} in this "

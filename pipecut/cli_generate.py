@@ -98,6 +98,11 @@ def generate_command(args: argparse.Namespace) -> int:
             "initialisation makes noise; save the trained model there (model.save_pretrained), or pass a pipecut "
             "train run's OUT/final"
         )
+    if not folder.tokenizer_files:  # before the model is planned and loaded (HFFolder's message is train's)
+        raise FolderError(
+            f"{folder.path} has no tokenizer files (tokenizer.json, tokenizer_config.json...) to turn the prompts "
+            "into tokens and the completions into text: save the model's tokenizer there (tokenizer.save_pretrained)"
+        )
     tokenizer = folder.tokenizer()
     ids = _tokenized(tokenizer, prompts, args.prompts)
     length = _checked_length(ids, opts.max_new_tokens, config)

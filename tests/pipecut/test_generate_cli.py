@@ -115,6 +115,10 @@ def test_refusals_are_one_line_exit_2(
     refused = _refused(capsys, "--model", str(bert), *base[2:])
     assert "pipecut generate supports causal language models" in refused and "BertForMaskedLM" in refused
     assert "--temperature" in _refused(capsys, *base, "--top-k", "5")
+    bare = tmp_path / "no-tokenizer"
+    write_llama(bare, vocab_size=64, tokenizer=False)
+    capsys.readouterr()  # save_pretrained's progress bar
+    assert "has no tokenizer files" in _refused(capsys, "--model", str(bare), *base[2:])
     assert "more than the model's 64" in _refused(capsys, *base[:4], "--max-new-tokens", "60")
 
 

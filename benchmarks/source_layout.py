@@ -27,8 +27,8 @@ import argparse
 import ast
 import sys
 import time
-from pathlib import Path
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -288,7 +288,8 @@ def report(result: dict[str, Any]) -> None:
         table = Table(title="The walk at the scale of rooms (consecutive calls in one room collapsed)")
         for col in ("walk", "rooms passed", "hand-offs", "returns", "returns by room"):
             table.add_column(col, justify="left" if col in ("walk", "returns by room") else "right")
-        walks = {"one trainer.step()": w, **{f"PipelineTrainer() {k}": v for k, v in result["construction_walks"].items()}}
+        walks = {"one trainer.step()": w}
+        walks.update({f"PipelineTrainer() {k}": v for k, v in result["construction_walks"].items()})
         for name, v in walks.items():
             r = v["room_walk"]
             table.add_row(name, str(r["rooms_passed"]), str(r["handoffs"]), str(r["returns"]), str(r["return_rooms"]))

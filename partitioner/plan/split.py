@@ -250,12 +250,7 @@ def _split(
         if isinstance(o, fx.Node) and o in readers and (o.op == "placeholder" or stage[o] != p - 1):
             readers[o].add(p - 1)
 
-    # How each value crossing a cut travels, and each output the last stage does not send on: read
-    # at once (map calls wire_form back to back), for these values alone, as reading a shape can
-    # specialise a symbolic size.
-    crossing = [n for n, rs in readers.items() if rs]
-    crossing += [o for o in outputs if isinstance(o, fx.Node) and not readers.get(o)]
-    forms = dict(zip(crossing, map(wire_form, crossing)))
+    forms = _wire_forms(readers, outputs)
     specs: dict[fx.Node, ValueSpec] = {}
     for n, rs in readers.items():
         if rs:
@@ -374,6 +369,15 @@ def _output_spec(
         f"the model returns a constant ({o!r}) rather than a computed value; "
         "return only tensors from the model being partitioned"
     )
+
+
+def _wire_forms(readers: Mapping[fx.Node, set[int]], outputs: Sequence[Any]) -> dict[fx.Node, WireForm | None]:
+    """``wire_form`` of each value read by another stage and of each output the last stage does not
+    send on: these alone, as reading a shape can specialise a symbolic size, and back to back
+    (``map``), one visit to partitioner.tracing rather than one between each spec made here."""
+    crossing = [n for n, rs in readers.items() if rs]
+    crossing += [o for o in outputs if isinstance(o, fx.Node) and not readers.get(o)]
+    return dict(zip(crossing, map(wire_form, crossing)))
 
 
 def _value_spec(n: fx.Node, producer: int, consumers: tuple[int, ...], form: WireForm | None) -> ValueSpec:

@@ -1,40 +1,159 @@
-"""Assembly: the part of a pipeline one process holds, built from a plan and its resolved run.
+"""Assembly: the part of a pipeline one process holds, built from a plan and the trainer's options.
 
 Legend: ``S`` stages, ``p`` ranks, ``s`` a stage, ``r`` a rank, ``m`` micro-batches, ``dp`` replicas.
 
-The second and third steps of a trainer's constructor, after :func:`runtime.options.resolve_run`
-has placed the plan's stages (which ranks run here, on which devices, in which replica of the
-job's ("dp", "pp") mesh): :func:`assemble` makes this process's stage modules real (split from
-the plan's graph, materialised from meta, weight-gradient accumulation fused), then wraps them
-for the replicas (copies of shared weights tied, the gradient exchange or FSDP's shards set up),
-in that order, and returns them as one :class:`Assembly`; the trainer only runs it.
+A trainer's constructor is a recipe whose first steps are here. :func:`resolve_run` reads the
+plan once and resolves the options against it into a frozen :class:`Run`: schedule,
+micro-batches, precision, recomputation, transport, and where this process sits
+(:class:`Placement`: which ranks run here, on which devices, in which replica of the job's
+("dp", "pp") mesh). :func:`assemble` takes that run and makes this process's stage modules real
+(split from the plan's graph, materialised from meta, weight-gradient accumulation fused), then
+wraps them for the replicas (copies of shared weights tied, the gradient exchange or FSDP's
+shards set up), in that order, and returns them as one :class:`Assembly`; the trainer connects
+the transport and only runs it.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.fx as fx
 
 from partitioner.plan.plan import Plan
 from partitioner.plan.split import StageIO
+from partitioner.schedule.ir import Schedule
 from partitioner.schedule.registry import schedule_info
+from partitioner.schedule.validation import validate
 from partitioner.tracing.hops import unshare_bodies
-from partitioner.tracing.trace import retarget_device
+from partitioner.tracing.trace import TracedModel, retarget_device
+from runtime.execute.microbatch import microbatch_count
+from runtime.execute.recompute import RecomputeOption, stages_to_recompute
 from runtime.execute.records import StageRuntime, stage_runtimes
-from runtime.options import Placement, Run
-from runtime.parallel.data_parallel import Replicas
+from runtime.options import TrainerOptions, apply_layout
+from runtime.parallel.data_parallel import PipelineMesh, Replicas, job_mesh, one_process_mesh
 from runtime.parallel.fsdp import FSDPReplicas, check_fsdp_plan
 from runtime.parallel.tied import TiedGroup, tie_copies
+from runtime.precision import MixedPrecision, resolve_precision
 from runtime.state.materialize import materialize_stages, refuse_released, release_whole_copies
 from runtime.state.weights import stage_tensors
-from runtime.transport.process_group import comm_device
+from runtime.transport.placement import check_backend, placed_schedule, stage_devices
+from runtime.transport.process_group import comm_device, default_device, ensure_process_group, resolve_mode
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Assembly", "Placement", "assemble"]
+__all__ = ["Placement", "Run", "resolve_run", "Assembly", "assemble"]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where this process sits: its mesh, its pipeline rank, the ranks it runs, its stages' devices.
+
+    Attributes:
+        mesh: this process's place in the job (one replica in one process).
+        rank: its pipeline rank under ``'dist'``; 0 in one process.
+        ranks: the pipeline ranks this process runs (all of them in one process).
+        devices: each stage this process holds -> its device.
+    """
+
+    mesh: PipelineMesh
+    rank: int
+    ranks: tuple[int, ...]
+    devices: dict[int, torch.device]
+
+
+@dataclass(frozen=True)
+class Run:
+    """A trainer's run, resolved once from its plan and options: what every later step of the
+    constructor takes instead of the plan.
+
+    Attributes:
+        options: the option objects, every field resolved and the plan's layout applied.
+        precision: the mixed-precision policy (the given one, else the plan's).
+        num_stages: ``S``, the plan's stages.
+        m: micro-batches per step.
+        schedule: the schedule running the ``S`` stages on ``p`` ranks (validated).
+        recompute: the stages that recompute their forward in the backward.
+        mode: the resolved transport: ``'local'``, ``'sequential'`` or ``'dist'``.
+        out_spec: the model's output structure (``Plan.output_treespec``).
+        placement: this process's :class:`Placement`.
+        model: the model the plan is bound to (its stages hold that model's tensors).
+        traced: the plan's traced graph (``Plan.traced``).
+    """
+
+    options: TrainerOptions
+    precision: MixedPrecision
+    num_stages: int
+    m: int
+    schedule: Schedule
+    recompute: frozenset[int]
+    mode: str
+    out_spec: Any
+    placement: Placement
+    model: torch.nn.Module
+    traced: TracedModel
+
+
+def resolve_run(
+    plan: Plan, options: TrainerOptions, precision: str | MixedPrecision | None = None,
+    recompute: RecomputeOption = None,
+) -> Run:
+    """Read ``plan`` once and resolve ``options`` against it: the first step of a trainer's
+    constructor. Under ``'dist'`` it joins the process group (and, with replicas, builds the
+    job's device mesh): collective.
+
+    Raises:
+        PrecisionError: an unknown precision name.
+        MicrobatchError: ``Execution.microbatches`` is not an int >= 1.
+        PlanMismatchError: the plan was loaded from a file and not bound to a model yet.
+        PlacementError: ``S`` is not a multiple of the schedule's stages per rank, the job's
+            world size is not ``dp * p``, the backend cannot run the schedule's messages, stages
+            of one rank are given different devices, or replicas are asked for in one process.
+        UnknownScheduleError: the schedule's name is not registered.
+        RecomputeOptionError: ``recompute`` names no stage of the plan, or is of another type.
+        TransportOptionError: an unknown transport.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from partitioner import partition
+        >>> from runtime.options import resolve_options
+        >>> plan = partition(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)), (torch.randn(2, 4),), 2)
+        >>> run = resolve_run(plan, resolve_options(schedule="gpipe", microbatches=2, transport="sequential"))
+        >>> run.schedule.name, run.m, run.mode, run.placement.ranks, run.precision.name
+        ('gpipe', 2, 'sequential', (0, 1), 'fp32')
+    """
+    # The plan, read once, first: every later step gets these values, not the plan.
+    ex = options.execution
+    flags = []
+    for st in plan.stages:
+        flags.append(getattr(st, "recompute", False))
+    num_stages, out_spec, io, model, traced = plan.num_stages, plan.output_treespec(), plan.io, plan.model, plan.traced
+    layout, planned_m, planned_schedule = getattr(plan, "layout", None), plan.microbatches, plan.schedule
+    mp = resolve_precision(precision, getattr(plan, "precision", "fp32"))
+    m = microbatch_count(ex.microbatches, planned_m)  # at the door: 0 is not the plan's
+    stages = stages_to_recompute(recompute, flags)
+    mode = resolve_mode(ex.transport)
+    schedule = placed_schedule(ex.schedule or planned_schedule, num_stages, m, ex.chunks_per_rank)
+    validate(schedule)
+    ranks = schedule.num_ranks
+    options = apply_layout(options, layout, mode)
+    # Where this process sits: under 'dist' (collective: joins the process group, builds the mesh)
+    # one rank and its device; otherwise every rank, with a device per stage.
+    devices, dp = ex.devices, options.data_parallel
+    if mode == "dist":
+        ensure_process_group()
+        check_backend(schedule, io)
+        device = torch.device(devices) if isinstance(devices, (str, torch.device)) else default_device()
+        mesh = job_mesh(schedule, num_stages, dp.size, dp.mesh, device.type)
+        own = dict.fromkeys(schedule.stages_of(mesh.pp_rank), device)
+        placement = Placement(mesh, mesh.pp_rank, (mesh.pp_rank,), own)
+    else:
+        mesh = one_process_mesh(ranks, m, dp.size, dp.mesh)
+        placement = Placement(mesh, 0, tuple(range(ranks)), stage_devices(devices, num_stages, schedule))
+    return Run(options, mp, num_stages, m, schedule, stages, mode, out_spec, placement, model, traced)
 
 
 @dataclass(frozen=True)
@@ -42,7 +161,7 @@ class Assembly:
     """This process's part of the pipeline, ready to run.
 
     Attributes:
-        placement: see :class:`~runtime.options.Placement`.
+        placement: see :class:`Placement`.
         stages: this process's stages by index.
         ios: every stage's inputs and outputs (the whole plan's).
         tied: the copies of tied weights whose gradients are summed after each run.

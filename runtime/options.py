@@ -14,12 +14,6 @@ accepted for one release as shortcuts, each mapped to its object and field by :d
 they do not warn. :func:`resolve_options` turns what the trainer was given into the three
 objects, refusing unknown keywords (:class:`~runtime.errors.OptionKeywordError`) and a
 shortcut given beside its object (:class:`~runtime.errors.TrainerOptionError`).
-
-:func:`resolve_run` is the first step of the trainer's constructor: the plan read once and the
-options resolved against it into a frozen :class:`Run` (schedule, micro-batches, precision,
-recomputation, transport and this process's :class:`Placement`), which the later steps (build
-the stages, wrap them for the replicas, connect the transport) take as their argument instead
-of reading the plan again.
 """
 
 from __future__ import annotations
@@ -30,32 +24,18 @@ import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from partitioner.cost.exchange import DEFAULT_BUCKET_BYTES
 from partitioner.plan.layout import Layout
-from partitioner.schedule.ir import Schedule
-from partitioner.schedule.validation import validate
 from runtime.errors import OptionKeywordError, TrainerOptionError
-from runtime.execute.microbatch import microbatch_count
-from runtime.execute.recompute import RecomputeOption, stages_to_recompute
-from runtime.parallel.data_parallel import PipelineMesh, job_mesh, one_process_mesh
-from runtime.precision import MixedPrecision, resolve_precision
 from runtime.state.materialize import InitFn
 from runtime.state.weights import Weights
-from runtime.transport.placement import PlacementError, check_backend, placed_schedule, stage_devices
-from runtime.transport.process_group import default_device, ensure_process_group, resolve_mode
+from runtime.transport.placement import PlacementError
 
-if TYPE_CHECKING:
-    from partitioner.plan.plan import Plan
-    from partitioner.tracing.trace import TracedModel
-
-__all__ = [
-    "Execution", "Init", "DataParallel", "TrainerOptions", "SHORTCUTS", "resolve_options", "apply_layout",
-    "Placement", "Run", "resolve_run",
-]
+__all__ = ["Execution", "Init", "DataParallel", "TrainerOptions", "SHORTCUTS", "resolve_options", "apply_layout"]
 
 log = logging.getLogger(__name__)
 
@@ -364,116 +344,3 @@ def apply_layout(options: TrainerOptions, layout: Layout | None, mode: str) -> T
         log.warning("sharding over the replicas as %r; the plan's layout was priced for %r (%s): each rank's "
                     "memory differs from the plan's", running, layout.zero, layout.label())
     return dataclasses.replace(options, data_parallel=dp)
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where this process sits: its mesh, its pipeline rank, the ranks it runs, its stages' devices.
-
-    Attributes:
-        mesh: this process's place in the job (one replica in one process).
-        rank: its pipeline rank under ``'dist'``; 0 in one process.
-        ranks: the pipeline ranks this process runs (all of them in one process).
-        devices: each stage this process holds -> its device.
-    """
-
-    mesh: PipelineMesh
-    rank: int
-    ranks: tuple[int, ...]
-    devices: dict[int, torch.device]
-
-
-@dataclass(frozen=True)
-class Run:
-    """A trainer's run, resolved once from its plan and options: what every later step of the
-    constructor takes instead of the plan.
-
-    Attributes:
-        options: the option objects, every field resolved and the plan's layout applied.
-        precision: the mixed-precision policy (the given one, else the plan's).
-        num_stages: ``S``, the plan's stages.
-        m: micro-batches per step.
-        schedule: the schedule running the ``S`` stages on ``p`` ranks (validated).
-        recompute: the stages that recompute their forward in the backward.
-        mode: the resolved transport: ``'local'``, ``'sequential'`` or ``'dist'``.
-        out_spec: the model's output structure (``Plan.output_treespec``).
-        placement: this process's :class:`Placement`.
-        model: the model the plan is bound to (its stages hold that model's tensors).
-        traced: the plan's traced graph (``Plan.traced``).
-    """
-
-    options: TrainerOptions
-    precision: MixedPrecision
-    num_stages: int
-    m: int
-    schedule: Schedule
-    recompute: frozenset[int]
-    mode: str
-    out_spec: Any
-    placement: Placement
-    model: torch.nn.Module
-    traced: TracedModel
-
-
-def resolve_run(
-    plan: Plan, options: TrainerOptions, precision: str | MixedPrecision | None = None,
-    recompute: RecomputeOption = None,
-) -> Run:
-    """Read ``plan`` once and resolve ``options`` against it: the first step of a trainer's
-    constructor. Under ``'dist'`` it joins the process group (and, with replicas, builds the
-    job's device mesh): collective.
-
-    Raises:
-        PrecisionError: an unknown precision name.
-        MicrobatchError: ``Execution.microbatches`` is not an int >= 1.
-        PlanMismatchError: the plan was loaded from a file and not bound to a model yet.
-        PlacementError: ``S`` is not a multiple of the schedule's stages per rank, the job's
-            world size is not ``dp * p``, the backend cannot run the schedule's messages, stages
-            of one rank are given different devices, or replicas are asked for in one process.
-        UnknownScheduleError: the schedule's name is not registered.
-        RecomputeOptionError: ``recompute`` names no stage of the plan, or is of another type.
-        TransportOptionError: an unknown transport.
-
-    Example:
-        >>> import torch
-        >>> from torch import nn
-        >>> from partitioner import partition
-        >>> plan = partition(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)), (torch.randn(2, 4),), 2)
-        >>> run = resolve_run(plan, resolve_options(schedule="gpipe", microbatches=2, transport="sequential"))
-        >>> run.schedule.name, run.m, run.mode, run.placement.ranks, run.precision.name
-        ('gpipe', 2, 'sequential', (0, 1), 'fp32')
-    """
-    # The plan, read once, first: every later step gets these values, not the plan.
-    ex = options.execution
-    flags = []
-    for st in plan.stages:
-        flags.append(getattr(st, "recompute", False))
-    num_stages, out_spec, io, model, traced = plan.num_stages, plan.output_treespec(), plan.io, plan.model, plan.traced
-    layout, planned_m, planned_schedule = getattr(plan, "layout", None), plan.microbatches, plan.schedule
-    mp = resolve_precision(precision, getattr(plan, "precision", "fp32"))
-    m = microbatch_count(ex.microbatches, planned_m)  # at the door: 0 is not the plan's
-    stages = stages_to_recompute(recompute, flags)
-    mode = resolve_mode(ex.transport)
-    schedule = placed_schedule(ex.schedule or planned_schedule, num_stages, m, ex.chunks_per_rank)
-    validate(schedule)
-    ranks = schedule.num_ranks
-    options = apply_layout(options, layout, mode)
-    placement = _place(schedule, ranks, mode, m, io, options)
-    return Run(options, mp, num_stages, m, schedule, stages, mode, out_spec, placement, model, traced)
-
-
-def _place(
-    schedule: Schedule, ranks: int, mode: str, m: int, io: Sequence[Any], options: TrainerOptions
-) -> Placement:
-    """This process's placement (``ranks``: the schedule's): under ``'dist'`` (collective: joins
-    the process group, builds the mesh) one rank and its device; otherwise every rank, with a
-    device per stage."""
-    num_stages, devices, dp = len(schedule.stage_to_rank), options.execution.devices, options.data_parallel
-    if mode == "dist":
-        ensure_process_group()
-        check_backend(schedule, io)
-        device = torch.device(devices) if isinstance(devices, (str, torch.device)) else default_device()
-        mesh = job_mesh(schedule, num_stages, dp.size, dp.mesh, device.type)
-        return Placement(mesh, mesh.pp_rank, (mesh.pp_rank,), dict.fromkeys(schedule.stages_of(mesh.pp_rank), device))
-    mesh = one_process_mesh(ranks, m, dp.size, dp.mesh)
-    return Placement(mesh, 0, tuple(range(ranks)), stage_devices(devices, num_stages, schedule))

@@ -29,7 +29,7 @@ from partitioner.plan.plan import Plan
 from partitioner.schedule.generators import forward_only
 from partitioner.schedule.ir import Schedule
 from partitioner.schedule.timeline import Timeline, from_records, save_chrome_trace
-from runtime.assembly import assemble
+from runtime.assembly import assemble, resolve_run
 from runtime.errors import TrainerStateError
 from runtime.execute.accumulation import add_back, set_aside
 from runtime.execute.executor import ActionRecord, Executor, RunResult
@@ -40,7 +40,7 @@ from runtime.execute.recompute import RecomputeOption
 from runtime.execute.shapes import wire_shapes
 from runtime.execute.wiring import merge_microbatches, model_output
 from runtime.metrics import step_metrics
-from runtime.options import DataParallel, Execution, Init, resolve_options, resolve_run
+from runtime.options import DataParallel, Execution, Init, resolve_options
 from runtime.parallel.clipping import clip_grad_norm_
 from runtime.parallel.fsdp import FSDPReplicas, check_optimizer, whole_buffers
 from runtime.parallel.tied import copy_tied_values, second_copies, sum_tied_grads

@@ -150,8 +150,10 @@ def test_importlib_finds_every_module(layout: Layout) -> None:
 # Returns PipelineTrainer(plan, ...) may make to a room it had left, while it builds a 2-stage
 # pipeline in one process (benchmarks/source_layout.py's room walk: calls into the three packages,
 # consecutive calls in one room collapsed). Each is a data dependency of the recipe
-# resolve -> build -> wrap -> ready; a helper calling back into a room already left fails the test.
+# resolve -> build -> wrap -> connect -> ready; a helper calling back into a room already left fails the test.
 CONSTRUCTION_RETURNS = {
+    # resolve_run, then assemble: the recipe's first two steps, both the assembly's.
+    "runtime.assembly": 1,
     # The layout's replicas are applied once the transport is known (a replicated layout in one
     # process is refused), after the schedule is placed.
     "runtime.options": 1,
@@ -189,9 +191,10 @@ def test_trainer_construction_returns_to_no_room_beyond_the_listed_ones() -> Non
         plan, nn.functional.mse_loss, lambda ps: torch.optim.SGD(ps, lr=0.1), transport="sequential"))
     walk = bench["room_walk"]([module for _, module in calls])
     visits = walk["visits"]
-    assert visits[:2] == ["runtime.trainer", "runtime.options"] and "runtime.assembly" in visits, visits
-    # The recipe's steps in order, each entered once: resolve (options), then build and wrap (assembly).
-    assert visits.count("runtime.assembly") == 1 and visits.count("runtime.trainer") == 1, visits
-    assert "runtime.options" not in visits[visits.index("runtime.assembly"):], visits
+    # The recipe: the options, then resolve_run (the plan read once, first), ...
+    assert visits[:4] == ["runtime.trainer", "runtime.options", "runtime.assembly", "partitioner.plan"], visits
+    # ... then assemble (split, materialise, tie, replicate): the trainer never called back.
+    assert visits.count("runtime.trainer") == 1 and visits.count("runtime.assembly") == 2, visits
+    assert "runtime.options" not in visits[visits.index("runtime.assembly", 3):], visits
     over = {room: n for room, n in walk["return_rooms"].items() if n > CONSTRUCTION_RETURNS.get(room, 0)}
     assert not over, f"returns to rooms already left beyond CONSTRUCTION_RETURNS: {over}; the walk: {visits}"

@@ -86,7 +86,7 @@ class PipelineTrainer:
             floating values cross stages in it (``MixedPrecision(cast_activations=False)``
             keeps the plan's dtype on the wire). fp16 scales the loss (:attr:`scaler`):
             gradients are unscaled in :meth:`forward_backward`, and :meth:`step` skips the
-            optimizer when any rank found inf/NaN (``last_found_inf``). See docs/runtime.md.
+            optimizer when any rank found inf/NaN (``last_found_inf``). See docs/reference/precision.md.
         recompute: activation recomputation (``runtime.execute.recompute``): a recomputing stage's
             forward keeps only its inputs and its backward runs the forward again first, so it
             holds its input bytes per micro-batch in flight instead of its saved activations,

@@ -106,14 +106,25 @@ def test_layouts_cover_every_divisible_layout(bench: ModuleType) -> None:
     assert bench.Layout(1, 4, "zbv", 2, 4).stages == 8 and bench.Layout(2, 2, "zbh1", 2, 2).stages == 2
 
 
+# The layouts --quick runs (a global batch of 8), and those of a batch of 4, which the default
+# profile runs: a pipeline of 4 ranks, and 2 replicas of 2 ranks with and without ZeRO-1 (building
+# a trainer per layout on every rank is most of the run's time).
+QUICK_LAYOUTS = {"dp1 pp4 1f1b b2 m4 none", "dp2 pp2 1f1b b2 m2 none", "dp2 pp2 1f1b b2 m2 zero1",
+                 "dp4 pp1 1f1b b2 m1 none", "dp4 pp1 1f1b b2 m1 zero1"}
+BATCH_4_LAYOUTS = {"dp1 pp4 1f1b b2 m2 none", "dp2 pp2 1f1b b2 m1 none", "dp2 pp2 1f1b b2 m1 zero1"}
+
+
 @pytest.mark.multiprocess
-@pytest.mark.slow
-def test_layout_quick(bench: ModuleType, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("batch", "want"), [
+    (["--batch", "4"], BATCH_4_LAYOUTS),
+    pytest.param([], QUICK_LAYOUTS, marks=[pytest.mark.long, pytest.mark.slow]),
+], ids=["batch-4", "quick"])
+def test_layout_quick(bench: ModuleType, tmp_path: Path, batch: list[str], want: set[str]) -> None:
     # A subprocess, as users run it: its spawned ranks re-import the script as __main__. Priced on
     # the command line's calibration (`pipecut calibrate --model`, run by the script), with the
     # in-benchmark fit beside it on the same measured steps: one run covers both predictors.
     out = tmp_path / "layout.json"
-    argv = ["--quick", "--cli-calibrate", "--timeout", "400", "--out", str(out)]
+    argv = ["--quick", *batch, "--cli-calibrate", "--timeout", "400", "--out", str(out)]
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "layout.py"), *argv], capture_output=True,
                          text=True, timeout=900, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, run.stderr[-3000:]
@@ -121,9 +132,7 @@ def test_layout_quick(bench: ModuleType, tmp_path: Path) -> None:
     assert data["benchmark"] == "layout"
     assert data["command"] == "python benchmarks/layout.py " + " ".join(argv)
     rows = data["layouts"]
-    assert {r["name"] for r in rows} == {"dp1 pp4 1f1b b2 m4 none", "dp2 pp2 1f1b b2 m2 none",
-                                         "dp2 pp2 1f1b b2 m2 zero1", "dp4 pp1 1f1b b2 m1 none",
-                                         "dp4 pp1 1f1b b2 m1 zero1"}
+    assert {r["name"] for r in rows} == want
     for r in rows:
         assert r["measured_s"] > 0 and r["predicted_s"] > 0 and r["n"] == 2 and r["tokens_per_s"] > 0
         assert r["pred_over_meas"] == pytest.approx(r["predicted_s"] / r["measured_s"])
@@ -139,7 +148,7 @@ def test_layout_quick(bench: ModuleType, tmp_path: Path) -> None:
     fastest = min(r["predicted_s"] for r in rows)  # the planner's choice: the fastest, up to its 1% ties
     assert s["choice"] in {r["name"] for r in rows if r["predicted_s"] <= fastest * 1.01}
     assert s["choice_measured_rank"] == [r["name"] for r in by_measured].index(s["choice"]) + 1
-    assert [r["rank_measured"] for r in by_measured] == [1, 2, 3, 4, 5]
+    assert [r["rank_measured"] for r in by_measured] == list(range(1, len(want) + 1))
     assert [r["rank_predicted"] for r in rows] == bench.ranks(pred)
     fitted_to = data["cli_calibration"]["fitted_to"]
     assert fitted_to["model"] == "benchmarks/layout_model.py:model_quick" and fitted_to["devices"] == 4

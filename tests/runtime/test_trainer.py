@@ -28,7 +28,6 @@ from parity import (
 from partitioner import partition
 from partitioner.schedule.registry import get_schedule
 from partitioner.schedule.validation import peak_inflight
-from profiles import LONG
 from runtime.errors import StageError, TrainerStateError
 from runtime.trainer import MicrobatchError, PipelineTrainer, split_microbatches
 from runtime.transport.launch import LaunchError, spawn
@@ -78,20 +77,14 @@ def test_sequential_transport_runs_new_schedules(name: str, schedule: str) -> No
 
 
 def _gloo_cases(world: int) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
-    """Per world size, the (model, schedule) cases run over gloo, and those run with grouped messages.
-
-    The MLP cases run on 2 ranks; on 4 only in the long profile: what 4 ranks add is GPT-2's tied
-    embedding placed across them and the skip model's stem feeding the last stage.
-    """
-    mlps = world == 2 or LONG
-    models = MODELS if mlps else [n for n in MODELS if n != "mlp"]
-    cases = [(n, s) for n in models for s in SCHEDULES + NEW_SCHEDULES] + [("mlp-mb4", "1f1b")] * mlps
+    """Per world size, the (model, schedule) cases run over gloo, and those run with grouped messages."""
+    cases = [(n, s) for n in MODELS for s in SCHEDULES + NEW_SCHEDULES] + [("mlp-mb4", "1f1b")]
     if world == 2:
         cases.append(("mlp-mb4", "zbv"))
     # The skip model's stem feeds the last stage: over 4 ranks 1F1B's and ZB-H1's grouped
     # programs could wait in a circle, and NCCL refuses them (test_placement); GPipe's finishes.
-    grouped = [(n, s) for n in models for s in ("gpipe", "1f1b", "zbh1")
-               if not (n == "skip" and world > 2 and s != "gpipe")] + [("mlp-mb4", "1f1b")] * mlps
+    grouped = [(n, s) for n in MODELS for s in ("gpipe", "1f1b", "zbh1")
+               if not (n == "skip" and world > 2 and s != "gpipe")] + [("mlp-mb4", "1f1b")]
     return cases, grouped
 
 

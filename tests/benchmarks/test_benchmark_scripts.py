@@ -6,6 +6,7 @@ import importlib.util
 import json
 import math
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -171,7 +172,7 @@ def test_memory_engines_quick(tmp_path: Path, only: list[str]) -> None:
     assert run.returncode == 0, run.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["meta"]["benchmark"] == "memory_engines"
-    assert data["meta"]["command"] == "python benchmarks/memory.py " + " ".join(argv)
+    assert data["meta"]["command"] == shlex.join(["python", "benchmarks/memory.py", *argv])  # --only's ; quoted
     ranks = data["ranks"]
     engines = ["replicate", "fsdp"] if only else ["replicate", "replicate + ZeRO-1", "fsdp"]  # --quick: three
     assert list(ranks) == engines

@@ -194,7 +194,7 @@ def test_a_whole_batch_example_is_partitions_alone() -> None:
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "partitioning.md"
 KEYWORDS_PAGE = PAGE.parent / "reference" / "planner-options.md"
-MARKER = "<!-- example: the planner inputs (run by tests/partitioner/test_options.py) -->"
+MARKER = "<!-- example: the planner inputs (run by tests/partitioner/test_planner_options.py) -->"
 
 
 def test_the_docs_example_runs() -> None:

@@ -5,6 +5,7 @@ Run (one CUDA GPU, about 90 s on an H100; writes ``benchmarks/results/cuda_memor
     python benchmarks/cuda_memory.py
     python benchmarks/cuda_memory.py --models gpt2 --transport local --out /tmp/cuda_memory.json
     python benchmarks/cuda_memory.py --quick --device cpu --out /tmp/cm.json   # the code paths, no GPU
+    python benchmarks/cuda_memory.py --quick --device cpu --stages 2 --schedules 1f1b --precisions bf16  # 2 of them
 
 Each configuration (model x stages 1, 2 x schedule gpipe, 1f1b x precision fp32, bf16) is
 planned for ``Cluster.uniform(p, 'H100-80GB')`` (``partition(..., precision=, recompute=False)``)
@@ -263,8 +264,18 @@ def _print(rows: list[dict[str, Any]], title: str) -> None:
     Console(width=220).print(table)
 
 
-def _configs(models: list[str]) -> list[Config]:
-    return [Config(m, p, s, prec) for m, p, s, prec in itertools.product(models, STAGES, SCHEDULES, PRECISIONS)]
+def _configs(models: list[str], stages: list[int], schedules: list[str], precisions: list[str]) -> list[Config]:
+    return [Config(m, p, s, prec) for m, p, s, prec in itertools.product(models, stages, schedules, precisions)]
+
+
+def _choices(given: str, known: tuple[Any, ...]) -> list[Any] | None:
+    """``given`` (comma-separated) as values of ``known``; ``None`` if one is not among them."""
+    kind = type(known[0])
+    try:
+        values = [kind(v.strip()) for v in given.split(",") if v.strip()]
+    except ValueError:
+        return None
+    return values if values and not set(values) - set(known) else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -272,6 +283,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny sizes (seconds; for tests)")
     parser.add_argument("--device", default="cuda", help="'cuda' (default, cuda:0), 'cuda:N' or 'cpu' (no readings)")
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
+    parser.add_argument("--stages", default=",".join(map(str, STAGES)), help="comma-separated, of 1, 2")
+    parser.add_argument("--schedules", default=",".join(SCHEDULES), help=f"comma-separated, of {', '.join(SCHEDULES)}")
+    parser.add_argument("--precisions", default=",".join(PRECISIONS),
+                        help=f"comma-separated, of {', '.join(PRECISIONS)}")
     parser.add_argument("--transport", default="sequential", choices=("sequential", "local"))
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cuda_memory.json"))
     cli = sys.argv[1:] if argv is None else list(argv)
@@ -291,6 +306,14 @@ def main(argv: list[str] | None = None) -> int:
     if not models or set(models) - set(MODELS):
         print(f"cuda_memory: --models {args.models!r}: choose from {', '.join(MODELS)}", file=sys.stderr)
         return 2
+    axes = {flag: (_choices(getattr(args, flag), known), known)
+            for flag, known in (("stages", STAGES), ("schedules", SCHEDULES), ("precisions", PRECISIONS))}
+    for flag, (values, known) in axes.items():
+        if values is None:
+            print(f"cuda_memory: --{flag} {getattr(args, flag)!r}: choose from {', '.join(map(str, known))}",
+                  file=sys.stderr)
+            return 2
+    stages, schedules, precisions = (values for values, _ in axes.values())
     prof = QUICK if args.quick else FULL
     t0 = time.time()
     load = load_before("the benchmark")
@@ -298,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         _warm_cuda(device)
     rows = []
-    for cfg in _configs(models):  # a line each as it goes: a run cut short by a time limit still says how far it got
+    # A line each as it goes: a run cut short by a time limit still says how far it got.
+    for cfg in _configs(models, stages, schedules, precisions):
         rows.append(r := _run(cfg, prof, device, args.transport))
         peak, pred = r["measured"]["peak_bytes"], r["predicted"]["memory_bytes"]
         print(f"{cfg.name}: planned in {r['plan_s']:.1f} s, predicted {pred / _MIB:,.1f} MiB, "
@@ -318,7 +342,9 @@ def main(argv: list[str] | None = None) -> int:
                  f"{prof.steps} measured steps after a warm-up; p=2: the device's peak vs the sum of both stages' "
                  "predictions)")
     write_result(args.out, {"meta": meta, "config": {**dataclasses.asdict(prof), "quick": args.quick,
-                                                     "transport": args.transport, "models": models},
+                                                     "transport": args.transport, "models": models,
+                                                     "stages": stages, "schedules": schedules,
+                                                     "precisions": precisions},
                             "results": rows})
     return 0 if all(r["losses_finite"] for r in rows) else 1
 

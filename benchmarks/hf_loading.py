@@ -6,6 +6,7 @@ Run (CPU; the full profile about 6 minutes on a 2-core machine and 3 GiB of free
 
     python benchmarks/hf_loading.py
     python benchmarks/hf_loading.py --quick --out /tmp/hf_loading.json    # a tiny Mixtral, p = 2
+    python benchmarks/hf_loading.py --quick --modes streaming --out /tmp/hf_loading.json   # one mode
     python benchmarks/hf_loading.py --stages 2 --layers 4 --keep /tmp/mixtral
 
 Legend: ``p`` stages (one per rank), ``L`` a layer, ``E`` an expert.
@@ -340,9 +341,9 @@ def _from_pretrained(rank: int, world: int, cfg: Config, folder: str, file_sizes
 # -- the run (in the launching process) --------------------------------------------------------------------
 
 
-def run(cfg: Config, *, folder: str | None = None) -> dict[str, Any]:
+def run(cfg: Config, *, folder: str | None = None, modes: tuple[str, ...] = MODES) -> dict[str, Any]:
     """Write the checkpoint into ``folder`` (a temporary one if ``None``), measure every rank of every
-    ``p`` in both modes and ``from_pretrained``; the results, checks included."""
+    ``p`` in each of ``modes`` and ``from_pretrained``; the results, checks included."""
     from runtime.transport.launch import spawn
 
     keep = folder is not None
@@ -361,7 +362,7 @@ def run(cfg: Config, *, folder: str | None = None) -> dict[str, Any]:
                                "conversion this benchmark measures")
         runs: dict[str, list[dict[str, Any]]] = {}
         for p in cfg.stages:
-            for mode in MODES:
+            for mode in modes:
                 t = time.perf_counter()
                 runs[f"{p}/{mode}"] = spawn(_load_rank, p, cfg, directory, mode, file_sizes, writer["sums"],
                                             timeout=cfg.timeout, threads=1)
@@ -381,17 +382,19 @@ def run(cfg: Config, *, folder: str | None = None) -> dict[str, Any]:
         "largest_expert_bytes": max(index[k][0] for k in per_expert), "write_s": writer["write_s"],
         "kept": directory if keep else None,
     }
-    rows = [_row(p, mode, r, runs[f"{p}/{other}"][r["rank"]])
-            for p in cfg.stages for mode, other in zip(MODES, reversed(MODES)) for r in runs[f"{p}/{mode}"]]
+    rows = [_row(p, mode, r, runs[f"{p}/{other}"][r["rank"]] if f"{p}/{other}" in runs else None)
+            for p in cfg.stages for mode, other in zip(MODES, reversed(MODES)) if mode in modes
+            for r in runs[f"{p}/{mode}"]]
     for w in whole:
         w["over_model"] = {k: None if w[f"{k}_peak_over_baseline_bytes"] is None
                            else w[f"{k}_peak_over_baseline_bytes"] - w["model_bytes"] for k in ("rss", "tensor")}
-    return {"config": dataclasses.asdict(cfg), "checkpoint": checkpoint, "rows": rows,
+    return {"config": {**dataclasses.asdict(cfg), "modes": list(modes)}, "checkpoint": checkpoint, "rows": rows,
             "from_pretrained": whole, "checks": _checks(rows), "phases_s": phases}
 
 
-def _row(p: int, mode: str, r: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
-    """A rank's figures in one mode, with the bound's verdicts."""
+def _row(p: int, mode: str, r: dict[str, Any], other: dict[str, Any] | None) -> dict[str, Any]:
+    """A rank's figures in one mode, with the bound's verdicts (``other``: the same rank in the other
+    mode, if it ran)."""
     one = r["largest_read_bytes"]
     tensor, rss = r["tensor_peak_over_baseline_bytes"], r["rss_peak_over_baseline_bytes"]
     return {
@@ -399,7 +402,7 @@ def _row(p: int, mode: str, r: dict[str, Any], other: dict[str, Any]) -> dict[st
         "tensor_over_stage_bytes": tensor, "rss_over_stage_bytes": rss,
         "tensor_within_one_source": tensor <= one + SLACK, "rss_within_one_source": rss <= one + SLACK,
         "tensor_margin_bytes": one + SLACK - tensor,
-        "same_stages_as_other_mode": r["stages"] == other["stages"],
+        "same_stages_as_other_mode": None if other is None else r["stages"] == other["stages"],
     }
 
 
@@ -476,10 +479,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16"))
     ap.add_argument("--shard-mib", type=float, default=None, help="save_pretrained's max_shard_size")
     ap.add_argument("--timeout", type=float, default=None, help="seconds for each spawned run")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)} (default both)")
     ap.add_argument("--keep", default=None, metavar="DIR", help="write the checkpoint here and keep it")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "hf_loading.json"))
     cli = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(cli)
+    given_modes = {m.strip() for m in args.modes.split(",") if m.strip()}
+    modes = tuple(m for m in MODES if m in given_modes)  # streaming first, as the rows are
+    if not modes or given_modes - set(MODES):
+        ap.error(f"--modes {args.modes!r}: a comma-separated list of {', '.join(MODES)}")
     cfg = QUICK if args.quick else FULL
     given = {k: getattr(args, k) for k in ("layers", "hidden", "intermediate", "experts", "vocab", "dtype",
                                            "shard_mib", "timeout")}
@@ -488,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = dataclasses.replace(cfg, stages=tuple(args.stages))
     t0 = time.time()
     load = load_before("the loading ranks")
-    res = run(cfg, folder=args.keep)
+    res = run(cfg, folder=args.keep, modes=modes)
     _print(res)
     meta = {"benchmark": "hf_loading", "command": shlex.join(["python", "benchmarks/hf_loading.py", *cli]),
             "slack_bytes": SLACK, **run_env(load, t0)}

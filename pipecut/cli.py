@@ -1,5 +1,6 @@
 """The ``pipecut`` command line: ``plan`` prints (and saves) a plan, ``simulate`` replays one,
-``train`` trains a Hugging Face folder on a token file (docs/train.md).
+``train`` trains a Hugging Face folder on a token file (docs/train.md), ``generate`` continues a
+file of prompts with one (docs/generate.md).
 
 Examples::
 
@@ -16,6 +17,7 @@ Examples::
     torchrun --standalone --nproc-per-node 4 -m pipecut train --model ... --pp 2 --dp 2
     torchrun --standalone --nproc-per-node 8 -m pipecut train --model ... --layout auto --global-batch 64
     torchrun --standalone --nproc-per-node 8 -m pipecut train --model ... --plan plan.json --global-batch 64
+    pipecut generate --model path/to/hf-folder --prompts prompts.jsonl --max-new-tokens 32 --pp 2
     pipecut --version
 
 Exit codes: 0 done, 2 an error, 3 a device over capacity (docs/reference/errors.md, "Exit codes of the
@@ -53,6 +55,7 @@ from partitioner.search import plan_layout
 from partitioner.zoo import MODELS, load_model
 from pipecut.cli_calibrate import add_calibrate_parser, calibrate_command, calibrated
 from pipecut.cli_common import folder_model, make_console, positive_count, positive_count_or_auto
+from pipecut.cli_generate import add_generate_parser, generate_command
 from pipecut.folder import is_hf_folder
 
 __all__ = ["main", "build_parser", "version", "EXIT_ERROR", "EXIT_OVER_CAPACITY"]
@@ -140,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace JSON here")
     sim.add_argument("--gantt", default=None, help="write a Gantt chart PNG here (needs matplotlib)")
     _add_train_parser(sub)
+    add_generate_parser(sub)
     return parser
 
 
@@ -163,7 +167,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the process exit code."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
-    commands = {"plan": _plan, "simulate": _simulate, "train": _train, "calibrate": calibrate_command}
+    commands = {"plan": _plan, "simulate": _simulate, "train": _train, "calibrate": calibrate_command,
+                "generate": generate_command}
     try:
         return commands[args.command](args)
     except InfeasibleMemoryError as e:

@@ -2,42 +2,49 @@
 
 Legend: ``S`` stages, ``p`` ranks, ``s`` a stage, ``r`` a rank, ``m`` micro-batches, ``dp`` replicas.
 
-A trainer's constructor places the plan's stages (which ranks run here, on which devices, in
-which replica of the job's ("dp", "pp") mesh), makes this process's stage modules real
-(materialised from meta, weight-gradient accumulation fused), ties copies of shared weights and
-sets up the gradient exchange between replicas. :func:`assemble` does all of that in that order
-and returns it as one :class:`Assembly`; the trainer only runs it.
+A trainer's constructor is a recipe whose first steps are here. :func:`resolve_run` reads the
+plan once and resolves the options against it into a frozen :class:`Run`: schedule,
+micro-batches, precision, recomputation, transport, and where this process sits
+(:class:`Placement`: which ranks run here, on which devices, in which replica of the job's
+("dp", "pp") mesh). :func:`assemble` takes that run and makes this process's stage modules real
+(split from the plan's graph, materialised from meta, weight-gradient accumulation fused), then
+wraps them for the replicas (copies of shared weights tied, the gradient exchange or FSDP's
+shards set up), in that order, and returns them as one :class:`Assembly`; the trainer connects
+the transport and only runs it.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.fx as fx
 
 from partitioner.plan.plan import Plan
-from partitioner.plan.split import StagedModel, StageIO
+from partitioner.plan.split import StageIO
 from partitioner.schedule.ir import Schedule
 from partitioner.schedule.registry import schedule_info
+from partitioner.schedule.validation import validate
 from partitioner.tracing.hops import unshare_bodies
-from partitioner.tracing.trace import retarget_device
-from runtime.execute.executor import StageRuntime
-from runtime.execute.wgrad_fusion import fuse_weight_grad_accumulation
-from runtime.options import DataParallel, Execution, Init
+from partitioner.tracing.trace import TracedModel, retarget_device
+from runtime.execute.microbatch import microbatch_count
+from runtime.execute.recompute import RecomputeOption, stages_to_recompute
+from runtime.execute.records import StageRuntime, stage_runtimes
+from runtime.options import TrainerOptions, apply_layout
 from runtime.parallel.data_parallel import PipelineMesh, Replicas, job_mesh, one_process_mesh
 from runtime.parallel.fsdp import FSDPReplicas, check_fsdp_plan
 from runtime.parallel.tied import TiedGroup, tie_copies
-from runtime.state.materialize import MaterializeError, materialize_stages, release_whole_copies, released_names
+from runtime.precision import MixedPrecision, resolve_precision
+from runtime.state.materialize import materialize_stages, refuse_released, release_whole_copies
 from runtime.state.weights import stage_tensors
-from runtime.transport.placement import check_backend, stage_devices
-from runtime.transport.process_group import comm_device, default_device, ensure_process_group
+from runtime.transport.placement import check_backend, placed_schedule, stage_devices
+from runtime.transport.process_group import comm_device, default_device, ensure_process_group, resolve_mode
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Assembly", "Placement", "assemble", "place"]
+__all__ = ["Placement", "Run", "resolve_run", "Assembly", "assemble"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +62,98 @@ class Placement:
     rank: int
     ranks: tuple[int, ...]
     devices: dict[int, torch.device]
+
+
+@dataclass(frozen=True)
+class Run:
+    """A trainer's run, resolved once from its plan and options: what every later step of the
+    constructor takes instead of the plan.
+
+    Attributes:
+        options: the option objects, every field resolved and the plan's layout applied.
+        precision: the mixed-precision policy (the given one, else the plan's).
+        num_stages: ``S``, the plan's stages.
+        m: micro-batches per step.
+        schedule: the schedule running the ``S`` stages on ``p`` ranks (validated).
+        recompute: the stages that recompute their forward in the backward.
+        mode: the resolved transport: ``'local'``, ``'sequential'`` or ``'dist'``.
+        out_spec: the model's output structure (``Plan.output_treespec``).
+        placement: this process's :class:`Placement`.
+        model: the model the plan is bound to (its stages hold that model's tensors).
+        traced: the plan's traced graph (``Plan.traced``).
+    """
+
+    options: TrainerOptions
+    precision: MixedPrecision
+    num_stages: int
+    m: int
+    schedule: Schedule
+    recompute: frozenset[int]
+    mode: str
+    out_spec: Any
+    placement: Placement
+    model: torch.nn.Module
+    traced: TracedModel
+
+
+def resolve_run(
+    plan: Plan, options: TrainerOptions, precision: str | MixedPrecision | None = None,
+    recompute: RecomputeOption = None,
+) -> Run:
+    """Read ``plan`` once and resolve ``options`` against it: the first step of a trainer's
+    constructor. Under ``'dist'`` it joins the process group (and, with replicas, builds the
+    job's device mesh): collective.
+
+    Raises:
+        PrecisionError: an unknown precision name.
+        MicrobatchError: ``Execution.microbatches`` is not an int >= 1.
+        PlanMismatchError: the plan was loaded from a file and not bound to a model yet.
+        PlacementError: ``S`` is not a multiple of the schedule's stages per rank, the job's
+            world size is not ``dp * p``, the backend cannot run the schedule's messages, stages
+            of one rank are given different devices, or replicas are asked for in one process.
+        UnknownScheduleError: the schedule's name is not registered.
+        RecomputeOptionError: ``recompute`` names no stage of the plan, or is of another type.
+        TransportOptionError: an unknown transport.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from partitioner import partition
+        >>> from runtime.options import resolve_options
+        >>> plan = partition(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)), (torch.randn(2, 4),), 2)
+        >>> run = resolve_run(plan, resolve_options(schedule="gpipe", microbatches=2, transport="sequential"))
+        >>> run.schedule.name, run.m, run.mode, run.placement.ranks, run.precision.name
+        ('gpipe', 2, 'sequential', (0, 1), 'fp32')
+    """
+    # The plan, read once, first: every later step gets these values, not the plan.
+    ex = options.execution
+    flags = []
+    for st in plan.stages:
+        flags.append(getattr(st, "recompute", False))
+    num_stages, out_spec, io, model, traced = plan.num_stages, plan.output_treespec(), plan.io, plan.model, plan.traced
+    layout, planned_m, planned_schedule = getattr(plan, "layout", None), plan.microbatches, plan.schedule
+    mp = resolve_precision(precision, getattr(plan, "precision", "fp32"))
+    m = microbatch_count(ex.microbatches, planned_m)  # at the door: 0 is not the plan's
+    stages = stages_to_recompute(recompute, flags)
+    mode = resolve_mode(ex.transport)
+    schedule = placed_schedule(ex.schedule or planned_schedule, num_stages, m, ex.chunks_per_rank)
+    validate(schedule)
+    ranks = schedule.num_ranks
+    options = apply_layout(options, layout, mode)
+    # Where this process sits: under 'dist' (collective: joins the process group, builds the mesh)
+    # one rank and its device; otherwise every rank, with a device per stage.
+    devices, dp = ex.devices, options.data_parallel
+    if mode == "dist":
+        ensure_process_group()
+        check_backend(schedule, io)
+        device = torch.device(devices) if isinstance(devices, (str, torch.device)) else default_device()
+        mesh = job_mesh(schedule, num_stages, dp.size, dp.mesh, device.type)
+        own = dict.fromkeys(schedule.stages_of(mesh.pp_rank), device)
+        placement = Placement(mesh, mesh.pp_rank, (mesh.pp_rank,), own)
+    else:
+        mesh = one_process_mesh(ranks, m, dp.size, dp.mesh)
+        placement = Placement(mesh, 0, tuple(range(ranks)), stage_devices(devices, num_stages, schedule))
+    return Run(options, mp, num_stages, m, schedule, stages, mode, out_spec, placement, model, traced)
 
 
 @dataclass(frozen=True)
@@ -77,60 +176,42 @@ class Assembly:
     replicas: Replicas | FSDPReplicas
 
 
-def place(
-    schedule: Schedule, mode: str, m: int, ios: Sequence[StageIO], execution: Execution, dp: DataParallel
-) -> Placement:
-    """This process's placement: under ``'dist'`` (collective: joins the process group, builds the
-    mesh) one rank and its device; otherwise every rank, with a device per stage.
+def assemble(plan: Plan, run: Run) -> Assembly:
+    """Build this process's stages of ``plan`` where ``run`` places them, materialised, tied and
+    replicated (``engine='fsdp'``: sharded by FSDP2, weights all-gathered in the precision's low
+    dtype when it asks for that).
+
+    The plan is read here for its stages (the split) and told when its model's tensors changed
+    (materialised, or released under FSDP); everything else comes resolved in ``run``.
 
     Raises:
-        PlacementError: the job's world size is not ``dp * p``, the backend cannot run the
-            schedule's messages, stages of one rank are given different devices, or replicas
-            are asked for in one process.
+        PlanMismatchError: the plan was loaded from a file and not bound to a model yet.
+        PlacementError: a weight is tied between two stages of one rank under FSDP.
+        MaterializeError: a stage of a meta model holds a tensor no module owns, or holds weights
+            an earlier FSDP trainer took.
     """
-    num_stages = len(schedule.stage_to_rank)
-    if mode == "dist":
-        ensure_process_group()
-        check_backend(schedule, ios)
-        devices = execution.devices
-        device = torch.device(devices) if isinstance(devices, (str, torch.device)) else default_device()
-        mesh = job_mesh(schedule, num_stages, dp.size, dp.mesh, device.type)
-        own = schedule.stages_of(mesh.pp_rank)
-        return Placement(mesh, mesh.pp_rank, (mesh.pp_rank,), dict.fromkeys(own, device))
-    mesh = one_process_mesh(schedule.num_ranks, m, dp.size, dp.mesh)
-    return Placement(mesh, 0, tuple(range(schedule.num_ranks)),
-                     stage_devices(execution.devices, num_stages, schedule))
-
-
-def assemble(
-    plan: Plan, schedule: Schedule, mode: str, m: int, execution: Execution, init: Init, dp: DataParallel,
-    *, gather_dtype: torch.dtype | None = None,
-) -> Assembly:
-    """Build this process's stages of ``plan`` as ``schedule`` places them (``mode``: the
-    resolved transport, ``m``: micro-batches per step), materialised, tied and replicated
-    (``dp.engine='fsdp'``: sharded by FSDP2, weights all-gathered in ``gather_dtype`` if given).
-
-    Raises:
-        PlacementError: see :func:`place`.
-        MaterializeError: a stage of a meta model holds a tensor no module owns.
-    """
-    staged = plan.build_stages()
-    ios = list(staged.io)
-    placement = place(schedule, mode, m, ios, execution, dp)
+    placement, schedule, init, dp = run.placement, run.schedule, run.options.init, run.options.data_parallel
+    ex, devices, rank = run.options.execution, placement.devices, placement.rank
     fsdp = dp.engine == "fsdp" and placement.mesh.dp > 1  # one replica: nothing to shard
+    # Build: split the plan's graph, make this process's stages real.
+    staged, model, gm = plan.build_stages(), run.model, run.traced.gm
+    ios = list(staged.io)
     if fsdp:  # before any weight is touched, on every rank alike
         check_fsdp_plan(staged.shared_params, schedule.stage_to_rank, schedule.name)
-    mine = {s: staged.stages[s] for s in placement.devices}
+    mine: dict[int, torch.nn.Module] = {}
+    for s in devices:
+        mine[s] = staged.stages[s]
     will_load = set(stage_tensors(mine)[0]) if init.weights is not None else set()
     if init.weights is None:
-        _refuse_released(mine)
-    if materialize_stages(plan.model, mine, placement.devices, init_fn=init.init_fn, seed=init.seed,
-                          rank=placement.rank, will_load=will_load):
+        refuse_released(mine)
+    if materialize_stages(model, mine, devices, init_fn=init.init_fn, seed=init.seed, rank=rank,
+                          will_load=will_load):
         plan.refresh_binding()
-    stages = _stage_runtimes(staged, placement.devices, ios, fuse_wgrad=execution.fuse_wgrad)
-    tied = tie_copies(staged.shared_params, {s: st.module for s, st in stages.items()}, placement.devices,
-                      schedule.stage_to_rank, placement.rank if mode == "dist" else None, comm_device,
-                      replicas=placement.mesh.ranks, replica=placement.mesh.dp_rank, timeout=execution.timeout)
+    stages = stage_runtimes(staged, devices, fuse_wgrad=ex.fuse_wgrad)
+    # Wrap for the replicas: tie the copies of shared weights, then the gradient exchange.
+    tied = tie_copies(staged.shared_params, mine, devices, schedule.stage_to_rank,
+                      rank if run.mode == "dist" else None, comm_device,
+                      replicas=placement.mesh.ranks, replica=placement.mesh.dp_rank, timeout=ex.timeout)
     for st in stages.values():
         st.module.to(st.device)
         # Export records the tracing device (cpu) in factory calls such as the position ids' arange.
@@ -139,53 +220,30 @@ def assemble(
             retarget_device(st.module, st.device)
     replicas: Replicas | FSDPReplicas
     if fsdp:
-        whole = [p for st in stages.values() for p in st.module.parameters()]  # before FSDP copies them
-        replicas = FSDPReplicas(placement.mesh, {s: st.module for s, st in stages.items()}, tied=tied,
-                                reshard_after_forward=dp.reshard_after_forward, gather_dtype=gather_dtype,
+        mp = run.precision
+        whole: list[torch.nn.Parameter] = []  # before FSDP copies them
+        for st in stages.values():
+            whole += st.module.parameters()
+        replicas = FSDPReplicas(placement.mesh, mine, tied=tied, reshard_after_forward=dp.reshard_after_forward,
+                                gather_dtype=mp.dtype if mp.gather_low_precision else None,
                                 split_backward=schedule_info(schedule.name).split_backward)
         tied = replicas.tied
         # The shards are the weights now: the whole tensors the planned model still holds go to meta.
-        released = release_whole_copies([plan.model, plan.traced.gm], whole)
+        released = release_whole_copies([model, gm], whole)
         del whole
         plan.refresh_binding()
-        log.info("rank %d: FSDP sharded stages %s; %.1f MiB of whole weights released", placement.rank,
+        log.info("rank %d: FSDP sharded stages %s; %.1f MiB of whole weights released", rank,
                  sorted(stages), released / 2**20)
     else:
+        params: dict[int, list[torch.nn.Parameter]] = {}
+        for s, st in stages.items():
+            params[s] = list(st.module.parameters())
+        copied: set[int] = set()
+        for copies, _ in tied:
+            copied.update(map(id, copies))
         replicas = Replicas(
-            placement.mesh, {s: list(st.module.parameters()) for s, st in stages.items()},
-            {id(prm) for copies, _ in tied for prm in copies}, shard=dp.shard_optimizer,
+            placement.mesh, params, copied, shard=dp.shard_optimizer,
             overlap=dp.overlap_grad_reduce, bucket_bytes=dp.grad_bucket_bytes, comm_device=comm_device,
-            timeout=execution.timeout,
+            timeout=ex.timeout,
         )
     return Assembly(placement, stages, ios, tied, replicas)
-
-
-def _refuse_released(stages: Mapping[int, torch.nn.Module]) -> None:
-    """Raise if a stage holds weights an FSDP trainer took (:func:`release_whole_copies`): made
-    again here, they would silently start from fresh values, not from that trainer's."""
-    for s, module in sorted(stages.items()):
-        names = released_names(module)
-        if names:
-            raise MaterializeError(
-                f"stage {s}'s weights {names[:3]} were handed to an earlier trainer with engine='fsdp', which "
-                "keeps only its shards (the model holds meta tensors in their place). Save that trainer's "
-                "weights (trainer.save(...) or trainer.export_safetensors(...)) and build this one with "
-                "Init(weights=...), or partition a freshly built model"
-            )
-
-
-def _stage_runtimes(
-    staged: StagedModel, devices: dict[int, torch.device], ios: Sequence[StageIO], *, fuse_wgrad: bool
-) -> dict[int, StageRuntime]:
-    """This process's stages (those ``devices`` names), weight-gradient accumulation fused unless
-    told not to."""
-    # Parameters several stages hold (tied weights): another thread may write their .grad.
-    tied = [prm for st in staged.stages for name, prm in st.named_parameters(remove_duplicate=False)
-            if name in staged.shared_params]
-    out = {}
-    for s in devices:
-        module = staged.stages[s]
-        if fuse_wgrad:
-            fuse_weight_grad_accumulation(module, skip=tied)  # in place: a fresh stage module
-        out[s] = StageRuntime(s, module, ios[s], devices[s])
-    return out

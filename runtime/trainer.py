@@ -13,6 +13,7 @@ The same script runs both ways::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -28,19 +29,18 @@ from partitioner.plan.plan import Plan
 from partitioner.schedule.generators import forward_only
 from partitioner.schedule.ir import Schedule
 from partitioner.schedule.timeline import Timeline, from_records, save_chrome_trace
-from partitioner.schedule.validation import validate
-from runtime.assembly import assemble
+from runtime.assembly import assemble, resolve_run
 from runtime.errors import TrainerStateError
 from runtime.execute.accumulation import add_back, set_aside
 from runtime.execute.executor import ActionRecord, Executor, RunResult
 from runtime.execute.inputs import as_flat, check_inputs, check_sizes, check_targets, is_example_size, shape_key
 from runtime.execute.local_run import RankThreads, run_interleaved, run_threads
-from runtime.execute.microbatch import MicrobatchError, microbatch_count, split_microbatches
-from runtime.execute.recompute import RecomputeOption, stages_to_recompute
+from runtime.execute.microbatch import MicrobatchError, split_microbatches
+from runtime.execute.recompute import RecomputeOption
 from runtime.execute.shapes import wire_shapes
 from runtime.execute.wiring import merge_microbatches, model_output
 from runtime.metrics import step_metrics
-from runtime.options import DataParallel, Execution, Init, apply_layout, resolve_options
+from runtime.options import DataParallel, Execution, Init, resolve_options
 from runtime.parallel.clipping import clip_grad_norm_
 from runtime.parallel.fsdp import FSDPReplicas, check_optimizer, whole_buffers
 from runtime.parallel.tied import copy_tied_values, second_copies, sum_tied_grads
@@ -50,7 +50,6 @@ from runtime.precision import (
     LossScaler,
     MixedPrecision,
     PrecisionError,
-    resolve_precision,
     wire_dtypes,
 )
 from runtime.state import checkpoint
@@ -58,9 +57,7 @@ from runtime.state.weights import LoadReport, Weights, load_weights, stage_tenso
 from runtime.transport.agreement import StepAgreement
 from runtime.transport.collective import run_bounded
 from runtime.transport.p2p import DistTransport, LocalTransport, PeerFailed, Transport
-from runtime.transport.placement import placed_schedule
 from runtime.transport.process_group import comm_device as _comm_device
-from runtime.transport.process_group import resolve_mode
 
 __all__ = ["PipelineTrainer", "MicrobatchError", "split_microbatches"]
 
@@ -89,7 +86,7 @@ class PipelineTrainer:
             floating values cross stages in it (``MixedPrecision(cast_activations=False)``
             keeps the plan's dtype on the wire). fp16 scales the loss (:attr:`scaler`):
             gradients are unscaled in :meth:`forward_backward`, and :meth:`step` skips the
-            optimizer when any rank found inf/NaN (``last_found_inf``). See docs/runtime.md.
+            optimizer when any rank found inf/NaN (``last_found_inf``). See docs/reference/precision.md.
         recompute: activation recomputation (``runtime.execute.recompute``): a recomputing stage's
             forward keeps only its inputs and its backward runs the forward again first, so it
             holds its input bytes per micro-batch in flight instead of its saved activations,
@@ -147,29 +144,30 @@ class PipelineTrainer:
         data_parallel: DataParallel | int | None = None,
         **shortcuts: Any,
     ) -> None:
-        self.options = resolve_options(execution, init, data_parallel, **shortcuts)
-        ex = self.options.execution
-        self.plan, self.loss_fn = plan, loss_fn
-        self.precision = mp = resolve_precision(precision, getattr(plan, "precision", "fp32"))
-        self.scaler = LossScaler(mp.init_scale, growth_interval=mp.growth_interval) if mp.scales_loss else None
-        self.p = plan.num_stages  # S, the stages; the ranks are self.schedule.num_ranks
-        self.m = microbatch_count(ex.microbatches, plan.microbatches)  # at the door: 0 is not the plan's
-        self.schedule_name = ex.schedule or plan.schedule
-        self.schedule: Schedule = placed_schedule(self.schedule_name, self.p, self.m, ex.chunks_per_rank)
-        validate(self.schedule)
-        self.timeout, self.record, self.check_finite = ex.timeout, ex.record, ex.check_finite
-        self.recompute = stages_to_recompute(recompute, [getattr(st, "recompute", False) for st in plan.stages])
-        self._out_spec = plan.output_treespec()  # what the model returns; loss_fn and predict get it
-        self.mode = resolve_mode(ex.transport)
-        self.options = apply_layout(self.options, getattr(plan, "layout", None), self.mode)
-        built = assemble(plan, self.schedule, self.mode, self.m, ex, self.options.init, self.options.data_parallel,
-                         gather_dtype=mp.dtype if mp.gather_low_precision else None)
+        # The recipe, one step a room, each from what the step before gave: resolve the run from
+        # the plan and options (schedule, placement, micro-batches, precision) -> build this
+        # process's stages and wrap them for the replicas -> connect the transport -> ready.
+        self._init_run_state()
+        run = resolve_run(plan, resolve_options(execution, init, data_parallel, **shortcuts), precision, recompute)
+        built = assemble(plan, run)
+        ex, mp = run.options.execution, run.precision
         if mp.gather_low_precision and not isinstance(built.replicas, FSDPReplicas):
             raise PrecisionError(
                 f"precision={mp!r} gathers weights in {mp.name}, which only FSDP does: pass "
                 "data_parallel=DataParallel(size=dp, engine='fsdp') with dp >= 2 under torchrun, or drop "
                 "gather_low_precision (autocast alone keeps the plain model's numerics)"
             )
+        self._dist_transport = (
+            DistTransport(run.schedule.stage_to_rank, ex.timeout, built.placement.mesh.pp_group)
+            if run.mode == "dist" else None
+        )
+        # Under 'dist', every rank checks once per new batch shape that the others run the same step.
+        self._agreement = StepAgreement(plan, mp, ex.timeout) if run.mode == "dist" else None
+        self.options, self.plan, self.loss_fn, self.precision = run.options, plan, loss_fn, mp
+        self.p, self.m, self.schedule, self.mode = run.num_stages, run.m, run.schedule, run.mode  # p: S, the stages
+        self.schedule_name = run.schedule.name
+        self.timeout, self.record, self.check_finite = ex.timeout, ex.record, ex.check_finite
+        self.recompute, self._out_spec = run.recompute, run.out_spec  # what the model returns: loss_fn gets it
         self.mesh, self.rank, self.devices = built.placement.mesh, built.placement.rank, built.placement.devices
         self._ranks, self.stages, self._ios = list(built.placement.ranks), built.stages, built.ios
         self._tied, self._replicas = built.tied, built.replicas
@@ -180,14 +178,13 @@ class PipelineTrainer:
         if self.optimizer is not None and isinstance(built.replicas, FSDPReplicas):
             check_optimizer(self.optimizer, built.replicas.owned)  # FSDP: the shards, not the model's tensors
         self.scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None and self.optimizer else None
-        self._dist_transport = (
-            DistTransport(self.schedule.stage_to_rank, ex.timeout, self.mesh.pp_group) if self.mode == "dist" else None
-        )
-        # Under 'dist', every rank checks once per new batch shape that the others run the same step.
-        self._agreement = StepAgreement(plan, mp, ex.timeout) if self.mode == "dist" else None
-        self._autocast = CallerAutocast(mp, {d.type for d in self.devices.values()}, lambda policy: wire_dtypes(
-            policy, built.ios, plan.traced.gm, plan.traced.example_inputs, next(iter(self.devices.values())).type))
-        self._init_run_state()
+        device_types = set()
+        for d in self.devices.values():
+            device_types.add(d.type)
+        self.scaler = LossScaler(mp.init_scale, growth_interval=mp.growth_interval) if mp.scales_loss else None
+        self._autocast = CallerAutocast(mp, device_types, functools.partial(
+            wire_dtypes, ios=built.ios, gm=run.traced.gm, inputs=run.traced.example_inputs,
+            device_type=next(iter(self.devices.values())).type))
         if self.options.init.weights is not None:
             self.load_weights(self.options.init.weights)
 

@@ -1,4 +1,5 @@
-"""Shared test fixtures: every test starts from the same RNG state, on one thread."""
+"""Shared test fixtures: every test starts from the same RNG state, on one thread; tests marked
+``long`` run only in the long profile (``PIPECUT_FUZZ=long``, ``tests/profiles.py``)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import random
 
 import pytest
 import torch
+
+import profiles
 
 
 @pytest.fixture(autouse=True)
@@ -25,3 +28,7 @@ def _no_inherited_terminal_size(monkeypatch: pytest.MonkeyPatch) -> None:
     # (pytest-xdist's workers) would wrap the CLI's tables at another width.
     monkeypatch.delenv("COLUMNS", raising=False)
     monkeypatch.delenv("LINES", raising=False)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    profiles.skip_long(items)

@@ -191,3 +191,55 @@ def test_planner_modules_relay_objects_not_keyword_lists() -> None:
                 if count > MAX_PLANNER_PARAMETERS:
                     long[node.name] = count
         assert long == {}, module
+
+# Returns PipelineTrainer(plan, ...) may make to a room it had left, while it builds a 2-stage
+# pipeline in one process (benchmarks/source_layout.py's room walk: calls into the three packages,
+# consecutive calls in one room collapsed). Each is a data dependency of the recipe
+# resolve -> build -> wrap -> connect -> ready; a helper calling back into a room already left fails the test.
+CONSTRUCTION_RETURNS = {
+    # resolve_run, then assemble: the recipe's first two steps, both the assembly's.
+    "runtime.assembly": 1,
+    # The layout's replicas are applied once the transport is known (a replicated layout in one
+    # process is refused), after the schedule is placed.
+    "runtime.options": 1,
+    # The placement's devices (runtime.transport) come after the schedule and the mesh.
+    "runtime.transport": 1,
+    # The mesh (resolve); the tied copies before the stages move to their devices and the
+    # gradient exchange after (partitioner.tracing retargets the moved graphs in between).
+    "runtime.parallel": 2,
+    # Micro-batches and recomputation (resolve), then the stage runtimes (build).
+    "runtime.execute": 1,
+    # The policy (resolve), then the caller's autocast over the built stages' devices (ready).
+    "runtime.precision": 1,
+    # The plan's fields (resolve), then its split (build), which reads the graph through
+    # partitioner.tracing: preserved() around it, the nodes and outputs, the wire forms, the stage
+    # tensors before and after the tied names are installed.
+    "partitioner.plan": 6,
+    "partitioner.tracing": 6,
+}
+
+
+def test_trainer_construction_returns_to_no_room_beyond_the_listed_ones() -> None:
+    import runpy
+
+    import torch
+    from torch import nn
+
+    from partitioner import partition
+    from runtime.trainer import PipelineTrainer
+
+    bench = runpy.run_path(str(ROOT / "benchmarks" / "source_layout.py"), run_name="_layout_walk")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    plan = partition(model, (torch.randn(2, 8),), num_stages=2)
+    _, calls, _ = bench["traced_calls"](lambda: PipelineTrainer(
+        plan, nn.functional.mse_loss, lambda ps: torch.optim.SGD(ps, lr=0.1), transport="sequential"))
+    walk = bench["room_walk"]([module for _, module in calls])
+    visits = walk["visits"]
+    # The recipe: the options, then resolve_run (the plan read once, first), ...
+    assert visits[:4] == ["runtime.trainer", "runtime.options", "runtime.assembly", "partitioner.plan"], visits
+    # ... then assemble (split, materialise, tie, replicate): the trainer never called back.
+    assert visits.count("runtime.trainer") == 1 and visits.count("runtime.assembly") == 2, visits
+    assert "runtime.options" not in visits[visits.index("runtime.assembly", 3):], visits
+    over = {room: n for room, n in walk["return_rooms"].items() if n > CONSTRUCTION_RETURNS.get(room, 0)}
+    assert not over, f"returns to rooms already left beyond CONSTRUCTION_RETURNS: {over}; the walk: {visits}"

@@ -24,6 +24,9 @@ from partitioner.errors import InputCountError, PartitionError, StageIndexError
 from partitioner.tracing.fxutil import compute_nodes, flat_outputs, named_tensors, owner_of, wire_form
 from partitioner.tracing.globalstate import preserved
 
+# How a value travels between stages (``wire_form``): kind, shape, dtype.
+WireForm = tuple[str, tuple[int, ...], str]
+
 __all__ = ["ValueSpec", "StageIO", "StagedModel", "split_graph", "decode_value"]
 
 log = logging.getLogger(__name__)
@@ -211,8 +214,8 @@ def _split(
 ) -> StagedModel:
     p = num_stages
     nodes = list(gm.graph.nodes)
+    compute, outputs = compute_nodes(gm), flat_outputs(gm)
     placeholders = [n for n in nodes if n.op == "placeholder"]
-    compute = compute_nodes(gm)
 
     missing = [n.name for n in compute if n.name not in stage_of]
     if missing:
@@ -243,16 +246,16 @@ def _split(
         for a in n.all_input_nodes:
             if a in readers and (a.op == "placeholder" or stage[a] != stage[n]):
                 readers[a].add(stage[n])
-    outputs = flat_outputs(gm)
     for o in outputs:
         if isinstance(o, fx.Node) and o in readers and (o.op == "placeholder" or stage[o] != p - 1):
             readers[o].add(p - 1)
 
+    forms = _wire_forms(readers, outputs)
     specs: dict[fx.Node, ValueSpec] = {}
     for n, rs in readers.items():
         if rs:
             prod = GRAPH_INPUT if n.op == "placeholder" else stage[n]
-            specs[n] = _value_spec(n, prod, tuple(sorted(rs)))
+            specs[n] = _value_spec(n, prod, tuple(sorted(rs)), forms[n])
 
     stages: list[fx.GraphModule] = []
     ios: list[StageIO] = []
@@ -262,13 +265,15 @@ def _split(
         if s < p - 1:
             outs = [specs[n] for n in own if n in specs]
         else:
-            outs = [_output_spec(o, specs, p) for o in outputs]
+            outs = [_output_spec(o, specs, p, forms) for o in outputs]
         graph = _stage_graph(gm, own, ins, outs, {v.name: v for v in specs.values()})
         module = fx.GraphModule(gm, graph, class_name=f"Stage{s}")
         _fix_buffers(module, persistent_buffers)
-        _install_aliases(module, param_aliases or {})
         stages.append(module)
         ios.append(StageIO(s, tuple(ins), tuple(outs)))
+    # Each stage registers every name of the tied tensors it holds (its own tensors, read at once).
+    for module, have in zip(stages, list(map(named_tensors, stages))):
+        _install_aliases(module, param_aliases or {}, have)
 
     if model_state:
         _install_unread(stages, model_state)
@@ -354,9 +359,11 @@ def _to_bool(t: torch.Tensor) -> bool:
 _SCALAR_DECODERS = {"int": _to_int, "float": _to_float, "bool": _to_bool}
 
 
-def _output_spec(o: Any, specs: dict[fx.Node, ValueSpec], p: int) -> ValueSpec:
+def _output_spec(
+    o: Any, specs: dict[fx.Node, ValueSpec], p: int, forms: Mapping[fx.Node, WireForm | None]
+) -> ValueSpec:
     if isinstance(o, fx.Node):
-        base = specs.get(o) or _value_spec(o, p - 1, ())
+        base = specs.get(o) or _value_spec(o, p - 1, (), forms[o])
         return ValueSpec(base.name, base.producer, base.consumers, base.kind, base.shape, base.dtype)
     raise PartitionError(
         f"the model returns a constant ({o!r}) rather than a computed value; "
@@ -364,8 +371,17 @@ def _output_spec(o: Any, specs: dict[fx.Node, ValueSpec], p: int) -> ValueSpec:
     )
 
 
-def _value_spec(n: fx.Node, producer: int, consumers: tuple[int, ...]) -> ValueSpec:
-    form = wire_form(n)
+def _wire_forms(readers: Mapping[fx.Node, set[int]], outputs: Sequence[Any]) -> dict[fx.Node, WireForm | None]:
+    """``wire_form`` of each value read by another stage and of each output the last stage does not
+    send on: these alone, as reading a shape can specialise a symbolic size, and back to back
+    (``map``), one visit to partitioner.tracing rather than one between each spec made here."""
+    crossing = [n for n, rs in readers.items() if rs]
+    crossing += [o for o in outputs if isinstance(o, fx.Node) and not readers.get(o)]
+    return dict(zip(crossing, map(wire_form, crossing)))
+
+
+def _value_spec(n: fx.Node, producer: int, consumers: tuple[int, ...], form: WireForm | None) -> ValueSpec:
+    """``n``'s spec, from ``form``: ``wire_form(n)``."""
     if form is None:
         val = n.meta.get("val")
         raise PartitionError(
@@ -386,8 +402,10 @@ def _fix_buffers(module: nn.Module, persistent: set[str] | None) -> None:
             owner._non_persistent_buffers_set.add(leaf)
 
 
-def _install_aliases(module: nn.Module, aliases: Mapping[str, Sequence[str]]) -> None:
-    have = named_tensors(module)
+def _install_aliases(
+    module: nn.Module, aliases: Mapping[str, Sequence[str]], have: Mapping[str, torch.Tensor]
+) -> None:
+    """Register on ``module`` every other name of the tensors in ``have`` (``named_tensors(module)``)."""
     for name, names in aliases.items():
         if name not in have:
             continue

@@ -15,12 +15,13 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from partitioner.plan.split import StageIO
+from partitioner.plan.split import StagedModel, StageIO
 from runtime.execute.recompute import Replay
 from runtime.execute.split_backward import PendingWeights
+from runtime.execute.wgrad_fusion import fuse_weight_grad_accumulation
 from runtime.transport.p2p import Key, TensorMeta
 
-__all__ = ["ActionLike", "StageRuntime", "ActionRecord", "RunResult", "Stash", "StepState"]
+__all__ = ["ActionLike", "StageRuntime", "stage_runtimes", "ActionRecord", "RunResult", "Stash", "StepState"]
 
 
 class ActionLike(Protocol):
@@ -44,6 +45,32 @@ class StageRuntime:
     module: nn.Module
     io: StageIO
     device: torch.device
+
+
+def stage_runtimes(
+    staged: StagedModel, devices: Mapping[int, torch.device], *, fuse_wgrad: bool
+) -> dict[int, StageRuntime]:
+    """This process's stages (those ``devices`` names) as the executor runs them, weight-gradient
+    accumulation fused (``runtime.execute.wgrad_fusion``) unless told not to.
+
+    Example:
+        >>> from torch import fx, nn
+        >>> from partitioner.plan.split import split_graph
+        >>> gm = fx.symbolic_trace(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))
+        >>> staged = split_graph(gm, {"_0": 0, "_1": 1}, 2)
+        >>> sorted(stage_runtimes(staged, {1: torch.device("cpu")}, fuse_wgrad=True))
+        [1]
+    """
+    # Parameters several stages hold (tied weights): another thread may write their .grad.
+    tied = [prm for st in staged.stages for name, prm in st.named_parameters(remove_duplicate=False)
+            if name in staged.shared_params]
+    out = {}
+    for s in devices:
+        module = staged.stages[s]
+        if fuse_wgrad:
+            fuse_weight_grad_accumulation(module, skip=tied)  # in place: a fresh stage module
+        out[s] = StageRuntime(s, module, staged.io[s], devices[s])
+    return out
 
 
 @dataclass(frozen=True)

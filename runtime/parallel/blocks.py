@@ -55,7 +55,10 @@ def outline_blocks(gm: fx.GraphModule) -> list[str]:
     its parameters stay the same objects under the same names.
     """
     nodes = list(gm.graph.nodes)
-    paths = {n: _path(n) for n in nodes}
+    # The calls' traced module stacks (``_path``'s), read through partitioner.tracing at once.
+    calls = [n for n in nodes if n.op == "call_function" or n.op == "call_method"]
+    stacks = dict(zip(calls, map(node_module_path, calls)))
+    paths = {n: stacks[n] if n in stacks else _path(n) for n in nodes}
     container = _container([p for p in paths.values() if p])
     if container is None:
         return []

@@ -36,7 +36,7 @@ from torch import nn
 from partitioner.errors import PipecutError
 
 __all__ = ["empty_weights", "materialize", "materialize_stages", "initialize", "MaterializeError", "InitFn",
-           "release_whole_copies", "released_device", "released_names"]
+           "release_whole_copies", "released_device", "released_names", "refuse_released"]
 
 # Set on the meta parameter that :func:`release_whole_copies` leaves where a whole tensor was: the
 # device the tensor was on.
@@ -283,6 +283,20 @@ def released_names(module: nn.Module) -> list[str]:
         ['bias']
     """
     return [n for n, p in module.named_parameters(remove_duplicate=False) if released_device(p) is not None]
+
+
+def refuse_released(stages: Mapping[int, nn.Module]) -> None:
+    """Raise if a stage holds weights an FSDP trainer took (:func:`release_whole_copies`): made
+    again here, they would silently start from fresh values, not from that trainer's."""
+    for s, module in sorted(stages.items()):
+        names = released_names(module)
+        if names:
+            raise MaterializeError(
+                f"stage {s}'s weights {names[:3]} were handed to an earlier trainer with engine='fsdp', which "
+                "keeps only its shards (the model holds meta tensors in their place). Save that trainer's "
+                "weights (trainer.save(...) or trainer.export_safetensors(...)) and build this one with "
+                "Init(weights=...), or partition a freshly built model"
+            )
 
 
 def released_device(t: torch.Tensor) -> torch.device | None:

@@ -82,7 +82,7 @@ class StepAgreement:
         self.timeout, self.group = timeout, group
         stages = json.dumps([list(st.nodes) for st in plan.stages])
         self._setup = {
-            "plan": f"{plan.num_stages} stages, graph {plan.fingerprint[:12]}, boundaries "
+            "plan": f"{len(plan.stages)} stages, graph {plan.fingerprint[:12]}, boundaries "
                     f"{hashlib.sha256(stages.encode()).hexdigest()[:12]}",
             "precision": _precision_text(precision),
         }

@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -130,10 +132,6 @@ def test_model_families_quick(tmp_path: Path) -> None:
 @pytest.mark.multiprocess
 def test_memory_quick(tmp_path: Path) -> None:
     # A subprocess, as users run it: its spawned processes re-import the script as __main__.
-    import os
-    import subprocess
-    import sys
-
     out = tmp_path / "memory.json"
     argv = ["--ranks", "2", "--layers", "4", "--width", "4096", "--shard-mib", "64",
             "--tmpdir", str(tmp_path), "--out", str(out)]
@@ -158,17 +156,26 @@ def test_memory_quick(tmp_path: Path) -> None:
         assert r["peak_bytes"] < r["whole_model_rank_bytes"]
     assert not list(tmp_path.glob("pipecut-memory-*")), "the checkpoint was not removed"
 
+
+# --engines --quick spawns 4 fresh processes per engine. The default profile runs the two it compares
+# (replicated, FSDP); ZeRO-1's sharded optimizer state is checked by tests/runtime/parallel/
+# test_data_parallel.py, and here beside them in the long profile (--quick's three engines).
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("only", [["--only", "replicate;fsdp"], pytest.param([], marks=pytest.mark.long)],
+                         ids=["replicate-fsdp", "quick"])
+def test_memory_engines_quick(tmp_path: Path, only: list[str]) -> None:
     # --engines: each rank's peak under each data-parallel engine on 2 dp x 2 pp (a tiny GPT-2).
     out = tmp_path / "memory_fsdp.json"
-    argv = ["--engines", "--quick", "--mmap-threshold", "131072", "--out", str(out)]
+    argv = ["--engines", "--quick", *only, "--mmap-threshold", "131072", "--out", str(out)]
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "memory.py"), *argv], capture_output=True,
                          text=True, timeout=600, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, run.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["meta"]["benchmark"] == "memory_engines"
-    assert data["meta"]["command"] == "python benchmarks/memory.py " + " ".join(argv)
+    assert data["meta"]["command"] == shlex.join(["python", "benchmarks/memory.py", *argv])  # --only's ; quoted
     ranks = data["ranks"]
-    assert list(ranks) == ["replicate", "replicate + ZeRO-1", "fsdp"]  # --quick: three engines
+    engines = ["replicate", "fsdp"] if only else ["replicate", "replicate + ZeRO-1", "fsdp"]  # --quick: three
+    assert list(ranks) == engines
     assert data["config"]["malloc_mmap_threshold"] == data["meta"]["env"]["MALLOC_MMAP_THRESHOLD_"] == "131072"
     whole = ranks["replicate"]
     for name, rows in ranks.items():
@@ -190,7 +197,7 @@ def test_memory_quick(tmp_path: Path) -> None:
                 assert r["optimizer_bytes"] * 2 == w["optimizer_bytes"], name
             else:
                 assert r["param_bytes"] == w["param_bytes"] and r["whole_grad_bytes_before_reduce"] is None
-    for r, w in zip(ranks["replicate + ZeRO-1"], whole):
+    for r, w in zip(ranks.get("replicate + ZeRO-1", []), whole):
         assert r["optimizer_bytes"] < w["optimizer_bytes"] == 2 * w["param_bytes"]  # AdamW's two moments
     # No engine keeps a whole copy of its weights beside its own (FSDP's shards included).
     assert all(r["stray_param_bytes"] == 0 for rows in ranks.values() for r in rows)
@@ -224,9 +231,10 @@ def _check_cuda_memory(data: dict[str, Any], argv: list[str], *, measured: bool)
     assert meta["benchmark"] == "cuda_memory"
     assert meta["command"] == "python benchmarks/cuda_memory.py " + " ".join(argv)
     assert {"device", "device_name", "torch", "transformers", "cuda", "wall_s"} <= meta.keys()
-    assert [(r["model"], r["stages"], r["schedule"], r["precision"]) for r in rows] == [
-        (m, p, s, prec) for m in ("gpt2", "mlp") for p in (1, 2) for s in ("gpipe", "1f1b") for prec in ("fp32", "bf16")
-    ]
+    cfg = data["config"]
+    want = [(m, p, s, prec) for m in cfg["models"] for p in cfg["stages"] for s in cfg["schedules"]
+            for prec in cfg["precisions"]]
+    assert [(r["model"], r["stages"], r["schedule"], r["precision"]) for r in rows] == want and rows
     for r in rows:
         pred, ms = r["predicted"], r["measured"]
         assert len(pred["stages"]) == r["stages"] and r["losses_finite"]
@@ -246,15 +254,29 @@ def _check_cuda_memory(data: dict[str, Any], argv: list[str], *, measured: bool)
             assert all(ms[k] is None for k in keys) and r["peak_over_predicted"] is None
 
 
-@pytest.mark.slow
-def test_cuda_memory_quick_on_cpu(tmp_path: Path) -> None:
+# Without a GPU the script runs its code paths and predictions only: in the default profile on
+# configurations that hold every value of each axis (GPT-2, which a plan takes seconds to trace,
+# once: its embedding tied across 2 stages), the whole --quick matrix in the long profile.
+@pytest.mark.parametrize("axes", [
+    ["--models", "gpt2", "--stages", "2", "--schedules", "1f1b", "--precisions", "bf16"],
+    ["--models", "mlp", "--stages", "1,2", "--schedules", "gpipe,1f1b", "--precisions", "fp32"],
+    pytest.param([], marks=[pytest.mark.long, pytest.mark.slow]),
+], ids=["gpt2-p2-1f1b-bf16", "mlp-fp32", "quick"])
+def test_cuda_memory_quick_on_cpu(tmp_path: Path, axes: list[str]) -> None:
     cm = _load("cuda_memory")
     out = tmp_path / "cm.json"
-    argv = ["--quick", "--device", "cpu", "--out", str(out)]
+    argv = ["--quick", "--device", "cpu", *axes, "--out", str(out)]
     assert cm.main(argv) == 0
     data = json.loads(out.read_text())
     assert data["meta"]["device_name"] == "cpu" and data["config"]["quick"]
+    if not axes:
+        assert (data["config"]["stages"], data["config"]["precisions"]) == ([1, 2], ["fp32", "bf16"])
     _check_cuda_memory(data, argv, measured=False)
+
+
+def test_cuda_memory_refuses_an_unknown_axis_value(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _load("cuda_memory").main(["--quick", "--device", "cpu", "--stages", "1,3"]) == 2
+    assert "--stages '1,3': choose from 1, 2" in capsys.readouterr().err
 
 
 @pytest.mark.gpu

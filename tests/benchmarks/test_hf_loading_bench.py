@@ -65,11 +65,15 @@ def test_one_layer_loads_within_one_source_tensor(bench: ModuleType, streaming: 
         assert peak >= fused.numel() * fused.element_size() > largest + bench.SLACK
 
 
+# The default profile loads in the streaming mode only (the stacking path's larger peak is checked
+# on one layer above, in this process); --quick's both modes, and their comparison, in the long one.
 @pytest.mark.multiprocess
-def test_hf_loading_quick(tmp_path: Path) -> None:
+@pytest.mark.parametrize("modes", [["--modes", "streaming"], pytest.param([], marks=pytest.mark.long)],
+                         ids=["streaming", "quick"])
+def test_hf_loading_quick(tmp_path: Path, modes: list[str]) -> None:
     # A subprocess, as users run it: its spawned ranks re-import the script as __main__.
     out = tmp_path / "hf_loading.json"
-    argv = ["--quick", "--out", str(out)]
+    argv = ["--quick", *modes, "--out", str(out)]
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "hf_loading.py"), *argv], capture_output=True,
                          text=True, timeout=600, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -81,8 +85,11 @@ def test_hf_loading_quick(tmp_path: Path) -> None:
     ck = data["checkpoint"]
     assert len(ck["files"]) > 2 and ck["per_expert_keys"] == 2 * 4 * 3  # layers x experts x (w1, w2, w3)
     rows = data["rows"]
-    assert [(r["p"], r["mode"], r["rank"]) for r in rows] == [
-        (2, "streaming", 0), (2, "streaming", 1), (2, "materialised", 0), (2, "materialised", 1)]
+    both = not modes
+    assert data["config"]["modes"] == (["streaming", "materialised"] if both else ["streaming"])
+    assert [(r["p"], r["mode"], r["rank"]) for r in rows] == [(2, "streaming", 0), (2, "streaming", 1)] + (
+        [(2, "materialised", 0), (2, "materialised", 1)] if both else [])
+    assert all(r["same_stages_as_other_mode"] is (True if both else None) for r in rows)
     slack = meta["slack_bytes"]
     assert slack == 64 * 2**10
     for r in rows:
@@ -97,10 +104,16 @@ def test_hf_loading_quick(tmp_path: Path) -> None:
         assert within == r["tensor_within_one_source"]
         if r["mode"] == "streaming":
             assert within, r["tensor_live_at_peak"]
-    # Stacking a layer's experts on the host costs more than streaming them into their slices.
-    by = {(r["mode"], r["rank"]): r["tensor_over_stage_bytes"] for r in rows}
-    assert all(by["materialised", k] > by["streaming", k] for k in (0, 1))
+    if both:  # stacking a layer's experts on the host costs more than streaming them into their slices
+        by = {(r["mode"], r["rank"]): r["tensor_over_stage_bytes"] for r in rows}
+        assert all(by["materialised", k] > by["streaming", k] for k in (0, 1))
     threads, sequential = data["from_pretrained"]
     assert threads["threads"] and threads["tensor_peak_over_baseline_bytes"] is None
     assert not sequential["threads"] and sequential["tensor_peak_over_baseline_bytes"] > 0
     assert threads["model_bytes"] == sequential["model_bytes"] >= ck["bytes"]
+
+
+def test_hf_loading_refuses_an_unknown_mode(bench: ModuleType, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:  # before anything is written or spawned
+        bench.main(["--quick", "--modes", "streaming,stacked"])
+    assert exit_.value.code == 2 and "--modes 'streaming,stacked'" in capsys.readouterr().err

@@ -8,6 +8,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -17,6 +19,7 @@ def _bench(name: str) -> Any:
 
 
 def test_source_layout_benchmark_on_this_checkout(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")  # the construction walk builds a GPT-2
     out = tmp_path / "source_layout.json"
     assert _bench("main")(["--out", str(out)]) == 0
     data = json.loads(out.read_text())
@@ -29,6 +32,14 @@ def test_source_layout_benchmark_on_this_checkout(tmp_path: Path) -> None:
     assert walk["reentries"] == 0 and walk["modules_passed"] == len(walk["modules"]) > 5
     assert "runtime.trainer" in walk["modules"] and "runtime.execute.executor" in walk["modules"]
     assert walk["handoffs"] <= walk["handoff_calls"] <= walk["calls"]
+    rooms = walk["room_walk"]
+    assert rooms["handoffs"] == len(rooms["visits"]) - 1
+    assert rooms["returns"] == len(rooms["visits"]) - rooms["rooms_passed"] == sum(rooms["return_rooms"].values())
+    # Issue 33: the 2-stage GPT-2's construction was 11 rooms, 60 hand-offs, 50 returns before.
+    built = r["construction_walks"]["gpt2_2stage"]["room_walk"]
+    assert built["rooms_passed"] <= 11 and built["returns"] <= 24, built
+    assert built["visits"][:2] == ["runtime.trainer", "runtime.options"]
+    assert "gpt2_2x2_fsdp" not in r["construction_walks"]  # only with --distributed
 
 
 def test_source_layout_benchmark_finds_circles_and_long_functions(tmp_path: Path) -> None:

@@ -15,7 +15,6 @@ the cases ended). A failure found here becomes a named regression test below the
 from __future__ import annotations
 
 import copy
-import os
 from dataclasses import dataclass
 
 import pytest
@@ -27,10 +26,10 @@ from torch import nn
 from partitioner import partition
 from partitioner.errors import PipecutError
 from partitioner.schedule.registry import TRAINING_SCHEDULES, stages_per_rank
+from profiles import LONG
 from runtime import Execution, PipelineTrainer
 from runtime.errors import LossError, StageError
 
-LONG = os.environ.get("PIPECUT_FUZZ") == "long"
 TOL = {"rtol": 1e-4, "atol": 1e-5}
 BLOCKS = ("linear", "skip", "buffer", "inplace", "tied", "batch_branch", "pairs", "batchnorm")
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 import random
 from collections.abc import Iterator
 
@@ -17,9 +16,9 @@ from hypothesis import strategies as st
 
 from partitioner.algorithms import Partition, Problem, Tensor, check_assignment, evaluate
 from partitioner.errors import PartitionError
+from profiles import LONG
 
 INF = math.inf
-LONG = os.environ.get("PIPECUT_FUZZ") == "long"
 
 
 def examples(n: int) -> int:

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from partitioner.search import LayoutSearch
+from profiles import in_profile
 from runtime.options import DataParallel
 from runtime.transport.launch import spawn
 from tests.runtime.parity import (
@@ -172,8 +173,9 @@ def _round_trip(trainer: Any, name: str, schedule: str, stages: int, dp: int, op
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)  # another plan puts other parameters on this rank
     moments = {n: t for part in every for n, t in part.items()}
-    # Another engine, and another plan (interleaved: twice the stages, two per rank).
-    for engine, plan in (("fsdp", schedule), ("replicate", schedule), ("fsdp", "interleaved")):
+    # Another engine, another plan (interleaved: twice the stages, two per rank), and the saved
+    # plan under FSDP again, built last: it then steps as the saved trainer does.
+    for engine, plan in (("replicate", schedule), ("fsdp", "interleaved"), ("fsdp", schedule)):
         n_stages = 2 * stages if plan == "interleaved" else stages
         again = make_trainer(case(name, n_stages), n_stages, plan, transport="dist", optimizer=opt,
                              data_parallel=DataParallel(size=dp, engine=engine))
@@ -183,11 +185,9 @@ def _round_trip(trainer: Any, name: str, schedule: str, stages: int, dp: int, op
             torch.testing.assert_close(_full(p.detach()), ref_params[n].detach(), **TOL)
             torch.testing.assert_close(_full(again.optimizer.state[p]["exp_avg"]), moments[n], rtol=0, atol=0)
         done.append(f"{engine} {plan}")
-    x, y = fresh()  # the resumed FSDP trainer steps as the saved one: the last one built is
-    a = trainer.step(*trainer.local_batch(x, y), max_norm=0.5)  # the home-made, so build FSDP again
-    resumed = make_trainer(case(name, stages), stages, schedule, transport="dist", optimizer=opt,
-                           data_parallel=DataParallel(size=dp, engine="fsdp"))
-    resumed.load(folder / "ckpt")
+    resumed = again  # FSDP, the saved plan, the checkpoint loaded
+    x, y = fresh()
+    a = trainer.step(*trainer.local_batch(x, y), max_norm=0.5)
     b = resumed.step(*resumed.local_batch(x, y), max_norm=0.5)
     assert float(a) == float(b)
     mine = dict(resumed.named_parameters())
@@ -211,6 +211,23 @@ _RUNS: dict[str, tuple[str, str, dict[str, Any]]] = {
     # Micro-batches of 4 rows from a plan traced on 2: shapes found on the sharded model's graph.
     "mlp-mb4/1f1b": ("mlp-mb4", "1f1b", {}),
 }
+
+# A block the cut splits between the stages (GPT-2 at node granularity): label: (model, schedule,
+# options). Run in the file's one spawn too.
+_CUT_RUNS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "gpt2/1f1b/tail-of-h.1": ("gpt2", "1f1b", {"cut": ("model.transformer.h.1", "tail")}),
+    "gpt2/gpipe/gathered/tail-of-h.1": ("gpt2", "gpipe", {"cut": ("model.transformer.h.1", "tail"),
+                                                          "reshard_after_forward": False}),
+}
+
+
+# Left to the long profile: combinations of behaviours the default runs apart (kept gathered, split
+# backward), GPipe's order (the cut runs below run it), every W apart from its I (ZB-H1 defers some).
+_LONG_RUNS = ("gpt2/zbh1/gathered", "gpt2/gpipe", "gpt2/zbh1/unfused")
+
+
+def _params(labels: dict[str, Any]) -> list[Any]:
+    return [pytest.param(label, marks=pytest.mark.long) if label in _LONG_RUNS else label for label in labels]
 
 
 # Features combined with FSDP: (schedule, trainer options, autocast dtype); gradients after one
@@ -337,6 +354,7 @@ def _worker(rank: int, world: int, runs: dict[str, tuple[str, str, dict[str, Any
         out["accumulated"] = _accumulated(world // 2)
     except Exception as e:
         out["accumulated"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+    out["reset before a forward"] = _reset_before_a_forward(world // 2)
     return out
 
 
@@ -384,16 +402,17 @@ _SAVED = ("gpt2/1f1b",)  # runs that save a checkpoint and load it three ways
 
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    """Each rank's results of every run in ``_RUNS``, ``COMBINED`` and the refusals: one spawn
-    for the file (starting 4 processes and importing torch cost more than a run)."""
+    """Each rank's results of every run in ``_RUNS`` and ``_CUT_RUNS`` (those of the profile),
+    ``COMBINED`` and the refusals: one spawn for the file (starting 4 processes and importing torch
+    cost more than a run)."""
     tmp = tmp_path_factory.mktemp("fsdp")
     for label in _SAVED:
         (tmp / label.replace("/", "-")).mkdir()
-    return spawn(_worker, 4, _RUNS, str(tmp), timeout=900)
+    return spawn(_worker, 4, in_profile({**_RUNS, **_CUT_RUNS}, _LONG_RUNS), str(tmp), timeout=900)
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("label", list(_RUNS))
+@pytest.mark.parametrize("label", _params(_RUNS))
 def test_fsdp_over_two_replicas_equals_the_plain_model(sharded: list[dict[str, Any]], label: str) -> None:
     results = [r[label] for r in sharded]
     for r in results:
@@ -449,58 +468,34 @@ def test_an_fsdp_checkpoint_loads_unsharded_sharded_and_resumes_exactly(sharded:
     # step equals the saved one's bit for bit.
     for rank, r in enumerate(sharded):
         want = ["weights"] + (["plain model"] if rank == 0 else []) + [
-            "fsdp 1f1b", "replicate 1f1b", "fsdp interleaved", "resumed"]
+            "replicate 1f1b", "fsdp interleaved", "fsdp 1f1b", "resumed"]
         assert r["gpt2/1f1b"]["checkpoint"] == want
 
 
-# A block the cut splits between the stages (GPT-2 at node granularity): label: (model, schedule,
-# options). One spawn of its own, for the cuts only.
-_CUT_RUNS: dict[str, tuple[str, str, dict[str, Any]]] = {
-    "gpt2/1f1b/tail-of-h.1": ("gpt2", "1f1b", {"cut": ("model.transformer.h.1", "tail")}),
-    "gpt2/gpipe/gathered/tail-of-h.1": ("gpt2", "gpipe", {"cut": ("model.transformer.h.1", "tail"),
-                                                          "reshard_after_forward": False}),
-}
-
-
-def _cut_worker(rank: int, world: int, runs: dict[str, tuple[str, str, dict[str, Any]]]) -> dict[str, Any]:
-    import traceback
-
-    out: dict[str, Any] = {}
-    for label, (name, schedule, opts) in runs.items():
-        try:
-            out[label] = _fsdp_case(name, schedule, 2, world // 2, **opts)
-        except Exception as e:  # reported by the test, with the label
-            out[label] = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
-    # A step that fails before a stage's first forward (a peer failed, a bad batch): the reset
-    # after it must leave FSDP as it is (nothing ran) and let the step's own error through.
-    trainer = make_trainer(case("mlp", world // 2), world // 2, "gpipe", transport="dist",
+def _reset_before_a_forward(ranks: int) -> str:
+    """A step that fails before a stage's first forward (a peer failed, a bad batch): the reset
+    after it must leave FSDP as it is (nothing ran) and let the step's own error through."""
+    trainer = make_trainer(case("mlp", ranks), ranks, "gpipe", transport="dist",
                            data_parallel=DataParallel(size=2, engine="fsdp", reshard_after_forward=False))
     try:
         trainer._replicas.averager.reset()
-        out["reset before a forward"] = ""
+        return ""
     except Exception as e:
-        out["reset before a forward"] = f"{type(e).__name__}: {e}"
-    return out
-
-
-@pytest.fixture(scope="module")
-def cut() -> list[dict[str, Any]]:
-    """Each rank's results of every run in ``_CUT_RUNS``."""
-    return spawn(_cut_worker, 4, _CUT_RUNS, timeout=420)
+        return f"{type(e).__name__}: {e}"
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("label", list(_CUT_RUNS))
-def test_fsdp_trains_a_block_the_cut_splits_exactly(cut: list[dict[str, Any]], label: str) -> None:
+def test_fsdp_trains_a_block_the_cut_splits_exactly(sharded: list[dict[str, Any]], label: str) -> None:
     # The plan cuts inside block h.1 (as node granularity may): each stage shards the part of the
     # block it holds as a unit of its own, or, holding none of its weights (the tail: a residual
     # add), computes that part in its own unit. Loss, every gradient, clipped AdamW steps and the
     # weights after them equal the plain model's (checked in _fsdp_case), kept gathered or not.
-    for r in cut:
+    for r in sharded:
         assert "error" not in r[label], r[label].get("error")
         for got, want in r[label]["norms"]:
             assert got == pytest.approx(want, rel=1e-5), label
-    held = {r[label]["pp_rank"]: r[label]["blocks_here"] for r in cut}
+    held = {r[label]["pp_rank"]: r[label]["blocks_here"] for r in sharded}
     if label.endswith("mid-h.1"):
         assert held == {0: 2, 1: 1}  # h.0 and the first half of h.1; the second half of h.1
     else:
@@ -542,8 +537,8 @@ def test_a_rank_holds_its_stage_unit_and_two_blocks_gathered_at_most(sharded: li
 
 
 @pytest.mark.multiprocess
-def test_fsdp_resets_after_a_step_that_failed_before_any_forward(cut: list[dict[str, Any]]) -> None:
+def test_fsdp_resets_after_a_step_that_failed_before_any_forward(sharded: list[dict[str, Any]]) -> None:
     # FSDP's step state exists once a forward has run through the stage (its lazy init): a reset
     # before that raised "'FSDPCommContext' object has no attribute 'all_gather_state'" in
     # place of the step's own error.
-    assert [r["reset before a forward"] for r in cut] == [""] * 4
+    assert [r["reset before a forward"] for r in sharded] == [""] * 4

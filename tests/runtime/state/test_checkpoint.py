@@ -106,8 +106,8 @@ def _second_half(rank: int, world: int, name: str, directory: str, transport: st
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(("name", "world", "transport"), [
     ("gpt2", 1, "local"),  # one process (2 stages on threads), resumed in a new process
-    ("gpt2", 2, "dist"),
-    pytest.param("mlp", 4, "dist", marks=pytest.mark.slow),
+    ("gpt2", 2, "dist"),  # a stage per process, each rank saving and loading its own
+    pytest.param("mlp", 4, "dist", marks=[pytest.mark.slow, pytest.mark.long]),  # the same, on more ranks
 ])
 def test_resume_is_bitwise_exact(tmp_path: Path, name: str, world: int, transport: str) -> None:
     ckpt = str(tmp_path / "ckpt")

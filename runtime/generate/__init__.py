@@ -3,7 +3,8 @@
 The room's modules, from the model up: ``parts`` (the model's own modules and helpers a stage
 calls), ``cut`` (what each stage of the plan holds), ``stage`` (one stage and its cache),
 ``build`` (each stage's tensors made real and loaded, as training does), ``sampling`` (choosing
-the next token) and ``generator`` (the decoding loop). See docs/generate.md.
+the next token), ``pipelined`` (groups of sequences in flight on each rank), ``ring`` (the messages
+between ranks), ``ranks`` (ranks as threads or processes) and ``generator`` (the decoding loop). See docs/generate.md.
 """
 
 from __future__ import annotations
@@ -12,10 +13,13 @@ from runtime.generate.cut import StageSpan, stage_spans
 from runtime.generate.errors import CutInsideBlockError, GenerateError, GenerateModelError, GenerateOptionError
 from runtime.generate.generator import Generation, Generator, left_pad
 from runtime.generate.parts import DecoderParts, decoder_parts
+from runtime.generate.pipelined import Step, split_groups
+from runtime.generate.ranks import rank_spans
 from runtime.generate.sampling import Sampling
 from runtime.generate.stage import Hop, StageRunner
 
 __all__ = [
     "Generator", "Generation", "Sampling", "left_pad", "StageSpan", "stage_spans", "DecoderParts", "decoder_parts",
-    "Hop", "StageRunner", "GenerateError", "GenerateModelError", "CutInsideBlockError", "GenerateOptionError",
+    "Hop", "StageRunner", "Step", "split_groups", "rank_spans",
+    "GenerateError", "GenerateModelError", "CutInsideBlockError", "GenerateOptionError",
 ]

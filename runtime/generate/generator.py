@@ -3,9 +3,12 @@
 Legend: ``p`` stages, ``s`` a stage index, ``B`` sequences, ``T0`` the padded prompt length,
 ``n`` new tokens, ``V`` vocabulary.
 
-One step runs the stages one after another in this process: the first embeds, each runs its
-layers and hands the next a :class:`~runtime.generate.stage.Hop`, the last returns the logits of
-each sequence's last position, and the next tokens are chosen from them. The prompts are prefilled
+With ``transport='sequential'`` one step runs the stages one after another in this process: the
+first embeds, each runs its layers and hands the next a :class:`~runtime.generate.stage.Hop`, the
+last returns the logits of each sequence's last position, and the next tokens are chosen from them.
+With ``'threads'`` (a thread per pipeline rank) and ``'dist'`` (a process per rank, with
+data-parallel replicas) the sequences are split into groups that are in flight together
+(:mod:`runtime.generate.pipelined`, :mod:`runtime.generate.ranks`). The prompts are prefilled
 once (the whole padded batch through every stage); each later step sends one position per sequence.
 Ragged prompts are left-padded with an attention mask and per-sequence positions, as
 ``model.generate`` does, so the greedy tokens are the same as its.
@@ -19,16 +22,22 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from partitioner.plan.plan import Plan
 from runtime.generate.build import build_stages
 from runtime.generate.cut import StageSpan, stage_spans
 from runtime.generate.errors import GenerateOptionError
 from runtime.generate.parts import DecoderParts, decoder_parts
+from runtime.generate.pipelined import Batch, GroupResult, Step, run_rank, split_groups
+from runtime.generate.ranks import Layout, dist_layout, rank_spans, run_dist, run_threads
+from runtime.generate.ring import Ring
 from runtime.generate.sampling import Sampling, next_tokens, sequence_generators
 from runtime.generate.stage import Hop, StageRunner
 from runtime.state.materialize import InitFn
 from runtime.state.weights import LoadReport, Weights
+from runtime.transport.p2p import LocalTransport
+from runtime.transport.process_group import default_device
 
 __all__ = ["Generator", "Generation", "left_pad"]
 
@@ -49,7 +58,10 @@ class Generation:
             stopped it.
         steps: forward steps through the stages (the prefill is the first).
         logits: with ``output_logits=True``, each step's logits (B, V) of the last position, as
-            the last stage returned them (``generate``'s ``output_logits``); else ``None``.
+            the last stage returned them (``generate``'s ``output_logits``); else ``None``. With
+            several groups, a group that had already ended has NaN rows at the later steps.
+        timeline: with ``'threads'`` and ``'dist'``, each step each pipeline rank of this
+            process ran, per group, with its start and end (``time.time()``).
     """
 
     sequences: torch.Tensor
@@ -57,6 +69,7 @@ class Generation:
     tokens: tuple[tuple[int, ...], ...]
     steps: int
     logits: tuple[torch.Tensor, ...] | None = None
+    timeline: tuple[Step, ...] = ()
 
 
 class Generator:
@@ -65,7 +78,9 @@ class Generator:
     For Hugging Face decoder-only causal LMs (Llama, Qwen2, Mistral, Gemma 2, GPT-2, Phi-3,
     Mixtral, Qwen2-MoE...). The stages are the plan's: each runs the model's own modules for its
     part (embedding, a run of layers, final norm, head; :mod:`runtime.generate.cut`), in this
-    process, one after another. A model built under :func:`runtime.empty_weights` gets real tensors
+    process, one after another (``transport='sequential'``), on a thread per pipeline rank
+    (``'threads'``) or on a process per rank under torch.distributed (``'dist'``, each rank
+    building and loading only its own stages). A model built under :func:`runtime.empty_weights` gets real tensors
     for the stages' parts only, and ``weights`` loads only those.
 
     Args:
@@ -78,6 +93,15 @@ class Generator:
             the CPU, real ones where they are.
         seed: initialisation seed for meta tensors no checkpoint fills (as the trainer's ``Init``).
         init_fn: ``init_fn(name, module)`` to initialise those instead.
+        transport: ``'sequential'`` (every stage in this thread), ``'threads'`` (a thread per
+            pipeline rank), ``'dist'`` (a process per rank; torch.distributed initialised, e.g. by
+            torchrun), or ``'auto'``: ``'dist'`` when an initialised process group has several
+            ranks, else ``'sequential'``.
+        pp: pipeline ranks for ``'threads'`` (default: one per stage); each gets a contiguous run
+            of the plan's stages. Under ``'dist'`` it is the world size over ``dp``.
+        dp: data-parallel replicas under ``'dist'``: world rank ``d * pp + r`` is replica ``d``'s
+            rank ``r``, and the replicas split the prompts.
+        timeout: seconds any one message between ranks may take.
 
     Raises:
         PlanMismatchError: the plan is not bound to a model.
@@ -100,23 +124,44 @@ class Generator:
     def __init__(
         self, plan: Plan, *, weights: str | os.PathLike[str] | Weights | None = None,
         device: torch.device | str | None = None, seed: int = 0, init_fn: InitFn | None = None,
+        transport: str = "auto", pp: int | None = None, dp: int = 1, timeout: float = 300.0,
     ) -> None:
         self.plan = plan
         self.parts: DecoderParts = decoder_parts(plan.model)
         self.spans: tuple[StageSpan, ...] = stage_spans(plan, self.parts)
+        self.transport = _transport(transport)
+        self.timeout = timeout
+        self.layout: Layout | None = None
+        if self.transport == "dist":
+            self.layout = dist_layout(dp)
+            if pp is not None and pp != self.layout.ranks:
+                raise GenerateOptionError(
+                    f"pp={pp} but the world's {dist.get_world_size()} ranks in dp={dp} replicas make pipelines of "
+                    f"{self.layout.ranks}: launch dp x pp ranks, or leave pp out"
+                )
+            self.per_rank = rank_spans(self.spans, self.layout.ranks)
+            own = self.per_rank[self.layout.position]
+            device = default_device() if device is None and dist.get_backend() == "nccl" else device
+        else:
+            if dp != 1:
+                raise GenerateOptionError(f"dp={dp} needs transport='dist' (a process per rank), got {transport!r}")
+            self.per_rank = rank_spans(self.spans, len(self.spans) if pp is None else pp)
+            own = self.spans
         self.load_report: LoadReport | None
-        self.modules, self.load_report = build_stages(plan, self.parts, self.spans, weights=weights, device=device,
+        self.modules, self.load_report = build_stages(plan, self.parts, own, weights=weights, device=device,
                                                       seed=seed, init_fn=init_fn)
-        self.stages = [StageRunner(self.parts, span) for span in self.spans]
-        first = next(iter(self.modules[0].parameters()), None)
+        self.stages = [StageRunner(self.parts, span) for span in own]
+        first = next((t for m in self.modules.values() for t in m.parameters()), None)
         self.device = first.device if first is not None else torch.device("cpu")
-        log.info("generator: %d stages: %s", len(self.stages), ", ".join(_describe(s) for s in self.spans))
+        log.info("generator (%s, %d pipeline ranks): %d stages: %s", self.transport, len(self.per_rank),
+                 len(self.spans), ", ".join(_describe(s) for s in self.spans))
 
     @torch.no_grad()
     def generate(
         self, prompts: Prompts, *, attention_mask: torch.Tensor | None = None,
         max_new_tokens: int | Sequence[int] = 20, eos_token_id: int | Sequence[int] | None = None,
         pad_token_id: int | None = None, sampling: Sampling | None = None, output_logits: bool = False,
+        groups: int | None = None,
     ) -> Generation:
         """Continue each prompt until it emits an end-of-sequence token or its ``max_new_tokens``.
 
@@ -132,6 +177,12 @@ class Generator:
                 model's ``generation_config.pad_token_id``, else the first end-of-sequence token, else 0.
             sampling: ``None`` for greedy decoding, or a :class:`~runtime.generate.sampling.Sampling`.
             output_logits: keep each step's logits in ``Generation.logits``.
+            groups: how many groups of sequences are in flight at once (each with its own cache
+                on each stage); default: one per pipeline rank (``'threads'``, ``'dist'``, per
+                replica), one for ``'sequential'``. The tokens do not depend on it.
+
+        Under ``'dist'`` every rank calls this with the same arguments, and every rank returns
+        the whole batch's :class:`Generation`.
 
         Returns:
             A :class:`Generation`.
@@ -145,6 +196,9 @@ class Generator:
         b = ids.shape[0]
         limits = _limits(max_new_tokens, b, self.device)
         positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)  # padding's positions reach no token
+        if self.transport != "sequential" or (groups or 1) > 1:
+            batch = Batch(ids, mask, positions, limits, tuple(eos), pad, sampling, output_logits)
+            return self._pipelined(batch, groups)
         generators = sequence_generators(sampling, range(b), self.device) if sampling is not None else []
         for stage in self.stages:
             stage.reset()
@@ -170,9 +224,59 @@ class Generator:
         return Generation(torch.cat([ids, tokens], dim=1), mask[:, : ids.shape[1]],
                           _trimmed(tokens, eos, limits), steps, tuple(logits) if output_logits else None)
 
+    def _pipelined(self, batch: Batch, groups: int | None) -> Generation:
+        b = batch.ids.shape[0]
+        timeline: list[Step]
+        if self.transport == "dist":
+            assert self.layout is not None
+            replicas = split_groups(b, self.layout.replicas)
+            rows = replicas[self.layout.replica] if self.layout.replica < len(replicas) else range(b, b)
+            parts = split_groups(len(rows), groups or self.layout.ranks) if len(rows) else []
+            mine = [range(rows.start + r.start, rows.start + r.stop) for r in parts]
+            results, timeline = run_dist(self.parts, self.per_rank[self.layout.position], self.layout, batch, mine,
+                                         self.timeout)
+        elif self.transport == "threads":
+            results, timeline = run_threads(self.parts, self.per_rank, batch,
+                                            split_groups(b, groups or len(self.per_rank)), self.timeout)
+        else:  # every stage in this thread, the groups taking turns (the ring's one rank sends to itself)
+            timeline = []
+            ring = Ring(LocalTransport({0: self.device}, timeout=self.timeout), 0, 1, self.device)
+            results = run_rank(ring, self.parts, self.spans, batch, split_groups(b, groups or 1), timeline)
+        return _assembled(batch, results, timeline)
+
     def cached_layers(self) -> list[list[int]]:
         """Per stage, the layers whose keys and values its cache holds now."""
         return [stage.cached_layers() for stage in self.stages]
+
+
+def _transport(transport: str) -> str:
+    if transport not in ("auto", "sequential", "threads", "dist"):
+        raise GenerateOptionError(
+            f"transport must be 'auto', 'sequential', 'threads' or 'dist', got {transport!r}"
+        )
+    if transport == "auto":
+        return "dist" if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 else "sequential"
+    return transport
+
+
+def _assembled(batch: Batch, results: dict[int, GroupResult], timeline: list[Step]) -> Generation:
+    """The groups' tokens as one batch: each group padded after its last step, as a stopped sequence is."""
+    b = batch.ids.shape[0]
+    n = max((r.tokens.shape[1] for r in results.values()), default=0)
+    tokens = batch.ids.new_full((b, n), batch.pad)
+    for r in results.values():
+        tokens[r.rows.start:r.rows.stop, : r.tokens.shape[1]] = r.tokens
+    logits = None
+    if batch.output_logits:
+        width = next((x.shape[1] for r in results.values() for x in r.logits), 0)
+        dtype = next((x.dtype for r in results.values() for x in r.logits), torch.float32)
+        logits = tuple(torch.full((b, width), float("nan"), dtype=dtype, device=batch.ids.device) for _ in range(n))
+        for r in results.values():
+            for step, x in enumerate(r.logits):
+                logits[step][r.rows.start:r.rows.stop] = x
+    trimmed = _trimmed(tokens, list(batch.eos), batch.limits)
+    return Generation(torch.cat([batch.ids, tokens], dim=1), batch.mask, trimmed, n, logits,
+                      tuple(sorted(timeline, key=lambda s: s.start)))
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:

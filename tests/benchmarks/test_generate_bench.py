@@ -1,0 +1,39 @@
+"""The generation benchmark runs end to end on a tiny Llama over 2 gloo processes and writes what it promises."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")  # it generates with a Llama
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.multiprocess
+def test_generate_benchmark_quick(tmp_path: Path) -> None:
+    # A subprocess, as users run it: its spawned ranks re-import the script as __main__.
+    out = tmp_path / "generate.json"
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "generate.py"), "--quick", "--out", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "pipelined/one group" in run.stdout and "time per new token" in run.stdout
+    data = json.loads(out.read_text())
+    assert data["benchmark"] == "generate" and data["command"].endswith("--quick --out " + str(out))
+    rows = data["results"]
+    assert [r["sequences"] for r in rows] == [1, 4] and [r["groups_in_flight"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["same_tokens"]  # pipelined, one group and one process chose the same tokens
+        for key in ("pipelined_tok_s", "one_group_tok_s", "one_process_tok_s"):
+            assert r[key] > 0, key
+        assert r["new_tokens"] == r["sequences"] * 4
+    assert set(data["cache"]["s_per_token"]) == {"8", "32"} and data["cache"]["long_over_short"] > 0
+    assert len(data["peak_rss_bytes_per_rank"]) == 2 and min(data["peak_rss_bytes_per_rank"]) > 0

@@ -1,0 +1,29 @@
+"""What each gloo process of the pipelined generation tests runs (module-level, so ``spawn`` can pickle it)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from gen_cases import build
+
+from partitioner import partition
+from runtime.generate import Generator, Sampling
+
+EXAMPLE = (torch.zeros(1, 8, dtype=torch.long),)
+NEW = 6
+
+
+def generate_over_gloo(rank: int, world: int, prompts: list[list[int]], dp: int) -> dict[str, Any]:
+    """Every case on this rank of a ``dp`` x ``world / dp`` world: each case's tokens and this rank's steps."""
+    out: dict[str, Any] = {}
+    for name, groups in (("llama", 3), ("gemma2", 2)):
+        gen = Generator(partition(build(name), EXAMPLE, 2), transport="dist", dp=dp, timeout=60)
+        got = gen.generate(prompts, max_new_tokens=NEW, eos_token_id=2, pad_token_id=0, groups=groups)
+        out[name] = (got.sequences.tolist(),  # plain lists: tensors would cross as shared memory of a gone process
+                      [(s.rank, s.group, s.step, s.start, s.end) for s in got.timeline])
+        assert len(gen.modules) == 1  # this rank built its own stage only
+    sampling = Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=3)
+    gen = Generator(partition(build("llama"), EXAMPLE, 2), transport="dist", dp=dp, timeout=60)
+    out["sampled"] = gen.generate(prompts, max_new_tokens=NEW, eos_token_id=[], sampling=sampling, groups=2).tokens
+    return out

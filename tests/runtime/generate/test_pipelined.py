@@ -1,0 +1,146 @@
+"""Pipelined decoding: ranks as threads and as gloo processes, several groups of ragged prompts in flight, the
+same tokens as ``model.generate`` (greedy) and as one process (seeded sampling); the groups really overlap."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from gen_cases import PROMPTS, build
+from gen_workers import EXAMPLE, NEW, generate_over_gloo
+
+from partitioner import partition
+from runtime.generate import GenerateOptionError, Generator, Sampling, left_pad, rank_spans, split_groups
+from runtime.transport.launch import spawn
+
+transformers = pytest.importorskip("transformers")
+
+# Six ragged prompts: several groups of them, of different lengths within each group.
+MANY = [*PROMPTS, [7, 8], [11, 12, 13, 14, 15, 16, 17, 18, 19], [40]]
+
+
+def _reference(name: str, prompts: list[list[int]] = MANY, eos: int | list[int] = 2) -> torch.Tensor:
+    ids, mask = left_pad(prompts, pad_token_id=0)
+    out = build(name).generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW, eos_token_id=eos,
+                               pad_token_id=0)
+    return out  # type: ignore[no-any-return]
+
+
+def test_groups_and_ranks_are_dealt_in_contiguous_runs() -> None:
+    assert split_groups(6, 4) == [range(2), range(2, 4), range(4, 5), range(5, 6)]
+    assert split_groups(1, 3) == [range(1)]
+    with pytest.raises(GenerateOptionError, match="groups must be an int >= 1, got 0"):
+        split_groups(3, 0)
+    spans = Generator(partition(build("llama"), EXAMPLE, 4)).spans
+    assert [[s.index for s in run] for run in rank_spans(spans, 2)] == [[0, 1], [2, 3]]
+    with pytest.raises(GenerateOptionError, match="4 stages cannot be dealt to 3 pipeline ranks"):
+        rank_spans(spans, 3)
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_threads_give_generates_greedy_tokens_whatever_the_group_count(name: str) -> None:
+    want = _reference(name)
+    gen = Generator(partition(build(name), EXAMPLE, 2), transport="threads")
+    for groups in (None, 1, 3, 6):
+        got = gen.generate(MANY, max_new_tokens=NEW, eos_token_id=2, pad_token_id=0, groups=groups)
+        assert torch.equal(got.sequences, want), (groups, got.sequences.tolist(), want.tolist())
+    # 4 stages on 2 thread ranks (each rank runs 2 stages), and all in this thread with groups taking turns.
+    four = Generator(partition(build(name), EXAMPLE, 4), transport="threads", pp=2)
+    assert torch.equal(four.generate(MANY, max_new_tokens=NEW, eos_token_id=2, pad_token_id=0, groups=2).sequences,
+                       want)
+    one = Generator(partition(build(name), EXAMPLE, 2), transport="sequential")
+    assert torch.equal(one.generate(MANY, max_new_tokens=NEW, eos_token_id=2, pad_token_id=0, groups=4).sequences,
+                       want)
+
+
+def test_stops_and_logits_per_group_are_the_sequential_ones() -> None:
+    model = build("llama")
+    plain = Generator(partition(model, EXAMPLE, 2))
+    threads = Generator(partition(model, EXAMPLE, 2), transport="threads")
+    free = plain.generate(MANY, max_new_tokens=NEW, eos_token_id=[], pad_token_id=0)
+    eos = free.tokens[0][1]  # sequence 0 (group 0) stops at its second token
+    limits = [1, 4, 0, 6, 2, 3]
+    want = plain.generate(MANY, max_new_tokens=limits, eos_token_id=eos, pad_token_id=0, output_logits=True)
+    got = threads.generate(MANY, max_new_tokens=limits, eos_token_id=eos, pad_token_id=0, output_logits=True,
+                           groups=3)
+    assert got.tokens == want.tokens and torch.equal(got.sequences, want.sequences)
+    assert got.steps == want.steps and got.logits is not None and want.logits is not None
+    # A group's logits are the sequential run's while it runs; rows of a group that has ended are NaN.
+    for step, (a, b) in enumerate(zip(got.logits, want.logits)):
+        for rows in split_groups(len(MANY), 3):
+            ran = [s for s in got.timeline if s.rank == 1 and s.group == split_groups(len(MANY), 3).index(rows)]
+            if step < len(ran):
+                torch.testing.assert_close(a[rows.start:rows.stop], b[rows.start:rows.stop], rtol=1e-5, atol=1e-5)
+            else:
+                assert bool(a[rows.start:rows.stop].isnan().all())
+
+
+def test_sampled_tokens_are_the_same_across_transports_groups_and_stage_counts() -> None:
+    model = build("gemma2")
+    sampling = Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=3)
+    want = Generator(partition(model, EXAMPLE, 2)).generate(MANY, max_new_tokens=NEW, eos_token_id=[],
+                                                            sampling=sampling).tokens
+    for p, groups in ((2, 2), (2, 6), (4, 3)):
+        gen = Generator(partition(model, EXAMPLE, p), transport="threads")
+        assert gen.generate(MANY, max_new_tokens=NEW, eos_token_id=[], sampling=sampling, groups=groups).tokens == want
+
+
+def test_the_first_rank_starts_the_next_group_before_the_last_rank_returns_a_group() -> None:
+    """The order each rank ran its steps in (not their timing): with groups in flight rank 0 runs group g + 1's
+    step while group g's is on rank 1; with one group, the ranks take turns."""
+    gen = Generator(partition(build("llama"), EXAMPLE, 2), transport="threads")
+    out = gen.generate(MANY, max_new_tokens=4, eos_token_id=[], pad_token_id=0, groups=2)
+    per_rank = {r: [(s.group, s.step) for s in out.timeline if s.rank == r] for r in (0, 1)}
+    # Each rank takes the groups in turn: group 1's step k comes before group 0's step k + 1 on both ranks.
+    assert per_rank[0] == per_rank[1] == [(g, k) for k in range(4) for g in (0, 1)]
+    # Rank 0 ran group 1's prefill without waiting for group 0's tokens: before rank 1 finished group 0's prefill.
+    first = {(s.rank, s.group, s.step): s for s in out.timeline}
+    assert first[(0, 1, 0)].start <= first[(1, 0, 0)].end
+    one = gen.generate(MANY, max_new_tokens=4, eos_token_id=[], pad_token_id=0, groups=1)
+    ends = [(s.rank, s.step) for s in one.timeline]
+    assert ends == [(r, k) for k in range(4) for r in (0, 1)]  # one group: the ranks strictly alternate
+
+
+def test_bad_transport_options_say_what_to_do() -> None:
+    plan = partition(build("llama"), EXAMPLE, 2)
+    with pytest.raises(GenerateOptionError, match="transport must be 'auto', 'sequential', 'threads' or 'dist'"):
+        Generator(plan, transport="local")
+    with pytest.raises(GenerateOptionError, match="dp=2 needs transport='dist'"):
+        Generator(plan, transport="threads", dp=2)
+
+
+def _overlaps(timeline: list[Any]) -> int:
+    """How many steps rank 1 ran on some group while rank 0 was running a step of another group."""
+    ones, zeros = [s for s in timeline if s[0] == 1], [s for s in timeline if s[0] == 0]
+    return sum(1 for x in ones for y in zeros if y[1] != x[1] and y[3] < x[4] and x[3] < y[4])
+
+
+@pytest.mark.multiprocess
+def test_two_gloo_processes_give_generates_tokens_with_groups_in_flight() -> None:
+    results = spawn(generate_over_gloo, 2, MANY, 1, timeout=300)
+    for name in ("llama", "gemma2"):
+        want = _reference(name)
+        for r in (0, 1):
+            assert results[r][name][0] == want.tolist(), (name, r)
+        # Rank 1 ran some group's step while rank 0 ran another group's: both processes busy at once.
+        timeline = results[0][name][1] + results[1][name][1]
+        assert {s[0] for s in results[1][name][1]} == {1}
+        assert _overlaps(timeline) > 0, timeline
+    sampling = Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=3)
+    one = Generator(partition(build("llama"), EXAMPLE, 2)).generate(MANY, max_new_tokens=NEW, eos_token_id=[],
+                                                                    sampling=sampling)
+    assert results[0]["sampled"] == results[1]["sampled"] == one.tokens
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_data_parallel_replicas_split_the_prompts() -> None:
+    results = spawn(generate_over_gloo, 4, MANY, 2, timeout=400)  # 2 replicas x 2 pipeline ranks
+    want = _reference("llama")
+    for r in range(4):
+        assert results[r]["llama"][0] == want.tolist(), r
+    # Replica 1's ranks (world ranks 2, 3) ran rows 3-5 only: its groups are numbered from 0 in its own pipeline.
+    assert {s[0] for s in results[3]["llama"][1]} == {1}
+    steps0 = results[0]["llama"][1]
+    assert {s[1] for s in steps0} == {0, 1, 2}

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import sys
 import time
@@ -65,7 +66,7 @@ def add_generate_parser(sub: Any) -> None:
     gen.add_argument("--top-p", type=float, default=None,
                      help="sample among the most likely tokens whose probability reaches p only")
     gen.add_argument("--seed", type=int, default=0,
-                     help="sampling seed (default 0): the same seed and --batch-size give the same text on any --pp")
+                     help="sampling seed (default 0): the same seed gives the same text on any --pp and --batch-size")
     gen.add_argument("--batch-size", type=int, default=8, help="prompts generated together (default 8)")
     gen.add_argument("--out", default=None, help="write the completions here (default: stdout)")
     gen.add_argument("--trust-remote-code", action="store_true",
@@ -119,8 +120,10 @@ def generate_command(args: argparse.Namespace) -> int:
             batch = range(start, min(start + opts.batch_size, len(prompts)))
             t = time.perf_counter()
             with _autocast(generator.device, opts.autocast):
+                # Each prompt samples by its place in the file, not in its batch: any --batch-size, the same text.
+                sampling = dataclasses.replace(opts.sampling, first_index=start) if opts.sampling else None
                 result = generator.generate([ids[i] for i in batch], max_new_tokens=opts.max_new_tokens,
-                                            eos_token_id=eos, pad_token_id=pad, sampling=opts.sampling)
+                                            eos_token_id=eos, pad_token_id=pad, sampling=sampling)
             seconds = time.perf_counter() - t
             for i, tokens in zip(batch, result.tokens, strict=True):
                 record = {"prompt": prompts[i].text,

@@ -32,7 +32,11 @@ class Sampling:
         top_k: keep the ``top_k`` most likely tokens (``None``: all).
         top_p: keep the smallest set of most likely tokens whose probability reaches ``top_p``
             (in (0, 1]; ``None``: all).
-        seed: the run's seed; sequence ``b`` draws from a generator seeded from ``(seed, b)``.
+        seed: the run's seed; sequence ``b`` draws from a generator seeded from
+            ``(seed, first_index + b)``.
+        first_index: the index of the batch's first sequence among all the prompts of a run that
+            is cut into batches (default 0), so a prompt draws the same numbers whatever batch it
+            falls in (``pipecut generate --batch-size``).
 
     Example:
         >>> Sampling(temperature=0.7, top_k=50, top_p=0.9, seed=1).top_k
@@ -48,8 +52,13 @@ for greedy decoding pass sampling=None
     top_k: int | None = None
     top_p: float | None = None
     seed: int = 0
+    first_index: int = 0
 
     def __post_init__(self) -> None:
+        if type(self.first_index) is not int or self.first_index < 0:
+            raise GenerateOptionError(
+                f"first_index must be a non-negative int (the batch's first prompt among all), got {self.first_index!r}"
+            )
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
                 and self.temperature > 0):
             raise GenerateOptionError(
@@ -63,11 +72,12 @@ for greedy decoding pass sampling=None
 
 
 def sequence_generators(sampling: Sampling, indices: Sequence[int], device: torch.device) -> list[torch.Generator]:
-    """One generator per sequence, seeded from ``sampling.seed`` and the sequence's index."""
+    """One generator per sequence, seeded from ``sampling.seed`` and the sequence's index among all prompts
+    (``sampling.first_index`` plus its index in the batch)."""
     gens = []
     for b in indices:
         g = torch.Generator(device=device)
-        g.manual_seed(zlib.crc32(f"{sampling.seed}:{b}".encode()))
+        g.manual_seed(zlib.crc32(f"{sampling.seed}:{sampling.first_index + b}".encode()))
         gens.append(g)
     return gens
 

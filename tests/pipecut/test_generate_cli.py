@@ -86,6 +86,16 @@ def test_sampling_with_a_seed_is_the_same_on_1_and_2_stages(
     assert [r["completion"] for r in other] != [r["completion"] for r in two]  # the seed is used
 
 
+def test_sampled_text_does_not_depend_on_the_batch_size(
+    folder: Path, prompts: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    flags = ["--model", str(folder), "--prompts", str(prompts), "--max-new-tokens", str(NEW),
+             "--temperature", "1.5", "--seed", "3", "--pp", "2"]
+    whole, _ = _run(capsys, *flags)
+    ones, _ = _run(capsys, *flags, "--batch-size", "1")
+    assert [r["completion"] for r in ones] == [r["completion"] for r in whole]
+
+
 def test_bf16_runs_and_batches_split_the_prompts(
     folder: Path, prompts: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import reprlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +40,7 @@ from partitioner.tracing.trace import Method as TraceMethod
 
 __all__ = [
     "Capture", "Costing", "Cut", "LayoutSpace", "PlannerOptions", "METHODS", "SHORTCUTS", "ENTRY_POINTS",
-    "resolve_options", "fill_sections",
+    "resolve_options",
 ]
 
 METHODS = ("exact", "equal_count", "balanced_params", "equal_size", "manual")
@@ -334,67 +334,30 @@ def resolve_options(where: str, objects: Mapping[str, Any], legacy: Mapping[str,
         (4, 'bf16', True)
     """
     takes = [s for s in ENTRY_POINTS[where] if s in _SECTIONS]
-
-    def doubled(key: str, value: Any, section: str, name: str) -> Exception:
-        return PartitionOptionError(
-            f"{where}(): {key}={reprlib.repr(value)} is the old keyword for {section}="
-            f"{_SECTIONS[section].__name__}({name}=...), and {section}= was given too: set it there, e.g. "
-            f"{section}=dataclasses.replace({section}, {name}=...)"
-        )
-
-    def wrong_type(section: str, cls: type, obj: Any) -> Exception:
-        return PartitionOptionError(
-            f"{where}(): {section}= takes a partitioner.{cls.__name__}, got {type(obj).__name__} "
-            f"{reprlib.repr(obj)}: pass {section}={cls.__name__}(...)"
-        )
-
-    built = fill_sections(
-        _SECTIONS, objects, legacy, {k: v for k, v in SHORTCUTS.items() if v[0] in takes},
-        unknown=lambda key: PlannerKeywordError(_unknown(where, key)), doubled=doubled, wrong_type=wrong_type,
-    )
-    return PlannerOptions(**built)
-
-
-def fill_sections(
-    sections: Mapping[str, type],
-    given: Mapping[str, Any],
-    keywords: Mapping[str, Any],
-    table: Mapping[str, tuple[str, str]],
-    *,
-    unknown: Callable[[str], Exception],
-    doubled: Callable[[str, Any, str, str], Exception],
-    wrong_type: Callable[[str, type, Any], Exception],
-) -> dict[str, Any]:
-    """Each section's option object: the one ``given``, else made from the old ``keywords`` that
-    ``table`` maps to its fields (``keyword -> (section, field)``), else its default.
-
-    The planner's and the trainer's shortcuts both go through this; each passes its own errors:
-    ``unknown(key)`` for a keyword the table lacks, ``doubled(key, value, section, field)`` for
-    one given beside its section's object, ``wrong_type(section, cls, obj)`` for an object of
-    another type.
-
-    Example:
-        >>> fill_sections({"cut": Cut}, {"cut": None}, {"microbatches": 2}, {"microbatches": ("cut", "microbatches")},
-        ...               unknown=KeyError, doubled=lambda *a: ValueError(a), wrong_type=lambda *a: TypeError(a))
-        {'cut': Cut(schedule='1f1b', microbatches=2, method='exact', refine=True, split_points=None)}
-    """
-    fields: dict[str, dict[str, Any]] = {section: {} for section in sections}
-    for key, value in keywords.items():
-        if key not in table:
-            raise unknown(key)
-        section, name = table[key]
-        if given.get(section) is not None:
-            raise doubled(key, value, section, name)
+    fields: dict[str, dict[str, Any]] = {section: {} for section in _SECTIONS}
+    for key, value in legacy.items():
+        if key not in SHORTCUTS or SHORTCUTS[key][0] not in takes:
+            raise PlannerKeywordError(_unknown(where, key))
+        section, name = SHORTCUTS[key]
+        if objects.get(section) is not None:
+            kind = _SECTIONS[section].__name__
+            raise PartitionOptionError(
+                f"{where}(): {key}={reprlib.repr(value)} is the old keyword for {section}={kind}({name}=...), and "
+                f"{section}= was given too: set it there, e.g. {section}=dataclasses.replace({section}, {name}=...)"
+            )
         fields[section][name] = value
     built: dict[str, Any] = {}
-    for section, cls in sections.items():
-        obj = given.get(section)
+    for section, cls in _SECTIONS.items():
+        obj = objects.get(section)
         if obj is None:
             obj = cls(**fields[section])
         elif not isinstance(obj, cls):
-            raise wrong_type(section, cls, obj)
+            raise PartitionOptionError(
+                f"{where}(): {section}= takes a partitioner.{cls.__name__}, got {type(obj).__name__} "
+                f"{reprlib.repr(obj)}: pass {section}={cls.__name__}(...)"
+            )
         built[section] = obj
-    return built
+    return PlannerOptions(**built)
 
 
 def _unknown(where: str, key: str) -> str:

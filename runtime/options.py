@@ -29,7 +29,6 @@ from typing import Any
 import torch
 
 from partitioner.cost.exchange import DEFAULT_BUCKET_BYTES
-from partitioner.options import fill_sections
 from partitioner.plan.layout import Layout
 from runtime.errors import OptionKeywordError, TrainerOptionError
 from runtime.state.materialize import InitFn
@@ -261,20 +260,27 @@ def resolve_options(
     if data_parallel is not None and not isinstance(data_parallel, DataParallel):
         shortcuts = {"data_parallel": data_parallel, **shortcuts}
         given["data_parallel"] = None
-    def doubled(key: str, value: Any, section: str, name: str) -> Exception:
-        return TrainerOptionError(
-            f"{key}={value!r} is a shortcut for {section}={_SECTIONS[section].__name__}({name}=...), and {section}= "
-            f"was given too: set it there, e.g. {section}=dataclasses.replace({section}, {name}={value!r})"
-        )
-
-    def wrong_type(section: str, cls: type, obj: Any) -> Exception:
-        return TrainerOptionError(
-            f"{section}= takes a runtime.{cls.__name__}, got {type(obj).__name__} {obj!r}: "
-            f"pass {section}={cls.__name__}(...)"
-        )
-
-    built = fill_sections(_SECTIONS, given, shortcuts, SHORTCUTS, unknown=lambda key: OptionKeywordError(_unknown(key)),
-                          doubled=doubled, wrong_type=wrong_type)
+    fields: dict[str, dict[str, Any]] = {section: {} for section in _SECTIONS}
+    for key, value in shortcuts.items():
+        if key not in SHORTCUTS:
+            raise OptionKeywordError(_unknown(key))
+        section, name = SHORTCUTS[key]
+        if given[section] is not None:
+            kind = _SECTIONS[section].__name__
+            raise TrainerOptionError(
+                f"{key}={value!r} is a shortcut for {section}={kind}({name}=...), and {section}= was given "
+                f"too: set it there, e.g. {section}=dataclasses.replace({section}, {name}={value!r})"
+            )
+        fields[section][name] = value
+    built: dict[str, Any] = {}
+    for section, cls in _SECTIONS.items():
+        obj = given[section] if given[section] is not None else cls(**fields[section])
+        if not isinstance(obj, cls):
+            raise TrainerOptionError(
+                f"{section}= takes a runtime.{cls.__name__}, got {type(obj).__name__} {obj!r}: "
+                f"pass {section}={cls.__name__}(...)"
+            )
+        built[section] = obj
     return TrainerOptions(**built)
 
 

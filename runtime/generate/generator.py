@@ -29,11 +29,11 @@ from runtime.generate.build import build_stages
 from runtime.generate.cut import StageSpan, stage_spans
 from runtime.generate.errors import GenerateOptionError
 from runtime.generate.parts import DecoderParts, decoder_parts
-from runtime.generate.pipelined import Batch, GroupResult, Step, run_rank, split_groups
+from runtime.generate.pipelined import Batch, GroupResult, GroupState, Step, run_rank, split_groups
 from runtime.generate.ranks import Layout, dist_layout, rank_spans, run_dist, run_threads
 from runtime.generate.ring import Ring
 from runtime.generate.sampling import Sampling, next_tokens, sequence_generators
-from runtime.generate.stage import Hop, StageRunner
+from runtime.generate.stage import StageRunner
 from runtime.state.materialize import InitFn
 from runtime.state.weights import LoadReport, Weights
 from runtime.transport.p2p import LocalTransport
@@ -196,33 +196,21 @@ class Generator:
         b = ids.shape[0]
         limits = _limits(max_new_tokens, b, self.device)
         positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)  # padding's positions reach no token
+        batch = Batch(ids, mask, positions, limits, tuple(eos), pad, sampling, output_logits)
         if self.transport != "sequential" or (groups or 1) > 1:
-            batch = Batch(ids, mask, positions, limits, tuple(eos), pad, sampling, output_logits)
             return self._pipelined(batch, groups)
+        # One group through this generator's own stages (their caches stay readable: cached_layers).
         generators = sequence_generators(sampling, range(b), self.device) if sampling is not None else []
         for stage in self.stages:
             stage.reset()
-        hop = Hop(ids, positions, mask)
-        unfinished = limits > 0
-        eos_ids = torch.tensor(eos, dtype=torch.long, device=self.device)
-        new: list[torch.Tensor] = []
-        logits: list[torch.Tensor] = []
-        steps = 0
-        while bool(unfinished.any()):
+        group = GroupState(batch, range(b))
+        hop = group.prefill()
+        while hop is not None:
             out = hop
             for stage in self.stages:
                 out = stage(out)
-            steps += 1
-            if output_logits:
-                logits.append(out.data)
-            chosen = torch.where(unfinished, next_tokens(out.data, sampling, generators), pad)
-            new.append(chosen)
-            unfinished &= ~torch.isin(chosen, eos_ids) & (limits > len(new))
-            mask = torch.cat([mask, mask.new_ones(b, 1)], dim=1)
-            hop = Hop(chosen[:, None], hop.position_ids[:, -1:] + 1, mask)
-        tokens = torch.stack(new, dim=1) if new else ids.new_zeros(b, 0)
-        return Generation(torch.cat([ids, tokens], dim=1), mask[:, : ids.shape[1]],
-                          _trimmed(tokens, eos, limits), steps, tuple(logits) if output_logits else None)
+            hop = group.advance(next_tokens(out.data, sampling, generators), out.data if output_logits else None, pad)
+        return _assembled(batch, {0: group.result()}, [])
 
     def _pipelined(self, batch: Batch, groups: int | None) -> Generation:
         b = batch.ids.shape[0]

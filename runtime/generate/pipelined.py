@@ -39,7 +39,7 @@ from runtime.generate.ring import Ring
 from runtime.generate.sampling import Sampling, next_tokens, sequence_generators
 from runtime.generate.stage import Hop, StageRunner
 
-__all__ = ["Batch", "Step", "GroupResult", "split_groups", "run_rank"]
+__all__ = ["Batch", "Step", "GroupResult", "GroupState", "split_groups", "run_rank"]
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ def run_rank(
     generators = {}
     if ring.last and batch.sampling is not None:
         generators = {g: sequence_generators(batch.sampling, rows, device) for g, rows in enumerate(groups)}
-    state = {g: _Group(batch, rows) for g, rows in enumerate(groups)} if ring.first else {}
+    state = {g: GroupState(batch, rows) for g, rows in enumerate(groups)} if ring.first else {}
     steps = dict.fromkeys(range(len(groups)), 0)
     round_ = deque(range(len(groups)))
     while round_:
@@ -185,7 +185,7 @@ def run_rank(
     return {g: s.result() for g, s in state.items()}
 
 
-class _Group:
+class GroupState:
     """The first rank's view of one group: its mask, positions, stops and tokens so far."""
 
     def __init__(self, batch: Batch, rows: range) -> None:
@@ -204,9 +204,13 @@ class _Group:
 
     def next_hop(self, ring: Ring, g: int, batch: Batch) -> Hop | None:
         tokens, logits = ring.recv_tokens(g, len(self.rows), batch.output_logits)
+        return self.advance(tokens, logits, batch.pad)
+
+    def advance(self, tokens: torch.Tensor, logits: torch.Tensor | None, pad: int) -> Hop | None:
+        """Take the last stage's chosen ``tokens`` (and ``logits``): the next hop, or ``None`` once all stopped."""
         if logits is not None:
             self.logits.append(logits)
-        chosen = torch.where(self.unfinished, tokens, batch.pad)
+        chosen = torch.where(self.unfinished, tokens, pad)
         self.tokens.append(chosen)
         self.unfinished &= ~torch.isin(chosen, self.eos) & (self.limits > len(self.tokens))
         if not bool(self.unfinished.any()):

@@ -13,13 +13,13 @@ from runtime.generate.cut import StageSpan, stage_spans
 from runtime.generate.errors import CutInsideBlockError, GenerateError, GenerateModelError, GenerateOptionError
 from runtime.generate.generator import Generation, Generator, left_pad
 from runtime.generate.parts import DecoderParts, decoder_parts
-from runtime.generate.pipelined import Step, split_groups
+from runtime.generate.pipelined import Step, chunk_groups, split_groups
 from runtime.generate.ranks import rank_spans
 from runtime.generate.sampling import Sampling
 from runtime.generate.stage import Hop, StageRunner
 
 __all__ = [
     "Generator", "Generation", "Sampling", "left_pad", "StageSpan", "stage_spans", "DecoderParts", "decoder_parts",
-    "Hop", "StageRunner", "Step", "split_groups", "rank_spans",
+    "Hop", "StageRunner", "Step", "split_groups", "chunk_groups", "rank_spans",
     "GenerateError", "GenerateModelError", "CutInsideBlockError", "GenerateOptionError",
 ]

@@ -29,7 +29,7 @@ from runtime.generate.build import build_stages
 from runtime.generate.cut import StageSpan, stage_spans
 from runtime.generate.errors import GenerateOptionError
 from runtime.generate.parts import DecoderParts, decoder_parts
-from runtime.generate.pipelined import Batch, GroupResult, GroupState, Step, run_rank, split_groups
+from runtime.generate.pipelined import Batch, GroupResult, GroupState, Step, chunk_groups, run_rank, split_groups
 from runtime.generate.ranks import Layout, dist_layout, rank_spans, run_dist, run_threads
 from runtime.generate.ring import Ring
 from runtime.generate.sampling import Sampling, next_tokens, sequence_generators
@@ -161,7 +161,7 @@ class Generator:
         self, prompts: Prompts, *, attention_mask: torch.Tensor | None = None,
         max_new_tokens: int | Sequence[int] = 20, eos_token_id: int | Sequence[int] | None = None,
         pad_token_id: int | None = None, sampling: Sampling | None = None, output_logits: bool = False,
-        groups: int | None = None,
+        groups: int | None = None, group_size: int | None = None,
     ) -> Generation:
         """Continue each prompt until it emits an end-of-sequence token or its ``max_new_tokens``.
 
@@ -180,6 +180,14 @@ class Generator:
             groups: how many groups of sequences are in flight at once (each with its own cache
                 on each stage); default: one per pipeline rank (``'threads'``, ``'dist'``, per
                 replica), one for ``'sequential'``. The tokens do not depend on it.
+            group_size: ``None`` (default): the batch (each replica's share) is split evenly into
+                ``groups`` groups that all start at once. An int: it is cut into groups of this
+                many sequences, ``groups`` of them in flight, and each group that ends gives its
+                place to the next (continuous batching: memory for ``groups x group_size``
+                sequences' caches, however many prompts). The tokens do not depend on it.
+
+        Within a group, a sequence that stops leaves it: no stage computes for it again, and
+        its rows leave every stage's cache.
 
         Under ``'dist'`` every rank calls this with the same arguments, and every rank returns
         the whole batch's :class:`Generation`.
@@ -197,8 +205,8 @@ class Generator:
         limits = _limits(max_new_tokens, b, self.device)
         positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)  # padding's positions reach no token
         batch = Batch(ids, mask, positions, limits, tuple(eos), pad, sampling, output_logits)
-        if self.transport != "sequential" or (groups or 1) > 1:
-            return self._pipelined(batch, groups)
+        if self.transport != "sequential" or (groups or 1) > 1 or group_size is not None:
+            return self._pipelined(batch, groups, group_size)
         # One group through this generator's own stages (their caches stay readable: cached_layers).
         generators = sequence_generators(sampling, range(b), self.device) if sampling is not None else []
         for stage in self.stages:
@@ -209,27 +217,38 @@ class Generator:
             out = hop
             for stage in self.stages:
                 out = stage(out)
+            if hop.keep is not None and generators:  # the stopped sequences' generators leave with them
+                generators = [generators[int(i)] for i in hop.keep.tolist()]
             hop = group.advance(next_tokens(out.data, sampling, generators), out.data if output_logits else None, pad)
         return _assembled(batch, {0: group.result()}, [])
 
-    def _pipelined(self, batch: Batch, groups: int | None) -> Generation:
+    def _pipelined(self, batch: Batch, groups: int | None, group_size: int | None) -> Generation:
         b = batch.ids.shape[0]
         timeline: list[Step]
+        ranks = self.layout.ranks if self.layout is not None else len(self.per_rank)
+        in_flight = groups or (1 if self.transport == "sequential" else ranks)
+        if groups is not None:
+            split_groups(1, groups)  # refuses a bad count before anything runs
+
+        def cut(rows: range) -> list[range]:  # these rows as groups, as rows of the whole batch
+            if not len(rows):
+                return []
+            parts = split_groups(len(rows), in_flight) if group_size is None else chunk_groups(len(rows), group_size)
+            return [range(rows.start + r.start, rows.start + r.stop) for r in parts]
+
+        slots = None if group_size is None else in_flight
         if self.transport == "dist":
             assert self.layout is not None
             replicas = split_groups(b, self.layout.replicas)
             rows = replicas[self.layout.replica] if self.layout.replica < len(replicas) else range(b, b)
-            parts = split_groups(len(rows), groups or self.layout.ranks) if len(rows) else []
-            mine = [range(rows.start + r.start, rows.start + r.stop) for r in parts]
-            results, timeline = run_dist(self.parts, self.per_rank[self.layout.position], self.layout, batch, mine,
-                                         self.timeout)
+            results, timeline = run_dist(self.parts, self.per_rank[self.layout.position], self.layout, batch,
+                                         cut(rows), self.timeout, slots)
         elif self.transport == "threads":
-            results, timeline = run_threads(self.parts, self.per_rank, batch,
-                                            split_groups(b, groups or len(self.per_rank)), self.timeout)
+            results, timeline = run_threads(self.parts, self.per_rank, batch, cut(range(b)), self.timeout, slots)
         else:  # every stage in this thread, the groups taking turns (the ring's one rank sends to itself)
             timeline = []
             ring = Ring(LocalTransport({0: self.device}, timeout=self.timeout), 0, 1, self.device)
-            results = run_rank(ring, self.parts, self.spans, batch, split_groups(b, groups or 1), timeline)
+            results = run_rank(ring, self.parts, self.spans, batch, cut(range(b)), timeline, in_flight=slots)
         return _assembled(batch, results, timeline)
 
     def cached_layers(self) -> list[list[int]]:

@@ -39,7 +39,7 @@ from runtime.generate.ring import Ring
 from runtime.generate.sampling import Sampling, next_tokens, sequence_generators
 from runtime.generate.stage import Hop, StageRunner
 
-__all__ = ["Batch", "Step", "GroupResult", "GroupState", "split_groups", "run_rank"]
+__all__ = ["Batch", "Step", "GroupResult", "GroupState", "split_groups", "chunk_groups", "run_rank"]
 
 log = logging.getLogger(__name__)
 
@@ -126,9 +126,24 @@ def split_groups(b: int, groups: int) -> list[range]:
     return out
 
 
+def chunk_groups(b: int, size: int) -> list[range]:
+    """``b`` sequences as contiguous groups of ``size`` (the last one smaller when ``size`` does not divide ``b``).
+
+    Raises:
+        GenerateOptionError: ``size`` below 1.
+
+    Example:
+        >>> chunk_groups(7, 3)
+        [range(0, 3), range(3, 6), range(6, 7)]
+    """
+    if not isinstance(size, int) or size < 1:
+        raise GenerateOptionError(f"group_size must be an int >= 1, got {size!r}")
+    return [range(start, min(start + size, b)) for start in range(0, b, size)]
+
+
 def run_rank(
     ring: Ring, parts: DecoderParts, spans: Sequence[StageSpan], batch: Batch, groups: Sequence[range],
-    timeline: list[Step], clock: Callable[[], float] = time.time,
+    timeline: list[Step], clock: Callable[[], float] = time.time, in_flight: int | None = None,
 ) -> dict[int, GroupResult]:
     """Run this rank's part of generating ``batch`` in ``groups``; the first rank returns every group's tokens.
 
@@ -137,9 +152,12 @@ def run_rank(
         parts: the model's parts.
         spans: this rank's stages, in order (a contiguous run of the plan's).
         batch: the prompts and options (the same on every rank).
-        groups: the groups' rows (:func:`split_groups`).
+        groups: the groups' rows (:func:`split_groups`, :func:`chunk_groups`), in the order they start.
         timeline: each step this rank runs is appended to it.
         clock: the time source of ``timeline``.
+        in_flight: how many groups run at once (default: all). A group that ends gives its place
+            in the round to the next group not started yet (continuous batching), on every rank
+            alike, so the ranks' rounds stay the same.
 
     Returns:
         On the first rank, each group's :class:`GroupResult` by group index; elsewhere ``{}``.
@@ -148,52 +166,80 @@ def run_rank(
         TransportTimeout: a message did not come within the transport's timeout (``PeerFailed``
             when another rank failed first).
     """
-    runners = {g: [StageRunner(parts, span) for span in spans] for g in range(len(groups))}
-    for stages in runners.values():
-        for stage in stages:
-            stage.reset()
+    slots = len(groups) if in_flight is None else in_flight
+    if not isinstance(slots, int) or slots < 1:
+        raise GenerateOptionError(f"in_flight must be an int >= 1, got {in_flight!r}")
     device = batch.ids.device
-    generators = {}
-    if ring.last and batch.sampling is not None:
-        generators = {g: sequence_generators(batch.sampling, rows, device) for g, rows in enumerate(groups)}
-    state = {g: GroupState(batch, rows) for g, rows in enumerate(groups)} if ring.first else {}
-    steps = dict.fromkeys(range(len(groups)), 0)
-    round_ = deque(range(len(groups)))
+    runners: dict[int, list[StageRunner]] = {}
+    generators: dict[int, list[torch.Generator]] = {}
+    state: dict[int, GroupState] = {}
+    results: dict[int, GroupResult] = {}
+    steps: dict[int, int] = {}
+    waiting = deque(range(len(groups)))
+    round_: deque[int] = deque()
+
+    def start(g: int) -> None:  # a group joins the round, with a fresh cache on each of this rank's stages
+        runners[g] = [StageRunner(parts, span) for span in spans]
+        for stage in runners[g]:
+            stage.reset()
+        if ring.last and batch.sampling is not None:
+            generators[g] = sequence_generators(batch.sampling, groups[g], device)
+        if ring.first:
+            state[g] = GroupState(batch, groups[g])
+        steps[g] = 0
+        round_.append(g)
+
+    while waiting and len(round_) < slots:
+        start(waiting.popleft())
     while round_:
         g = round_.popleft()
-        rows = len(groups[g])
         if ring.first:
             hop = state[g].next_hop(ring, g, batch) if steps[g] else state[g].prefill()
         else:
-            hop = ring.recv_hop(g, rows)
-        if hop is None:  # the group has ended: tell the next rank, and leave it out of the round
+            hop = ring.recv_hop(g)
+        if hop is None:  # the group has ended: tell the next rank, free its caches, let the next group in
             if not ring.last:
                 ring.send_hop(g, None)
+            del runners[g]
+            generators.pop(g, None)
+            if g in state:
+                results[g] = state.pop(g).result()
+            if waiting:
+                start(waiting.popleft())
             continue
-        start = clock()
+        begin = clock()
         out = hop
         for stage in runners[g]:
             out = stage(out)
-        timeline.append(Step(ring.position, g, steps[g], start, clock()))
+        timeline.append(Step(ring.position, g, steps[g], begin, clock()))
         steps[g] += 1
         if ring.last:
+            if hop.keep is not None and g in generators:  # the stopped sequences' generators leave with them
+                generators[g] = [generators[g][int(i)] for i in hop.keep.tolist()]
             ring.send_tokens(g, next_tokens(out.data, batch.sampling, generators.get(g, ())),
                              out.data if batch.output_logits else None)
         else:
             ring.send_hop(g, out)
         round_.append(g)
-    return {g: s.result() for g, s in state.items()}
+    return results
 
 
 class GroupState:
-    """The first rank's view of one group: its mask, positions, stops and tokens so far."""
+    """The first rank's view of one group: its mask, positions, stops and tokens so far.
+
+    Only the sequences still running travel: once a sequence stops, the next hop leaves it out
+    (with ``Hop.keep`` saying which stay), so no stage computes for it again; its later tokens are
+    ``pad`` and its later logits NaN.
+    """
 
     def __init__(self, batch: Batch, rows: range) -> None:
         self.rows = rows
         sl = slice(rows.start, rows.stop)
-        self.ids, self.mask, self.positions = batch.ids[sl], batch.mask[sl], batch.positions[sl]
+        self.ids, self.positions = batch.ids[sl], batch.positions[sl]
+        self.mask = batch.mask[sl]  # the running sequences' mask so far
         self.limits = batch.limits[sl]
         self.unfinished = self.limits > 0
+        self.running = torch.arange(len(rows), device=batch.ids.device)  # the rows the last hop carried
         self.eos = torch.tensor(batch.eos, dtype=torch.long, device=batch.ids.device)
         self.tokens: list[torch.Tensor] = []
         self.logits: list[torch.Tensor] = []
@@ -203,21 +249,34 @@ class GroupState:
         return Hop(self.ids, self.positions, self.mask) if bool(self.unfinished.any()) else None
 
     def next_hop(self, ring: Ring, g: int, batch: Batch) -> Hop | None:
-        tokens, logits = ring.recv_tokens(g, len(self.rows), batch.output_logits)
+        tokens, logits = ring.recv_tokens(g, len(self.running), batch.output_logits)
         return self.advance(tokens, logits, batch.pad)
 
     def advance(self, tokens: torch.Tensor, logits: torch.Tensor | None, pad: int) -> Hop | None:
-        """Take the last stage's chosen ``tokens`` (and ``logits``): the next hop, or ``None`` once all stopped."""
+        """Take the last stage's chosen ``tokens`` (and ``logits``) for the running rows: the next hop, or
+        ``None`` once all stopped."""
+        b = len(self.rows)
         if logits is not None:
-            self.logits.append(logits)
-        chosen = torch.where(self.unfinished, tokens, pad)
+            full = logits.new_full((b, logits.shape[1]), float("nan"))
+            full[self.running] = logits
+            self.logits.append(full)
+        chosen = tokens.new_full((b,), pad)
+        chosen[self.running] = tokens
+        chosen = torch.where(self.unfinished, chosen, pad)
         self.tokens.append(chosen)
         self.unfinished &= ~torch.isin(chosen, self.eos) & (self.limits > len(self.tokens))
         if not bool(self.unfinished.any()):
             return None
-        self.mask = torch.cat([self.mask, self.mask.new_ones(len(self.rows), 1)], dim=1)
+        stay = self.unfinished[self.running]  # of the rows the last hop carried, those still running
+        keep = None
+        if not bool(stay.all()):
+            keep = stay.nonzero().flatten()
+            self.running = self.running[keep]
+            self.mask = self.mask[keep]
+        self.mask = torch.cat([self.mask, self.mask.new_ones(len(self.running), 1)], dim=1)
         self.last_positions = self.last_positions + 1
-        return Hop(chosen[:, None], self.last_positions, self.mask)
+        new = chosen[self.running][:, None]
+        return Hop(new, self.last_positions[self.running], self.mask, keep)
 
     def result(self) -> GroupResult:
         tokens = torch.stack(self.tokens, 1) if self.tokens else self.ids.new_zeros(len(self.rows), 0)

@@ -94,9 +94,11 @@ def dist_layout(replicas: int) -> Layout:
 
 def run_threads(
     parts: DecoderParts, per_rank: Sequence[tuple[StageSpan, ...]], batch: Batch, groups: Sequence[range],
-    timeout: float,
+    timeout: float, in_flight: int | None = None,
 ) -> tuple[dict[int, GroupResult], list[Step]]:
     """Run each pipeline rank on a thread of its own in this process; return the groups' results and what ran.
+
+    ``in_flight``: how many of the ``groups`` run at once (default all; :func:`~runtime.generate.pipelined.run_rank`).
 
     A rank that fails closes the transport, so the others stop waiting at once; the first error is raised.
 
@@ -116,7 +118,8 @@ def run_threads(
         # OpenMP's thread count is per thread: a new thread would start at the core count.
         torch.set_num_threads(intra)
         try:
-            got = run_rank(Ring(transport, r, p, batch.ids.device), parts, per_rank[r], batch, groups, timelines[r])
+            got = run_rank(Ring(transport, r, p, batch.ids.device), parts, per_rank[r], batch, groups, timelines[r],
+                           in_flight=in_flight)
             with lock:
                 results.update(got)
         except BaseException as e:  # every failure reaches the caller, which raises the first
@@ -142,7 +145,7 @@ def run_threads(
 
 def run_dist(
     parts: DecoderParts, spans: Sequence[StageSpan], layout: Layout, batch: Batch, groups: Sequence[range],
-    timeout: float,
+    timeout: float, in_flight: int | None = None,
 ) -> tuple[dict[int, GroupResult], list[Step]]:
     """Run this process's pipeline rank of its replica; return every replica's groups' results.
 
@@ -152,6 +155,7 @@ def run_dist(
         batch: the whole batch (the same on every rank).
         groups: this replica's groups, as rows of the whole batch.
         timeout: seconds any one message may take.
+        in_flight: how many of the ``groups`` run at once (default all).
 
     Returns:
         Every group of every replica (numbered replica by replica), and this rank's steps.
@@ -163,7 +167,7 @@ def run_dist(
     ring = Ring(transport, layout.position, layout.ranks, batch.ids.device)
     timeline: list[Step] = []
     try:
-        mine = run_rank(ring, parts, spans, batch, groups, timeline)
+        mine = run_rank(ring, parts, spans, batch, groups, timeline, in_flight=in_flight)
         transport.wait_sends()
     except BaseException as e:
         transport.announce(e)

@@ -8,10 +8,12 @@ The messages ride on the trainer's transports (``runtime.transport.p2p``): ``Loc
 between threads, ``DistTransport`` between processes (gloo, NCCL). Those need every receive's
 shapes ahead of time, and here a step's shapes are known to both ends except two things: whether
 the group still runs (its sequences' stops are only known to the first rank, which reads the
-tokens) and the positions sent (the padded prompt at prefill, one at each later step). So each
-hop is a small header, ``[T, K, dtype, H]`` (``T = 0``: the group has ended, nothing follows),
-then the hidden states (B, T, H), the position ids (B, T) and the attention mask (B, K). The last
-rank sends the first the group's chosen tokens (B,), and only with ``output_logits`` a header
+tokens), the positions sent (the padded prompt at prefill, one at each later step) and which
+sequences still run (stopped ones leave the group). So each hop is a small header,
+``[T, K, dtype, H, B, kept]`` (``T = 0``: the group has ended, nothing follows), then the hidden
+states (B, T, H), the position ids (B, T), the attention mask (B, K) and, when ``kept`` is 1 (some
+sequences left at this step), the indices (B,) of the ones that stay among the step before's. The
+last rank sends the first the group's chosen tokens (B,), and only with ``output_logits`` a header
 ``[V, dtype]`` and the logits (B, V) too.
 
 Each message has its own key: ``mb`` is ``2 g`` for a header and ``2 g + 1`` for what follows,
@@ -36,7 +38,7 @@ log = logging.getLogger(__name__)
 
 # The dtypes a hop or the logits may have on the wire, by their index in the header.
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-_HEADER = TensorMeta((4,), torch.long)
+_HEADER = TensorMeta((6,), torch.long)
 _LOGITS_HEADER = TensorMeta((2,), torch.long)
 
 
@@ -68,7 +70,7 @@ class Ring:
         """Send the next rank group ``g``'s step (``None``: the group has ended)."""
         key = Key(self.position, self.position + 1, "act", 2 * group)
         if hop is None:
-            self.transport.send(key, [torch.zeros(4, dtype=torch.long, device=self.device)])
+            self.transport.send(key, [torch.zeros(_HEADER.shape, dtype=torch.long, device=self.device)])
             return
         data = hop.data
         if data.ndim != 3 or data.dtype not in DTYPES:
@@ -77,24 +79,28 @@ class Ring:
                 f"dtype {data.dtype} for group {group}; between ranks only hidden states (B, T, H) of "
                 f"{[str(d) for d in DTYPES]} travel: cut the plan so that one rank runs the head"
             )
-        header = torch.tensor([data.shape[1], hop.attention_mask.shape[1], DTYPES.index(data.dtype), data.shape[2]],
-                              dtype=torch.long, device=self.device)
+        kept = hop.keep is not None
+        header = torch.tensor([data.shape[1], hop.attention_mask.shape[1], DTYPES.index(data.dtype), data.shape[2],
+                               data.shape[0], int(kept)], dtype=torch.long, device=self.device)
         self.transport.send(key, [header])
-        self.transport.send(Key(self.position, self.position + 1, "act", 2 * group + 1),
-                            [data.contiguous(), hop.position_ids.contiguous(), hop.attention_mask.contiguous()])
+        payload = [data.contiguous(), hop.position_ids.contiguous(), hop.attention_mask.contiguous()]
+        if hop.keep is not None:
+            payload.append(hop.keep.to(torch.long).contiguous())
+        self.transport.send(Key(self.position, self.position + 1, "act", 2 * group + 1), payload)
 
-    def recv_hop(self, group: int, rows: int) -> Hop | None:
-        """Receive from the previous rank group ``g``'s step for its ``rows`` sequences (``None``: it has ended)."""
+    def recv_hop(self, group: int) -> Hop | None:
+        """Receive from the previous rank group ``g``'s step (``None``: the group has ended)."""
         src = self.position - 1
         (header,) = self.transport.recv(Key(src, self.position, "act", 2 * group), [_HEADER], self.device)
-        t, k, dtype, h = (int(v) for v in header.tolist())
+        t, k, dtype, h, rows, kept = (int(v) for v in header.tolist())
         if t == 0:
             return None
         metas = [TensorMeta((rows, t, h), DTYPES[dtype]), TensorMeta((rows, t), torch.long),
                  TensorMeta((rows, k), torch.long)]
-        data, positions, mask = self.transport.recv(Key(src, self.position, "act", 2 * group + 1), metas,
-                                                    self.device)
-        return Hop(data, positions, mask)
+        if kept:
+            metas.append(TensorMeta((rows,), torch.long))
+        got = self.transport.recv(Key(src, self.position, "act", 2 * group + 1), metas, self.device)
+        return Hop(got[0], got[1], got[2], got[3] if kept else None)
 
     def send_tokens(self, group: int, tokens: torch.Tensor, logits: torch.Tensor | None) -> None:
         """From the last rank, send the first group ``g``'s chosen tokens (B,), and its logits (B, V) if asked."""

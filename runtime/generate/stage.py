@@ -36,11 +36,15 @@ class Hop:
         position_ids: the new positions' ids (B, T), per sequence (left padding shifts them).
         attention_mask: which of the K positions seen so far are real tokens (B, K), new ones
             included; 0 marks left padding.
+        keep: ``None`` when the hop's sequences are those of the step before; else which of the
+            step before's sequences still run (their indices among them, ascending): the others
+            have stopped and left, and each stage drops their rows from its cache first.
     """
 
     data: torch.Tensor
     position_ids: torch.Tensor
     attention_mask: torch.Tensor
+    keep: torch.Tensor | None = None
 
 
 class StageRunner:
@@ -74,6 +78,8 @@ class StageRunner:
             RuntimeError: from the model's modules (e.g. a device mismatch).
         """
         self.calls.append(tuple(hop.data.shape))
+        if hop.keep is not None and self.cache is not None:
+            self.cache.batch_select_indices(hop.keep)  # stopped sequences leave: their keys and values go
         x = hop.data
         if self.span.embed:
             x = embed(self.parts, x, hop.position_ids)
@@ -92,7 +98,7 @@ class StageRunner:
             x = self.parts.module(self.parts.norm)(x)[:, -1:, :]
         if self.span.head:
             x = final_logits(self.parts, x)
-        return replace(hop, data=x)
+        return replace(hop, data=x)  # the next stage drops the same rows (keep travels on)
 
     def cached_layers(self) -> list[int]:
         """The layers whose keys and values this stage's cache holds (empty before the first call)."""

@@ -8,9 +8,10 @@ from typing import Any
 import pytest
 import torch
 from gen_cases import PROMPTS, build
-from gen_workers import EXAMPLE, NEW, generate_over_gloo
+from gen_workers import EXAMPLE, NEW, SAMPLING, families_over_gloo, generate_over_gloo
 
 from partitioner import partition
+from profiles import in_profile
 from runtime.generate import GenerateOptionError, Generator, Sampling, left_pad, rank_spans, split_groups
 from runtime.transport.launch import spawn
 
@@ -66,14 +67,14 @@ def test_stops_and_logits_per_group_are_the_sequential_ones() -> None:
                            groups=3)
     assert got.tokens == want.tokens and torch.equal(got.sequences, want.sequences)
     assert got.steps == want.steps and got.logits is not None and want.logits is not None
-    # A group's logits are the sequential run's while it runs; rows of a group that has ended are NaN.
+    # A sequence's logits are the sequential run's until its stop; after it (it has left its group, or its
+    # group has ended) its rows are NaN, in both runs.
     for step, (a, b) in enumerate(zip(got.logits, want.logits)):
-        for rows in split_groups(len(MANY), 3):
-            ran = [s for s in got.timeline if s.rank == 1 and s.group == split_groups(len(MANY), 3).index(rows)]
-            if step < len(ran):
-                torch.testing.assert_close(a[rows.start:rows.stop], b[rows.start:rows.stop], rtol=1e-5, atol=1e-5)
+        for row, tokens in enumerate(want.tokens):
+            if step < max(len(tokens), 1):
+                torch.testing.assert_close(a[row], b[row], rtol=1e-5, atol=1e-5)
             else:
-                assert bool(a[rows.start:rows.stop].isnan().all())
+                assert bool(a[row].isnan().all()) and bool(b[row].isnan().all()), (step, row)
 
 
 def test_sampled_tokens_are_the_same_across_transports_groups_and_stage_counts() -> None:
@@ -127,9 +128,8 @@ def test_two_gloo_processes_give_generates_tokens_with_groups_in_flight() -> Non
         timeline = results[0][name][1] + results[1][name][1]
         assert {s[0] for s in results[1][name][1]} == {1}
         assert _overlaps(timeline) > 0, timeline
-    sampling = Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=3)
     one = Generator(partition(build("llama"), EXAMPLE, 2)).generate(MANY, max_new_tokens=NEW, eos_token_id=[],
-                                                                    sampling=sampling)
+                                                                    sampling=SAMPLING)
     assert results[0]["sampled"] == results[1]["sampled"] == one.tokens
 
 
@@ -144,3 +144,70 @@ def test_data_parallel_replicas_split_the_prompts() -> None:
     assert {s[0] for s in results[3]["llama"][1]} == {1}
     steps0 = results[0]["llama"][1]
     assert {s[1] for s in steps0} == {0, 1, 2}
+
+
+def test_groups_that_end_give_their_place_to_the_next_continuous_batching() -> None:
+    want = _reference("llama")
+    model = build("llama")
+    gen = Generator(partition(model, EXAMPLE, 2), transport="threads")
+    got = gen.generate(MANY, max_new_tokens=NEW, eos_token_id=2, pad_token_id=0, groups=2, group_size=2)
+    assert torch.equal(got.sequences, want)
+    # Three groups of two, two in flight: the third starts only once one of the first two has ended everywhere.
+    assert {s.group for s in got.timeline} == {0, 1, 2}
+    last = {g: max(s.end for s in got.timeline if s.group == g) for g in (0, 1)}
+    first_of_third = min(s.start for s in got.timeline if s.group == 2)
+    assert first_of_third >= min(last.values()), (first_of_third, last)
+    # One group at a time in one thread, and seeded samples, give the same tokens too.
+    one = Generator(partition(model, EXAMPLE, 2), transport="sequential")
+    assert torch.equal(one.generate(MANY, max_new_tokens=NEW, eos_token_id=2, pad_token_id=0, group_size=4).sequences,
+                       want)
+    sampling = Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=3)
+    plain = one.generate(MANY, max_new_tokens=NEW, eos_token_id=[], sampling=sampling)
+    rolled = gen.generate(MANY, max_new_tokens=NEW, eos_token_id=[], sampling=sampling, groups=2, group_size=2)
+    assert rolled.tokens == plain.tokens
+    with pytest.raises(GenerateOptionError, match="group_size must be an int >= 1, got 0"):
+        gen.generate(MANY, max_new_tokens=NEW, group_size=0)
+
+
+def test_a_sequence_that_stops_leaves_its_group_and_every_stages_cache() -> None:
+    model = build("qwen2")
+    gen = Generator(partition(model, EXAMPLE, 2))
+    limits = [1, 4, 0, 6, 2, 3]
+    out = gen.generate(MANY, max_new_tokens=limits, eos_token_id=[], pad_token_id=0)
+    assert [len(t) for t in out.tokens] == limits
+    # Each decode step carries only the sequences still running: those whose limit is beyond the tokens so far.
+    running = [sum(1 for n in limits if n > step) for step in range(1, max(limits))]
+    for stage in gen.stages:
+        assert [shape[0] for shape in stage.calls] == [len(MANY), *running], stage.calls
+    # The caches hold the last step's sequences only, and the tokens are those of a run without leaving.
+    assert {layer.keys.shape[0] for stage in gen.stages for layer in stage.cache.layers if layer.keys is not None
+            and layer.keys.numel()} == {running[-1]}
+    full = gen.generate(MANY, max_new_tokens=max(limits), eos_token_id=[], pad_token_id=0)  # nobody leaves early
+    assert all(len(shape) and shape[0] == len(MANY) for shape in gen.stages[0].calls)
+    assert list(out.tokens) == [t[:n] for t, n in zip(full.tokens, limits)]
+
+
+# Every family over gloo, on 2 and on 4 processes (a stage each): greedy as generate, groups in flight and rolling
+# groups (continuous batching); seeded samples as one process. The long profile runs the rest of each matrix.
+FAMILIES = ("llama", "qwen2", "mistral", "gemma2", "gpt2", "phi3", "mixtral", "qwen2_moe")
+_GLOO_CASES = {
+    2: in_profile(dict.fromkeys(FAMILIES), {"llama", "qwen2", "gemma2", "gpt2", "mixtral"}),
+    4: in_profile(dict.fromkeys(FAMILIES), {"llama", "mistral", "gemma2", "phi3", "qwen2_moe"}),
+}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_family_over_gloo_gives_generates_tokens(world: int) -> None:
+    names = list(_GLOO_CASES[world])
+    results = spawn(families_over_gloo, world, MANY, names, timeout=600)
+    for name in names:
+        want = _reference(name).tolist()
+        one = Generator(partition(build(name), EXAMPLE, 2)).generate(MANY, max_new_tokens=NEW, eos_token_id=[],
+                                                                     sampling=SAMPLING)
+        for r in range(world):
+            flight, rolling, sampled, groups = results[r][name]
+            assert flight == want and rolling == want, (name, world, r)
+            assert sampled == one.tokens, (name, world, r)
+            assert groups == [0, 1, 2], (name, r)  # the six prompts as three groups of two, two in flight

@@ -45,10 +45,15 @@ def test_greedy_tokens_are_generates_on_2_and_4_stages(name: str) -> None:
     model = build(name)
     want = _reference(model)
     for p in (2, 4):
-        gen = Generator(partition(model, EXAMPLE, p))
+        plan = partition(model, EXAMPLE, p)
+        gen = Generator(plan)
         assert [len(s.layers) for s in gen.spans] == [4 // p] * p
         got = gen.generate(PROMPTS, max_new_tokens=NEW, eos_token_id=2, pad_token_id=0, output_logits=True)
         assert torch.equal(got.sequences, want.sequences), (p, got.sequences.tolist(), want.sequences.tolist())
+        # A thread per stage, two groups in flight: the same tokens.
+        threads = Generator(plan, transport="threads").generate(PROMPTS, max_new_tokens=NEW, eos_token_id=2,
+                                                                pad_token_id=0, groups=2)
+        assert torch.equal(threads.sequences, want.sequences), (p, threads.sequences.tolist())
         # The logits too: tiny random models attend almost uniformly, so a wrong mask (padding or
         # window) can leave the greedy tokens alone while it changes the logits.
         assert got.logits is not None

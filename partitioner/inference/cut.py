@@ -222,8 +222,9 @@ def _refused(
         hint = ("not even one sequence fits beside the weights: use more stages, devices with more memory, or "
                 "bf16 weights and cache (Inference(dtype='bf16'), --precision bf16)")
     else:
-        hint = (f"at most {lo} sequences of {inference.max_len} positions fit {p} stages: ask for {lo} (--batch {lo}), "
-                "a shorter maximum length, more stages or devices with more memory")
+        hint = (f"at most {lo} sequences of {inference.max_len} positions fit {p} stages: ask for {lo} or fewer "
+                f"(Inference(batch={lo}); pipecut plan --batch {lo}, pipecut generate --batch-size {lo}), a shorter "
+                "maximum length, more stages or devices with more memory")
     return InfeasibleMemoryError(
         error.needed, error.available,
         message=f"no cut into {p} stages holds the weights, key/value cache and working memory of {what} "

@@ -91,3 +91,17 @@ def test_missing_or_misplaced_sizes_are_refused(llama_folder: Path, capsys: pyte
     code, _, err = _run(capsys, str(llama_folder), "--inference", "--batch", "2", "--max-len", "16", "--seq-len", "20",
                         "--stages", "2")
     assert code == EXIT_ERROR and "--seq-len 20 (the prompt) is longer than --max-len 16" in err
+
+
+def test_pipecut_generate_plans_its_batch_and_length_for_generation(llama_folder: Path) -> None:
+    from pipecut.cli_generate import _generator, _Options
+    from pipecut.folder import HFFolder
+
+    folder = HFFolder(str(llama_folder))
+    assert folder.weights is not None
+    opts = _Options(max_new_tokens=4, pp=2, batch_size=3, sampling=None, autocast=None)
+    gen = _generator(folder, folder.config, folder.weights, opts, 12)  # the longest prompt: 8 tokens
+    inf = gen.plan.inference
+    assert inf is not None and (inf.batch, inf.max_len, inf.prompt_len, inf.dtype) == (3, 12, 8, "fp32")
+    assert gen.plan.schedule == "forward" and all(st.kv_bytes > 0 for st in gen.plan.stages)
+    assert len(gen.generate([[5, 6, 7]], max_new_tokens=2, eos_token_id=[]).tokens[0]) == 2

@@ -160,7 +160,7 @@ def _memory_rows(cfg: dict[str, Any], ranks: list[dict[str, Any]]) -> list[dict[
     per_run = {name: (_estimated_stages(cfg, p, b, prompt, length), (b, prompt, length))
                for name, b, prompt, length in _runs(cfg)}
     weights = sum(st.state_bytes for st in next(iter(per_run.values()))[0])  # the whole model's
-    name, b, prompt, length = _runs(cfg)[0]
+    _, b, prompt, length = _runs(cfg)[0]
     (whole,) = _estimated_stages(cfg, 1, b, prompt, length)  # rank 0's one-process generator, its largest batch
     rows = []
     for r, rank in enumerate(ranks):

@@ -218,6 +218,7 @@ def _inference_costing(args: argparse.Namespace) -> Costing:
 
 def _plan(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
+    inference: Costing | None = None
     if args.inference:
         inference = _inference_costing(args)
         args.seq_len = args.seq_len or args.max_len  # one prompt of the prefill's positions
@@ -258,7 +259,7 @@ def _plan(args: argparse.Namespace) -> int:
         cluster = Cluster.uniform(count, device, link_bandwidth=args.link_bandwidth,
                                   memory_reserve=args.memory_reserve)
     capture = Capture(granularity=args.granularity)
-    costing = inference if args.inference else Costing(
+    costing = inference if inference is not None else Costing(
         precision=args.precision, recompute=RECOMPUTE_FLAGS[args.recompute or "auto"],
         state_bytes_per_param=16.0 if args.state_bytes is None else args.state_bytes,
     )

@@ -121,7 +121,7 @@ def _priced(
             f"Costing(inference=...) prices a Hugging Face decoder-only causal LM (it reads the key/value cache's "
             f"shape from the model's config); {name} is not one: plan it for training, or build it with transformers"
         )
-    layers = kv_layers(getattr(model, "config"))
+    layers = kv_layers(model.config)
     names = blocks(model)
     if len(names) != len(layers):
         raise PartitionOptionError(

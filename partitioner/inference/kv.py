@@ -77,8 +77,8 @@ def kv_cache_bytes(layers: Sequence[KVLayer], *, batch: int, length: int, dtype_
     """Bytes of the caches of ``layers`` holding ``batch`` sequences of ``length`` positions.
 
     Example:
-        >>> layers = [KVLayer(SLIDING, 4, 2, 16, window=3), KVLayer(FULL, 4, 2, 16)]   # Gemma 2's alternation
-        >>> kv_cache_bytes(layers, batch=2, length=8, dtype_bytes=4)   # 2 rows x (keys, values) x 2 heads x 16 x 4 B x (2 + 8)
+        >>> layers = [KVLayer(SLIDING, 4, 2, 16, window=3), KVLayer(FULL, 4, 2, 16)]  # as Gemma 2
+        >>> kv_cache_bytes(layers, batch=2, length=8, dtype_bytes=4)  # 2 x (k, v) x 2 x 16 x 4 B x (2 + 8)
         5120.0
     """
     return float(sum(batch * layer.positions(length) * layer.bytes_per_position(dtype_bytes) for layer in layers))

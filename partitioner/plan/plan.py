@@ -18,8 +18,7 @@ from partitioner.cost.precision import check_precision
 from partitioner.errors import MissingArgumentError, PlanFormatError, PlanMismatchError
 from partitioner.plan.layout import Layout
 from partitioner.plan.records import Candidate as Candidate
-from partitioner.plan.records import InferenceSummary
-from partitioner.plan.records import PlanRecord, binding, structure_leaves, structure_text
+from partitioner.plan.records import InferenceSummary, PlanRecord, binding, structure_leaves, structure_text
 from partitioner.plan.records import Prediction as Prediction
 from partitioner.plan.records import StagePlan as StagePlan
 from partitioner.plan.schema import PLAN_SCHEMA, check

@@ -27,8 +27,8 @@ if TYPE_CHECKING:
     from partitioner.tracing.trace import TracedModel
 
 __all__ = [
-    "StagePlan", "Prediction", "Candidate", "InferenceSummary", "PlanRecord", "binding", "structure_text", "structure_spec",
-    "structure_leaves",
+    "StagePlan", "Prediction", "Candidate", "InferenceSummary", "PlanRecord", "binding", "structure_text",
+    "structure_spec", "structure_leaves",
 ]
 
 log = logging.getLogger(__name__)

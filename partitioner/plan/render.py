@@ -124,7 +124,7 @@ def _stage_row(plan: PlanRecord, st: StagePlan, *, worst: int, recompute_column:
 # schedule, micro-batches and whether it fits stay.
 _STAGE_DROP_ORDER = ("fwd FLOPs", "bwd FLOPs", "nodes", "F", "B", "comm", "sends", "params", "recompute", "device")
 _CANDIDATE_DROP_ORDER = ("stages", "bubble", "step", "peak memory", "per micro-batch")
-_INFERENCE_DROP_ORDER = ("comm", "sends", "params", "device", "time", "working")
+_INFERENCE_DROP_ORDER = ("comm", "sends", "params", "time", "device")
 _LAYOUT_DROP_ORDER = ("recompute", "exchanged", "bubble", "exchange", "#", "memory / device")
 _FOLD_MIN = 20  # the narrowest a folding column (modules, fits) gets before a column is left out
 
@@ -178,8 +178,8 @@ def _inference_lines(plan: PlanRecord) -> list[str]:
         f"stage ({worst}, marked *), {inf.groups} group{'s' if inf.groups > 1 else ''} in flight: about "
         f"{fmt_count(inf.tokens_per_s)} tokens/s"
         + (f"   lower bound: {fmt_time(plan.lower_bound)}" if plan.lower_bound > 0 else ""),
-        f"times {plan.cluster.estimate_basis}; memory: weights + KV cache + working (docs/generate.md, "
-        "\"What the planner counts\")",
+        (f"times {plan.cluster.estimate_basis}; memory: weights + KV cache + working (docs/generate.md, "
+         "\"What the planner counts\")"),
         memory_words(plan.cluster),
     ]
     if plan.shared_params:

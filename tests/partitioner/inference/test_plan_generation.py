@@ -34,7 +34,7 @@ def _plan(model: torch.nn.Module, p: int, inference: Inference, cluster: Cluster
 
 
 def _layers_of(plan: Plan) -> list[int]:
-    return [sum(".layers." in m or m.startswith("model.layers.") for m in _modules(st.nodes, plan)) for st in plan.stages]
+    return [len(_modules(st.nodes, plan)) for st in plan.stages]
 
 
 def _modules(nodes: tuple[str, ...], plan: Plan) -> set[str]:
@@ -137,3 +137,11 @@ def test_refusals_name_what_to_change() -> None:
         Inference(batch=1, max_len=16, dtype="int8")
     with pytest.raises(PartitionOptionError, match="Inference"):
         Costing(inference=(2, 16))  # type: ignore[arg-type]
+
+
+def test_the_layout_search_refuses_inference_costing() -> None:
+    from partitioner import plan_layout
+
+    with pytest.raises(PartitionOptionError, match="layout search prices training"):
+        plan_layout(_llama(), (torch.zeros(1, PROMPT, dtype=torch.long),), cluster=Cluster.uniform(2, "cpu"),
+                    global_batch=4, costing=Costing(inference=Inference(batch=2, max_len=16)))

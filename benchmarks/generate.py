@@ -26,8 +26,14 @@ tokens; their difference over ``k`` leaves the prefill out). With a key/value ca
 costs about the same whatever the prefix (attention over K positions is a small part of a
 step at these sizes); without one it would grow with the prefix.
 
-Each rank's peak resident memory (VmHWM) is reported too. The planner does not price inference
-yet (issue 34), so there is no estimate to set it against.
+Each rank's peak resident memory (VmHWM) is set against the planner's estimate (``_memory_rows``):
+the resident size before the model is built (interpreter, torch and transformers imported) is the
+baseline, and the difference is what the run added. The estimate is the rank's stage in a plan for
+generation (``Costing(inference=...)``: weights, KV cache and working memory, for the benchmark's
+largest run: the most sequences at prompt + new tokens, or the cache check's long prefix) plus
+what this benchmark keeps beside it, priced from the same plans: every rank builds the whole
+model's weights (the Generator makes its own stage's modules real, the rest stays resident), and
+rank 0 also holds the whole model in one process for the comparison, with its cache.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from _common import int_list, load_before, proc_status, run_env, write_result
-from partitioner import partition
+from partitioner import Costing, Inference, partition
 from runtime.generate import Generator
 from runtime.transport.launch import spawn
 
@@ -76,6 +82,7 @@ def _timed(fn: Any, repeat: int) -> tuple[float, Any]:
 
 
 def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    before = _resident_before_model()
     example = (torch.zeros(1, 8, dtype=torch.long),)
     gen = Generator(partition(_model(cfg), example, world), transport="dist", timeout=cfg["timeout"])
     whole = Generator(partition(_model(cfg), example, 1), transport="sequential") if rank == 0 else None
@@ -118,7 +125,74 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         t_k, _ = _timed(lambda: steps(k), cfg["repeat"])
         t_2k, _ = _timed(lambda: steps(2 * k), cfg["repeat"])
         cache[length] = max(t_2k - t_k, 0.0) / k
-    return {"rows": rows, "cache_s_per_token": cache, "peak_rss_bytes": proc_status().get("VmHWM", 0)}
+    return {"rows": rows, "cache_s_per_token": cache, "peak_rss_bytes": proc_status().get("VmHWM", 0),
+            "rss_before_model_bytes": before}
+
+
+def _resident_before_model() -> int:
+    """This process's resident bytes before the model is built: the baseline (transformers imported first,
+    so its libraries count in the baseline, not in what the run added)."""
+    import transformers  # noqa: F401
+
+    return proc_status().get("VmRSS", 0)
+
+
+def _runs(cfg: dict[str, Any]) -> list[tuple[str, int, int, int]]:
+    """The benchmark's runs that decide each rank's peak: (name, sequences, prompt tokens, positions reached)."""
+    return [("largest batch", max(cfg["batches"]), cfg["prompt"], cfg["prompt"] + cfg["new"]),
+            ("cache check", cfg["cache_batch"], cfg["long"], cfg["long"] + 2 * cfg["new"])]
+
+
+def _estimated_stages(cfg: dict[str, Any], stages: int, batch: int, prompt: int, length: int) -> list[Any]:
+    """The planner's stages for generation of ``batch`` sequences of ``length`` positions (prompt ``prompt``)."""
+    from runtime import empty_weights
+
+    with empty_weights():
+        model = _model(cfg)
+    plan = partition(model, (torch.zeros(1, prompt, dtype=torch.long),), stages,
+                     costing=Costing(inference=Inference(batch=batch, max_len=length, dtype="fp32")))
+    return list(plan.stages)
+
+
+def _memory_rows(cfg: dict[str, Any], ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per rank: VmHWM, the baseline and their difference against the planner's estimate, and their ratio."""
+    p = len(ranks)
+    per_run = {name: (_estimated_stages(cfg, p, b, prompt, length), (b, prompt, length))
+               for name, b, prompt, length in _runs(cfg)}
+    weights = sum(st.state_bytes for st in next(iter(per_run.values()))[0])  # the whole model's
+    _, b, prompt, length = _runs(cfg)[0]
+    (whole,) = _estimated_stages(cfg, 1, b, prompt, length)  # rank 0's one-process generator, its largest batch
+    rows = []
+    for r, rank in enumerate(ranks):
+        run = max(per_run, key=lambda k: per_run[k][0][r].memory)
+        st, (b, prompt, length) = per_run[run][0][r], per_run[run][1]
+        beside = weights - st.state_bytes + (whole.memory if r == 0 else 0.0)
+        estimate = st.memory + beside
+        added = rank["peak_rss_bytes"] - rank["rss_before_model_bytes"]
+        rows.append({
+            "rank": r, "vmhwm_bytes": rank["peak_rss_bytes"], "baseline_bytes": rank["rss_before_model_bytes"],
+            "added_bytes": added, "planned_for": {"run": run, "sequences": b, "prompt": prompt, "max_len": length},
+            "stage": {"weights": st.state_bytes, "kv_cache": st.kv_bytes, "working": st.work_bytes,
+                      "total": st.memory},
+            "beside_stage_bytes": beside, "estimate_bytes": estimate,
+            "added_over_estimate": added / estimate if estimate > 0 else float("inf"),
+        })
+    return rows
+
+
+def _print_memory(rows: list[dict[str, Any]]) -> None:
+    mib = 2**20
+    print("peak memory per rank against the planner's estimate (MiB; estimate = stage + what the benchmark keeps "
+          "beside it: the rest of the model's weights, rank 0's one-process model)")
+    print(f"{'rank':>4} {'VmHWM':>8} {'baseline':>9} {'added':>8} {'stage w+kv+work':>22} {'beside':>8} "
+          f"{'estimate':>9} {'added/estimate':>15}  planned for")
+    for m in rows:
+        st, f = m["stage"], m["planned_for"]
+        parts = f"{st['weights'] / mib:.1f}+{st['kv_cache'] / mib:.1f}+{st['working'] / mib:.1f}"
+        print(f"{m['rank']:>4} {m['vmhwm_bytes'] / mib:>8.0f} {m['baseline_bytes'] / mib:>9.0f} "
+              f"{m['added_bytes'] / mib:>8.1f} {parts:>22} {m['beside_stage_bytes'] / mib:>8.1f} "
+              f"{m['estimate_bytes'] / mib:>9.1f} {m['added_over_estimate']:>15.2f}  "
+              f"{f['run']}: {f['sequences']} x {f['max_len']} (prompt {f['prompt']})")
 
 
 def _print(cfg: dict[str, Any], rows: list[dict[str, Any]], cache: dict[int, float], ratio: float,
@@ -172,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     ratio = cache[args.long] / cache[args.short] if cache[args.short] > 0 else float("inf")
     rss = [r["peak_rss_bytes"] for r in ranks]
     _print(cfg, rows, cache, ratio, rss)
+    memory = _memory_rows(cfg, ranks)
+    _print_memory(memory)
     write_result(args.out, {
         "benchmark": "generate",
         "command": " ".join([Path(sys.argv[0]).as_posix(), *(sys.argv[1:] if argv is None else argv)]),
@@ -181,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         "cache": {"sequences": args.cache_batch, "s_per_token": {str(k): v for k, v in cache.items()},
                   "long_over_short": ratio},
         "peak_rss_bytes_per_rank": rss,
+        "memory_per_rank": memory,
     })
     return 0
 

@@ -18,7 +18,7 @@ from partitioner.errors import (
     TraceError,
     UnknownDeviceError,
 )
-from partitioner.options import Capture, Costing, Cut, LayoutSpace
+from partitioner.options import Capture, Costing, Cut, Inference, LayoutSpace
 from partitioner.plan.layout import Layout
 from partitioner.plan.plan import Plan, Prediction, StagePlan
 from partitioner.plan.split import StagedModel, StageIO, ValueSpec
@@ -32,6 +32,7 @@ __all__ = [
     "Capture",
     "Costing",
     "Cut",
+    "Inference",
     "LayoutSpace",
     "Layout",
     "METHODS",

@@ -32,6 +32,7 @@ from partitioner.cost.recompute import (
     stage_input_bytes,
 )
 from partitioner.errors import InfeasibleMemoryError, PartitionOptionError, SplitPointError, TooManyStagesError
+from partitioner.inference.cut import GenerationCut, cut_for_generation
 from partitioner.options import METHODS, Capture, Costing, Cut, PlannerOptions, resolve_options
 from partitioner.plan.capacity import StateBound, refused
 from partitioner.plan.choose import choose, microbatch_candidates
@@ -85,7 +86,10 @@ def partition(
             (:class:`~partitioner.options.Cut`; default ``Cut()``: ``1f1b``, 8 micro-batches, exact).
         capture: how the model is captured and into which units (:class:`~partitioner.options.Capture`).
         costing: how the graph is priced: precision, recomputation, state bytes, profiling
-            (:class:`~partitioner.options.Costing`).
+            (:class:`~partitioner.options.Costing`); with ``Costing(inference=Inference(batch=B,
+            max_len=L))`` the plan is for generation (a Hugging Face decoder, the example one prompt):
+            weights, key/value cache and working memory per stage, cut for the slowest decode step,
+            ``plan.inference`` says how many sequences fit (docs/generate.md, "What the planner counts").
         **legacy: the keywords ``partition`` took before the objects (``microbatches=8``,
             ``schedule='zbh1'``, ``precision='bf16'``, ``split_points=[...]``...), for one release:
             ``partitioner.options.SHORTCUTS`` says which object and field each sets.
@@ -145,6 +149,16 @@ def _partition(
         raise PartitionOptionError("give num_stages or a cluster (one device per stage)")
     if num_stages is not None and num_stages < 1:
         raise PartitionOptionError(f"num_stages must be at least 1, got {num_stages}")
+    if opts.costing.inference is not None:
+        if cut.auto:
+            raise PartitionOptionError(
+                f"Costing(inference=...) plans generation, which has no training schedule to choose: drop "
+                f"Cut(schedule={cut.schedule!r}, microbatches={cut.microbatches!r}) (leave them at their defaults)"
+            )
+        ctx = _context(model, example_inputs, opts, 1)
+        stages = num_stages if num_stages is not None else devices
+        assert stages is not None  # checked above: num_stages or a cluster
+        return ctx.for_generation(stage_cluster(cluster, stages, "forward"))
     if not cut.auto:  # before tracing: a schedule too large to build is refused at once
         assert isinstance(cut.microbatches, int)  # checked by Cut
         stages = num_stages if num_stages is not None else (devices or 1) * stages_per_rank(cut.schedule)
@@ -302,14 +316,30 @@ class _Context:
         log.info("partition: %d stages, %s, m=%d: %.3fs (%s)", p, schedule, m, time.perf_counter() - t0, part.method)
         found = _Found(cluster, schedule, m, problem, part.assignment, part.method, held, forward, built)
         if split:
-            stage_of = {v: part.assignment[u.index] for u in self.units for v in u.nodes}
-            bound = binding(self.traced, self.model)
-            staged = split_graph(
-                self.traced.gm, stage_of, p, param_aliases=self.traced.param_aliases,
-                persistent_buffers=bound.persistent, model_state=bound.state,
-            )
-            found = replace(found, io=tuple(staged.io), shared=staged.shared_params)
+            found = self._wired(found)
         return _make_plan(self, found, predictions=predictions)
+
+    def for_generation(self, cluster: Cluster) -> Plan:
+        """Cut into ``len(cluster)`` stages for generation (``Costing.inference``; ``partitioner.inference``)."""
+        p = len(cluster)
+        if p > len(self.units):
+            raise TooManyStagesError(p, len(self.units), self.granularity)
+        costing = self.opts.costing
+        gen = cut_for_generation(self.model, self.traced, self.g, self.units, cluster, inference=costing.inference,
+                                 precision=costing.precision, numel=self.numel, solve=self._solve)
+        found = _Found(cluster, "forward", 1, gen.problem, gen.assignment, gen.method, (0,) * p, (), None)
+        return _make_plan(self, self._wired(found), predictions=False, generation=gen)
+
+    def _wired(self, found: _Found) -> _Found:
+        """``found`` with the stage wiring: what crosses each cut (``split_graph``)."""
+        p = len(found.cluster)
+        stage_of = {v: found.assignment[u.index] for u in self.units for v in u.nodes}
+        bound = binding(self.traced, self.model)
+        staged = split_graph(
+            self.traced.gm, stage_of, p, param_aliases=self.traced.param_aliases,
+            persistent_buffers=bound.persistent, model_state=bound.state,
+        )
+        return replace(found, io=tuple(staged.io), shared=staged.shared_params)
 
     def _solve(self, problem: alg.Problem) -> alg.Partition:
         """The cut ``method`` finds (refined for ``'exact'``)."""
@@ -406,11 +436,12 @@ def _stage_plans(ctx: _Context, found: _Found) -> list[StagePlan]:
     return stages
 
 
-def _make_plan(ctx: _Context, found: _Found, *, predictions: bool) -> Plan:
-    """The Plan of a cut: its stages, the bound and predictions, and what it takes to build the stages again."""
+def _make_plan(ctx: _Context, found: _Found, *, predictions: bool, generation: GenerationCut | None = None) -> Plan:
+    """The Plan of a cut: its stages, the bound and predictions, and what it takes to build the stages again
+    (``generation``: a cut for generation, whose stages it priced)."""
     traced, cluster, schedule, microbatches = ctx.traced, found.cluster, found.schedule, found.microbatches
     problem, forward, built = found.problem, found.forward, found.built
-    stages = _stage_plans(ctx, found)
+    stages = list(generation.stages) if generation is not None else _stage_plans(ctx, found)
     if any(st.recompute for st in stages):
         log.info("partition: stages %s recompute their activations", [st.index for st in stages if st.recompute])
     # With every stage recomputing, each unit's forward runs twice: the bound counts it too.
@@ -432,7 +463,7 @@ def _make_plan(ctx: _Context, found: _Found, *, predictions: bool) -> Plan:
         lower_bound=bound,
         predictions=preds,
         cluster=cluster,
-        state_bytes_per_param=ctx.state_bytes_per_param,
+        state_bytes_per_param=generation.dtype_bytes if generation is not None else ctx.state_bytes_per_param,
         fingerprint=traced.fingerprint(),
         trace_method=traced.method,
         input_names=tuple(traced.input_names),
@@ -441,6 +472,7 @@ def _make_plan(ctx: _Context, found: _Found, *, predictions: bool) -> Plan:
         param_aliases=tuple(sorted((k, tuple(v)) for k, v in traced.param_aliases.items())),
         precision=ctx.opts.costing.precision,
         output_structure=structure_text(traced.out_spec),
+        inference=generation.summary if generation is not None else None,
         _binding=binding(traced, ctx.model),
     )
 

@@ -6,7 +6,8 @@ Legend: ``p`` stages, ``m`` micro-batches, ``b`` rows per micro-batch, ``dp`` re
 keyword list, as ``PipelineTrainer`` takes ``Execution``, ``Init`` and ``DataParallel``:
 
 * :class:`Capture`: how the model is captured as a graph, and into which units it may be cut;
-* :class:`Costing`: how the graph is priced (precision, recomputation, training state, profiling);
+* :class:`Costing`: how the graph is priced (precision, recomputation, training state, profiling), and
+  :class:`Inference` in its ``inference`` field: a plan priced for generation instead of training;
 * :class:`Cut`: ``partition``'s pipeline (schedule, micro-batches) and how its cut is chosen;
 * :class:`LayoutSpace`: the layouts ``plan_layout`` searches, and how hard.
 
@@ -30,7 +31,7 @@ import torch
 from torch import nn
 
 from partitioner.cost.exchange import DEFAULT_BUCKET_BYTES
-from partitioner.cost.precision import check_precision
+from partitioner.cost.precision import PRECISIONS, check_precision
 from partitioner.cost.recompute import check_option
 from partitioner.errors import PartitionOptionError, PlannerKeywordError, SplitPointError
 from partitioner.plan.layout import DEFAULT_ZERO, ZERO_OPTIONS
@@ -39,7 +40,7 @@ from partitioner.tracing.hf import block_depth, is_hf_model
 from partitioner.tracing.trace import Method as TraceMethod
 
 __all__ = [
-    "Capture", "Costing", "Cut", "LayoutSpace", "PlannerOptions", "METHODS", "SHORTCUTS", "ENTRY_POINTS",
+    "Capture", "Costing", "Cut", "Inference", "LayoutSpace", "PlannerOptions", "METHODS", "SHORTCUTS", "ENTRY_POINTS",
     "resolve_options",
 ]
 
@@ -106,6 +107,51 @@ example_is='microbatch')
 
 
 @dataclass(frozen=True, kw_only=True)
+class Inference:
+    """A plan for generation: what each stage holds and runs when it decodes ``batch`` sequences of up
+    to ``max_len`` positions (``runtime.generate``), instead of training.
+
+    Given as ``Costing(inference=Inference(...))``: it changes how the graph is priced, not how the
+    model is captured or which algorithm cuts it. Each stage then holds its weights (no gradients,
+    no optimizer state), the keys and values of its own layers for ``batch x max_len`` positions,
+    and the working memory of one forward of the prompts (the example inputs are one prompt: its
+    positions are the prefill's); the cut minimises the slowest stage's decode step (one position
+    per sequence). docs/generate.md, "What the planner counts", has the formula.
+
+    Example:
+        >>> Inference(batch=8, max_len=2048).dtype is None
+        True
+        >>> Costing(inference=Inference(batch=8, max_len=2048, dtype="bf16")).inference.dtype
+        'bf16'
+    """
+
+    batch: int
+    """Sequences decoded together: every stage holds a key/value cache for each of them (all the
+    groups in flight together)."""
+
+    max_len: int
+    """Positions each sequence reaches, prompt and new tokens together: the cache is priced full."""
+
+    dtype: str | None = None
+    """What the weights and the cache are held in: ``'fp32'``, ``'bf16'`` or ``'fp16'`` (a model
+    loaded with ``dtype=torch.bfloat16``); ``None``: the model's own parameters' dtype."""
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "max_len"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:  # a bool is not a count
+                raise PartitionOptionError(
+                    f"Inference.{name} must be a positive int, got {value!r}: pass the "
+                    f"{'sequences decoded together' if name == 'batch' else 'positions a sequence reaches'}, "
+                    f"e.g. Inference(batch=8, max_len=2048)"
+                )
+        if self.dtype is not None and self.dtype not in PRECISIONS:
+            raise PartitionOptionError(
+                f"Inference.dtype must be one of {', '.join(PRECISIONS)} or None (the model's own), got {self.dtype!r}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
 class Costing:
     """How the captured graph is priced: the precision it trains in, recomputation, the training
     state per parameter, measured or roofline times, the gradient buckets.
@@ -142,8 +188,18 @@ class Costing:
     """The gradient buckets ``plan_layout`` prices the replicas' exchange in (the runtime's
     default); ``partition`` plans one pipeline, with no exchange to price."""
 
+    inference: Inference | None = None
+    """Price the plan for generation (:class:`Inference`: weights, key/value cache and decode steps)
+    instead of training; ``None`` (the default) prices training. ``partition`` only: the layout
+    search prices training layouts. ``recompute`` and ``state_bytes_per_param`` are not read then."""
+
     def __post_init__(self) -> None:
         check_precision(self.precision)
+        if self.inference is not None and not isinstance(self.inference, Inference):
+            raise PartitionOptionError(
+                f"Costing.inference takes a partitioner.Inference or None, got {type(self.inference).__name__} "
+                f"{reprlib.repr(self.inference)}: pass inference=Inference(batch=..., max_len=...)"
+            )
         object.__setattr__(self, "recompute", check_option(self.recompute))
 
 

@@ -167,6 +167,11 @@ class LayoutSearch:
         """Trace and cost ``model``; the arguments are :func:`plan_layout`'s (the old keywords of
         ``capture`` and ``costing`` too, for one release)."""
         opts = resolve_options("LayoutSearch", {"capture": capture, "costing": costing}, legacy)
+        if opts.costing.inference is not None:
+            raise PartitionOptionError(
+                "the layout search prices training layouts; Costing(inference=...) plans generation: cut it with "
+                "partition(model, (prompt,), p, costing=Costing(inference=...)), or drop inference= here"
+            )
         _check(cluster, global_batch)
         if opts.capture.example_is != "microbatch":
             raise PartitionOptionError(

@@ -11,6 +11,7 @@ Examples::
     pipecut plan gpt2-175b --devices 512 --global-batch 1536 --device A100-80GB --precision bf16 --granularity module
     pipecut plan examples/my_model.py:build --stages 2 --device cpu --dot plan.dot
     pipecut plan path/to/hf-folder --stages 8 --device H100-80GB --seq-len 4096
+    pipecut plan path/to/hf-folder --inference --batch 32 --max-len 4096 --stages 4 --device H100-80GB --precision bf16
     pipecut calibrate --model gpt2-tiny --devices 4 --global-batch 16 --out cluster.json
     pipecut plan gpt2-tiny --devices 4 --global-batch 16 --calibrate cluster.json
     pipecut train --model path/to/hf-folder --data tokens.bin --out run --pp 2 --steps 100
@@ -45,7 +46,7 @@ from partitioner.api import partition
 from partitioner.cost.devices import DEVICE_PRESETS, Cluster, default_device
 from partitioner.cost.recompute import RECOMPUTE_FLAGS
 from partitioner.errors import CliArgumentError, InfeasibleMemoryError, PipecutError
-from partitioner.options import METHODS, Capture, Costing, Cut, LayoutSpace
+from partitioner.options import METHODS, Capture, Costing, Cut, Inference, LayoutSpace
 from partitioner.plan.layout import DEFAULT_ZERO, ZERO_OPTIONS
 from partitioner.plan.plan import Plan
 from partitioner.plan.predict import prediction, simulate_stages
@@ -56,7 +57,7 @@ from partitioner.zoo import MODELS, load_model
 from pipecut.cli_calibrate import add_calibrate_parser, calibrate_command, calibrated
 from pipecut.cli_common import folder_model, make_console, positive_count, positive_count_or_auto
 from pipecut.cli_generate import add_generate_parser, generate_command
-from pipecut.folder import is_hf_folder
+from pipecut.folder import is_hf_folder, max_positions
 
 __all__ = ["main", "build_parser", "version", "EXIT_ERROR", "EXIT_OVER_CAPACITY"]
 
@@ -87,9 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "ZeRO-1) for --global-batch rows per step, instead of cutting --stages")
     plan.add_argument("--global-batch", type=positive_count, default=None,
                       help="rows per optimizer step (with --devices)")
-    plan.add_argument("--top", type=positive_count, default=5,
+    plan.add_argument("--top", type=positive_count, default=None,
                       help="layouts ranked in the table (with --devices; default 5)")
-    plan.add_argument("--zero", default=",".join(DEFAULT_ZERO),
+    plan.add_argument("--zero", default=None,
                       help="with --devices: the shardings over the replicas to search, comma-separated, of "
                       f"{', '.join(ZERO_OPTIONS)} (default {','.join(DEFAULT_ZERO)}; fsdp, FSDP2, only when named)")
     plan.add_argument(
@@ -99,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--memory-reserve", default=None, metavar="SIZE",
                       help="memory each device keeps out of the plan, a size ('2GiB', '512MiB') or a share "
                       "('10%%'); default the device's own: 2 GiB + 5%% of a GPU, 0.5 GiB + 10%% of cpu")
-    plan.add_argument("--microbatches", type=positive_count_or_auto, default=8,
+    plan.add_argument("--microbatches", type=positive_count_or_auto, default=None,
                       help="micro-batches per step (default 8), or 'auto'")
     plan.add_argument("--schedule", default=None, choices=(*TRAINING_SCHEDULES, "auto"),
                       help="pipeline schedule (default 1f1b), or 'auto' to simulate them all and keep the fastest "
@@ -111,19 +112,29 @@ def build_parser() -> argparse.ArgumentParser:
                       "(h.4 for model.transformer.h.4); without --stages, one stage more than the names")
     plan.add_argument("--granularity", default=None, choices=("node", "module"),
                       help="where stages may be cut (default: between blocks for Hugging Face models, else anywhere)")
-    plan.add_argument("--recompute", default="auto", choices=("auto", "on", "off"),
+    plan.add_argument("--recompute", default=None, choices=("auto", "on", "off"),
                       help="activation recomputation: 'auto' (only the stages that do not fit memory otherwise; "
                       "default), 'on' (every stage) or 'off'")
     plan.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
-                      help="mixed precision the plan is costed for (autocast over fp32 weights; default fp32)")
-    plan.add_argument("--state-bytes", type=float, default=16.0, help="training-state bytes per parameter")
+                      help="mixed precision the plan is costed for (autocast over fp32 weights; default fp32); with "
+                      "--inference, what the weights and the KV cache are held in")
+    plan.add_argument("--state-bytes", type=float, default=None, help="training-state bytes per parameter (default 16)")
     plan.add_argument("--link-bandwidth", type=float, default=None, help="bytes/s between neighbouring devices")
     plan.add_argument("--json", dest="json_path", default=None, help="write the plan as JSON here")
     plan.add_argument("--dot", dest="dot_path", default=None, help="write a Graphviz DOT picture here")
     plan.add_argument("--seq-len", type=positive_count, default=None,
-                      help="a Hugging Face folder's example sequence length (default: 1024, or the model's maximum)")
-    plan.add_argument("--micro-batch-size", type=positive_count, default=1,
+                      help="a Hugging Face folder's example sequence length (default: 1024, or the model's maximum); "
+                      "with --inference, the prompt's positions, the prefill (default --max-len)")
+    plan.add_argument("--micro-batch-size", type=positive_count, default=None,
                       help="a Hugging Face folder's example rows per micro-batch (default 1)")
+    plan.add_argument("--inference", action="store_true",
+                      help="plan generation instead of training (a Hugging Face decoder): each stage's weights, KV "
+                      "cache for --batch sequences of --max-len positions and working memory; cut for the slowest "
+                      "decode step; says how many sequences fit (docs/generate.md, \"What the planner counts\")")
+    plan.add_argument("--batch", type=positive_count, default=None,
+                      help="with --inference: sequences decoded together (every stage caches each)")
+    plan.add_argument("--max-len", type=positive_count, default=None,
+                      help="with --inference: positions each sequence reaches, prompt and new tokens together")
     plan.add_argument("--trust-remote-code", action="store_true",
                       help="let a Hugging Face folder's own code (auto_map, modeling_*.py) run to build its model; "
                       "off by default: read that code first")
@@ -179,13 +190,51 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_ERROR
 
 
+# Flags that size or search a training job, and what a plan for generation has instead of each.
+_TRAINING_ONLY = {
+    "devices": "--devices", "global_batch": "--global-batch", "top": "--top", "zero": "--zero",
+    "schedule": "--schedule", "microbatches": "--microbatches", "recompute": "--recompute",
+    "state_bytes": "--state-bytes", "micro_batch_size": "--micro-batch-size",
+}
+
+
+def _inference_costing(args: argparse.Namespace) -> Costing:
+    """``--inference``'s costing, once the training-only flags are refused (each named, with what to drop)."""
+    given = [flag for key, flag in _TRAINING_ONLY.items() if getattr(args, key) is not None]
+    if given:
+        raise CliArgumentError(
+            f"--inference plans generation, which has no optimizer step, micro-batches or schedule: drop "
+            f"{', '.join(given)} (generation is sized by --batch sequences of --max-len positions, cut into --stages)"
+        )
+    if args.batch is None or args.max_len is None:
+        raise CliArgumentError("--inference needs --batch N (sequences decoded together) and --max-len L "
+                               "(positions each reaches, prompt and new tokens together)")
+    if args.seq_len is not None and args.seq_len > args.max_len:
+        raise CliArgumentError(f"--seq-len {args.seq_len} (the prompt) is longer than --max-len {args.max_len}: "
+                               "a sequence reaches at least its prompt; raise --max-len or shorten --seq-len")
+    dtype = args.precision if args.precision != "fp32" else None  # fp32: the model's own dtype
+    return Costing(precision=args.precision, inference=Inference(batch=args.batch, max_len=args.max_len, dtype=dtype))
+
+
 def _plan(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
+    inference: Costing | None = None
+    if args.inference:
+        inference = _inference_costing(args)
+        args.seq_len = args.seq_len or args.max_len  # one prompt of the prefill's positions
+    elif args.batch is not None or args.max_len is not None:
+        raise CliArgumentError("--batch and --max-len size a plan for generation: add --inference, or drop them "
+                               "(a training plan's micro-batch is --micro-batch-size rows of --seq-len)")
     if is_hf_folder(args.model):
-        model, inputs = folder_model(args.model, args.seq_len, args.micro_batch_size,
+        model, inputs = folder_model(args.model, args.seq_len, args.micro_batch_size or 1,
                                       trust_remote_code=args.trust_remote_code, command="pipecut plan")
     else:
         model, inputs = load_model(args.model)
+    if args.inference:
+        longest = max_positions(getattr(model, "config", None))
+        if longest is not None and args.max_len > longest:
+            raise CliArgumentError(f"--max-len {args.max_len} is longer than the model's {longest} positions: "
+                                   f"lower it to {longest} or less")
     split = [s.strip() for s in args.split_points.split(",") if s.strip()] if args.split_points else None
     if split and args.stages is None and args.devices is None:
         args.stages = len(split) + 1  # the cuts say how many stages
@@ -210,20 +259,25 @@ def _plan(args: argparse.Namespace) -> int:
         cluster = Cluster.uniform(count, device, link_bandwidth=args.link_bandwidth,
                                   memory_reserve=args.memory_reserve)
     capture = Capture(granularity=args.granularity)
-    costing = Costing(precision=args.precision, recompute=RECOMPUTE_FLAGS[args.recompute],
-                      state_bytes_per_param=args.state_bytes)
+    costing = inference if inference is not None else Costing(
+        precision=args.precision, recompute=RECOMPUTE_FLAGS[args.recompute or "auto"],
+        state_bytes_per_param=16.0 if args.state_bytes is None else args.state_bytes,
+    )
+    top = args.top or 5
     if args.devices is not None:
+        zero = args.zero if args.zero is not None else ",".join(DEFAULT_ZERO)
         space = LayoutSpace(
             schedules=(args.schedule,) if args.schedule not in (None, "auto") else None,
-            zero=tuple(z.strip() for z in args.zero.split(",") if z.strip()), top=args.top,
+            zero=tuple(z.strip() for z in zero.split(",") if z.strip()), top=top,
         )
         plan = plan_layout(model, inputs, cluster=cluster, global_batch=args.global_batch, space=space,
                            capture=capture, costing=costing)
     else:
-        cut = Cut(schedule=args.schedule or "1f1b", microbatches=args.microbatches, method=args.method,
+        cut = Cut(schedule=args.schedule or "1f1b", microbatches=8 if args.microbatches is None else args.microbatches,
+                  method=args.method,
                   refine=not args.no_refine, split_points=split)
         plan = partition(model, inputs, args.stages, cluster=cluster, cut=cut, capture=capture, costing=costing)
-    print(render_text(plan, width=make_console().width, top=args.top), end="")
+    print(render_text(plan, width=make_console().width, top=top), end="")
     if args.json_path:
         plan.save(args.json_path)
         print(f"plan written to {args.json_path}")
@@ -232,6 +286,11 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"DOT written to {args.dot_path}")
     logging.getLogger(__name__).info("total %.2fs", time.perf_counter() - t0)
     over = [st.index for st in plan.stages if st.memory > st.capacity]
+    if over and args.inference:
+        print(f"pipecut: stage{'s' if len(over) > 1 else ''} {', '.join(map(str, over))} over capacity (marked OVER): "
+              "use more stages, --method exact, a smaller --batch or --max-len, --precision bf16 or a larger --device "
+              f"(exit code {EXIT_OVER_CAPACITY})", file=sys.stderr)
+        return EXIT_OVER_CAPACITY
     if over:  # a cut that ignores memory (equal_count, split points): written, but not a success
         print(f"pipecut: stage{'s' if len(over) > 1 else ''} {', '.join(map(str, over))} over capacity "
               "(marked OVER): use more stages, --method exact, --recompute on, a smaller --state-bytes or "

@@ -33,18 +33,13 @@ from rich.console import Console
 from partitioner.api import partition
 from partitioner.cost.devices import Cluster, default_device
 from partitioner.errors import CliArgumentError
-from partitioner.options import Capture, Costing, Cut
+from partitioner.options import Capture, Costing, Cut, Inference
 from pipecut.folder import FolderError, HFFolder, max_positions
 from pipecut.prompts import Prompt, PromptsError, read_prompts
 from runtime.generate import Generator, Sampling
 from runtime.state.weights import Weights
 
 __all__ = ["add_generate_parser", "generate_command"]
-
-# Bytes per parameter the plan is costed with: fp32 weights and nothing else (no gradients, no
-# optimizer state), since generation never steps an optimizer.
-_WEIGHT_BYTES = 4.0
-
 
 def add_generate_parser(sub: Any) -> None:
     """Add ``pipecut generate`` to the subcommands ``sub``."""
@@ -199,15 +194,17 @@ def _stops(folder: HFFolder, config: Any) -> tuple[int | list[int] | None, int |
 
 
 def _generator(folder: HFFolder, config: Any, weights: Path, opts: _Options, length: int) -> Generator:
-    """The model on meta, cut into ``opts.pp`` stages between whole blocks, each stage made real and loaded alone."""
+    """The model on meta, cut into ``opts.pp`` stages between whole blocks for generation (each stage's fp32
+    weights, the KV cache of ``--batch-size`` sequences of ``length`` positions, the slowest decode step), each
+    stage made real and loaded alone."""
     model = folder.build(meta=True, config=config).eval()
-    # One row of the longest sequence a batch reaches: the plan's costs are the forward of such a row.
-    inputs = folder.example_inputs(seq_len=length, micro_batch_size=1)
+    # One row of the longest prompt: the prefill the plan's working memory is counted for.
+    inputs = folder.example_inputs(seq_len=max(length - opts.max_new_tokens, 1), micro_batch_size=1)
+    # The stages hold fp32 weights (a bf16 checkpoint is cast up), and --precision bf16 autocasts over them.
+    inference = Inference(batch=opts.batch_size, max_len=length, dtype="fp32")
     plan = partition(
-        model, inputs, opts.pp, cluster=Cluster.uniform(opts.pp, default_device()),
-        cut=Cut(microbatches=1), capture=Capture(),
-        costing=Costing(precision="bf16" if opts.autocast is not None else "fp32", recompute=False,
-                        state_bytes_per_param=_WEIGHT_BYTES),
+        model, inputs, opts.pp, cluster=Cluster.uniform(opts.pp, default_device()), cut=Cut(), capture=Capture(),
+        costing=Costing(precision="bf16" if opts.autocast is not None else "fp32", inference=inference),
     )
     # cast: a bf16 or fp16 checkpoint loads into the fp32 weights the stages compute with.
     return Generator(plan, weights=Weights(weights, cast=True))

@@ -18,7 +18,7 @@ from partitioner.cost.precision import check_precision
 from partitioner.errors import MissingArgumentError, PlanFormatError, PlanMismatchError
 from partitioner.plan.layout import Layout
 from partitioner.plan.records import Candidate as Candidate
-from partitioner.plan.records import PlanRecord, binding, structure_leaves, structure_text
+from partitioner.plan.records import InferenceSummary, PlanRecord, binding, structure_leaves, structure_text
 from partitioner.plan.records import Prediction as Prediction
 from partitioner.plan.records import StagePlan as StagePlan
 from partitioner.plan.schema import PLAN_SCHEMA, check
@@ -216,6 +216,8 @@ class Plan(PlanRecord):
         if self.layout is not None:  # a plan from the layout search: its layout and the ranking
             body["layout"] = _finite(asdict(self.layout))
             body["layouts"] = [_finite(asdict(r)) for r in self.layouts]
+        if self.inference is not None:  # a plan for generation: what it is priced for and concludes
+            body["inference"] = asdict(self.inference)
         body["checksum"] = _checksum(body)
         return body
 
@@ -351,6 +353,7 @@ def _parse(data: Any, where: str = "plan") -> Plan:
             output_structure=str(data.get("output_structure", "")),
             layout=Layout(**_infinite(data["layout"])) if data.get("layout") is not None else None,
             layouts=tuple(Layout(**_infinite(r)) for r in data.get("layouts", ())),
+            inference=InferenceSummary(**data["inference"]) if data.get("inference") is not None else None,
         )
     except PlanFormatError:
         raise

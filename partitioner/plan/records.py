@@ -27,8 +27,8 @@ if TYPE_CHECKING:
     from partitioner.tracing.trace import TracedModel
 
 __all__ = [
-    "StagePlan", "Prediction", "Candidate", "PlanRecord", "binding", "structure_text", "structure_spec",
-    "structure_leaves",
+    "StagePlan", "Prediction", "Candidate", "InferenceSummary", "PlanRecord", "binding", "structure_text",
+    "structure_spec", "structure_leaves",
 ]
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,15 @@ class StagePlan:
         recompute: whether the stage recomputes its activations (``runtime.execute.recompute``): its
             forward keeps only its inputs, its backward runs the forward again first, so its
             backward costs ``fwd_time`` more (``recompute_time``).
+        kv_bytes: in a plan for generation (``plan.inference``), the key/value cache of its layers
+            for the plan's batch at its maximum length; 0 in a training plan.
+        work_bytes: in a plan for generation, its working memory (the prefill's forward, the cache's
+            concatenation); 0 in a training plan.
+        sequences: in a plan for generation, the most sequences of the maximum length it holds.
+
+    In a plan for generation ``state_bytes`` is the weights and buffers, ``memory`` is ``state_bytes
+    + kv_bytes + work_bytes``, ``fwd_time`` one decode step of a group of sequences, and there is no
+    backward (docs/generate.md, "What the planner counts").
     """
 
     index: int
@@ -87,6 +96,9 @@ class StagePlan:
     state_bytes: float = 0.0
     in_bytes: float = 0.0
     recompute: bool = False
+    kv_bytes: float = 0.0
+    work_bytes: float = 0.0
+    sequences: int = 0
 
     @property
     def recompute_time(self) -> float:
@@ -155,6 +167,30 @@ class Candidate:
 
 
 @dataclass(frozen=True)
+class InferenceSummary:
+    """What a plan for generation is priced for, and what it concludes (``Costing(inference=...)``).
+
+    Attributes:
+        batch: sequences every stage caches (``Inference.batch``).
+        max_len: positions each sequence reaches (``Inference.max_len``).
+        prompt_len: the prefill's positions: the example's.
+        dtype: what the weights and the cache are held in (``'fp32'``, ``'bf16'``, ``'fp16'``).
+        groups: groups of sequences in flight the decode step is priced for (one per stage, at most
+            one per sequence: the generator's default).
+        fits: the most sequences of ``max_len`` positions every stage holds.
+        tokens_per_s: estimated decoding rate: ``batch`` tokens every ``groups`` steps of the slowest stage.
+    """
+
+    batch: int
+    max_len: int
+    prompt_len: int
+    dtype: str
+    groups: int
+    fits: int
+    tokens_per_s: float
+
+
+@dataclass(frozen=True)
 class _Binding:
     traced: TracedModel
     persistent: set[str]
@@ -194,6 +230,7 @@ class PlanRecord:
     output_structure: str = ""
     layout: Layout | None = None
     layouts: tuple[Layout, ...] = ()
+    inference: InferenceSummary | None = None
     _binding: _Binding | None = field(default=None, compare=False, repr=False)
 
     @property

@@ -124,8 +124,68 @@ def _stage_row(plan: PlanRecord, st: StagePlan, *, worst: int, recompute_column:
 # schedule, micro-batches and whether it fits stay.
 _STAGE_DROP_ORDER = ("fwd FLOPs", "bwd FLOPs", "nodes", "F", "B", "comm", "sends", "params", "recompute", "device")
 _CANDIDATE_DROP_ORDER = ("stages", "bubble", "step", "peak memory", "per micro-batch")
+_INFERENCE_DROP_ORDER = ("comm", "sends", "params", "time", "device")
 _LAYOUT_DROP_ORDER = ("recompute", "exchanged", "bubble", "exchange", "#", "memory / device")
 _FOLD_MIN = 20  # the narrowest a folding column (modules, fits) gets before a column is left out
+
+
+def _inference_table(plan: PlanRecord, *, width: int) -> tuple[Table, list[str]]:
+    """A row per stage of a plan for generation: what it holds (weights, cache, working memory), how
+    many sequences it would hold, and its decode step."""
+    inf = plan.inference
+    assert inf is not None  # only for plans for generation
+    uniform = len({st.device for st in plan.stages}) == 1
+    names = ("stage", "device", "modules", "params", "weights", "KV cache", "working",
+             "memory / usable", "sequences", "decode step", "comm", "time", "sends")
+    columns: list[tuple[str, JustifyMethod]] = [(c, "left" if c in ("device", "modules") else "right") for c in names]
+    worst = plan.bottleneck_stage
+    rows = []
+    for st in plan.stages:
+        over = st.memory > st.capacity
+        rows.append([
+            f"{st.index}{'*' if st.index == worst else ''}", st.device, st.modules,
+            fmt_count(st.params), fmt_bytes(st.state_bytes), fmt_bytes(st.kv_bytes),
+            fmt_bytes(st.work_bytes), f"{fmt_bytes(st.memory)} / {fmt_bytes(st.capacity)}" + (" OVER" if over else ""),
+            str(st.sequences), fmt_time(st.fwd_time), fmt_time(st.comm_in_time + st.comm_out_time),
+            fmt_time(st.time), fmt_bytes(st.send_bytes) if st.index < plan.num_stages - 1 else "-",
+        ])
+    if uniform:
+        columns.pop(1)
+        for row in rows:
+            row.pop(1)
+    names_of = {st.device for st in plan.stages}
+    where = f"{plan.num_stages} x {next(iter(names_of))}" if uniform else f"{plan.num_stages} devices"
+    autocast = f", matmuls in {plan.precision} (autocast)" if plan.precision != "fp32" else ""
+    title = (f"pipecut plan for generation: {plan.num_stages} stages on {where}, method {plan.method}, "
+             f"{inf.batch} sequences of {inf.max_len} positions (prompt {inf.prompt_len}), weights and cache "
+             f"{inf.dtype}{autocast}")
+    return _fitted(title, columns, rows, width=width, wraps=("modules",), drop_order=_INFERENCE_DROP_ORDER)
+
+
+def _inference_lines(plan: PlanRecord) -> list[str]:
+    """Under a plan for generation's table: how many sequences fit, the decode rate, what the times
+    are estimated from, each device's memory."""
+    inf = plan.inference
+    assert inf is not None  # only for plans for generation
+    tightest = min(plan.stages, key=lambda st: st.sequences)
+    worst = plan.bottleneck_stage
+    verdict = ("" if inf.fits >= inf.batch
+               else f"; the {inf.batch} asked for do NOT fit: plan for {inf.fits} or fewer")
+    group = -(-inf.batch // inf.groups)
+    lines = [
+        f"fits {inf.fits} sequences of {inf.max_len} tokens (stage {tightest.index} holds the fewest){verdict}",
+        f"decode: {fmt_time(plan.bottleneck)} per step of {group} sequence{'s' if group > 1 else ''} on the slowest "
+        f"stage ({worst}, marked *), {inf.groups} group{'s' if inf.groups > 1 else ''} in flight: about "
+        f"{fmt_count(inf.tokens_per_s)} tokens/s"
+        + (f"   lower bound: {fmt_time(plan.lower_bound)}" if plan.lower_bound > 0 else ""),
+        (f"times {plan.cluster.estimate_basis}; memory: weights + KV cache + working (docs/generate.md, "
+         "\"What the planner counts\")"),
+        memory_words(plan.cluster),
+    ]
+    if plan.shared_params:
+        shared = ", ".join(f"{name} (stages {', '.join(map(str, ss))})" for name, ss in plan.shared_params)
+        lines.append(f"shared parameters, a copy on each holder: {shared}")
+    return lines
 
 
 def _stage_table(plan: PlanRecord, *, width: int) -> tuple[Table, list[str]]:
@@ -133,6 +193,8 @@ def _stage_table(plan: PlanRecord, *, width: int) -> tuple[Table, list[str]]:
 
     Returns the table and the columns left out to fit ``width``.
     """
+    if plan.inference is not None:
+        return _inference_table(plan, width=width)
     uniform = len({st.device for st in plan.stages}) == 1
     columns: list[tuple[str, JustifyMethod]] = [
         ("stage", "right"), ("device", "left"), ("modules", "left"), ("nodes", "right"),
@@ -191,6 +253,8 @@ def _fitted(
 def _summary_lines(plan: PlanRecord) -> list[str]:
     """The lines under the table: bottleneck vs lower bound, predicted steps and what they are estimated
     from, each device's memory and reserve, recomputation, sharing."""
+    if plan.inference is not None:
+        return _inference_lines(plan)
     worst = plan.bottleneck_stage
     lines = [
         f"bottleneck: {fmt_time(plan.bottleneck)} (stage {worst}, marked *)   "

@@ -37,7 +37,7 @@ from partitioner.cost.devices import DeviceSpec
 from partitioner.cost.precision import PRECISIONS
 from partitioner.errors import PlanFieldError
 from partitioner.plan.layout import ZERO_OPTIONS, Layout
-from partitioner.plan.records import Candidate, Prediction, StagePlan
+from partitioner.plan.records import Candidate, InferenceSummary, Prediction, StagePlan
 from partitioner.plan.split import ValueSpec
 from partitioner.schedule.registry import schedule_names
 
@@ -262,8 +262,14 @@ def _unlimited_floats(cls: type) -> dict[str, Spec]:
 
 STAGE = record_of(
     StagePlan, {"capacity": _UNLIMITED},
-    optional=frozenset({"in_bytes", "recompute"}),  # added after format version 1 was first written
+    # added after format version 1 was first written
+    optional=frozenset({"in_bytes", "recompute", "kv_bytes", "work_bytes", "sequences"}),
 )
+INFERENCE = record_of(InferenceSummary, {
+    "batch": Num(integer=True, minimum=1), "max_len": Num(integer=True, minimum=1),
+    "prompt_len": Num(integer=True, minimum=1), "dtype": Text(tuple(PRECISIONS)),
+    "groups": Num(integer=True, minimum=1),
+})
 PREDICTION = record_of(Prediction, {
     "schedule": _SCHEDULE, "microbatches": Num(integer=True, minimum=1), "bubble": Num(minimum=0, maximum=1),
     "chunks": Num(integer=True, minimum=1),
@@ -302,7 +308,8 @@ PLAN_SCHEMA = Record(
         "shared_params": MapOf(ListOf(Num(integer=True))), "param_aliases": MapOf(ListOf(Text())),
         "candidates": ListOf(CANDIDATE), "choice": Text(), "precision": Text(tuple(PRECISIONS)),
         "output_structure": Text(), "layout": Maybe(LAYOUT), "layouts": ListOf(LAYOUT), "checksum": Text(),
+        "inference": Maybe(INFERENCE),
     },
-    # Written only when they differ from the default (fp32, one tensor out, no layout search).
-    optional=frozenset({"precision", "output_structure", "layout", "layouts"}),
+    # Written only when they differ from the default (fp32, one tensor out, no layout search, training).
+    optional=frozenset({"precision", "output_structure", "layout", "layouts", "inference"}),
 )

@@ -37,3 +37,14 @@ def test_generate_benchmark_quick(tmp_path: Path) -> None:
         assert r["new_tokens"] == r["sequences"] * 4
     assert set(data["cache"]["s_per_token"]) == {"8", "32"} and data["cache"]["long_over_short"] > 0
     assert len(data["peak_rss_bytes_per_rank"]) == 2 and min(data["peak_rss_bytes_per_rank"]) > 0
+    assert "against the planner's estimate" in run.stdout and "added/estimate" in run.stdout
+    memory = data["memory_per_rank"]
+    assert [m["rank"] for m in memory] == [0, 1]
+    for m in memory:
+        assert m["added_bytes"] == m["vmhwm_bytes"] - m["baseline_bytes"] and m["baseline_bytes"] > 0
+        stage = m["stage"]
+        assert stage["total"] == stage["weights"] + stage["kv_cache"] + stage["working"] and stage["kv_cache"] > 0
+        assert m["estimate_bytes"] == stage["total"] + m["beside_stage_bytes"]
+        assert m["added_over_estimate"] == m["added_bytes"] / m["estimate_bytes"]
+    # Rank 0 also holds the one-process model: more beside its stage than rank 1.
+    assert memory[0]["beside_stage_bytes"] > memory[1]["beside_stage_bytes"]

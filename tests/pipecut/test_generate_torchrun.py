@@ -53,7 +53,7 @@ def _records(text: str) -> list[dict[str, object]]:
     """The JSON lines without their timing (the one field a launch may change)."""
     records = [json.loads(line) for line in text.splitlines()]
     for r in records:
-        assert float(r.pop("seconds")) > 0  # type: ignore[arg-type]
+        assert float(r.pop("seconds")) > 0
     return records
 
 
@@ -120,7 +120,7 @@ def test_any_ranks_failure_ends_every_rank_with_one_line(folder: Path, prompts: 
     head = {"lm_head.weight": weights.pop("lm_head.weight")}
     save_file(weights, broken / "model-00001-of-00002.safetensors", metadata={"format": "pt"})
     save_file(head, broken / "model-00002-of-00002.safetensors", metadata={"format": "pt"})
-    index = {name: "model-00001-of-00002.safetensors" for name in weights}
+    index = dict.fromkeys(weights, "model-00001-of-00002.safetensors")
     index["lm_head.weight"] = "model-00002-of-00002.safetensors"
     (broken / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
     data = (broken / "model-00002-of-00002.safetensors").read_bytes()

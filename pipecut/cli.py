@@ -19,6 +19,7 @@ Examples::
     torchrun --standalone --nproc-per-node 8 -m pipecut train --model ... --layout auto --global-batch 64
     torchrun --standalone --nproc-per-node 8 -m pipecut train --model ... --plan plan.json --global-batch 64
     pipecut generate --model path/to/hf-folder --prompts prompts.jsonl --max-new-tokens 32 --pp 2
+    torchrun --standalone --nproc-per-node 4 -m pipecut generate --model ... --prompts ... --pp 2 --dp 2
     pipecut --version
 
 Exit codes: 0 done, 2 an error, 3 a device over capacity (docs/reference/errors.md, "Exit codes of the

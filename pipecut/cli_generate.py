@@ -1,17 +1,21 @@
 """``pipecut generate``: a Hugging Face folder's model, planned into ``--pp`` stages, continues a file
 of prompts; completions come out as JSON lines (docs/generate.md, "pipecut generate").
 
-Legend: ``p`` stages, ``B`` prompts in a batch, ``n`` new tokens.
+Legend: ``p`` stages (``--pp``), ``d`` replicas (``--dp``), ``B`` prompts in a batch, ``n`` new tokens.
 
-The folder is read as ``pipecut train`` reads it (:class:`~pipecut.folder.HFFolder`: the same
-door checks, no code from the folder unless ``--trust-remote-code``), the model is built on meta,
-planned with :func:`~partitioner.api.partition`, and a :class:`~runtime.generate.Generator`
-gives each stage real tensors and loads only that stage's weights. The stages run one after
-another in this process today.
+The folder is opened and the generator built by :mod:`pipecut.folder_generator` (the same door
+checks as ``pipecut train``; the model on meta, planned with :func:`~partitioner.api.partition`,
+each stage made real and loaded alone). In one process the stages run one after another
+(measured faster there than a thread per stage: docs/generate.md). Under torchrun each of the
+``d x p`` processes plans the same cut and builds and loads only its own stage; the replicas split
+each batch; global rank 0 alone writes the completions, the progress and the summary
+(:mod:`pipecut.generate_job`: the layout, the ranks' checks, one-line errors).
 
-Example::
+Examples::
 
     pipecut generate --model path/to/hf-folder --prompts prompts.jsonl --max-new-tokens 32 --pp 2
+    torchrun --standalone --nproc-per-node 4 -m pipecut generate --model path/to/hf-folder \\
+        --prompts prompts.jsonl --max-new-tokens 32 --pp 2 --dp 2 --out completions.jsonl
 """
 
 from __future__ import annotations
@@ -20,26 +24,24 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import IO, Any
 
-import torch
 from rich.console import Console
 
-from partitioner.api import partition
-from partitioner.cost.devices import Cluster, default_device
 from partitioner.errors import CliArgumentError
-from partitioner.options import Capture, Costing, Cut, Inference
-from pipecut.folder import FolderError, HFFolder, max_positions
+from pipecut.folder import FolderError
+from pipecut.folder_generator import GenerationFolder, build_generator, open_generation_folder
+from pipecut.generate_job import Job, job_layout, one_line_errors, together
 from pipecut.prompts import Prompt, PromptsError, read_prompts
-from runtime.generate import Generator, Sampling
-from runtime.state.weights import Weights
+from runtime.generate import Sampling
 
 __all__ = ["add_generate_parser", "generate_command"]
+
 
 def add_generate_parser(sub: Any) -> None:
     """Add ``pipecut generate`` to the subcommands ``sub``."""
@@ -47,23 +49,33 @@ def add_generate_parser(sub: Any) -> None:
         "generate", help="continue a file of prompts with a Hugging Face folder's model, cut into pipeline stages",
         description="Generate completions for a file of prompts (JSON lines with a \"prompt\" field, or plain text "
         "lines) with a Hugging Face causal LM folder planned into --pp stages; JSON lines out. Greedy unless "
-        "--temperature > 0. The stages run one after another in this process.",
+        "--temperature > 0. In one process the stages run one after another; under torchrun "
+        "(--nproc-per-node = dp x pp) each process runs one stage of one replica.",
     )
     gen.add_argument("--model", required=True, help="a Hugging Face folder: config.json, weights and a tokenizer")
     gen.add_argument("--prompts", required=True, help="a file of prompts: JSON lines {\"prompt\": ...} or text lines")
     gen.add_argument("--max-new-tokens", type=int, required=True, help="the most new tokens per prompt (>= 1)")
-    gen.add_argument("--pp", type=int, default=1, help="pipeline stages the model is cut into (default 1)")
+    gen.add_argument("--pp", type=int, default=None,
+                     help="pipeline stages the model is cut into (default: 1 in one process; under torchrun the "
+                     "world size / --dp)")
+    gen.add_argument("--dp", type=int, default=None,
+                     help="data-parallel replicas of the pipeline, under torchrun only, each taking a share of "
+                     "every batch (default: the world size / --pp)")
     gen.add_argument("--precision", default="fp32", choices=("fp32", "bf16"),
-                     help="fp32 (default) or bf16 (autocast over the fp32 weights, as pipecut train)")
+                     help="fp32 (default) or bf16 (autocast over the fp32 weights on every rank, as pipecut train)")
     gen.add_argument("--temperature", type=float, default=0.0,
                      help="0 (default): greedy, the most likely token; > 0: sample at this temperature")
     gen.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens only")
     gen.add_argument("--top-p", type=float, default=None,
                      help="sample among the most likely tokens whose probability reaches p only")
     gen.add_argument("--seed", type=int, default=0,
-                     help="sampling seed (default 0): the same seed gives the same text on any --pp and --batch-size")
+                     help="sampling seed (default 0): the same seed gives the same text on any --pp, --dp and "
+                     "--batch-size")
     gen.add_argument("--batch-size", type=int, default=8, help="prompts generated together (default 8)")
     gen.add_argument("--out", default=None, help="write the completions here (default: stdout)")
+    gen.add_argument("--timeout", type=float, default=300.0,
+                     help="under torchrun, seconds any rank waits for another (a message, or the others loading "
+                     "their stages) before it gives up (default 300)")
     gen.add_argument("--trust-remote-code", action="store_true",
                      help="let the folder's own code (auto_map, modeling_*.py) run; off by default")
 
@@ -73,52 +85,47 @@ class _Options:
     """The command's flags, checked."""
 
     max_new_tokens: int
-    pp: int
+    pp: int | None
+    dp: int | None
     batch_size: int
     sampling: Sampling | None
-    autocast: torch.dtype | None
+    precision: str
+    timeout: float
 
 
 def generate_command(args: argparse.Namespace) -> int:
     """Run ``pipecut generate``; returns the exit code (errors are raised, typed, for ``main``)."""
     t0 = time.perf_counter()
     opts = _options(args)
-    prompts = read_prompts(args.prompts)
-    folder = HFFolder(args.model, trust_remote_code=args.trust_remote_code)
-    config = folder.config
-    folder.check_causal_lm(config, command="pipecut generate")
-    weights = folder.weights
-    if weights is None:
-        raise FolderError(
-            f"{folder.path} holds no weights (model.safetensors, pytorch_model.bin...): generating from a random "
-            "initialisation makes noise; save the trained model there (model.save_pretrained), or pass a pipecut "
-            "train run's OUT/final"
-        )
-    if not folder.tokenizer_files:  # before the model is planned and loaded (HFFolder's message is train's)
-        raise FolderError(
-            f"{folder.path} has no tokenizer files (tokenizer.json, tokenizer_config.json...) to turn the prompts "
-            "into tokens and the completions into text: save the model's tokenizer there (tokenizer.save_pretrained)"
-        )
-    tokenizer = folder.tokenizer()
-    ids = _tokenized(tokenizer, prompts, args.prompts)
-    length = _checked_length(ids, opts.max_new_tokens, config)
-    eos, pad = _stops(folder, config)
-    err = Console(stderr=True, highlight=False, markup=False, soft_wrap=True)  # a line per message, never wrapped
-    generator = _generator(folder, config, weights, opts, length)
+    job = job_layout(opts.pp, opts.dp, timeout=opts.timeout)
+    with one_line_errors(job):
+        return _generate(args, opts, job, t0)
+
+
+def _generate(args: argparse.Namespace, opts: _Options, job: Job, t0: float) -> int:
+    """Every rank: read, check, build and load its stages, then generate batch after batch; rank 0 writes."""
+    # What one rank alone could fail (its own copy of the files) is checked together before anything is loaded.
+    read = together(job, "reading the prompts and the model folder", lambda: _read(args, opts))
+    prompts, opened, tokenizer, ids = read.prompts, read.opened, read.tokenizer, read.ids
+    generator = together(job, "loading its stages", lambda: build_generator(
+        opened, pp=job.pp, dp=job.dp, transport="dist" if job.world > 1 else "sequential", precision=opts.precision,
+        seq_len=read.length, timeout=opts.timeout, batch=opts.batch_size,
+        prompt_len=read.length - opts.max_new_tokens))
+    err = Console(stderr=True, highlight=False, markup=False, soft_wrap=True, quiet=not job.leader)
     mode = "greedy" if opts.sampling is None else "sampling"
-    err.print(f"pipecut generate: {len(prompts)} prompts, {opts.pp} stage{'s' if opts.pp > 1 else ''} in this "
-              f"process, {mode}, loaded in {time.perf_counter() - t0:.1f} s")
+    err.print(f"pipecut generate: {len(prompts)} prompts, {_where(job)}, {mode}, "
+              f"loaded in {time.perf_counter() - t0:.1f} s")
     started = time.perf_counter()
     made = 0
-    with _output(args.out) as out, _Progress(err, len(prompts)) as bar:
+    with _output(args.out if job.leader else None, job.leader) as out, _Progress(err, len(prompts)) as bar:
         for start in range(0, len(prompts), opts.batch_size):
             batch = range(start, min(start + opts.batch_size, len(prompts)))
             t = time.perf_counter()
-            with _autocast(generator.device, opts.autocast):
-                # Each prompt samples by its place in the file, not in its batch: any --batch-size, the same text.
-                sampling = dataclasses.replace(opts.sampling, first_index=start) if opts.sampling else None
-                result = generator.generate([ids[i] for i in batch], max_new_tokens=opts.max_new_tokens,
-                                            eos_token_id=eos, pad_token_id=pad, sampling=sampling)
+            # Each prompt samples by its place in the file, not in its batch: any --batch-size, the same text.
+            sampling = dataclasses.replace(opts.sampling, first_index=start) if opts.sampling else None
+            result = generator.generate([ids[i] for i in batch], max_new_tokens=opts.max_new_tokens,
+                                        eos_token_id=opened.eos_token_id, pad_token_id=opened.pad_token_id,
+                                        sampling=sampling)
             seconds = time.perf_counter() - t
             for i, tokens in zip(batch, result.tokens, strict=True):
                 record = {"prompt": prompts[i].text,
@@ -127,7 +134,7 @@ def generate_command(args: argparse.Namespace) -> int:
                           "seconds": round(seconds, 4)}
                 out.write(json.dumps(record, ensure_ascii=False) + "\n")
             out.flush()
-            made += sum(len(t) for t in result.tokens)
+            made += sum(len(t) for t in result.tokens)  # every replica's: each rank gets the whole batch's tokens
             bar.advance(len(batch), made, time.perf_counter() - started)
     elapsed = time.perf_counter() - started
     where = f"; written to {args.out}" if args.out else ""
@@ -136,12 +143,41 @@ def generate_command(args: argparse.Namespace) -> int:
     return 0
 
 
+@dataclass(frozen=True)
+class _Read:
+    """The prompts, the folder and the prompts' tokens: what every rank reads before it loads anything."""
+
+    prompts: list[Prompt]
+    opened: GenerationFolder
+    tokenizer: Any
+    ids: list[list[int]]
+    length: int
+
+
+def _read(args: argparse.Namespace, opts: _Options) -> _Read:
+    prompts = read_prompts(args.prompts)
+    opened = open_generation_folder(args.model, trust_remote_code=args.trust_remote_code, command="pipecut generate")
+    tokenizer = _tokenizer(opened)
+    ids = _tokenized(tokenizer, prompts, args.prompts)
+    return _Read(prompts, opened, tokenizer, ids, _checked_length(ids, opts.max_new_tokens, opened.max_positions))
+
+
+def _where(job: Job) -> str:
+    """Where the stages run, for the first line."""
+    stages = f"{job.pp} stage{'s' if job.pp > 1 else ''}"
+    if job.world == 1:
+        return f"{stages} in this process" + (", one after another" if job.pp > 1 else "")
+    return f"{stages} x {job.dp} replica{'s' if job.dp > 1 else ''} on {job.world} processes"
+
+
 def _options(args: argparse.Namespace) -> _Options:
     """The flags checked before any file is read: each wrong value refused with what was given."""
-    for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--pp", args.pp),
+    for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--pp", args.pp), ("--dp", args.dp),
                         ("--batch-size", args.batch_size)):
-        if value < 1:
+        if value is not None and value < 1:
             raise CliArgumentError(f"{flag} must be a positive integer, got {value}")
+    if not args.timeout > 0:
+        raise CliArgumentError(f"--timeout must be a positive number of seconds, got {args.timeout}")
     if args.temperature < 0:
         raise CliArgumentError(f"--temperature must be 0 (greedy) or positive (sampling), got {args.temperature}")
     sampling = None
@@ -152,8 +188,18 @@ def _options(args: argparse.Namespace) -> _Options:
             f"--top-k {args.top_k} / --top-p {args.top_p} filter sampling, and --temperature 0 decodes greedily: "
             "add --temperature T (T > 0; 1 samples from the model's distribution), or drop them"
         )
-    return _Options(args.max_new_tokens, args.pp, args.batch_size, sampling,
-                    torch.bfloat16 if args.precision == "bf16" else None)
+    return _Options(args.max_new_tokens, args.pp, args.dp, args.batch_size, sampling, args.precision, args.timeout)
+
+
+def _tokenizer(opened: GenerationFolder) -> Any:
+    """The folder's tokenizer, before the model is planned and loaded (HFFolder's message is train's)."""
+    if opened.tokenizer is None:
+        raise FolderError(
+            f"{opened.folder.path} has no tokenizer files (tokenizer.json, tokenizer_config.json...) to turn the "
+            "prompts into tokens and the completions into text: save the model's tokenizer there "
+            "(tokenizer.save_pretrained)"
+        )
+    return opened.tokenizer
 
 
 def _tokenized(tokenizer: Any, prompts: Sequence[Prompt], path: str) -> list[list[int]]:
@@ -168,11 +214,10 @@ def _tokenized(tokenizer: Any, prompts: Sequence[Prompt], path: str) -> list[lis
     return ids
 
 
-def _checked_length(ids: Sequence[Sequence[int]], max_new_tokens: int, config: Any) -> int:
+def _checked_length(ids: Sequence[Sequence[int]], max_new_tokens: int, limit: int | None) -> int:
     """The longest sequence a batch reaches (longest prompt + ``max_new_tokens``), within the model's positions."""
     longest = max(len(row) for row in ids)
     total = longest + max_new_tokens
-    limit = max_positions(config)
     if limit is not None and total > limit:
         raise CliArgumentError(
             f"the longest prompt ({longest} tokens) and --max-new-tokens {max_new_tokens} reach {total} positions, "
@@ -181,52 +226,18 @@ def _checked_length(ids: Sequence[Sequence[int]], max_new_tokens: int, config: A
     return total
 
 
-def _stops(folder: HFFolder, config: Any) -> tuple[int | list[int] | None, int | None]:
-    """The end-of-sequence and padding tokens ``model.generate`` uses for a model loaded from the folder:
-    its ``generation_config.json``, else the ones the config names."""
-    from transformers import GenerationConfig
-
-    if (folder.path / "generation_config.json").is_file():
-        gen = GenerationConfig.from_pretrained(str(folder.path), local_files_only=True)
-    else:
-        gen = GenerationConfig.from_model_config(config)
-    return gen.eos_token_id, gen.pad_token_id
-
-
-def _generator(folder: HFFolder, config: Any, weights: Path, opts: _Options, length: int) -> Generator:
-    """The model on meta, cut into ``opts.pp`` stages between whole blocks for generation (each stage's fp32
-    weights, the KV cache of ``--batch-size`` sequences of ``length`` positions, the slowest decode step), each
-    stage made real and loaded alone."""
-    model = folder.build(meta=True, config=config).eval()
-    # One row of the longest prompt: the prefill the plan's working memory is counted for.
-    inputs = folder.example_inputs(seq_len=max(length - opts.max_new_tokens, 1), micro_batch_size=1)
-    # The stages hold fp32 weights (a bf16 checkpoint is cast up), and --precision bf16 autocasts over them.
-    inference = Inference(batch=opts.batch_size, max_len=length, dtype="fp32")
-    plan = partition(
-        model, inputs, opts.pp, cluster=Cluster.uniform(opts.pp, default_device()), cut=Cut(), capture=Capture(),
-        costing=Costing(precision="bf16" if opts.autocast is not None else "fp32", inference=inference),
-    )
-    # cast: a bf16 or fp16 checkpoint loads into the fp32 weights the stages compute with.
-    return Generator(plan, weights=Weights(weights, cast=True))
-
-
 @contextlib.contextmanager
-def _output(path: str | None) -> Iterator[IO[str]]:
-    """The completions' file (written as they come, line by line), or stdout."""
+def _output(path: str | None, leader: bool) -> Iterator[IO[str]]:
+    """The completions' file (written as they come, line by line), or stdout; on ranks other than 0, nowhere."""
+    if not leader:
+        with open(os.devnull, "w", encoding="utf-8") as f:
+            yield f
+        return
     if path is None:
         yield sys.stdout
         return
     with open(path, "w", encoding="utf-8") as f:
         yield f
-
-
-@contextlib.contextmanager
-def _autocast(device: torch.device, dtype: torch.dtype | None) -> Iterator[None]:
-    if dtype is None:
-        yield
-        return
-    with torch.autocast(device.type, dtype=dtype):
-        yield
 
 
 class _Progress:
@@ -238,7 +249,7 @@ class _Progress:
         self.done = 0
         self._bar: Any = None
         self._task: Any = None
-        if console.is_terminal:
+        if console.is_terminal and not console.quiet:  # ranks other than 0 stay silent
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
             self._bar = Progress(TextColumn("[bold]generating"), BarColumn(), MofNCompleteColumn(),

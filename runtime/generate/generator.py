@@ -12,6 +12,11 @@ data-parallel replicas) the sequences are split into groups that are in flight t
 once (the whole padded batch through every stage); each later step sends one position per sequence.
 Ragged prompts are left-padded with an attention mask and per-sequence positions, as
 ``model.generate`` does, so the greedy tokens are the same as its.
+
+Precision is autocast over the fp32 weights, as the trainer's (``runtime.precision``): every rank
+runs its stages under the generator's ``precision``, or under the caller's ``torch.autocast``
+around :meth:`Generator.generate`, which is carried into the rank threads of ``'threads'``
+(autocast's state is per thread, so it would not reach them on its own).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from runtime.generate.ranks import Layout, dist_layout, rank_spans, run_dist, ru
 from runtime.generate.ring import Ring
 from runtime.generate.sampling import Sampling, next_tokens, sequence_generators
 from runtime.generate.stage import StageRunner
+from runtime.precision import MixedPrecision, caller_policy, resolve_precision
 from runtime.state.materialize import InitFn
 from runtime.state.weights import LoadReport, Weights
 from runtime.transport.p2p import LocalTransport
@@ -102,11 +108,17 @@ class Generator:
         dp: data-parallel replicas under ``'dist'``: world rank ``d * pp + r`` is replica ``d``'s
             rank ``r``, and the replicas split the prompts.
         timeout: seconds any one message between ranks may take.
+        precision: ``'fp32'``, ``'bf16'`` or ``'fp16'`` (autocast to that dtype over the fp32
+            weights, on every rank whatever the transport), or a
+            :class:`~runtime.precision.MixedPrecision`; default: the one the plan was costed for.
+            A caller's ``torch.autocast`` around :meth:`generate` is honoured too, on every rank
+            (a :class:`~runtime.precision.AutocastConflictError` if it names another low dtype).
 
     Raises:
         PlanMismatchError: the plan is not bound to a model.
         GenerateModelError: the model is not a decoder-only causal LM of transformers.
         CutInsideBlockError: the plan cuts inside a layer, or out of model order.
+        PrecisionError: an unknown ``precision``.
         MaterializeError, WeightsError: building or loading the stages failed.
 
     Example:
@@ -125,8 +137,10 @@ class Generator:
         self, plan: Plan, *, weights: str | os.PathLike[str] | Weights | None = None,
         device: torch.device | str | None = None, seed: int = 0, init_fn: InitFn | None = None,
         transport: str = "auto", pp: int | None = None, dp: int = 1, timeout: float = 300.0,
+        precision: str | MixedPrecision | None = None,
     ) -> None:
         self.plan = plan
+        self.precision = resolve_precision(precision, plan.precision)
         self.parts: DecoderParts = decoder_parts(plan.model)
         self.spans: tuple[StageSpan, ...] = stage_spans(plan, self.parts)
         self.transport = _transport(transport)
@@ -190,14 +204,17 @@ class Generator:
         its rows leave every stage's cache.
 
         Under ``'dist'`` every rank calls this with the same arguments, and every rank returns
-        the whole batch's :class:`Generation`.
+        the whole batch's :class:`Generation`. The stages compute in the generator's precision,
+        or in the caller's ``torch.autocast`` around this call (on every rank thread too).
 
         Returns:
             A :class:`Generation`.
 
         Raises:
             GenerateOptionError: an empty prompt, right padding, or a bad ``max_new_tokens``.
+            AutocastConflictError: the caller's autocast names another low dtype than ``precision``.
         """
+        precision = caller_policy(self.precision, [self.device.type], what="generate()")
         eos = _eos(self.parts, eos_token_id)
         pad = _pad(self.parts, pad_token_id, eos)
         ids, mask = _batch(prompts, attention_mask, pad, self.device)
@@ -206,23 +223,26 @@ class Generator:
         positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)  # padding's positions reach no token
         batch = Batch(ids, mask, positions, limits, tuple(eos), pad, sampling, output_logits)
         if self.transport != "sequential" or (groups or 1) > 1 or group_size is not None:
-            return self._pipelined(batch, groups, group_size)
+            return self._pipelined(batch, groups, group_size, precision)
         # One group through this generator's own stages (their caches stay readable: cached_layers).
         generators = sequence_generators(sampling, range(b), self.device) if sampling is not None else []
         for stage in self.stages:
             stage.reset()
         group = GroupState(batch, range(b))
         hop = group.prefill()
-        while hop is not None:
-            out = hop
-            for stage in self.stages:
-                out = stage(out)
-            if hop.keep is not None and generators:  # the stopped sequences' generators leave with them
-                generators = [generators[int(i)] for i in hop.keep.tolist()]
-            hop = group.advance(next_tokens(out.data, sampling, generators), out.data if output_logits else None, pad)
+        with precision.autocast(self.device):  # the choice of tokens too, as a rank thread makes it
+            while hop is not None:
+                out = hop
+                for stage in self.stages:
+                    out = stage(out)
+                if hop.keep is not None and generators:  # the stopped sequences' generators leave with them
+                    generators = [generators[int(i)] for i in hop.keep.tolist()]
+                hop = group.advance(next_tokens(out.data, sampling, generators), out.data if output_logits else None,
+                                    pad)
         return _assembled(batch, {0: group.result()}, [])
 
-    def _pipelined(self, batch: Batch, groups: int | None, group_size: int | None) -> Generation:
+    def _pipelined(self, batch: Batch, groups: int | None, group_size: int | None,
+                   precision: MixedPrecision) -> Generation:
         b = batch.ids.shape[0]
         timeline: list[Step]
         ranks = self.layout.ranks if self.layout is not None else len(self.per_rank)
@@ -242,13 +262,15 @@ class Generator:
             replicas = split_groups(b, self.layout.replicas)
             rows = replicas[self.layout.replica] if self.layout.replica < len(replicas) else range(b, b)
             results, timeline = run_dist(self.parts, self.per_rank[self.layout.position], self.layout, batch,
-                                         cut(rows), self.timeout, slots)
+                                         cut(rows), self.timeout, precision, slots)
         elif self.transport == "threads":
-            results, timeline = run_threads(self.parts, self.per_rank, batch, cut(range(b)), self.timeout, slots)
+            results, timeline = run_threads(self.parts, self.per_rank, batch, cut(range(b)), self.timeout, precision,
+                                            slots)
         else:  # every stage in this thread, the groups taking turns (the ring's one rank sends to itself)
             timeline = []
             ring = Ring(LocalTransport({0: self.device}, timeout=self.timeout), 0, 1, self.device)
-            results = run_rank(ring, self.parts, self.spans, batch, cut(range(b)), timeline, in_flight=slots)
+            with precision.autocast(self.device):
+                results = run_rank(ring, self.parts, self.spans, batch, cut(range(b)), timeline, in_flight=slots)
         return _assembled(batch, results, timeline)
 
     def cached_layers(self) -> list[list[int]]:

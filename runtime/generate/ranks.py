@@ -9,10 +9,14 @@ ranks share a :class:`~runtime.transport.p2p.LocalTransport`; under torch.distri
 ``d * p + r`` is replica ``d``'s rank ``r``, each replica's ranks share a process group and a
 :class:`~runtime.transport.p2p.DistTransport`, the replicas split the prompts, and every rank
 returns the whole batch's tokens (one ``all_gather_object`` at the end).
+
+Every rank runs its stages in the call's precision: autocast's state is per thread, so a rank on
+a thread of its own enters the autocast itself (``precision``) rather than relying on the caller's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Sequence
@@ -26,6 +30,7 @@ from runtime.generate.errors import GenerateOptionError
 from runtime.generate.parts import DecoderParts
 from runtime.generate.pipelined import Batch, GroupResult, Step, run_rank
 from runtime.generate.ring import Ring
+from runtime.precision import MixedPrecision
 from runtime.transport.p2p import DistTransport, LocalTransport, PeerFailed
 
 __all__ = ["rank_spans", "Layout", "dist_layout", "run_threads", "run_dist"]
@@ -94,13 +99,15 @@ def dist_layout(replicas: int) -> Layout:
 
 def run_threads(
     parts: DecoderParts, per_rank: Sequence[tuple[StageSpan, ...]], batch: Batch, groups: Sequence[range],
-    timeout: float, in_flight: int | None = None,
+    timeout: float, precision: MixedPrecision | None = None, in_flight: int | None = None,
 ) -> tuple[dict[int, GroupResult], list[Step]]:
     """Run each pipeline rank on a thread of its own in this process; return the groups' results and what ran.
 
     ``in_flight``: how many of the ``groups`` run at once (default all; :func:`~runtime.generate.pipelined.run_rank`).
 
     A rank that fails closes the transport, so the others stop waiting at once; the first error is raised.
+    Each thread runs its stages under ``precision``'s autocast (default: none): a caller's
+    ``torch.autocast`` does not reach another thread, so the caller resolves it into ``precision``.
 
     Raises:
         TransportTimeout: a rank waited ``timeout`` seconds for a message.
@@ -118,8 +125,9 @@ def run_threads(
         # OpenMP's thread count is per thread: a new thread would start at the core count.
         torch.set_num_threads(intra)
         try:
-            got = run_rank(Ring(transport, r, p, batch.ids.device), parts, per_rank[r], batch, groups, timelines[r],
-                           in_flight=in_flight)
+            with _autocast(precision, batch.ids.device):
+                got = run_rank(Ring(transport, r, p, batch.ids.device), parts, per_rank[r], batch, groups,
+                               timelines[r], in_flight=in_flight)
             with lock:
                 results.update(got)
         except BaseException as e:  # every failure reaches the caller, which raises the first
@@ -145,7 +153,7 @@ def run_threads(
 
 def run_dist(
     parts: DecoderParts, spans: Sequence[StageSpan], layout: Layout, batch: Batch, groups: Sequence[range],
-    timeout: float, in_flight: int | None = None,
+    timeout: float, precision: MixedPrecision | None = None, in_flight: int | None = None,
 ) -> tuple[dict[int, GroupResult], list[Step]]:
     """Run this process's pipeline rank of its replica; return every replica's groups' results.
 
@@ -155,6 +163,7 @@ def run_dist(
         batch: the whole batch (the same on every rank).
         groups: this replica's groups, as rows of the whole batch.
         timeout: seconds any one message may take.
+        precision: the autocast this rank's stages run under (default: none).
         in_flight: how many of the ``groups`` run at once (default all).
 
     Returns:
@@ -167,7 +176,8 @@ def run_dist(
     ring = Ring(transport, layout.position, layout.ranks, batch.ids.device)
     timeline: list[Step] = []
     try:
-        mine = run_rank(ring, parts, spans, batch, groups, timeline, in_flight=in_flight)
+        with _autocast(precision, batch.ids.device):
+            mine = run_rank(ring, parts, spans, batch, groups, timeline, in_flight=in_flight)
         transport.wait_sends()
     except BaseException as e:
         transport.announce(e)
@@ -186,3 +196,7 @@ def run_dist(
             results[len(results)] = GroupResult(range(start, stop), tokens.to(batch.ids.device),
                                                 tuple(x.to(batch.ids.device) for x in logits))
     return results, timeline
+
+
+def _autocast(precision: MixedPrecision | None, device: torch.device) -> contextlib.AbstractContextManager[object]:
+    return contextlib.nullcontext() if precision is None else precision.autocast(device)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -26,14 +27,23 @@ def resolve_mode(transport: str) -> str:
     return "dist" if dist.is_initialized() or launched else "local"
 
 
-def ensure_process_group() -> None:
-    """Join the job's process group (NCCL with GPUs, on ``LOCAL_RANK``'s device; else gloo)."""
+def ensure_process_group(timeout: float | None = None) -> None:
+    """Join the job's process group (NCCL with GPUs, on ``LOCAL_RANK``'s device; else gloo).
+
+    Args:
+        timeout: seconds any collective of the group may wait (``init_process_group``'s
+            ``timeout``); default torch's own (10 minutes for NCCL, 30 for gloo). A group
+            already joined is kept as it is.
+    """
     if dist.is_initialized():
         return
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend)
+    if timeout is None:
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
     log.info("initialised torch.distributed with %s, rank %d of %d", backend, dist.get_rank(), dist.get_world_size())
 
 

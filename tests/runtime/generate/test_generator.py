@@ -144,3 +144,28 @@ def test_a_model_that_is_not_a_causal_lm_is_refused() -> None:
     mlp = torch.nn.Sequential(torch.nn.Linear(4, 4))
     with pytest.raises(GenerateModelError, match="Sequential is not a Hugging Face transformers model"):
         Generator(partition(mlp, (torch.randn(2, 4),), 1))
+
+
+def test_bf16_reaches_every_rank_thread_whatever_the_transport() -> None:
+    # autocast's state is per thread: a caller's torch.autocast must still reach the stage threads.
+    from runtime.precision import AutocastConflictError, PrecisionError
+
+    plan = partition(build("llama"), EXAMPLE, 2)
+    run = dict(max_new_tokens=NEW, eos_token_id=[], output_logits=True, groups=1)
+    sequential = Generator(plan, transport="sequential", precision="bf16").generate(PROMPTS, **run)
+    threads = Generator(plan, transport="threads", precision="bf16").generate(PROMPTS, **run)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the caller's autocast, carried into the threads
+        caller = Generator(plan, transport="threads").generate(PROMPTS, **run)
+    fp32 = Generator(plan, transport="threads").generate(PROMPTS, **run)
+    assert sequential.logits is not None and threads.logits is not None and caller.logits is not None
+    assert sequential.logits[0].dtype == threads.logits[0].dtype == caller.logits[0].dtype == torch.bfloat16
+    for other in (threads, caller):
+        assert other.logits is not None
+        assert all(torch.equal(a, b) for a, b in zip(sequential.logits, other.logits, strict=True))
+        assert other.tokens == sequential.tokens
+    assert fp32.logits is not None and fp32.logits[0].dtype == torch.float32  # the default stays fp32
+    assert torch.is_autocast_enabled("cpu") is False  # the autocast each thread entered is left behind it
+    with pytest.raises(PrecisionError, match="unknown precision 'int8'"):
+        Generator(plan, precision="int8")
+    with torch.autocast("cpu", dtype=torch.float16), pytest.raises(AutocastConflictError, match="precision='bf16'"):
+        Generator(plan, transport="threads", precision="bf16").generate(PROMPTS, **run)

@@ -100,7 +100,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         t_pipe, piped = _timed(lambda: run(None), cfg["repeat"])
         t_one, one = _timed(lambda: run(1), cfg["repeat"])
         more = 2 * world  # twice as many groups as ranks: slack for a rank whose group comes back late
-        t_more, deep = _timed(lambda: run(more), cfg["repeat"]) if b >= more else (float("nan"), piped)  # noqa: B023
+        t_more, deep = _timed(lambda m=more: run(m), cfg["repeat"]) if b >= more else (float("nan"), piped)
         dist.barrier()
         t_proc, same = float("nan"), True
         if whole is not None:

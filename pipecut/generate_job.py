@@ -24,6 +24,7 @@ from typing import TypeVar
 import torch.distributed as dist
 
 from partitioner.errors import CliArgumentError, PipecutError
+from pipecut.cli_common import world_split
 from runtime.transport.process_group import ensure_process_group
 
 __all__ = ["GenerateJobError", "Job", "job_layout", "agree", "together", "one_line_errors"]
@@ -86,13 +87,7 @@ def job_layout(pp: int | None, dp: int | None, *, timeout: float) -> Job:
                 f"--dp {dp}, or drop --dp"
             )
         return Job(1, 0, pp or 1, 1)
-    if pp is None and dp is None:
-        pp, dp = world, 1
-    elif pp is None:
-        assert dp is not None  # internal invariant
-        pp = world // dp if world % dp == 0 else 0
-    elif dp is None:
-        dp = world // pp if world % pp == 0 else 0
+    pp, dp = world_split(world, pp, dp)
     if not pp or not dp or pp * dp != world:
         raise CliArgumentError(
             f"the job has {world} processes, which is not --dp x --pp (dp {dp or '?'}, pp {pp or '?'}): give --pp "

@@ -35,6 +35,7 @@ from partitioner.cost.recompute import RECOMPUTE_FLAGS
 from partitioner.errors import PipecutError
 from partitioner.options import Costing, Cut
 from partitioner.plan.plan import Plan
+from pipecut.cli_common import world_split
 from pipecut.folder import HFFolder, max_positions
 from pipecut.train import checkpoints, finite, layout_choice, metrics_log, report, runfolder
 from pipecut.train.config import TrainConfig, TrainConfigError, read_toml, resolve, to_toml
@@ -96,15 +97,7 @@ def layout(cfg: TrainConfig, world: int, rank: int) -> Layout:
         Layout(pp=2, dp=2, m=2, rank=3, dp_rank=1)
     """
     pp, dp, b = cfg.pp, cfg.dp, cfg.micro_batch_size or 1
-    if world == 1:
-        pp, dp = pp or 1, dp or 1
-    elif pp is None and dp is None:
-        pp, dp = world, 1
-    elif pp is None:
-        assert dp is not None  # internal invariant
-        pp = world // dp if world % dp == 0 else 0
-    elif dp is None:
-        dp = world // pp if world % pp == 0 else 0
+    pp, dp = world_split(world, pp, dp)
     if world == 1 and dp != 1:
         raise TrainConfigError(
             f"--dp {dp} needs {dp} processes: launch with torchrun --nproc-per-node {dp * (pp or 1)} "

@@ -200,12 +200,13 @@ def parallelize_stage(
     for prefix, sub in list(gm.named_modules()):
         if isinstance(sub, fx.GraphModule):
             rw.rewrite(sub, prefix + "." if prefix else "")
-    missed = sorted(set(plan) - rw.seen)
+    missed = sorted(set(plan) - rw.seen, key=lambda n: (not n.endswith("weight"), n))
     if missed:
+        reader = rw.readers.get(missed[0], "no op")
         raise TensorParallelError(
-            f"{missed[0]!r} is in the tp plan but no aten.linear of the stage reads it (a layer called as a "
-            "module by an fx trace, or a weight of another op): tensor parallelism needs the torch.export "
-            "graph; drop it from the plan to keep it whole"
+            f"{missed[0]!r} is in the tp plan but is read by {reader}, not as the weight of an aten.linear: "
+            "only linear layers are split (a Conv1D, GPT-2's c_attn/c_fc/c_proj, runs addmm on an (in, out) "
+            "weight, and c_attn packs q, k and v: not supported yet); drop it from the plan to keep it whole"
         )
     from torch.distributed.tensor import DTensor, Shard
 
@@ -213,8 +214,8 @@ def parallelize_stage(
         owner_path, _, leaf = name.rpartition(".")
         owner = gm.get_submodule(owner_path)
         whole = params[name].detach()
-        n = whole.shape[dim] // tp
-        local = whole.narrow(dim, rank * n, n).clone()
+        rows = whole.shape[dim] // tp
+        local = whole.narrow(dim, rank * rows, rows).clone()
         shard = DTensor.from_local(local, mesh, [Shard(dim)], run_check=False)
         setattr(owner, leaf, nn.Parameter(shard, requires_grad=params[name].requires_grad))
     layout = TensorParallelLayout(tp=tp, sharded=dict(rw.sharded), forward_all_reduces=rw.reduces,
@@ -261,7 +262,7 @@ class TensorParallelIn(nn.Module):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Enter.apply(x, self.group)  # type: ignore[no-any-return]
+        return _Enter.apply(x, self.group)  # type: ignore[no-untyped-call,no-any-return]
 
 
 class TensorParallelOut(nn.Module):
@@ -272,7 +273,7 @@ class TensorParallelOut(nn.Module):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Reduce.apply(x, self.group)  # type: ignore[no-any-return]
+        return _Reduce.apply(x, self.group)  # type: ignore[no-untyped-call,no-any-return]
 
 
 class _Rewriter:
@@ -283,6 +284,7 @@ class _Rewriter:
         self.sharded: dict[str, int] = {}
         self.seen: set[str] = set()
         self.reduces = self.enters = 0
+        self.readers: dict[str, str] = {}  # planned parameter -> the op that reads it, for errors
 
     def rewrite(self, gm: fx.GraphModule, prefix: str) -> None:
         graph = gm.graph
@@ -290,6 +292,9 @@ class _Rewriter:
         entered: dict[fx.Node, fx.Node] = {}
         changed = False
         for node in list(graph.nodes):
+            if node.op == "get_attr" and prefix + str(node.target) in self.plan and node.users:
+                user = next(iter(node.users))
+                self.readers[prefix + str(node.target)] = f"{user.name} ({user.target})"
             if node.op == "call_module" and not isinstance(gm.get_submodule(str(node.target)), fx.GraphModule):
                 mod = gm.get_submodule(str(node.target))
                 held = [prefix + str(node.target) + "." + n for n, _ in mod.named_parameters()]
@@ -445,29 +450,30 @@ def _propagate(node: fx.Node, local: dict[fx.Node, int], tp: int) -> int | None:
     if node.op == "call_method" and node.target in ("contiguous", "clone"):
         op = str(node.target)
     out = _shape(node)
-    x = node.args[0] if node.args else None
+    a: Any = node.args  # fx types each argument as any Argument: the op fixes them
+    x = a[0] if a else None
     d = local.get(x, -1) if isinstance(x, fx.Node) else -1
     if op in _ELEMENTWISE:
         return _elementwise(node, local, out)
     if op == "transpose":
-        a, b = (int(i) % len(out) for i in node.args[1:3])
-        return b if d == a else a if d == b else d
+        i, j = (int(k) % len(out) for k in a[1:3])
+        return j if d == i else i if d == j else d
     if op == "permute":
-        return list(int(i) % len(out) for i in node.args[1]).index(d)  # type: ignore[union-attr]
+        return [int(i) % len(out) for i in a[1]].index(d)
     if op == "unsqueeze":
-        k = int(node.args[1]) % len(out)  # type: ignore[arg-type]
+        k = int(a[1]) % len(out)
         return d + 1 if k <= d else d
     if op == "slice":
-        dim = int(node.args[1]) % len(out)  # type: ignore[arg-type]
-        start = node.args[2] if len(node.args) > 2 else None
-        end = node.args[3] if len(node.args) > 3 else None
+        dim = int(a[1]) % len(out)
+        start = a[2] if len(node.args) > 2 else None
+        end = a[3] if len(node.args) > 3 else None
         whole = start in (None, 0) and (end is None or (isinstance(end, int) and end >= _shape(x)[dim]))
         if dim == d and not whole:
             raise _refuse(node, f"slices the split dim {d}")
         return d
     if op == "cat":
-        parts, dim = node.args[0], int(node.args[1]) if len(node.args) > 1 else 0  # type: ignore[arg-type]
-        dims = {local.get(p, -1) for p in parts}  # type: ignore[union-attr]
+        parts, dim = a[0], int(a[1]) if len(node.args) > 1 else 0
+        dims = {local.get(p, -1) for p in parts}
         if len(dims) != 1 or -1 in dims:
             raise _refuse(node, "joins it with a whole tensor")
         (d,) = dims
@@ -475,26 +481,26 @@ def _propagate(node: fx.Node, local: dict[fx.Node, int], tp: int) -> int | None:
             raise _refuse(node, f"concatenates along the split dim {d}")
         return d
     if op == "expand":
-        sizes = list(node.args[1])  # type: ignore[arg-type]
+        sizes = list(a[1])
         d2 = d + len(sizes) - len(_shape(x))
-        node.args = (x, _local_sizes(node, sizes, d2, out, tp), *node.args[2:])
+        node.args = (x, _local_sizes(node, sizes, d2, out, tp), *a[2:])
         return d2
     if op in _VIEWS:
         d2 = _view_dim(node, _shape(x), out, d, tp)
-        node.args = (x, _local_sizes(node, list(node.args[1]), d2, out, tp), *node.args[2:])  # type: ignore[arg-type]
+        node.args = (x, _local_sizes(node, list(a[1]), d2, out, tp), *a[2:])
         return d2
     if op == "scaled_dot_product_attention":
-        q, k, v = node.args[:3]
+        q, k, v = a[:3]
         heads = len(out) - 3
-        if any(local.get(t, -1) != heads for t in (q, k, v)):  # type: ignore[call-overload]
+        if any(local.get(t, -1) != heads for t in (q, k, v)):
             raise _refuse(node, "attention needs q, k and v all split by heads")
-        mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+        mask = a[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
         if isinstance(mask, fx.Node):
             m = _shape(mask)
             if mask in local or (len(m) > len(out) - 1 - heads and m[heads - len(out)] != 1):
                 raise _refuse(node, f"its mask {mask.name} varies over the heads")
         return heads
-    if op == "sym_size" and int(node.args[1]) % len(_shape(x)) != d:  # type: ignore[arg-type]
+    if op == "sym_size" and int(a[1]) % len(_shape(x)) != d:
         return None  # the size of a dim that is whole: the same on every rank
     raise _refuse(node, f"{op} has no rule for split tensors")
 

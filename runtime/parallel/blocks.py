@@ -133,6 +133,8 @@ def _outline(gm: fx.GraphModule, key: str, body: list[fx.Node], attrs: list[fx.N
     env: dict[fx.Node, fx.Node] = {a: sub.placeholder(a.name) for a in ins}
     for a in attrs:
         env[a] = sub.get_attr(str(a.target)[len(key) + 1:])
+    for a in (*ins, *attrs):
+        env[a].meta = dict(a.meta)  # the traced shapes, which tensor parallelism follows
     for n in body:
         env[n] = sub.node_copy(n, lambda x: env[x])
         if n.op == "call_module":  # a layer of the block, named from the block now

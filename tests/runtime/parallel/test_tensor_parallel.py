@@ -1,0 +1,189 @@
+"""Tensor parallelism of a stage graph (runtime.parallel.tensor): plans mapped onto parameter names
+(pure), and on 2 gloo processes a Llama (grouped-query attention) and a Qwen2 (q/k/v biases)
+stage sharded over tp=2 that computes the unsharded stage's output and every gradient, with two
+all-reduces per block forward and two backward; and the refusals."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+
+from runtime.parallel.tensor import TensorParallelError, plan_for, plan_from_config
+from runtime.transport.launch import spawn
+from tests.runtime.parity import TOL
+
+LLAMA_PLAN = {
+    "layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise",
+    "layers.*.self_attn.v_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.mlp.gate_proj": "colwise", "layers.*.mlp.up_proj": "colwise", "layers.*.mlp.down_proj": "rowwise",
+}
+
+
+def test_a_plan_maps_onto_the_names_under_any_prefix_and_biases_follow_their_weights() -> None:
+    names = ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
+             "model.layers.0.self_attn.q_proj.bias", "model.layers.11.mlp.down_proj.weight",
+             "layers.2.mlp.up_proj.weight", "model.layers.0.input_layernorm.weight", "lm_head.weight",
+             "model.layers.0.self_attn.q_proj_extra.weight"]
+    assert plan_for(LLAMA_PLAN, names) == {
+        "model.layers.0.self_attn.q_proj.weight": "colwise", "model.layers.0.self_attn.q_proj.bias": "colwise",
+        "model.layers.11.mlp.down_proj.weight": "rowwise", "layers.2.mlp.up_proj.weight": "colwise",
+    }
+
+
+def test_a_style_not_implemented_is_refused_only_where_it_matches() -> None:
+    moe = {**LLAMA_PLAN, "layers.*.mlp.experts": "moe_tp_experts"}
+    dense = ["model.layers.0.self_attn.o_proj.weight"]
+    assert plan_for(moe, dense) == {dense[0]: "rowwise"}  # no experts in this stage: nothing to refuse
+    with pytest.raises(TensorParallelError, match=r"'moe_tp_experts'.*layers.0.mlp.experts.gate_up_proj.*plan="):
+        plan_for(moe, [*dense, "model.layers.0.mlp.experts.gate_up_proj"])
+
+
+def test_the_plans_of_hugging_face_configs() -> None:
+    transformers = pytest.importorskip("transformers")
+    names = ["model.layers.0.self_attn.k_proj.weight", "model.layers.0.mlp.down_proj.weight"]
+    got = plan_from_config(transformers.LlamaConfig(), names)
+    assert got == dict(zip(names, ("colwise", "rowwise")))
+    with pytest.raises(TensorParallelError, match=r"GPT2Config has no base_model_tp_plan.*Conv1D"):
+        plan_from_config(transformers.GPT2Config(), ["transformer.h.0.attn.c_attn.weight"])
+    with pytest.raises(TensorParallelError, match="moe_tp_experts"):
+        plan_from_config(transformers.MixtralConfig(), ["model.layers.0.mlp.experts.gate_up_proj"])
+
+
+# ---- 2 gloo processes ------------------------------------------------------------------------
+
+
+def _stage(family: str, heads: int = 4, kv: int = 2, stages: int = 1) -> tuple[Any, Any, torch.Tensor]:
+    """(plan, config, batch) of a 2-layer model of ``family`` from transformers, dropout 0."""
+    import transformers as T
+
+    from partitioner import partition
+
+    torch.manual_seed(0)
+    config, model = {"llama": (T.LlamaConfig, T.LlamaForCausalLM), "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM)}[family]
+    cfg = config(hidden_size=8 * heads, intermediate_size=64, num_attention_heads=heads, num_key_value_heads=kv,
+                 num_hidden_layers=2, vocab_size=96, max_position_embeddings=32, attention_dropout=0.0)
+    x = torch.randint(0, 96, (2, 8))
+    return partition(model(cfg), (x,), stages, microbatches=1), cfg, x
+
+
+def _count_all_reduces(fn: Any) -> int:
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    with CommDebugMode() as comm:
+        fn()
+    return int(sum(comm.get_comm_counts().values()))
+
+
+def _parity(family: str, outline: bool) -> dict[str, Any]:
+    """The stage sharded over the world (tp=2) against its unsharded copy: output, every gradient."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from runtime.parallel.blocks import outline_blocks
+    from runtime.parallel.tensor import parallelize_stage
+
+    plan, cfg, x = _stage(family)
+    (stage,) = plan.build_stages().stages
+    ref = copy.deepcopy(stage)
+    blocks = outline_blocks(stage) if outline else []
+    names = [n for n, _ in stage.named_parameters()]
+    layout = parallelize_stage(stage, plan_from_config(cfg, names), dist.group.WORLD)
+    out: list[torch.Tensor] = []
+    fwd = _count_all_reduces(lambda: out.append(stage(x)[0]))
+    want = ref(x)[0]
+    torch.testing.assert_close(out[0], want, **TOL)
+    loss = out[0].pow(2).mean()
+    bwd = _count_all_reduces(loss.backward)
+    want.pow(2).mean().backward()
+    grads = dict(ref.named_parameters())
+    whole: dict[str, torch.Tensor] = {}
+    for n, prm in stage.named_parameters():
+        assert prm.grad is not None, n
+        g = prm.grad.full_tensor() if isinstance(prm.grad, DTensor) else prm.grad
+        torch.testing.assert_close(g, grads[n].grad, **TOL, msg=lambda m, n=n: f"{n}: {m}")
+        if not isinstance(prm, DTensor):
+            whole[n] = prm.grad
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, whole)
+    same = all(torch.equal(every[0][n], every[1][n]) for n in whole)
+    local = sum(p.to_local().numel() if isinstance(p, DTensor) else 0 for p in stage.parameters())
+    sharded_whole = sum(grads[n].numel() for n in layout.sharded)
+    return {"fwd": fwd, "bwd": bwd, "layout": layout, "checked": len(names), "replicated_same": same,
+            "whole_grads": len(whole), "local": local, "sharded_whole": sharded_whole, "blocks": blocks}
+
+
+def _refusals() -> dict[str, str]:
+    """Each refusal's message, by case."""
+    import torch.distributed as dist
+
+    from partitioner.zoo import gpt2
+    from runtime.parallel.tensor import parallelize_stage
+
+    got: dict[str, str] = {}
+
+    def refused(case: str, stage: Any, tp_plan: dict[str, str]) -> None:
+        try:
+            parallelize_stage(stage, tp_plan, dist.group.WORLD)
+        except TensorParallelError as e:
+            got[case] = str(e)
+
+    plan, cfg, _ = _stage("llama", heads=3, kv=3)  # 3 heads over tp=2
+    (stage,) = plan.build_stages().stages
+    refused("heads", stage, plan_from_config(cfg, [n for n, _ in stage.named_parameters()]))
+    plan, cfg, _ = _stage("llama", stages=2)
+    gm, stage_of = plan.traced.gm, plan.stage_of()
+    nodes = [n.name for n in gm.graph.nodes if n.name in stage_of]
+    # Cut right after block 1's q_proj: its column-parallel output would leave the first stage.
+    q = next(n for n in gm.graph.nodes if n.op == "get_attr" and n.target == "model.layers.1.self_attn.q_proj.weight")
+    k = nodes.index(next(iter(q.users)).name) + 1
+    first, second = plan.stages
+    cut = dataclasses.replace(plan, stages=(dataclasses.replace(first, nodes=tuple(nodes[:k])),
+                                            dataclasses.replace(second, nodes=tuple(nodes[k:]))))
+    head = cut.build_stages().stages[0]
+    refused("cut", head, plan_from_config(cfg, [n for n, _ in head.named_parameters()]))
+    model, (x,) = gpt2(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16, batch=2, seq=8)
+    from partitioner import partition
+
+    (g2,) = partition(model, (x,), 1, microbatches=1).build_stages().stages
+    names = [n for n, _ in g2.named_parameters()]
+    refused("conv1d", g2, plan_for({"h.*.attn.c_attn": "colwise"}, names))
+    return got
+
+
+def _worker(rank: int, world: int) -> dict[str, Any]:
+    return {"llama": _parity("llama", outline=False), "llama outlined": _parity("llama", outline=True),
+            "qwen2 outlined": _parity("qwen2", outline=True), "refusals": _refusals()}
+
+
+@pytest.fixture(scope="module")
+def runs() -> list[dict[str, Any]]:
+    pytest.importorskip("transformers")
+    return spawn(_worker, 2, timeout=420)
+
+
+@pytest.mark.parametrize("case", ["llama", "llama outlined", "qwen2 outlined"])
+def test_a_stage_over_tp_2_computes_the_unsharded_stage_with_two_all_reduces_a_block(
+    runs: list[dict[str, Any]], case: str
+) -> None:
+    for r in runs:
+        got = r[case]
+        # 2 blocks: one all-reduce after each attention's o_proj and each MLP's down_proj forward,
+        # one before each attention's q/k/v and each MLP's gate/up backward (the inputs' gradients).
+        assert (got["fwd"], got["bwd"]) == (4, 4) == (got["layout"].forward_all_reduces,
+                                                       got["layout"].backward_all_reduces)
+        biases = 6 if case.startswith("qwen2") else 0  # q, k, v biases of 2 blocks, sharded by rows
+        assert len(got["layout"].sharded) == 14 + biases
+        assert got["local"] * 2 == got["sharded_whole"]  # each rank holds half of every sharded weight
+        assert got["replicated_same"] and got["whole_grads"] == got["checked"] - 14 - biases
+        assert got["blocks"] == ([] if case == "llama" else ["model.layers.0", "model.layers.1"])
+
+
+def test_what_tensor_parallelism_cannot_split_is_refused_with_the_fix(runs: list[dict[str, Any]]) -> None:
+    got = runs[0]["refusals"]
+    assert "splits a tp-split dim into 3 (heads?), not divisible by tp=2" in got["heads"]
+    assert "leaves the graph split over tp" in got["cut"] and "cut the pipeline between blocks" in got["cut"]
+    assert "c_attn.weight' is in the tp plan but is read by addmm" in got["conv1d"] and "Conv1D" in got["conv1d"]

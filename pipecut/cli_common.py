@@ -14,7 +14,7 @@ from partitioner.errors import CliArgumentError
 from partitioner.plan.render import TEXT_WIDTH
 from pipecut.folder import HFFolder, max_positions
 
-__all__ = ["make_console", "positive_count", "positive_count_or_auto", "folder_model", "world_split"]
+__all__ = ["make_console", "positive_count", "positive_count_or_auto", "folder_model"]
 
 
 def make_console() -> Console:
@@ -57,26 +57,3 @@ def positive_count(text: str, alternative: str = "") -> int:
         raise CliArgumentError(f"expected {expected}, got {value}")
     return value
 
-
-def world_split(world: int, pp: int | None, dp: int | None) -> tuple[int, int]:
-    """``--pp`` and ``--dp`` of a job of ``world`` processes, either or both left out (``None``).
-
-    In one process a missing count is 1; under torchrun a missing one is the world over the
-    other (both missing: one pipeline of every process). A count that cannot be comes back as 0
-    (the world is not a multiple of the other), and the caller refuses ``pp x dp != world`` with
-    its own message.
-
-    Example:
-        >>> world_split(4, 2, None), world_split(4, None, None), world_split(6, None, 4), world_split(1, 2, None)
-        ((2, 2), (4, 1), (0, 4), (2, 1))
-    """
-    if world == 1:
-        return pp or 1, dp or 1
-    if pp is None and dp is None:
-        return world, 1
-    if pp is None:
-        assert dp is not None  # internal invariant
-        return (world // dp if world % dp == 0 else 0), dp
-    if dp is None:
-        return pp, (world // pp if world % pp == 0 else 0)
-    return pp, dp

@@ -24,8 +24,7 @@ from typing import TypeVar
 import torch.distributed as dist
 
 from partitioner.errors import CliArgumentError, PipecutError
-from pipecut.cli_common import world_split
-from runtime.transport.process_group import ensure_process_group
+from runtime.transport.process_group import ensure_process_group, world_split
 
 __all__ = ["GenerateJobError", "Job", "job_layout", "agree", "together", "one_line_errors"]
 

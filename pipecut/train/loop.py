@@ -35,7 +35,6 @@ from partitioner.cost.recompute import RECOMPUTE_FLAGS
 from partitioner.errors import PipecutError
 from partitioner.options import Costing, Cut
 from partitioner.plan.plan import Plan
-from pipecut.cli_common import world_split
 from pipecut.folder import HFFolder, max_positions
 from pipecut.train import checkpoints, finite, layout_choice, metrics_log, report, runfolder
 from pipecut.train.config import TrainConfig, TrainConfigError, read_toml, resolve, to_toml
@@ -47,7 +46,7 @@ from runtime.errors import LossError
 from runtime.options import DataParallel, Execution, Init
 from runtime.state.weights import Weights
 from runtime.trainer import PipelineTrainer
-from runtime.transport.process_group import ensure_process_group
+from runtime.transport.process_group import ensure_process_group, world_split
 
 __all__ = ["train", "TrainResult", "Layout", "layout", "lm_loss", "BETAS"]
 

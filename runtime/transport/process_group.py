@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from runtime.errors import TransportOptionError
 
-__all__ = ["resolve_mode", "ensure_process_group", "default_device", "comm_device"]
+__all__ = ["resolve_mode", "ensure_process_group", "default_device", "comm_device", "world_split"]
 
 log = logging.getLogger(__name__)
 
@@ -57,3 +57,27 @@ def default_device() -> torch.device:
 def comm_device() -> torch.device:
     """Where collectives' buffers live: the rank's GPU under NCCL, else the CPU."""
     return default_device() if dist.is_initialized() else torch.device("cpu")
+
+
+def world_split(world: int, pp: int | None, dp: int | None) -> tuple[int, int]:
+    """``--pp`` and ``--dp`` of a job of ``world`` processes, either or both left out (``None``).
+
+    In one process a missing count is 1; under torchrun a missing one is the world over the
+    other (both missing: one pipeline of every process). A count that cannot be comes back as 0
+    (the world is not a multiple of the other), and the caller refuses ``pp x dp != world`` with
+    its own message.
+
+    Example:
+        >>> world_split(4, 2, None), world_split(4, None, None), world_split(6, None, 4), world_split(1, 2, None)
+        ((2, 2), (4, 1), (0, 4), (2, 1))
+    """
+    if world == 1:
+        return pp or 1, dp or 1
+    if pp is None and dp is None:
+        return world, 1
+    if pp is None:
+        assert dp is not None  # internal invariant
+        return (world // dp if world % dp == 0 else 0), dp
+    if dp is None:
+        return pp, (world // pp if world % pp == 0 else 0)
+    return pp, dp

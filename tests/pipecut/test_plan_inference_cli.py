@@ -94,13 +94,11 @@ def test_missing_or_misplaced_sizes_are_refused(llama_folder: Path, capsys: pyte
 
 
 def test_pipecut_generate_plans_its_batch_and_length_for_generation(llama_folder: Path) -> None:
-    from pipecut.cli_generate import _generator, _Options
-    from pipecut.folder import HFFolder
+    from pipecut.folder_generator import build_generator, open_generation_folder
 
-    folder = HFFolder(str(llama_folder))
-    assert folder.weights is not None
-    opts = _Options(max_new_tokens=4, pp=2, batch_size=3, sampling=None, autocast=None)
-    gen = _generator(folder, folder.config, folder.weights, opts, 12)  # the longest prompt: 8 tokens
+    opened = open_generation_folder(llama_folder)
+    # What pipecut generate passes: --batch-size 3, the longest prompt (8 tokens) + --max-new-tokens 4.
+    gen = build_generator(opened, pp=2, seq_len=12, batch=3, prompt_len=8)
     inf = gen.plan.inference
     assert inf is not None and (inf.batch, inf.max_len, inf.prompt_len, inf.dtype) == (3, 12, 8, "fp32")
     assert gen.plan.schedule == "forward" and all(st.kv_bytes > 0 for st in gen.plan.stages)

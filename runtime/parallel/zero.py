@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from runtime.parallel.clipping import local_shard
 from runtime.transport.collective import wait_bounded
 from runtime.transport.placement import PlacementError
 
@@ -88,6 +89,8 @@ def broadcast_from_owners(
     device = comm_device() if comm_device is not None else torch.device("cpu")
     buckets: dict[tuple[int, torch.dtype], list[list[nn.Parameter]]] = {}
     filled: dict[tuple[int, torch.dtype], int] = {}  # bytes in each key's last chunk
+    # A tensor-parallel shard (DTensor) travels as its local part: each tp rank has its own dp group.
+    params = [local_shard(p) for p in params]
     for p, d in zip(params, owners):
         key, size = (d, p.dtype), p.numel() * p.element_size()
         chunks = buckets.setdefault(key, [[]])

@@ -36,7 +36,10 @@ from runtime.state.materialize import InitFn
 from runtime.state.weights import Weights
 from runtime.transport.placement import PlacementError
 
-__all__ = ["Execution", "Init", "DataParallel", "TensorParallel", "TrainerOptions", "SHORTCUTS", "resolve_options", "apply_layout"]
+__all__ = [
+    "Execution", "Init", "DataParallel", "TensorParallel", "TrainerOptions", "SHORTCUTS", "resolve_options",
+    "apply_layout",
+]
 
 log = logging.getLogger(__name__)
 

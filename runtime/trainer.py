@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import operator
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -103,8 +104,7 @@ class PipelineTrainer:
             under torch.distributed (world size ``dp * p``), each training on its share of the
             global batch (:meth:`local_batch`), gradients averaged before every step; or an int,
             short for ``DataParallel(size=n)``.
-        tensor_parallel: a :class:`~runtime.options.TensorParallel`: each stage split over ``tp``
-            processes (world size ``dp * p * tp``, docs/tensor-parallel.md); or an int, its size.
+        tensor_parallel: a :class:`~runtime.options.TensorParallel` or its size: stages split over ``tp`` processes.
         **shortcuts: the keywords this trainer took before the option objects (``schedule=``,
             ``microbatches=``, ``weights=``...), kept for one release: each sets its object's
             field (``runtime.options.SHORTCUTS``). Not together with that object.
@@ -151,7 +151,8 @@ class PipelineTrainer:
         # the plan and options (schedule, placement, micro-batches, precision) -> build this
         # process's stages and wrap them for the replicas -> connect the transport -> ready.
         self._init_run_state()
-        run = resolve_run(plan, resolve_options(execution, init, data_parallel, tensor_parallel, **shortcuts), precision, recompute)
+        opts = resolve_options(execution, init, data_parallel, tensor_parallel, **shortcuts)
+        run = resolve_run(plan, opts, precision, recompute)
         built = assemble(plan, run)
         ex, mp = run.options.execution, run.precision
         if mp.gather_low_precision and not isinstance(built.replicas, FSDPReplicas):
@@ -181,7 +182,7 @@ class PipelineTrainer:
         if self.optimizer is not None and isinstance(built.replicas, FSDPReplicas):
             check_optimizer(self.optimizer, built.replicas.owned)  # FSDP: the shards, not the model's tensors
         self.scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None and self.optimizer else None
-        device_types = {d.type for d in self.devices.values()}
+        device_types = set(map(operator.attrgetter("type"), self.devices.values()))  # map: no frame of the trainer (test_layout)
         self.scaler = LossScaler(mp.init_scale, growth_interval=mp.growth_interval) if mp.scales_loss else None
         self._autocast = CallerAutocast(mp, device_types, functools.partial(
             wire_dtypes, ios=built.ios, gm=run.traced.gm, inputs=run.traced.example_inputs,

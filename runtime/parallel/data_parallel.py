@@ -170,7 +170,9 @@ def job_mesh(
     return pipeline_mesh(ranks, data_parallel, mesh, device_type, tp)
 
 
-def one_process_mesh(ranks: int, m: int, data_parallel: int | None, mesh: Any, tensor_parallel: int = 1) -> PipelineMesh:
+def one_process_mesh(
+    ranks: int, m: int, data_parallel: int | None, mesh: Any, tensor_parallel: int = 1
+) -> PipelineMesh:
     """The mesh of a pipeline run in one process: one replica.
 
     Raises:
@@ -368,7 +370,8 @@ class GradAverager:
                 self._reduce(bucket, owner)
 
     def _reduce(self, bucket: list[nn.Parameter], owner: int | None) -> None:
-        flat = torch.cat([local_shard(p.grad).reshape(-1) for p in bucket if p.grad is not None]).to(self._comm_device())
+        flat = torch.cat([local_shard(p.grad).reshape(-1) for p in bucket if p.grad is not None])
+        flat = flat.to(self._comm_device())
         work = None
         if self.size > 1 and owner is None:
             work = dist.all_reduce(flat, group=self.group, async_op=True)

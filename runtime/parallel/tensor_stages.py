@@ -133,7 +133,7 @@ def _replicate_whole(s: int, gm: fx.GraphModule, mesh: Any) -> int:
     from torch.distributed.tensor import DTensor, Replicate
 
     swapped: dict[int, nn.Parameter] = {}
-    for name, prm in gm.named_parameters():
+    for prm in gm.parameters():
         if not isinstance(prm, DTensor):
             swapped[id(prm)] = nn.Parameter(DTensor.from_local(prm.detach(), mesh, [Replicate()], run_check=False),
                                             requires_grad=prm.requires_grad)

@@ -87,11 +87,13 @@ def broadcast_from_owners(
             ``PeerGone`` when a peer failed or its process is gone).
     """
     device = comm_device() if comm_device is not None else torch.device("cpu")
-    buckets: dict[tuple[int, torch.dtype], list[list[nn.Parameter]]] = {}
+    buckets: dict[tuple[int, torch.dtype], list[list[torch.Tensor]]] = {}
     filled: dict[tuple[int, torch.dtype], int] = {}  # bytes in each key's last chunk
-    # A tensor-parallel shard (DTensor) travels as its local part: each tp rank has its own dp group.
-    params = [local_shard(p) for p in params]
-    for p, d in zip(params, owners):
+    # A tensor-parallel shard (DTensor) travels as its local part (its storage, taken without
+    # autograd): each tp rank has its own dp group.
+    with torch.no_grad():
+        locals_ = [local_shard(p) for p in params]
+    for p, d in zip(locals_, owners):
         key, size = (d, p.dtype), p.numel() * p.element_size()
         chunks = buckets.setdefault(key, [[]])
         if chunks[-1] and filled[key] + size > bucket_bytes:

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from partitioner import partition
+from partitioner import Plan, partition
 from runtime.errors import TrainerOptionError
 from runtime.options import DataParallel, Init, TensorParallel, TrainerOptions, resolve_options
 from runtime.parallel.tensor_stages import TensorParallelOptionError, refuse_unsupported
@@ -15,7 +15,7 @@ from runtime.trainer import PipelineTrainer
 from runtime.transport.placement import PlacementError
 
 
-def _plan() -> object:
+def _plan() -> Plan:
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
     return partition(model, (torch.randn(2, 8),), 2, microbatches=2)
 

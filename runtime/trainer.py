@@ -182,7 +182,7 @@ class PipelineTrainer:
         if self.optimizer is not None and isinstance(built.replicas, FSDPReplicas):
             check_optimizer(self.optimizer, built.replicas.owned)  # FSDP: the shards, not the model's tensors
         self.scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None and self.optimizer else None
-        device_types = set(map(operator.attrgetter("type"), self.devices.values()))  # map: no frame of the trainer (test_layout)
+        device_types = set(map(operator.attrgetter("type"), self.devices.values()))  # map: no frame (test_layout)
         self.scaler = LossScaler(mp.init_scale, growth_interval=mp.growth_interval) if mp.scales_loss else None
         self._autocast = CallerAutocast(mp, device_types, functools.partial(
             wire_dtypes, ios=built.ios, gm=run.traced.gm, inputs=run.traced.example_inputs,

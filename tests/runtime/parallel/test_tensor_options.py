@@ -50,3 +50,13 @@ def test_the_trainer_refuses_fsdp_with_tp_before_joining_a_process_group() -> No
     with pytest.raises(TensorParallelOptionError, match="engine='fsdp'"):
         PipelineTrainer(_plan(), nn.functional.mse_loss, transport="local", tensor_parallel=2,
                         data_parallel=DataParallel(size=2, engine="fsdp"))
+
+
+def test_checkpoints_and_exports_of_tp_shards_are_refused_until_they_are_built() -> None:
+    from types import SimpleNamespace
+
+    from runtime.state.weight_errors import CheckpointError, refuse_tensor_parallel
+
+    refuse_tensor_parallel(SimpleNamespace(mesh=SimpleNamespace(tp=1)), "export_safetensors")
+    with pytest.raises(CheckpointError, match=r"export_safetensors with TensorParallel\(size=2\).*tp=1"):
+        refuse_tensor_parallel(SimpleNamespace(mesh=SimpleNamespace(tp=2)), "export_safetensors")

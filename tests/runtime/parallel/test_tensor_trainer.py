@@ -34,19 +34,20 @@ def _batch(gen: torch.Generator, rows: int = 8) -> tuple[torch.Tensor, torch.Ten
     return torch.randint(0, 96, (rows, 8), generator=gen), torch.randint(0, 96, (rows, 8), generator=gen)
 
 
-def _case(schedule: str, stages: int, **opts: Any) -> dict[str, Any]:
-    """One trainer of this rank (tp 2) against the plain model: forward_backward, then 3 clipped AdamW steps."""
+def _case(schedule: str, stages: int, dp: int = 1, zero1: bool = False, **opts: Any) -> dict[str, Any]:
+    """One trainer of this rank (tp 2, ``dp`` replicas) against the plain model on the global
+    batch: forward_backward, then 3 clipped AdamW steps."""
     from torch.distributed.tensor import DTensor
 
     from partitioner import partition
-    from runtime.options import TensorParallel
+    from runtime.options import DataParallel, TensorParallel
     from runtime.trainer import PipelineTrainer
 
     started = time.perf_counter()
     model = _llama()
     ref = copy.deepcopy(model)
     gen = torch.Generator().manual_seed(5)
-    x, y = _batch(gen)
+    x, y = _batch(gen, 8 * dp)
     # Stages begin at blocks: a cut between a column layer and its row layer cannot be split.
     starts = [f"model.layers.{k * 4 // stages}" for k in range(1, stages)]
     plan = partition(model, (x[:2],), stages, microbatches=4, schedule=schedule, split_points=starts)
@@ -56,8 +57,9 @@ def _case(schedule: str, stages: int, **opts: Any) -> dict[str, Any]:
     # eps=1e-5 bounds that amplification to TOL (1e-6 left one element of 1,024 at 3e-6).
     opt = lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1, eps=1e-5, foreach=True)  # noqa: E731
     trainer = PipelineTrainer(plan, _loss, opt, schedule=schedule, transport="dist",
-                              tensor_parallel=TensorParallel(size=2), **opts)
-    loss = trainer.forward_backward(x, y)
+                              tensor_parallel=TensorParallel(size=2),
+                              data_parallel=DataParallel(size=dp, shard_optimizer=zero1), **opts)
+    loss = trainer.forward_backward(*trainer.local_batch(x, y))
     ref.zero_grad()
     want_loss = _loss(ref(x), y)
     want_loss.backward()
@@ -75,8 +77,8 @@ def _case(schedule: str, stages: int, **opts: Any) -> dict[str, Any]:
     ref_opt = opt(list(ref.parameters()))
     norms = []
     for _ in range(3):
-        x, y = _batch(gen)
-        trainer.step(x, y, max_norm=0.5)
+        x, y = _batch(gen, 8 * dp)
+        trainer.step(*trainer.local_batch(x, y), max_norm=0.5)
         ref_opt.zero_grad()
         _loss(ref(x), y).backward()
         norms.append((float(trainer.last_grad_norm), float(nn.utils.clip_grad_norm_(ref.parameters(), 0.5))))
@@ -85,8 +87,13 @@ def _case(schedule: str, stages: int, **opts: Any) -> dict[str, Any]:
     for n, prm in trainer.named_parameters():
         got = prm.detach().full_tensor() if isinstance(prm, DTensor) else prm.detach()
         torch.testing.assert_close(got, want[n], **TOL, msg=lambda m, n=n: f"{n}: {m}")
+    from runtime.state.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match=r"a checkpoint save with TensorParallel\(size=2\) is not supported"):
+        trainer.save("never-written")  # refused on every rank before any file or collective
     return {"sharded": sharded, "checked": len(list(trainer.named_parameters())), "norms": norms,
-            "tp_rank": trainer.mesh.tp_rank, "pp_rank": trainer.mesh.pp_rank, "stages": sorted(trainer.stages),
+            "tp_rank": trainer.mesh.tp_rank, "pp_rank": trainer.mesh.pp_rank, "dp_rank": trainer.mesh.dp_rank,
+            "stages": sorted(trainer.stages),
             "seconds": time.perf_counter() - started}
 
 

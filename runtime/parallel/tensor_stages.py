@@ -1,4 +1,4 @@
-"""Tensor parallelism over a job's stages: each stage's plan found and its graph split, the norm counted once.
+"""Tensor parallelism over a job's stages: each stage's plan found, its graph split, its whole weights replicated.
 
 Legend: ``tp`` ranks of a stage's tensor-parallel group, ``t`` this process's rank in it, ``s`` a
 stage, ``p`` pipeline ranks, ``dp`` replicas.
@@ -13,8 +13,8 @@ before any of that, which other options tensor parallelism does not compose with
 run instead.
 
 Example:
-    >>> refuse_unsupported(1, schedule="zbv", engine="fsdp", precision="fp16", weights=True)  # tp 1: anything goes
-    >>> refuse_unsupported(2, schedule="1f1b", engine="replicate", precision="bf16", weights=False)
+    >>> refuse_unsupported(1, engine="fsdp", precision="fp16", weights=True)  # tp 1: anything goes
+    >>> refuse_unsupported(2, engine="replicate", precision="bf16", weights=False)
 """
 
 from __future__ import annotations
@@ -38,12 +38,11 @@ class TensorParallelOptionError(TensorParallelError):
     names both and what to run instead."""
 
 
-def refuse_unsupported(tp: int, *, schedule: str, engine: str, precision: str, weights: bool) -> None:
+def refuse_unsupported(tp: int, *, engine: str, precision: str, weights: bool) -> None:
     """Refuse, on every rank alike and before any weight is touched, what ``tp > 1`` does not run yet.
 
     Args:
         tp: tensor-parallel ranks per stage.
-        schedule: the schedule's name.
         engine: ``DataParallel.engine``.
         precision: the mixed-precision policy's name.
         weights: whether ``Init(weights=...)`` asks for a checkpoint to be loaded.

@@ -40,7 +40,7 @@ def test_tensor_parallelism_in_one_process_is_refused_with_the_launch_command() 
     ({"weights": True}, r"Init\(weights=...\).*before partitioning"),
 ])
 def test_what_does_not_compose_with_tp_yet_is_refused_naming_both(opts: dict[str, object], words: str) -> None:
-    kw = {"schedule": "1f1b", "engine": "replicate", "precision": "fp32", "weights": False, **opts}
+    kw = {"engine": "replicate", "precision": "fp32", "weights": False, **opts}
     refuse_unsupported(1, **kw)  # type: ignore[arg-type]  # tp 1: nothing to refuse
     with pytest.raises(TensorParallelOptionError, match=r"TensorParallel\(size=2\) with " + words):
         refuse_unsupported(2, **kw)  # type: ignore[arg-type]

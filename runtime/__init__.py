@@ -33,9 +33,10 @@ from runtime.execute.recompute import RecomputeOptionError
 from runtime.execute.saved_memory import SavedBytes
 from runtime.generate import GenerateError, Generation, Generator, Sampling
 from runtime.metrics import TrainingProgress, step_metrics
-from runtime.options import DataParallel, Execution, Init
+from runtime.options import DataParallel, Execution, Init, TensorParallel
 from runtime.parallel.data_parallel import GradAverager, PipelineMesh, pipeline_mesh
 from runtime.parallel.fsdp import FSDPOptionError
+from runtime.parallel.tensor import TensorParallelError
 from runtime.state.integrity import ChecksumError, verify_manifest
 from runtime.state.materialize import MaterializeError, empty_weights, initialize, materialize
 from runtime.state.weight_errors import (
@@ -84,6 +85,8 @@ __all__ = [
     "Execution",
     "Init",
     "DataParallel",
+    "TensorParallel",
+    "TensorParallelError",
     "OptionKeywordError",
     "TrainerOptionError",
     "PipelineMesh",

@@ -35,6 +35,8 @@ from runtime.execute.records import StageRuntime, stage_runtimes
 from runtime.options import TrainerOptions, apply_layout
 from runtime.parallel.data_parallel import PipelineMesh, Replicas, job_mesh, one_process_mesh
 from runtime.parallel.fsdp import FSDPReplicas, check_fsdp_plan
+from runtime.parallel.tensor import TensorParallelLayout
+from runtime.parallel.tensor_stages import refuse_unsupported, split_stages
 from runtime.parallel.tied import TiedGroup, tie_copies
 from runtime.precision import MixedPrecision, resolve_precision
 from runtime.state.materialize import materialize_stages, refuse_released, release_whole_copies
@@ -109,11 +111,12 @@ def resolve_run(
         MicrobatchError: ``Execution.microbatches`` is not an int >= 1.
         PlanMismatchError: the plan was loaded from a file and not bound to a model yet.
         PlacementError: ``S`` is not a multiple of the schedule's stages per rank, the job's
-            world size is not ``dp * p``, the backend cannot run the schedule's messages, stages
+            world size is not ``dp * p * tp``, the backend cannot run the schedule's messages, stages
             of one rank are given different devices, or replicas are asked for in one process.
         UnknownScheduleError: the schedule's name is not registered.
         RecomputeOptionError: ``recompute`` names no stage of the plan, or is of another type.
         TransportOptionError: an unknown transport.
+        TensorParallelOptionError: ``tp > 1`` with an option it does not compose with yet.
 
     Example:
         >>> import torch
@@ -142,16 +145,18 @@ def resolve_run(
     options = apply_layout(options, layout, mode)
     # Where this process sits: under 'dist' (collective: joins the process group, builds the mesh)
     # one rank and its device; otherwise every rank, with a device per stage.
-    devices, dp = ex.devices, options.data_parallel
+    devices, dp, tp = ex.devices, options.data_parallel, options.tensor_parallel.size
+    refuse_unsupported(tp, engine=dp.engine if (dp.size or 1) > 1 else "replicate", precision=mp.name,
+                       weights=options.init.weights is not None)
     if mode == "dist":
         ensure_process_group()
         check_backend(schedule, io)
         device = torch.device(devices) if isinstance(devices, (str, torch.device)) else default_device()
-        mesh = job_mesh(schedule, num_stages, dp.size, dp.mesh, device.type)
+        mesh = job_mesh(schedule, num_stages, dp.size, dp.mesh, device.type, tp)
         own = dict.fromkeys(schedule.stages_of(mesh.pp_rank), device)
         placement = Placement(mesh, mesh.pp_rank, (mesh.pp_rank,), own)
     else:
-        mesh = one_process_mesh(ranks, m, dp.size, dp.mesh)
+        mesh = one_process_mesh(ranks, m, dp.size, dp.mesh, tp)
         placement = Placement(mesh, 0, tuple(range(ranks)), stage_devices(devices, num_stages, schedule))
     return Run(options, mp, num_stages, m, schedule, stages, mode, out_spec, placement, model, traced)
 
@@ -167,6 +172,7 @@ class Assembly:
         tied: the copies of tied weights whose gradients are summed after each run.
         replicas: the gradient exchange between data-parallel replicas (and the optimizer's share):
             the home-made engine's ``Replicas`` or FSDP2's ``FSDPReplicas``.
+        tensor_parallel: each stage's split over its tp group (empty when ``tp == 1``).
     """
 
     placement: Placement
@@ -174,12 +180,14 @@ class Assembly:
     ios: list[StageIO]
     tied: list[TiedGroup]
     replicas: Replicas | FSDPReplicas
+    tensor_parallel: dict[int, TensorParallelLayout]
 
 
 def assemble(plan: Plan, run: Run) -> Assembly:
     """Build this process's stages of ``plan`` where ``run`` places them, materialised, tied and
     replicated (``engine='fsdp'``: sharded by FSDP2, weights all-gathered in the precision's low
-    dtype when it asks for that).
+    dtype when it asks for that); with ``TensorParallel(size=tp)``, each stage split over its tp
+    group once materialised.
 
     The plan is read here for its stages (the split) and told when its model's tensors changed
     (materialised, or released under FSDP); everything else comes resolved in ``run``.
@@ -207,6 +215,14 @@ def assemble(plan: Plan, run: Run) -> Assembly:
     if materialize_stages(model, mine, devices, init_fn=init.init_fn, seed=init.seed, rank=rank,
                           will_load=will_load):
         plan.refresh_binding()
+    # Split over tp once real, before weight-gradient fusion, the replicas and the optimizer see the weights.
+    layouts: dict[int, TensorParallelLayout] = {}
+    if placement.mesh.tp > 1:
+        for module in mine.values():
+            if isinstance(module, fx.GraphModule):
+                unshare_bodies(module)  # the rewrite must not reach the traced graph's bodies
+        layouts = split_stages(mine, run.options.tensor_parallel.patterns(), model, placement.mesh.tp_mesh,
+                               tied=staged.shared_params)
     stages = stage_runtimes(staged, devices, fuse_wgrad=ex.fuse_wgrad)
     # Wrap for the replicas: tie the copies of shared weights, then the gradient exchange.
     tied = tie_copies(staged.shared_params, mine, devices, schedule.stage_to_rank,
@@ -246,4 +262,4 @@ def assemble(plan: Plan, run: Run) -> Assembly:
             overlap=dp.overlap_grad_reduce, bucket_bytes=dp.grad_bucket_bytes, comm_device=comm_device,
             timeout=ex.timeout,
         )
-    return Assembly(placement, stages, ios, tied, replicas)
+    return Assembly(placement, stages, ios, tied, replicas, layouts)

@@ -7,7 +7,8 @@ FSDP2 takes a ``MixedPrecisionPolicy`` and torchtitan groups its job config into
 
 * :class:`Execution`: the schedule and how it runs (transport, devices, recording, checks);
 * :class:`Init`: where the weights come from (initialisation of a meta model, a checkpoint);
-* :class:`DataParallel`: replicas of the pipeline under torch.distributed.
+* :class:`DataParallel`: replicas of the pipeline under torch.distributed;
+* :class:`TensorParallel`: each stage's layers split over a tensor-parallel group.
 
 The keywords the trainer took before (``schedule=``, ``microbatches=``, ``weights=``...) stay
 accepted for one release as shortcuts, each mapped to its object and field by :data:`SHORTCUTS`;
@@ -22,7 +23,7 @@ import dataclasses
 import difflib
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +36,10 @@ from runtime.state.materialize import InitFn
 from runtime.state.weights import Weights
 from runtime.transport.placement import PlacementError
 
-__all__ = ["Execution", "Init", "DataParallel", "TrainerOptions", "SHORTCUTS", "resolve_options", "apply_layout"]
+__all__ = [
+    "Execution", "Init", "DataParallel", "TensorParallel", "TrainerOptions", "SHORTCUTS", "resolve_options",
+    "apply_layout",
+]
 
 log = logging.getLogger(__name__)
 
@@ -185,18 +189,55 @@ class DataParallel:
             )
 
 
+@dataclass(frozen=True, kw_only=True)
+class TensorParallel:
+    """Each stage's layers split over ``tp`` ranks in Megatron-LM's column/row pairs
+    (``runtime.parallel.tensor``; docs/tensor-parallel.md).
+
+    The job runs ``dp * p * tp`` processes laid out ``("dp", "pp", "tp")``, tp innermost: world
+    rank ``(d * p + r) * tp + t``. The ``tp`` ranks of a stage run the same micro-batches on the
+    same whole activations, each with its shard of the planned weights; rank ``t`` of a stage
+    sends to rank ``t`` of the next.
+
+    Example:
+        >>> TensorParallel(size=2).size
+        2
+        >>> TensorParallel(size=2, plan={"layers.*.mlp.up_proj": "colwise"}).patterns()
+        {'layers.*.mlp.up_proj': 'colwise'}
+    """
+
+    size: int = 1
+    """``tp``, the ranks each stage is split over (1: no tensor parallelism)."""
+
+    plan: Mapping[str, str] | tuple[tuple[str, str], ...] | None = None
+    """Module pattern -> ``'colwise'`` | ``'rowwise'`` (``runtime.parallel.tensor.plan_for``);
+    ``None``: the model's Hugging Face ``config.base_model_tp_plan``. Kept as a tuple of pairs."""
+
+    def __post_init__(self) -> None:
+        if type(self.size) is not int or self.size < 1:
+            raise TrainerOptionError(f"TensorParallel(size={self.size!r}): the size must be an int >= 1 (tp ranks "
+                                     "per stage), e.g. TensorParallel(size=2)")
+        if isinstance(self.plan, Mapping):  # frozen means hashable: no dict inside
+            object.__setattr__(self, "plan", tuple(self.plan.items()))
+
+    def patterns(self) -> dict[str, str] | None:
+        """The plan as a dict (``None``: the model's config's)."""
+        return None if self.plan is None else dict(self.plan)
+
+
 @dataclass(frozen=True)
 class TrainerOptions:
-    """The three option objects a trainer runs with, every field resolved."""
+    """The option objects a trainer runs with, every field resolved."""
 
     execution: Execution
     init: Init
     data_parallel: DataParallel
+    tensor_parallel: TensorParallel = TensorParallel()
 
 
 # The trainer's parameter for each option object, and the object's class.
-_SECTIONS: dict[str, type[Execution] | type[Init] | type[DataParallel]] = {
-    "execution": Execution, "init": Init, "data_parallel": DataParallel,
+_SECTIONS: dict[str, type[Execution] | type[Init] | type[DataParallel] | type[TensorParallel]] = {
+    "execution": Execution, "init": Init, "data_parallel": DataParallel, "tensor_parallel": TensorParallel,
 }
 
 # Old keyword -> (trainer parameter, field). Kept for one release, without a warning (the test
@@ -230,6 +271,7 @@ def resolve_options(
     execution: Execution | None = None,
     init: Init | None = None,
     data_parallel: DataParallel | int | None = None,
+    tensor_parallel: TensorParallel | int | None = None,
     **shortcuts: Any,
 ) -> TrainerOptions:
     """The option objects a trainer was given, with its shortcut keywords put in their fields.
@@ -238,6 +280,7 @@ def resolve_options(
         execution, init: the objects, or ``None`` for their defaults.
         data_parallel: a :class:`DataParallel`, or an int: the shortcut for
             ``DataParallel(size=n)`` (the old ``data_parallel=n``).
+        tensor_parallel: a :class:`TensorParallel`, or an int: short for ``TensorParallel(size=n)``.
         **shortcuts: old keywords (:data:`SHORTCUTS`), each put in its object's field.
 
     Returns:
@@ -256,7 +299,10 @@ def resolve_options(
         >>> resolve_options(Execution(schedule="gpipe")).execution == Execution(schedule="gpipe")
         True
     """
-    given: dict[str, Any] = {"execution": execution, "init": init, "data_parallel": data_parallel}
+    if isinstance(tensor_parallel, int):
+        tensor_parallel = TensorParallel(size=tensor_parallel)
+    given: dict[str, Any] = {"execution": execution, "init": init, "data_parallel": data_parallel,
+                             "tensor_parallel": tensor_parallel}
     if data_parallel is not None and not isinstance(data_parallel, DataParallel):
         shortcuts = {"data_parallel": data_parallel, **shortcuts}
         given["data_parallel"] = None

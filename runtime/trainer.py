@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import operator
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -40,7 +41,7 @@ from runtime.execute.recompute import RecomputeOption
 from runtime.execute.shapes import wire_shapes
 from runtime.execute.wiring import merge_microbatches, model_output
 from runtime.metrics import step_metrics
-from runtime.options import DataParallel, Execution, Init, resolve_options
+from runtime.options import DataParallel, Execution, Init, TensorParallel, resolve_options
 from runtime.parallel.clipping import clip_grad_norm_
 from runtime.parallel.fsdp import FSDPReplicas, check_optimizer, whole_buffers
 from runtime.parallel.tied import copy_tied_values, second_copies, sum_tied_grads
@@ -103,6 +104,7 @@ class PipelineTrainer:
             under torch.distributed (world size ``dp * p``), each training on its share of the
             global batch (:meth:`local_batch`), gradients averaged before every step; or an int,
             short for ``DataParallel(size=n)``.
+        tensor_parallel: a :class:`~runtime.options.TensorParallel` or its size: stages split over ``tp`` processes.
         **shortcuts: the keywords this trainer took before the option objects (``schedule=``,
             ``microbatches=``, ``weights=``...), kept for one release: each sets its object's
             field (``runtime.options.SHORTCUTS``). Not together with that object.
@@ -142,13 +144,15 @@ class PipelineTrainer:
         execution: Execution | None = None,
         init: Init | None = None,
         data_parallel: DataParallel | int | None = None,
+        tensor_parallel: TensorParallel | int | None = None,
         **shortcuts: Any,
     ) -> None:
         # The recipe, one step a room, each from what the step before gave: resolve the run from
         # the plan and options (schedule, placement, micro-batches, precision) -> build this
         # process's stages and wrap them for the replicas -> connect the transport -> ready.
         self._init_run_state()
-        run = resolve_run(plan, resolve_options(execution, init, data_parallel, **shortcuts), precision, recompute)
+        opts = resolve_options(execution, init, data_parallel, tensor_parallel, **shortcuts)
+        run = resolve_run(plan, opts, precision, recompute)
         built = assemble(plan, run)
         ex, mp = run.options.execution, run.precision
         if mp.gather_low_precision and not isinstance(built.replicas, FSDPReplicas):
@@ -178,9 +182,7 @@ class PipelineTrainer:
         if self.optimizer is not None and isinstance(built.replicas, FSDPReplicas):
             check_optimizer(self.optimizer, built.replicas.owned)  # FSDP: the shards, not the model's tensors
         self.scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None and self.optimizer else None
-        device_types = set()
-        for d in self.devices.values():
-            device_types.add(d.type)
+        device_types = set(map(operator.attrgetter("type"), self.devices.values()))  # map: no frame (test_layout)
         self.scaler = LossScaler(mp.init_scale, growth_interval=mp.growth_interval) if mp.scales_loss else None
         self._autocast = CallerAutocast(mp, device_types, functools.partial(
             wire_dtypes, ios=built.ios, gm=run.traced.gm, inputs=run.traced.example_inputs,
@@ -372,7 +374,8 @@ class PipelineTrainer:
             self._tied, self.plan.shared_params, {s: st.module for s, st in self.stages.items()}
         )
         return clip_grad_norm_(unique, max_norm, norm_type, counted=counted, distributed=self.mode == "dist",
-                               comm_device=_comm_device, group=self._replicas.norm_group, timeout=self.timeout)
+                               comm_device=_comm_device, group=self._replicas.norm_group,
+                               tp_group=self.mesh.tp_group, timeout=self.timeout)
 
     def save(self, directory: str | os.PathLike[str]) -> Path:
         """Save a checkpoint: model, optimizer and scheduler state, step and RNG states.

@@ -7,7 +7,10 @@ the processes add (or take the maximum of) their partial sums, and every process
 gradients by the same factor. A tied parameter, held by several stages, counts once: on the
 process holding its first stage, and there in its first copy. Under FSDP
 (``runtime.parallel.fsdp``) a gradient is a ``DTensor`` shard: each process counts its own
-shard, the sum runs over the whole job, and each scales its shard.
+shard, the sum runs over the whole job, and each scales its shard. Under tensor parallelism
+(``runtime.parallel.tensor``) a stage's split weights are ``DTensor`` shards over its tp group and
+its other weights are whole and identical on every tp rank: each rank counts its shards, a whole
+gradient is counted on the group's first rank only, and the partial sums add over the tp group.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ def clip_grad_norm_(
     distributed: bool = False,
     comm_device: Callable[[], torch.device] | None = None,
     group: dist.ProcessGroup | None = None,
+    tp_group: dist.ProcessGroup | None = None,
     timeout: float = 1800.0,
 ) -> torch.Tensor:
     """Clip the gradients of ``params`` to a total norm taken over every process.
@@ -48,6 +52,10 @@ def clip_grad_norm_(
         group: the ranks holding the rest of the model (default: the world). With data
             parallelism, one pipeline's ranks: after the gradients are averaged every replica
             holds the same ones, so counting other replicas would count them again.
+        tp_group: the tensor-parallel group of this process's stages, if any: a gradient that is
+            not a sharded ``DTensor`` (a whole weight, plain or ``Replicate``, the same on every tp
+            rank) is counted on its first rank only, and the partial sums are reduced over it before ``group`` (not when
+            ``group`` is the world, which holds it).
         timeout: seconds the reduction may wait (the trainer's ``timeout``; default torch's 30 minutes).
 
     Returns:
@@ -62,7 +70,9 @@ def clip_grad_norm_(
         >>> float(clip_grad_norm_([w], max_norm=1.0)), round(w.grad[0].item(), 4)  # 3 x 1/6
         (6.0, 0.5)
     """
-    grads = [local_shard(p.grad) for p in params if p.grad is not None and (counted is None or id(p) in counted)]
+    whole_here = tp_group is None or dist.get_rank(tp_group) == 0
+    grads = [local_shard(p.grad) for p in params if p.grad is not None and (counted is None or id(p) in counted)
+             and (whole_here or _is_shard(p.grad))]
     p = float(norm_type)
     if p == math.inf:
         partial = max((g.detach().abs().max().float().cpu() for g in grads), default=torch.zeros(()))
@@ -71,8 +81,12 @@ def clip_grad_norm_(
     total = torch.as_tensor(partial, dtype=torch.float32)
     if distributed:
         buf = total.to(comm_device() if comm_device is not None else torch.device("cpu"))
-        run_bounded(dist.all_reduce, buf, op=dist.ReduceOp.MAX if p == math.inf else dist.ReduceOp.SUM,
-                    group=group, timeout=timeout, what=f"the all-reduce of the gradient norm (max_norm={max_norm:g})")
+        op = dist.ReduceOp.MAX if p == math.inf else dist.ReduceOp.SUM
+        # The tp shards first, then the stages: two scalars, where one group of both would be one
+        # more process group per replica to build.
+        for over in ([tp_group] if tp_group is not None and group is not None else []) + [group]:
+            run_bounded(dist.all_reduce, buf, op=op, group=over, timeout=timeout,
+                        what=f"the all-reduce of the gradient norm (max_norm={max_norm:g})")
         total = buf.cpu()
     norm = total if p == math.inf else total.pow(1.0 / p)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # as torch: the same epsilon
@@ -88,3 +102,9 @@ def local_shard(t: torch.Tensor) -> torch.Tensor:
     same storage), else itself."""
     to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) else t
+
+
+def _is_shard(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a ``DTensor`` sharded on some mesh dim (its own process's part of a tensor);
+    a replicated one is whole. Read without importing DTensor."""
+    return any(pl.is_shard() for pl in getattr(t, "placements", ()))

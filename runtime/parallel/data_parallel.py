@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from partitioner.cost.exchange import DEFAULT_BUCKET_BYTES
+from runtime.parallel.clipping import local_shard
 from runtime.transport.collective import run_bounded, wait_bounded
 from runtime.transport.placement import PlacementError
 
@@ -57,7 +58,13 @@ class PipelineMesh:
         ranks: ``ranks[d][r]``, the global rank of every position.
         pp_group: the process group of this replica's pipeline (``None``: the world).
         dp_group: the group of the ranks holding this process's stages (``None`` when ``dp == 1``).
-        device_mesh: the ``DeviceMesh`` with dimensions ``("dp", "pp")``, when one was built or given.
+        device_mesh: the ``DeviceMesh`` with dimensions ``("dp", "pp")`` (``("dp", "pp", "tp")``
+            with tensor parallelism), when one was built or given.
+        tp: tensor-parallel ranks per stage (``runtime.parallel.tensor``); ``ranks`` and the groups
+            above are then those of this process's tp rank: rank ``t`` of a stage talks to rank
+            ``t`` of the others and of the other replicas.
+        tp_rank: this process's rank in its tp group, ``t``.
+        tp_mesh: the 1-D ``DeviceMesh`` of this process's tp group (``None`` when ``tp == 1``).
     """
 
     dp: int
@@ -68,6 +75,14 @@ class PipelineMesh:
     pp_group: dist.ProcessGroup | None = None
     dp_group: dist.ProcessGroup | None = None
     device_mesh: Any = None
+    tp: int = 1
+    tp_rank: int = 0
+    tp_mesh: Any = None
+
+    @property
+    def tp_group(self) -> dist.ProcessGroup | None:
+        """The process group of this process's tp group (``None`` when ``tp == 1``)."""
+        return None if self.tp_mesh is None else self.tp_mesh.get_group()
 
     def global_rank(self, pp_rank: int) -> int:
         """The global rank of position ``pp_rank`` in this process's pipeline."""
@@ -75,9 +90,10 @@ class PipelineMesh:
 
 
 def pipeline_mesh(
-    pp: int, data_parallel: int | None = None, mesh: Any = None, device_type: str = "cpu"
+    pp: int, data_parallel: int | None = None, mesh: Any = None, device_type: str = "cpu", tensor_parallel: int = 1,
 ) -> PipelineMesh:
-    """This process's place in a job of ``dp`` pipelines of ``pp`` ranks (collective).
+    """This process's place in a job of ``dp`` pipelines of ``pp`` ranks (collective), each rank
+    ``tensor_parallel`` processes wide.
 
     Args:
         pp: ranks one pipeline needs (the schedule's).
@@ -88,27 +104,43 @@ def pipeline_mesh(
             pipeline's ranks are consecutive. With ``dp == 1`` and no mesh, the world is the
             pipeline and no group is created.
         device_type: the mesh's device type (``'cuda'`` on NCCL).
+        tensor_parallel: ``tp``; with ``tp > 1`` the mesh is ``(dp, pp, tp)`` named
+            ``("dp", "pp", "tp")``, tp innermost (a stage's tp ranks consecutive, inside a node):
+            world rank ``(d * pp + r) * tp + t``.
 
     Raises:
-        PlacementError: the world size is not ``dp * pp``, or the mesh's dimensions do not fit.
+        PlacementError: the world size is not ``dp * pp * tp``, or the mesh's dimensions do not fit.
     """
-    world = dist.get_world_size()
+    world, tp = dist.get_world_size(), tensor_parallel
     if mesh is not None:
+        if tp > 1:
+            raise PlacementError(
+                f"DataParallel(mesh=...) with TensorParallel(size={tp}): a given mesh is ('dp', 'pp') only; pass "
+                f"DataParallel(size=dp) instead and the trainer builds the ('dp', 'pp', 'tp') mesh")
         return _from_device_mesh(mesh, pp, data_parallel, world)
     dp = 1 if data_parallel is None else data_parallel
     if type(dp) is not int or dp < 1:
         raise PlacementError(f"data_parallel must be an int >= 1, got {dp!r}")
-    if dp * pp != world:
-        hint = f", or pass data_parallel={world // pp} for that many pipeline replicas" if world % pp == 0 else ""
+    if dp * pp * tp != world:
+        wide = f" x {tp} tp" if tp > 1 else ""
+        hint = (f", or pass data_parallel={world // (pp * tp)} for that many pipeline replicas"
+                if world % (pp * tp) == 0 else "")
         raise PlacementError(
-            f"{dp} pipeline replica(s) of {pp} ranks need {dp * pp} processes, but the job has {world}; "
-            f"launch with --nproc-per-node {dp * pp}{hint}"
+            f"{dp} pipeline replica(s) of {pp} ranks{wide} need {dp * pp * tp} processes, but the job has {world}; "
+            f"launch with --nproc-per-node {dp * pp * tp}{hint}"
         )
     me = dist.get_rank()
-    ranks = tuple(tuple(d * pp + r for r in range(pp)) for d in range(dp))
-    if dp == 1:
+    t = me % tp
+    ranks = tuple(tuple((d * pp + r) * tp + t for r in range(pp)) for d in range(dp))
+    if dp == 1 and tp == 1:
         return PipelineMesh(1, pp, 0, me, ranks)
     from torch.distributed.device_mesh import init_device_mesh
+
+    if tp > 1:
+        cube = init_device_mesh(device_type, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
+        at = me // tp
+        return PipelineMesh(dp, pp, at // pp, at % pp, ranks, cube["pp"].get_group(),
+                            cube["dp"].get_group() if dp > 1 else None, cube, tp=tp, tp_rank=t, tp_mesh=cube["tp"])
 
     device_mesh = init_device_mesh(device_type, (dp, pp), mesh_dim_names=("dp", "pp"))
     return PipelineMesh(dp, pp, me // pp, me % pp, ranks, device_mesh["pp"].get_group(),
@@ -116,34 +148,41 @@ def pipeline_mesh(
 
 
 def job_mesh(
-    schedule: Any, num_stages: int, data_parallel: int | None, mesh: Any, device_type: str
+    schedule: Any, num_stages: int, data_parallel: int | None, mesh: Any, device_type: str, tensor_parallel: int = 1,
 ) -> PipelineMesh:
-    """:func:`pipeline_mesh` for a trainer: the world must be ``dp`` times the ranks ``schedule``
+    """:func:`pipeline_mesh` for a trainer: the world must be ``dp * tp`` times the ranks ``schedule``
     runs the plan's ``num_stages`` stages on (collective).
 
     Raises:
         PlacementError: it is not; the message gives the launch command that fits.
     """
-    world, ranks = dist.get_world_size(), schedule.num_ranks
+    world, ranks, tp = dist.get_world_size(), schedule.num_ranks, tensor_parallel
     dp = data_parallel or 1
-    if mesh is None and world != dp * ranks:
-        v = num_stages // ranks
-        hint = f", pass data_parallel={world // ranks} to run that many replicas," if world % ranks == 0 else ""
+    if mesh is None and world != dp * ranks * tp:
+        v, wide = num_stages // ranks, ranks * tp
+        hint = f", pass data_parallel={world // wide} to run that many replicas," if world % wide == 0 else ""
+        tps = f" x {tp} tp" if tp > 1 else ""
         raise PlacementError(
             f"schedule {schedule.name!r} runs the plan's {num_stages} stages on {ranks} ranks ({v} per "
-            f"rank) x {dp} replica(s), but the job has {world} processes; launch with --nproc-per-node "
-            f"{ranks * dp}{hint} or partition into {world * v} stages for {world} ranks"
+            f"rank){tps} x {dp} replica(s), but the job has {world} processes; launch with --nproc-per-node "
+            f"{wide * dp}{hint} or partition into {world // tp * v} stages for {world // tp} ranks"
         )
-    return pipeline_mesh(ranks, data_parallel, mesh, device_type)
+    return pipeline_mesh(ranks, data_parallel, mesh, device_type, tp)
 
 
-def one_process_mesh(ranks: int, m: int, data_parallel: int | None, mesh: Any) -> PipelineMesh:
+def one_process_mesh(
+    ranks: int, m: int, data_parallel: int | None, mesh: Any, tensor_parallel: int = 1
+) -> PipelineMesh:
     """The mesh of a pipeline run in one process: one replica.
 
     Raises:
         PlacementError: replicas were asked for; one process gives the same step with ``dp * m``
-            micro-batches, which the message says.
+            micro-batches, which the message says. Or tensor parallelism: it needs a process per rank.
     """
+    if tensor_parallel > 1:
+        raise PlacementError(
+            f"TensorParallel(size={tensor_parallel}) needs one process per rank under torch.distributed "
+            f"(torchrun --nproc-per-node {ranks * tensor_parallel}, transport 'dist'); in one process, drop it")
     dp = data_parallel or 1
     if dp > 1 or mesh is not None:
         raise PlacementError(
@@ -296,10 +335,11 @@ class GradAverager:
                 flat.div_(self.size)
             offset = 0
             for p in params:
-                n = p.numel()
+                assert p.grad is not None
+                g = local_shard(p.grad)  # a tp shard (DTensor) is averaged as its local part
+                n = g.numel()
                 if keep:
-                    assert p.grad is not None
-                    p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+                    g.copy_(flat[offset:offset + n].view_as(g))
                 else:
                     p.grad = None  # its owner holds the average; this rank will not step it
                 offset += n
@@ -320,7 +360,7 @@ class GradAverager:
             owner = self.owners[id(p)] if self.owners is not None else None
             key = (owner, p.grad.dtype, p.grad.device)
             bucket, nbytes = buckets.get(key, ([], 0))
-            size = p.grad.numel() * p.grad.element_size()
+            size = local_shard(p.grad).numel() * p.grad.element_size()
             if bucket and nbytes + size > self.bucket_bytes:
                 self._reduce(bucket, owner)
                 bucket, nbytes = [], 0
@@ -330,7 +370,8 @@ class GradAverager:
                 self._reduce(bucket, owner)
 
     def _reduce(self, bucket: list[nn.Parameter], owner: int | None) -> None:
-        flat = torch.cat([p.grad.reshape(-1) for p in bucket if p.grad is not None]).to(self._comm_device())
+        flat = torch.cat([local_shard(p.grad).reshape(-1) for p in bucket if p.grad is not None])
+        flat = flat.to(self._comm_device())
         work = None
         if self.size > 1 and owner is None:
             work = dist.all_reduce(flat, group=self.group, async_op=True)

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from runtime.parallel.clipping import local_shard
 from runtime.transport.collective import wait_bounded
 from runtime.transport.placement import PlacementError
 
@@ -86,9 +87,13 @@ def broadcast_from_owners(
             ``PeerGone`` when a peer failed or its process is gone).
     """
     device = comm_device() if comm_device is not None else torch.device("cpu")
-    buckets: dict[tuple[int, torch.dtype], list[list[nn.Parameter]]] = {}
+    buckets: dict[tuple[int, torch.dtype], list[list[torch.Tensor]]] = {}
     filled: dict[tuple[int, torch.dtype], int] = {}  # bytes in each key's last chunk
-    for p, d in zip(params, owners):
+    # A tensor-parallel shard (DTensor) travels as its local part (its storage, taken without
+    # autograd): each tp rank has its own dp group.
+    with torch.no_grad():
+        locals_ = [local_shard(p) for p in params]
+    for p, d in zip(locals_, owners):
         key, size = (d, p.dtype), p.numel() * p.element_size()
         chunks = buckets.setdefault(key, [[]])
         if chunks[-1] and filled[key] + size > bucket_bytes:

@@ -1,0 +1,175 @@
+"""Tensor parallelism over a job's stages: each stage's plan found, its graph split, its whole weights replicated.
+
+Legend: ``tp`` ranks of a stage's tensor-parallel group, ``t`` this process's rank in it, ``s`` a
+stage, ``p`` pipeline ranks, ``dp`` replicas.
+
+``runtime.parallel.tensor`` splits one stage graph over one group. A trainer with
+``TensorParallel(size=tp)`` runs ``dp * p * tp`` processes (``runtime.parallel.data_parallel``
+lays them out ``("dp", "pp", "tp")``, tp innermost); on each, :func:`split_stages` maps the plan
+(the user's patterns, else the model's Hugging Face ``base_model_tp_plan``) onto every stage it
+holds and splits that stage over the process's tp group, after the stage is materialised and
+before data parallelism and the optimizer see its parameters. :func:`refuse_unsupported` says,
+before any of that, which other options tensor parallelism does not compose with yet, and what to
+run instead.
+
+Example:
+    >>> refuse_unsupported(1, engine="fsdp", precision="fp16", weights=True)  # tp 1: anything goes
+    >>> refuse_unsupported(2, engine="replicate", precision="bf16", weights=False)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Mapping
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from runtime.parallel.tensor import TensorParallelError, TensorParallelLayout, parallelize_stage, plan_for
+
+__all__ = ["TensorParallelOptionError", "split_stages", "refuse_unsupported"]
+
+log = logging.getLogger(__name__)
+
+
+class TensorParallelOptionError(TensorParallelError):
+    """An option the trainer was given does not compose with tensor parallelism yet; the message
+    names both and what to run instead."""
+
+
+def refuse_unsupported(tp: int, *, engine: str, precision: str, weights: bool) -> None:
+    """Refuse, on every rank alike and before any weight is touched, what ``tp > 1`` does not run yet.
+
+    Args:
+        tp: tensor-parallel ranks per stage.
+        engine: ``DataParallel.engine``.
+        precision: the mixed-precision policy's name.
+        weights: whether ``Init(weights=...)`` asks for a checkpoint to be loaded.
+
+    Raises:
+        TensorParallelOptionError: naming the option, the tp size and the way out.
+    """
+    if tp <= 1:
+        return
+    if engine == "fsdp":
+        raise TensorParallelOptionError(
+            f"TensorParallel(size={tp}) with DataParallel(engine='fsdp'): FSDP2 over tp-sharded stages (2-D "
+            "sharding) is not wired yet; use engine='replicate' (optionally shard_optimizer=True for ZeRO-1) "
+            "with tensor parallelism, or tp=1 with FSDP")
+    if precision == "fp16":
+        raise TensorParallelOptionError(
+            f"TensorParallel(size={tp}) with precision='fp16': the loss scaler's inf/NaN check is not reduced "
+            "over the tp shards yet, so tp ranks could disagree on skipping a step; use precision='bf16' "
+            "(no loss scaling) or 'fp32'")
+    if weights:
+        raise TensorParallelOptionError(
+            f"TensorParallel(size={tp}) with Init(weights=...): loading a checkpoint into tp shards is not "
+            "wired yet; load the weights into the model before partitioning it (model.load_state_dict or "
+            "from_pretrained on a small model), or train with tp=1")
+
+
+def split_stages(
+    stages: Mapping[int, nn.Module], patterns: Mapping[str, str] | None, model: nn.Module, tp_mesh: Any,
+    tied: Collection[str] = (),
+) -> dict[int, TensorParallelLayout]:
+    """Split each of this process's ``stages`` over its tp group, in place (``parallelize_stage``).
+
+    Args:
+        stages: stage index -> this process's materialised stage module (a ``GraphModule``).
+        patterns: module pattern -> ``'colwise'`` | ``'rowwise'``; ``None``: the model's
+            ``config.base_model_tp_plan``.
+        model: the model the plan is bound to (for its config).
+        tp_mesh: this process's tp group as a 1-D ``DeviceMesh`` (``PipelineMesh.tp_mesh``).
+        tied: the names of weights tied between stages (``StagedModel.shared_params``).
+
+    Returns:
+        Stage index -> what was sharded there (a stage with no planned weight is left whole).
+
+    Raises:
+        TensorParallelError: no plan (a model without a Hugging Face tp plan and none given), a
+            style not implemented, or a stage that cannot be split (see ``parallelize_stage``).
+        TensorParallelOptionError: a weight tied between stages (not wired with tp yet).
+    """
+    if tied:
+        raise TensorParallelOptionError(
+            f"TensorParallel: the model ties {sorted(tied)[0]!r} between stages (tie_word_embeddings?); the "
+            "tied-weight exchange is not wired with tensor parallelism yet: untie the weights or train with tp=1")
+    if patterns is None:
+        config = getattr(model, "config", None)
+        found = getattr(config, "base_model_tp_plan", None)
+        if not found:
+            kind = type(config).__name__ if config is not None else f"{type(model).__name__} (no Hugging Face config)"
+            raise TensorParallelError(
+                f"{kind} has no base_model_tp_plan to split its stages by: pass TensorParallel(size=..., "
+                "plan={module pattern: 'colwise' | 'rowwise'}), e.g. {'layers.*.mlp.up_proj': 'colwise', "
+                "'layers.*.mlp.down_proj': 'rowwise'}; GPT-2's Conv1D layers are not supported yet")
+        patterns = dict(found)
+    out: dict[int, TensorParallelLayout] = {}
+    for s, module in sorted(stages.items()):
+        if not isinstance(module, fx.GraphModule):
+            raise TensorParallelError(f"stage {s} is a {type(module).__name__}, not a traced graph: tensor "
+                                      "parallelism rewrites the stage's graph; partition the model with pipecut")
+        plan = plan_for(patterns, [n for n, _ in module.named_parameters()])
+        out[s] = parallelize_stage(module, plan, tp_mesh)
+        _replicate_whole(s, module, tp_mesh)
+        log.info("stage %d: %d weights split over tp=%d", s, len(out[s].sharded), out[s].tp)
+    if not any(lay.sharded for lay in out.values()):
+        log.warning("tensor parallelism: no weight of stages %s matches the tp plan; they run whole on every "
+                    "tp rank (check the plan's patterns against the parameter names)", sorted(stages))
+    return out
+
+
+def _replicate_whole(s: int, gm: fx.GraphModule, mesh: Any) -> int:
+    """Make the weights ``parallelize_stage`` left whole ``Replicate`` DTensors on the tp mesh, read
+    through ``to_local``; returns how many.
+
+    An optimizer's multi-tensor (``foreach``) update refuses a list mixing ``DTensor`` shards and
+    plain tensors, and one step runs over both: with every parameter a ``DTensor`` (torchtitan's
+    layout too) the step groups them as one. The local tensor is the whole weight itself (the
+    same storage), and its gradient stays whole and equal on every tp rank, as before.
+    """
+    from torch.distributed.tensor import DTensor, Replicate
+
+    swapped: dict[int, nn.Parameter] = {}
+    for prm in gm.parameters():
+        if not isinstance(prm, DTensor):
+            swapped[id(prm)] = nn.Parameter(DTensor.from_local(prm.detach(), mesh, [Replicate()], run_check=False),
+                                            requires_grad=prm.requires_grad)
+    for prefix, sub in gm.named_modules():
+        for node in sub.graph.nodes if isinstance(sub, fx.GraphModule) else ():
+            called = sub.get_submodule(str(node.target)) if node.op == "call_module" else None
+            if called is not None and not isinstance(called, fx.GraphModule) and any(
+                    id(p) in swapped for p in called.parameters()):
+                raise TensorParallelError(
+                    f"stage {s}: node {node.name} calls {prefix + '.' if prefix else ''}{node.target} "
+                    f"({type(called).__name__}) as a module holding weights, which tensor parallelism cannot read "
+                    "locally: trace the model with torch.export (pipecut's default for Hugging Face models)")
+    for _, mod in gm.named_modules(remove_duplicate=False):
+        for leaf, prm in list(mod._parameters.items()):
+            if prm is not None and id(prm) in swapped:
+                mod._parameters[leaf] = swapped[id(prm)]
+    new = {id(p) for p in swapped.values()}
+    for _, sub in gm.named_modules():
+        if not isinstance(sub, fx.GraphModule):
+            continue
+        graph = sub.graph
+        for node in list(graph.nodes):
+            if node.op != "get_attr" or not isinstance(_attr(sub, str(node.target)), nn.Parameter):
+                continue
+            if id(_attr(sub, str(node.target))) not in new:
+                continue
+            with graph.inserting_after(node):
+                local = graph.call_method("to_local", (node,))
+            local.meta = dict(node.meta)
+            node.replace_all_uses_with(local, delete_user_cb=lambda u, local=local: u is not local)
+        graph.lint()
+        sub.recompile()
+    return len(swapped)
+
+
+def _attr(gm: nn.Module, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+    return obj if isinstance(obj, torch.Tensor) else None

@@ -1,0 +1,62 @@
+"""The trainer's TensorParallel option (runtime.options) and what tensor parallelism refuses before
+any process group or weight is touched (runtime.parallel.tensor_stages), in one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from partitioner import Plan, partition
+from runtime.errors import TrainerOptionError
+from runtime.options import DataParallel, Init, TensorParallel, TrainerOptions, resolve_options
+from runtime.parallel.tensor_stages import TensorParallelOptionError, refuse_unsupported
+from runtime.trainer import PipelineTrainer
+from runtime.transport.placement import PlacementError
+
+
+def _plan() -> Plan:
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    return partition(model, (torch.randn(2, 8),), 2, microbatches=2)
+
+
+def test_the_option_is_frozen_hashable_and_an_int_is_its_size() -> None:
+    tp = TensorParallel(size=2, plan={"mlp.up": "colwise", "mlp.down": "rowwise"})
+    assert tp.patterns() == {"mlp.up": "colwise", "mlp.down": "rowwise"} and hash(tp)
+    assert resolve_options(tensor_parallel=2).tensor_parallel == TensorParallel(size=2)
+    assert resolve_options() == TrainerOptions(resolve_options().execution, Init(), DataParallel(), TensorParallel())
+    with pytest.raises(TrainerOptionError, match=r"TensorParallel\(size=0\).*int >= 1"):
+        TensorParallel(size=0)
+
+
+def test_tensor_parallelism_in_one_process_is_refused_with_the_launch_command() -> None:
+    with pytest.raises(PlacementError, match=r"TensorParallel\(size=2\).*torchrun --nproc-per-node 4"):
+        PipelineTrainer(_plan(), nn.functional.mse_loss, transport="local", tensor_parallel=2)
+
+
+@pytest.mark.parametrize(("opts", "words"), [
+    ({"engine": "fsdp"}, r"DataParallel\(engine='fsdp'.*2-D.*engine='replicate'"),
+    ({"precision": "fp16"}, r"precision='fp16'.*'bf16'"),
+    ({"weights": True}, r"Init\(weights=...\).*before partitioning"),
+])
+def test_what_does_not_compose_with_tp_yet_is_refused_naming_both(opts: dict[str, object], words: str) -> None:
+    kw = {"engine": "replicate", "precision": "fp32", "weights": False, **opts}
+    refuse_unsupported(1, **kw)  # type: ignore[arg-type]  # tp 1: nothing to refuse
+    with pytest.raises(TensorParallelOptionError, match=r"TensorParallel\(size=2\) with " + words):
+        refuse_unsupported(2, **kw)  # type: ignore[arg-type]
+
+
+def test_the_trainer_refuses_fsdp_with_tp_before_joining_a_process_group() -> None:
+    with pytest.raises(TensorParallelOptionError, match="engine='fsdp'"):
+        PipelineTrainer(_plan(), nn.functional.mse_loss, transport="local", tensor_parallel=2,
+                        data_parallel=DataParallel(size=2, engine="fsdp"))
+
+
+def test_checkpoints_and_exports_of_tp_shards_are_refused_until_they_are_built() -> None:
+    from types import SimpleNamespace
+
+    from runtime.state.weight_errors import CheckpointError, refuse_tensor_parallel
+
+    refuse_tensor_parallel(SimpleNamespace(mesh=SimpleNamespace(tp=1)), "export_safetensors")
+    with pytest.raises(CheckpointError, match=r"export_safetensors with TensorParallel\(size=2\).*tp=1"):
+        refuse_tensor_parallel(SimpleNamespace(mesh=SimpleNamespace(tp=2)), "export_safetensors")

@@ -89,6 +89,7 @@ from runtime.generate.errors import GenerateModelError as GenerateModelError
 from runtime.generate.errors import GenerateOptionError as GenerateOptionError
 from runtime.parallel.fsdp import FSDPOptionError as FSDPOptionError
 from runtime.parallel.tensor import TensorParallelError as TensorParallelError
+from runtime.parallel.tensor_stages import TensorParallelOptionError as TensorParallelOptionError
 from runtime.precision import AutocastConflictError as AutocastConflictError
 from runtime.precision import PrecisionError as PrecisionError
 from runtime.state.checkpoint import CheckpointDtypeError as CheckpointDtypeError

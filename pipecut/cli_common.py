@@ -56,4 +56,3 @@ def positive_count(text: str, alternative: str = "") -> int:
     if value < 1:
         raise CliArgumentError(f"expected {expected}, got {value}")
     return value
-

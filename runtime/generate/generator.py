@@ -37,7 +37,7 @@ from runtime.generate.parts import DecoderParts, decoder_parts
 from runtime.generate.pipelined import Batch, GroupResult, GroupState, Step, chunk_groups, run_rank, split_groups
 from runtime.generate.ranks import Layout, dist_layout, rank_spans, run_dist, run_threads
 from runtime.generate.ring import Ring
-from runtime.generate.sampling import Sampling, next_tokens, sequence_generators
+from runtime.generate.sampling import Sampling, kept_generators, next_tokens, sequence_generators
 from runtime.generate.stage import StageRunner
 from runtime.precision import MixedPrecision, caller_policy, resolve_precision
 from runtime.state.materialize import InitFn
@@ -235,8 +235,7 @@ class Generator:
                 out = hop
                 for stage in self.stages:
                     out = stage(out)
-                if hop.keep is not None and generators:  # the stopped sequences' generators leave with them
-                    generators = [generators[int(i)] for i in hop.keep.tolist()]
+                generators = kept_generators(generators, hop.keep)  # the stopped sequences' leave with them
                 hop = group.advance(next_tokens(out.data, sampling, generators), out.data if output_logits else None,
                                     pad)
         return _assembled(batch, {0: group.result()}, [])

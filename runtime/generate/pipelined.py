@@ -36,7 +36,7 @@ from runtime.generate.cut import StageSpan
 from runtime.generate.errors import GenerateOptionError
 from runtime.generate.parts import DecoderParts
 from runtime.generate.ring import Ring
-from runtime.generate.sampling import Sampling, next_tokens, sequence_generators
+from runtime.generate.sampling import Sampling, kept_generators, next_tokens, sequence_generators
 from runtime.generate.stage import Hop, StageRunner
 
 __all__ = ["Batch", "Step", "GroupResult", "GroupState", "split_groups", "chunk_groups", "run_rank"]
@@ -214,8 +214,8 @@ def run_rank(
         timeline.append(Step(ring.position, g, steps[g], begin, clock()))
         steps[g] += 1
         if ring.last:
-            if hop.keep is not None and g in generators:  # the stopped sequences' generators leave with them
-                generators[g] = [generators[g][int(i)] for i in hop.keep.tolist()]
+            if g in generators:  # the stopped sequences' generators leave with them
+                generators[g] = kept_generators(generators[g], hop.keep)
             ring.send_tokens(g, next_tokens(out.data, batch.sampling, generators.get(g, ())),
                              out.data if batch.output_logits else None)
         else:

@@ -20,7 +20,7 @@ import torch
 
 from runtime.generate.errors import GenerateOptionError
 
-__all__ = ["Sampling", "sequence_generators", "filter_logits", "next_tokens"]
+__all__ = ["Sampling", "sequence_generators", "kept_generators", "filter_logits", "next_tokens"]
 
 
 @dataclass(frozen=True)
@@ -117,3 +117,12 @@ def next_tokens(
         return scores.argmax(dim=-1)
     probs = filter_logits(scores, sampling).softmax(dim=-1)
     return torch.cat([torch.multinomial(probs[b], 1, generator=g) for b, g in enumerate(generators)])
+
+
+def kept_generators(generators: Sequence[torch.Generator], keep: torch.Tensor | None) -> list[torch.Generator]:
+    """The generators of the sequences still running after a step that left out some (``Hop.keep``:
+    their indices among the step before's); all of them when ``keep`` is ``None``, none in greedy
+    decoding (``generators`` empty)."""
+    if keep is None or not generators:
+        return list(generators)
+    return [generators[int(i)] for i in keep.tolist()]

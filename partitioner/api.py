@@ -11,8 +11,9 @@ from typing import Any
 from torch import nn
 
 from partitioner import algorithms as alg
-from partitioner.cost.costs import NodeCost, cost_graph, node_time, weight_share
+from partitioner.cost.costs import NodeCost, cost_graph, node_time
 from partitioner.cost.devices import Cluster
+from partitioner.cost.exchange import Collective
 from partitioner.cost.graph import (
     Unit,
     build_graph,
@@ -22,7 +23,7 @@ from partitioner.cost.graph import (
     module_range,
     to_problem,
 )
-from partitioner.cost.nodecost import scale_cost
+from partitioner.cost.nodecost import scale_cost, wgrad_time
 from partitioner.cost.precision import with_precision
 from partitioner.cost.recompute import (
     choose_recompute,
@@ -49,6 +50,7 @@ from partitioner.schedule.registry import (
     stages_per_rank,
 )
 from partitioner.schedule.validation import peak_inflight
+from partitioner.tensor.split import TensorSplit, shard_costs, shard_numel
 from partitioner.tracing.globalstate import preserved
 from partitioner.tracing.hops import holds
 from partitioner.tracing.trace import trace
@@ -275,6 +277,21 @@ class _Context:
         g = build_graph(self.traced.gm, costs, self.traced.module_path)
         return replace(self, g=g, units=group_units(g, self.granularity, self.opts.capture.module_depth), costs=costs)
 
+    def sharded(self, found: TensorSplit, tp: int, ring: Collective) -> _Context:
+        """One tensor-parallel rank's view of this context (``partitioner.tensor.split``): its costs and
+        parameter counts split over ``tp``, the all-reduces on ``ring`` in its nodes' times, and no cut
+        between a column layer and its row layer (a split value cannot cross a stage boundary)."""
+        if tp == 1:
+            return self
+        inputs = {name: float(nbytes) for name, (_, nbytes) in self.g.graph["inputs"].items()}
+        costs = shard_costs(self.costs, found, tp, ring, inputs)
+        g = build_graph(self.traced.gm, costs, self.traced.module_path)
+        for v in found.split:
+            if v in g:
+                g.nodes[v]["crossable"] = False
+        units = group_units(g, self.granularity, self.opts.capture.module_depth)
+        return replace(self, g=g, units=units, costs=costs, numel=shard_numel(self.numel, found, tp))
+
     def with_state_bytes(self, state_bytes_per_param: float) -> _Context:
         """The same context with the training state costed at ``state_bytes_per_param`` (a sharded layout's)."""
         costing = replace(self.opts.costing, state_bytes_per_param=state_bytes_per_param)
@@ -426,7 +443,7 @@ def _stage_plans(ctx: _Context, found: _Found) -> list[StagePlan]:
                 comm_in_time=float(ev.transfer_in[s]),
                 comm_out_time=float(ev.transfer_out[s]),
                 send_bytes=float(ev.boundary_bytes[s]) if s < p - 1 else 0.0,
-                wgrad_time=float(sum(b * weight_share(c) for c, (_, b) in zip(costs, times))),
+                wgrad_time=float(sum(wgrad_time(c, b) for c, (_, b) in zip(costs, times))),
                 act_bytes=float(act),
                 state_bytes=float(state),
                 in_bytes=float(ins[s]),

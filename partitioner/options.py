@@ -285,6 +285,14 @@ class LayoutSpace:
     """The replica counts to try (default: every divisor of the devices that divides ``B``);
     ``(1,)`` plans one pipeline over every device."""
 
+    tp_sizes: Sequence[int] | None = None
+    """The tensor-parallel sizes to try: devices per pipeline rank, a group inside one node
+    (``partitioner.tensor.sizes``). ``None`` (the default): every divisor of the devices' node size
+    that divides the model's attention and key/value heads (from its Hugging Face config) and the
+    sizes its sharded layers split; tp 1 alone for a model without a config or devices without a
+    node size (the ``cpu`` preset, a measured host). ``(1,)``: no tensor parallelism. Sizes given
+    are checked against the nodes, the model's heads where known and the graph."""
+
     top: int = 5
     """How many layouts are ranked exactly (the rest are pruned by a lower bound)."""
 
@@ -303,7 +311,10 @@ class LayoutSpace:
             raise PartitionOptionError(f"zero must list some of {', '.join(ZERO_OPTIONS)}, got {list(self.zero)!r}")
         if type(self.top) is not int or self.top < 1:
             raise PartitionOptionError(f"top must be a positive int, got {self.top!r}")
-        for name in ("schedules", "microbatch_sizes", "zero", "dp_sizes"):
+        tps = self.tp_sizes
+        if tps is not None and (not tps or any(type(t) is not int or t < 1 for t in tps)):
+            raise PartitionOptionError(f"tp_sizes must be positive ints (e.g. (1, 2, 4, 8)), got {tps!r}")
+        for name in ("schedules", "microbatch_sizes", "zero", "dp_sizes", "tp_sizes"):
             object.__setattr__(self, name, _tuple(getattr(self, name)))
 
 

@@ -53,7 +53,7 @@ from partitioner.cost.exchange import (
     pipeline_links,
     reduce_time,
 )
-from partitioner.cost.nodecost import weight_share
+from partitioner.cost.nodecost import wgrad_time
 from partitioner.cost.probes import fit_or_overhead_only, rows_like, time_forward_backward
 from partitioner.errors import InfeasibleMemoryError, PartitionOptionError
 from partitioner.options import Capture, Costing, LayoutSpace, resolve_options
@@ -66,6 +66,8 @@ from partitioner.plan.sharding import gather_copy_bytes, gathered_units, gatheri
 from partitioner.schedule.ir import Schedule
 from partitioner.schedule.registry import TRAINING_SCHEDULES, schedule_info, stage_schedule
 from partitioner.schedule.validation import peak_inflight
+from partitioner.tensor.sizes import model_heads, tp_groups, tp_sizes
+from partitioner.tensor.split import TensorSplit, find_split
 from partitioner.tracing.globalstate import preserved
 
 __all__ = ["plan_layout", "LayoutSearch", "with_fit"]
@@ -185,6 +187,10 @@ class LayoutSearch:
         kwargs = opts.capture.example_kwargs
         self._pricer = _Pricer(ctx, cluster, _rows(example_inputs, kwargs), opts.costing.bucket_bytes)
         self._example = (tuple(example_inputs), dict(kwargs or {}))
+        # What a tensor-parallel group would split, from the graph; the heads from the model's config.
+        self._split = find_split(ctx.traced.gm, {v: ctx.g.nodes[v]["module"] for v in ctx.g.nodes})
+        self._heads = model_heads(model)
+        self._tp: dict[int, _Pricer] = {1: self._pricer}
 
     @property
     def cluster(self) -> Cluster:
@@ -200,6 +206,20 @@ class LayoutSearch:
             )
         p = self._pricer
         self._pricer = _Pricer(p.ctx, cluster, (p.rows, p.tokens), p.bucket_bytes)
+        self._tp = {1: self._pricer}
+
+    def _pricer_for(self, tp: int) -> _Pricer:
+        """The pricer of the layouts with ``tp`` devices per pipeline rank (made once)."""
+        if tp not in self._tp:
+            p = self._pricer
+            self._tp[tp] = _Pricer(p.ctx, p.cluster, (p.rows, p.tokens), p.bucket_bytes, tp=tp, split=self._split)
+        return self._tp[tp]
+
+    def _price(self, option: Option) -> Layout:
+        return self._pricer_for(option.tp).price(option)
+
+    def _bound(self, option: Option) -> tuple[float, str | None, float]:
+        return self._pricer_for(option.tp).bound(option)
 
     def fit_to_model(self, sizes: tuple[int, int] = (1, 4), *, repeat: int = 7) -> Cluster:
         """The cluster with its devices' speed and per-op overhead fitted to the model's own step here.
@@ -256,16 +276,18 @@ class LayoutSearch:
         """Every layout of the cluster for the global batch (``layout_space``) within ``space`` and the
         model's units (``space``'s fields as old keywords too, for one release: ``zero=...``)."""
         space = resolve_options("LayoutSearch.space", {"space": space}, legacy).space
+        tps = tp_sizes(space.tp_sizes, heads=self._heads, found=self._split,
+                       node_size=self.cluster.devices[0].node_size, devices=len(self.cluster))
         options = layout_space(
             len(self.cluster), self.global_batch, schedules=tuple(space.schedules or TRAINING_SCHEDULES),
             microbatch_sizes=space.microbatch_sizes, zero=space.zero, max_stages=len(self._pricer.ctx.units),
-            dp_sizes=space.dp_sizes,
+            dp_sizes=space.dp_sizes, tp_sizes=tps,
         )
         if not options:
             raise PartitionOptionError(
                 f"no layout of {len(self.cluster)} devices divides a global batch of {self.global_batch} rows "
                 f"into replicas and micro-batches (microbatch_sizes={space.microbatch_sizes}, "
-                f"dp_sizes={space.dp_sizes}); pick a global batch that a replica count divides"
+                f"dp_sizes={space.dp_sizes}, tp sizes {tps}); pick a global batch that a replica count divides"
             )
         return options
 
@@ -276,7 +298,7 @@ class LayoutSearch:
             InfeasibleMemoryError: no cut of it fits the devices.
         """
         with preserved(self.model, what="plan_layout()"):
-            return self._pricer.price(option)
+            return self._price(option)
 
     def run(self, space: LayoutSpace | None = None, **legacy: Any) -> Plan:
         """Search ``space`` (default ``LayoutSpace()``; its fields as old keywords too, for one release:
@@ -286,7 +308,7 @@ class LayoutSearch:
         options = self.space(space)
         p = self._pricer
         with preserved(self.model, what="plan_layout()"):
-            rows = search(options, p.price, p.bound, capacity=p.capacity, top=space.top, prune=space.prune)
+            rows = search(options, self._price, self._bound, capacity=p.capacity, top=space.top, prune=space.prune)
             try:
                 best, why = pick(rows)
             except InfeasibleMemoryError as e:  # the bound it breaks, and what would fit
@@ -297,7 +319,7 @@ class LayoutSearch:
                    "micro-batch size, schedule and sharding searched).") from None
             rows = explain(rows, best)
             log.info("plan_layout: %d layouts, %.2fs: %s", len(rows), time.perf_counter() - t0, why)
-            plan = p.plan(best.option)
+            plan = self._pricer_for(best.tp).plan(best.option)
         chosen = next(r for r in rows if r.note == "chosen")
         return replace(plan, layout=chosen, layouts=tuple(rows), choice=why)
 
@@ -308,8 +330,9 @@ class LayoutSearch:
             InfeasibleMemoryError: no cut of it fits the devices.
         """
         with preserved(self.model, what="plan_layout()"):
-            lay = self._pricer.price(option)
-            plan = self._pricer.plan(option)
+            pricer = self._pricer_for(option.tp)
+            lay = pricer.price(option)
+            plan = pricer.plan(option)
         return replace(plan, layout=lay)
 
 
@@ -374,17 +397,28 @@ def _rows(example_inputs: Sequence[Any], example_kwargs: Mapping[str, Any] | Non
 
 
 class _Pricer:
-    """Prices layouts of one traced, costed model on one cluster; caches per micro-batch size."""
+    """Prices layouts of one traced, costed model on one cluster with ``tp`` devices per pipeline rank;
+    caches per micro-batch size.
 
-    def __init__(self, ctx: _Context, cluster: Cluster, rows: tuple[int, int], bucket_bytes: int) -> None:
-        self.ctx, self.cluster, self.bucket_bytes = ctx, cluster, bucket_bytes
+    With ``tp > 1`` every context it cuts is one tp rank's (``_Context.sharded``: costs and
+    parameters split as ``split`` says, the all-reduces on the node's link in the nodes' times), and
+    its ``cluster`` is the one the ``dp x pp`` ranks see (``tp_groups``: nodes of ``node_size / tp``).
+    """
+
+    def __init__(self, ctx: _Context, cluster: Cluster, rows: tuple[int, int], bucket_bytes: int, *,
+                 tp: int = 1, split: TensorSplit | None = None) -> None:
+        self.ctx, self.bucket_bytes = ctx, bucket_bytes
+        self.tp, self.split = tp, split or TensorSplit()
+        self.ring = collective(cluster, tp, 1)  # a tp group: consecutive devices inside one node
+        self.cluster = tp_groups(cluster, tp)
         self.rows, self.tokens = rows
         self.capacity = min(d.usable_memory for d in cluster.devices)
-        self.params = ctx.params  # each tensor once, tied ones included
+        rank = self._shard(ctx)
+        self.params = rank.params  # on one tp rank, each tensor once, tied ones included
         self.gathered_bpp = GATHERED_BYTES_PER_PARAM  # fsdp: what each gather moves and holds, per parameter
         # FSDP's gathered weights on a rank, whole backward: two of the largest block and the parameters
         # outside the blocks (see partitioner.plan.sharding).
-        block, outside = gathered_units(ctx.g, ctx.numel, ctx.traced.param_aliases)
+        block, outside = gathered_units(rank.g, rank.numel, ctx.traced.param_aliases)
         self.gathered = (2 * block + outside) * self.gathered_bpp
         self._fastest: dict[tuple[int, int], float] = {}
         self._at: dict[int, tuple[_Context, float, float, float, float]] = {}
@@ -394,16 +428,20 @@ class _Pricer:
         # the same held counts, larger micro-batches only add activation bytes.
         self._too_big: dict[tuple[int, int, str, str, tuple[int, ...]], int] = {}
 
+    def _shard(self, ctx: _Context) -> _Context:
+        """``ctx`` as one tp rank runs it (itself when ``tp`` is 1)."""
+        return ctx.sharded(self.split, self.tp, self.ring)
+
     def _sized(self, b: int) -> tuple[_Context, float, float, float, float]:
-        """The context costed for ``b`` rows; one micro-batch's total work (forward and backward), its
-        activation bytes, the largest any one unit saves, and its work less the weight gradients
-        (the bounds' terms)."""
+        """The context costed for ``b`` rows (one tp rank's); one micro-batch's total work (forward and
+        backward), its activation bytes, the largest any one unit saves, and its work less the weight
+        gradients (the bounds' terms)."""
         if b not in self._at:
-            ctx = self.ctx.scaled(b / self.rows)
+            ctx = self._shard(self.ctx.scaled(b / self.rows))  # the all-reduces priced at b rows
             dev = self.cluster.devices[0]
             times = [(ctx.g.nodes[v]["cost"], node_time(ctx.g.nodes[v]["cost"], dev)) for v in ctx.g.nodes]
             work = sum(f + bw for _, (f, bw) in times)
-            inputs = sum(f + bw * (1 - weight_share(c)) for c, (f, bw) in times)
+            inputs = sum(f + bw - wgrad_time(c, bw) for c, (f, bw) in times)
             acts = [sum(ctx.g.nodes[v]["cost"].saved_bytes for v in u.nodes) for u in ctx.units]
             self._at[b] = (ctx, work, float(sum(acts)), float(max(acts, default=0)), inputs)
         return self._at[b]
@@ -530,13 +568,17 @@ class _Pricer:
             sent = (o.dp - 1) / o.dp * max(rank_params, default=0.0) * per_param
         step = sim.step_time + tail + opt
         memory = pr.memory + self._reserved(o)
+        costs = self._sized(o.microbatch_size)[0].costs  # the tp all-reduces (a recomputed forward's again)
+        reduces = sum(costs[v].comm_fwd_s * (1 + st.recompute) + costs[v].comm_bwd_s
+                      for st in plan.stages for v in st.nodes) if o.tp > 1 else 0.0
         return Layout(
             o.dp, o.pp, o.stages, o.schedule, o.microbatch_size, o.microbatches, o.global_batch, o.zero,
             step_time=step, pipeline_time=sim.step_time, exchange_time=tail, optimizer_time=opt,
             bubble=sim.bubble_total, memory=memory, capacity=self.capacity,
             exchange_bytes=sent, recompute=sum(st.recompute for st in plan.stages),
             tokens_per_row=self.tokens, fits=memory <= self.capacity and math.isfinite(step), priced=True,
-            gather_time=2 * o.microbatches * sum(gather) / o.pp,
+            gather_time=2 * o.microbatches * sum(gather) / o.pp, tp=o.tp,
+            allreduce_time=o.microbatches * reduces / o.pp,
         )
 
     def plan(self, o: Option) -> Plan:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 
 from partitioner.cost.devices import DeviceSpec
 
-__all__ = ["NodeCost", "node_time", "weight_share", "scale_cost"]
+__all__ = ["NodeCost", "node_time", "weight_share", "wgrad_time", "scale_cost"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,9 @@ class NodeCost:
             needs grad and the output is differentiable).
         measured_fwd_s: measured forward seconds (``profile=True``), else ``None``.
         measured_bwd_s: measured backward seconds (``profile=True``), else ``None``.
+        comm_fwd_s: seconds of collectives the forward waits for (a tensor-parallel row layer's
+            all-reduce: ``partitioner.tensor.split``), added to its time; 0 outside tp.
+        comm_bwd_s: the same for the backward (a column layer's all-reduce of its input's gradient).
 
     Example:
         >>> c = NodeCost(fwd_flops=2e9, bwd_flops=4e9, io_bytes=1e6)
@@ -53,6 +56,8 @@ class NodeCost:
     requires_grad: bool = True
     measured_fwd_s: float | None = None
     measured_bwd_s: float | None = None
+    comm_fwd_s: float = 0.0
+    comm_bwd_s: float = 0.0
 
 
 def scale_cost(cost: NodeCost, factor: float) -> NodeCost:
@@ -62,7 +67,9 @@ def scale_cost(cost: NodeCost, factor: float) -> NodeCost:
     bytes read and written other than its parameters and buffers, which stay (every op of a
     transformer or an MLP is row-wise in the batch dimension). Measured times scale by
     ``factor`` too, which overrates small micro-batches on a device that runs them less
-    efficiently: re-profile at the size the plan trains for an exact figure.
+    efficiently: re-profile at the size the plan trains for an exact figure. The collectives'
+    seconds scale too, their latency with them (the layout search shards costs after scaling, so
+    it prices them afresh at each size).
 
     Example:
         >>> c = scale_cost(NodeCost(fwd_flops=8.0, bwd_flops=16.0, param_bytes=100, io_bytes=140, saved_bytes=4), 2)
@@ -79,6 +86,8 @@ def scale_cost(cost: NodeCost, factor: float) -> NodeCost:
         io_bytes=round(fixed + (cost.io_bytes - fixed) * factor),
         measured_fwd_s=None if cost.measured_fwd_s is None else cost.measured_fwd_s * factor,
         measured_bwd_s=None if cost.measured_bwd_s is None else cost.measured_bwd_s * factor,
+        comm_fwd_s=cost.comm_fwd_s * factor,
+        comm_bwd_s=cost.comm_bwd_s * factor,
     )
 
 
@@ -89,7 +98,8 @@ def node_time(cost: NodeCost, device: DeviceSpec) -> tuple[float, float]:
     (FLOPs / peak FLOP/s for the node's dtype) and memory time (bytes / bandwidth), plus the
     device's per-op overhead. Backward moves roughly twice the bytes of forward (it reads the
     saved tensors and the incoming gradient and writes the input gradients). A node that needs
-    no gradient has no backward.
+    no gradient has no backward. The collectives a node waits for (``comm_fwd_s``, ``comm_bwd_s``)
+    are added, nothing overlapping them.
 
     Example:
         >>> dev = DeviceSpec("toy", peak_flops=1e12, peak_flops_fp32=1e11, mem_bandwidth=1e9,
@@ -102,12 +112,13 @@ def node_time(cost: NodeCost, device: DeviceSpec) -> tuple[float, float]:
         fwd = cost.measured_fwd_s
     else:
         fwd = max(cost.fwd_flops / peak, cost.io_bytes / device.mem_bandwidth) + device.op_overhead
+    fwd += cost.comm_fwd_s
     if not cost.requires_grad:
         return fwd, 0.0
     if cost.measured_bwd_s is not None:
-        return fwd, cost.measured_bwd_s
+        return fwd, cost.measured_bwd_s + cost.comm_bwd_s
     bwd = max(cost.bwd_flops / peak, 2 * cost.io_bytes / device.mem_bandwidth) + device.op_overhead
-    return fwd, bwd
+    return fwd, bwd + cost.comm_bwd_s
 
 
 def weight_share(cost: NodeCost) -> float:
@@ -130,3 +141,14 @@ def weight_share(cost: NodeCost) -> float:
     if cost.bwd_flops <= 0:
         return 0.5
     return min(1.0, cost.fwd_flops / cost.bwd_flops)
+
+
+def wgrad_time(cost: NodeCost, bwd: float) -> float:
+    """Seconds of a node's backward ``bwd`` (from :func:`node_time`) that compute weight gradients:
+    :func:`weight_share` of its compute; the collectives it waits for are the input gradients' (``I``).
+
+    Example:
+        >>> wgrad_time(NodeCost(fwd_flops=2.0, bwd_flops=4.0, param_names=("w",), comm_bwd_s=1.0), 3.0)
+        1.0
+    """
+    return max(0.0, bwd - cost.comm_bwd_s) * weight_share(cost)

@@ -1,10 +1,11 @@
 """The layout search: how to spend ``N`` devices on a fixed global batch, priced and ranked.
 
-Legend: ``N`` devices, ``dp`` replicas of the pipeline, ``pp`` ranks per pipeline (``dp * pp = N``),
+Legend: ``N`` devices, ``dp`` replicas of the pipeline, ``pp`` ranks per pipeline, ``tp`` devices per
+pipeline rank (a tensor-parallel group inside a node; ``dp * pp * tp = N``),
 ``v`` stages per rank (2 for interleaved and ZB-V), ``S = v * pp`` stages, ``b`` rows per
 micro-batch, ``m = B / (dp * b)`` micro-batches per replica per step, ``B`` the global batch.
 
-A *layout* is ``(dp, pp, schedule, b, zero)``. Each is priced by a caller-given function (the
+A *layout* is ``(dp, pp, tp, schedule, b, zero)``. Each is priced by a caller-given function (the
 exact cut for its stage count and memory, one simulated step, the data-parallel exchange the
 drain does not hide, the optimizer step: ``partitioner.search``); this module only enumerates
 the space, orders it, prunes it and ranks the results, on plain data.
@@ -56,6 +57,7 @@ class Option:
     microbatch_size: int
     zero: str
     global_batch: int
+    tp: int = 1
 
     @property
     def stages(self) -> int:
@@ -69,12 +71,14 @@ class Option:
 
     @property
     def devices(self) -> int:
-        return self.dp * self.pp
+        """``dp * pp * tp``."""
+        return self.dp * self.pp * self.tp
 
     def label(self) -> str:
-        """``'dp2 x pp4 1f1b b4 m8 zero1'``."""
+        """``'dp2 x pp4 1f1b b4 m8 zero1'`` (``'dp2 x pp4 x tp8 ...'`` with tensor parallelism)."""
         z = f" {self.zero}" if self.zero != "none" else ""
-        return f"dp{self.dp} x pp{self.pp} {self.schedule} b{self.microbatch_size} m{self.microbatches}{z}"
+        t = f" x tp{self.tp}" if self.tp > 1 else ""
+        return f"dp{self.dp} x pp{self.pp}{t} {self.schedule} b{self.microbatch_size} m{self.microbatches}{z}"
 
 
 @dataclass(frozen=True)
@@ -109,6 +113,10 @@ class Layout:
         gather_time: with ``fsdp``, the seconds a rank spends per step all-gathering weights before
             its forwards and backwards, on average over a pipeline's ranks: part of
             ``pipeline_time``'s busy share (0 otherwise).
+        tp: devices per pipeline rank, a tensor-parallel group inside one node (1: none).
+        allreduce_time: with ``tp > 1``, the seconds a rank spends per step in the tensor-parallel
+            all-reduces (forward, backward and recomputed forward), on average over a pipeline's
+            ranks: part of ``pipeline_time``'s busy share (0 otherwise).
 
     Example:
         >>> lay = Layout(2, 2, 2, "1f1b", 4, 4, 32, "none", 2.0, 1.5, 0.3, 0.2, 0.1, 5e9, 8e9,
@@ -139,10 +147,13 @@ class Layout:
     priced: bool = False
     note: str = ""
     gather_time: float = 0.0
+    tp: int = 1
+    allreduce_time: float = 0.0
 
     @property
     def devices(self) -> int:
-        return self.dp * self.pp
+        """``dp * pp * tp``."""
+        return self.dp * self.pp * self.tp
 
     @property
     def samples_per_s(self) -> float:
@@ -156,7 +167,7 @@ class Layout:
 
     @property
     def option(self) -> Option:
-        return Option(self.dp, self.pp, self.schedule, self.microbatch_size, self.zero, self.global_batch)
+        return Option(self.dp, self.pp, self.schedule, self.microbatch_size, self.zero, self.global_batch, self.tp)
 
     def label(self) -> str:
         return self.option.label()
@@ -167,7 +178,7 @@ class Layout:
         return Layout(
             option.dp, option.pp, option.stages, option.schedule, option.microbatch_size, option.microbatches,
             option.global_batch, option.zero, step_time, 0.0, 0.0, 0.0, 0.0, memory, capacity, 0.0, 0,
-            fits=False, priced=False, note=note,
+            fits=False, priced=False, note=note, tp=option.tp,
         )
 
 
@@ -190,13 +201,17 @@ def layout_space(
     zero: Sequence[str] = DEFAULT_ZERO,
     max_stages: int | None = None,
     dp_sizes: Sequence[int] | None = None,
+    tp_sizes: Sequence[int] = (1,),
 ) -> list[Option]:
     """Every layout of ``devices`` devices for a global batch of ``global_batch`` rows.
 
-    ``dp`` divides both the devices and the batch (``dp_sizes``: only those); ``b`` divides the replica's rows
+    For each ``tp`` of ``tp_sizes`` that divides the devices (checked against the model and the nodes
+    by ``partitioner.tensor.sizes.tp_sizes``), the ``devices / tp`` pipeline ranks are spent as
+    ``dp x pp``: ``dp`` divides both them and the batch (``dp_sizes``: only those); ``b`` divides the replica's rows
     (``microbatch_sizes``: only those; default: every divisor); ``zero1`` and ``fsdp`` only with ``dp > 1``;
     a single-rank pipeline (``pp = 1``) takes only the schedules with one stage per rank, and
-    stage counts above ``max_stages`` (the model's units) are left out.
+    stage counts above ``max_stages`` (the model's units) are left out; ``fsdp`` only with ``tp = 1``
+    (the runtime does not compose FSDP2 with tp yet).
 
     Example:
         >>> [o.label() for o in layout_space(2, 4, schedules=("1f1b",), zero=("none",))]
@@ -204,20 +219,24 @@ def layout_space(
 'dp2 x pp1 1f1b b2 m1']
     """
     out: list[Option] = []
-    for dp in divisors(devices):
-        if global_batch % dp or (dp_sizes is not None and dp not in dp_sizes):
+    for tp in sorted(set(tp_sizes)):
+        if devices % tp:
             continue
-        pp, rows = devices // dp, global_batch // dp
-        sizes = [b for b in divisors(rows) if microbatch_sizes is None or b in microbatch_sizes]
-        for sched in schedules:
-            v = stages_per_rank(sched)
-            if (pp == 1 and v > 1) or (max_stages is not None and pp * v > max_stages):
+        ranks = devices // tp
+        for dp in divisors(ranks):
+            if global_batch % dp or (dp_sizes is not None and dp not in dp_sizes):
                 continue
-            for b in sizes:
-                for z in zero:
-                    if z != "none" and dp == 1:
-                        continue
-                    out.append(Option(dp, pp, sched, b, z, global_batch))
+            pp, rows = ranks // dp, global_batch // dp
+            sizes = [b for b in divisors(rows) if microbatch_sizes is None or b in microbatch_sizes]
+            for sched in schedules:
+                v = stages_per_rank(sched)
+                if (pp == 1 and v > 1) or (max_stages is not None and pp * v > max_stages):
+                    continue
+                for b in sizes:
+                    for z in zero:
+                        if (z != "none" and dp == 1) or (z == "fsdp" and tp > 1):
+                            continue
+                        out.append(Option(dp, pp, sched, b, z, global_batch, tp))
     return out
 
 
@@ -279,8 +298,8 @@ def rank(rows: Sequence[Layout]) -> list[Layout]:
     return fit + priced + rest
 
 
-def _order(r: Layout) -> tuple[float, int, int, int, int]:
-    return (r.step_time, r.pp, -r.microbatch_size, TRAINING_SCHEDULES.index(r.schedule) if r.schedule in
+def _order(r: Layout) -> tuple[float, int, int, int, int, int]:
+    return (r.step_time, r.pp, r.tp, -r.microbatch_size, TRAINING_SCHEDULES.index(r.schedule) if r.schedule in
             TRAINING_SCHEDULES else 99, ZERO_OPTIONS.index(r.zero) if r.zero in ZERO_OPTIONS else 99)
 
 
@@ -288,7 +307,8 @@ def pick(rows: Sequence[Layout]) -> tuple[Layout, str]:
     """The chosen layout and a sentence saying why.
 
     Layouts within ``TIE`` of the fastest are ties, broken towards fewer pipeline ranks (fewer
-    hand-offs, a smaller bubble if the estimate is off), then larger micro-batches, then the
+    hand-offs, a smaller bubble if the estimate is off), then less tensor parallelism (fewer
+    all-reduces), then larger micro-batches, then the
     simpler schedule, then the least sharding (none, ZeRO-1, FSDP).
 
     Raises:
@@ -306,7 +326,7 @@ def pick(rows: Sequence[Layout]) -> tuple[Layout, str]:
         cap = max((r.capacity for r in rows), default=0.0)
         raise InfeasibleMemoryError(
             [min(needed)] if needed else [float("inf")], [cap],
-            f"No layout fits the devices (tried {len(rows)}: every dp x pp, micro-batch size, schedule "
+            f"No layout fits the devices (tried {len(rows)}: every dp x pp x tp, micro-batch size, schedule "
             "and sharding).",
         )
     fastest = min(r.step_time for r in fit)
@@ -341,9 +361,10 @@ def _loses_on(r: Layout, best: Layout) -> str:
     slower = r.step_time / best.step_time - 1 if best.step_time > 0 else 0.0
     terms = {
         "bubble": r.pipeline_time * r.bubble - best.pipeline_time * best.bubble,
-        "compute": (r.pipeline_time * (1 - r.bubble) - r.gather_time
-                    - best.pipeline_time * (1 - best.bubble) + best.gather_time),
+        "compute": (r.pipeline_time * (1 - r.bubble) - r.gather_time - r.allreduce_time
+                    - best.pipeline_time * (1 - best.bubble) + best.gather_time + best.allreduce_time),
         "FSDP gathers": r.gather_time - best.gather_time,
+        "tp all-reduces": r.allreduce_time - best.allreduce_time,
         "exchange": r.exchange_time - best.exchange_time,
         "optimizer": r.optimizer_time - best.optimizer_time,
     }

@@ -4,6 +4,11 @@ Run (CPU; about 3 minutes; writes ``benchmarks/results/layout_scale.json``)::
 
     python benchmarks/layout_scale.py
     python benchmarks/layout_scale.py --devices 64,512,1536 --global-batch 1536 --device A100-80GB --precision bf16
+    python benchmarks/layout_scale.py --devices 512,1536 --tp 1,2,4,8 --out benchmarks/results/layout_scale_tp.json
+
+``--tp`` is ``LayoutSpace(tp_sizes=...)``: the tensor-parallel sizes searched (default ``1``, the
+search without tensor parallelism this benchmark first recorded; ``auto`` searches every size the
+model's heads and the 8-GPU nodes take, ``partitioner.tensor.sizes``).
 
 Each device count is planned in a fresh process (``plan_layout(gpt2-175b on meta, one row of 2048
 tokens, cluster=Cluster.uniform(N, device), global_batch=B, precision, granularity='module')``),
@@ -39,11 +44,12 @@ MEGATRON = {"devices": 1536, "layout": "tensor 8 x pipeline 16 x data 12 (interl
 PLAN_S_AT_MOST, RSS_GIB_AT_MOST = 60.0, 4.0
 
 
-def _plan(devices: int, global_batch: int, device: str, precision: str, top: int) -> dict[str, Any]:
+def _plan(devices: int, global_batch: int, device: str, precision: str, top: int,
+          tp: tuple[int, ...] | None) -> dict[str, Any]:
     """Plan one device count (run in a fresh process)."""
     import torch
 
-    from partitioner import Cluster, plan_layout
+    from partitioner import Cluster, LayoutSpace, plan_layout
     from partitioner.zoo import load_model
 
     torch.set_num_threads(1)
@@ -51,7 +57,7 @@ def _plan(devices: int, global_batch: int, device: str, precision: str, top: int
     params = sum(p.numel() for p in model.parameters())
     t0 = time.perf_counter()
     plan = plan_layout(model, example, cluster=Cluster.uniform(devices, device), global_batch=global_batch,
-                       precision=precision, granularity="module", top=top)
+                       precision=precision, granularity="module", space=LayoutSpace(top=top, tp_sizes=tp))
     seconds = time.perf_counter() - t0
     lay = plan.layout
     assert lay is not None
@@ -59,10 +65,13 @@ def _plan(devices: int, global_batch: int, device: str, precision: str, top: int
     tokens = global_batch * lay.tokens_per_row
 
     def row(x: Any) -> dict[str, Any]:
-        return {"layout": x.label(), "step_s": x.step_time, "pipeline_s": x.pipeline_time,
+        return {"layout": x.label(), "dp": x.dp, "pp": x.pp, "tp": x.tp, "step_s": x.step_time,
+                "pipeline_s": x.pipeline_time,
                 "exchange_s": x.exchange_time, "optimizer_s": x.optimizer_time, "bubble": x.bubble,
                 "memory_gib": x.memory / 2**30, "recompute_stages": x.recompute, "stages": x.stages,
                 "tokens_per_s": x.tokens_per_s, "mfu": 6 * params * tokens / (x.step_time * devices * peak),
+                "tflops_per_gpu_6PT": 6 * params * tokens / (x.step_time * devices) / 1e12,
+                "tp_allreduce_s": x.allreduce_time,
                 "note": x.note}
 
     return {"devices": devices, "params": params, "tokens_per_step": tokens, "plan_s": seconds,
@@ -79,16 +88,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="A100-80GB")
     ap.add_argument("--precision", default="bf16")
     ap.add_argument("--top", type=int, default=3)
+    ap.add_argument("--tp", default="1", help="tensor-parallel sizes searched: 1,2,4,8, or auto")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "layout_scale.json"))
     cli = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(cli)
+    tp = None if args.tp == "auto" else tuple(int_list(args.tp))
     t0 = time.time()
     load = load_before("planning")
     results = []
     ctx = mp.get_context("spawn")
     for n in args.devices:
         with ctx.Pool(1) as pool:  # a fresh process per count: its peak RSS is this planning's
-            results.append(pool.apply(_plan, (n, args.global_batch, args.device, args.precision, args.top)))
+            results.append(pool.apply(_plan, (n, args.global_batch, args.device, args.precision, args.top, tp)))
     from rich.console import Console
     from rich.table import Table
 
@@ -113,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     write_result(args.out, {
         "benchmark": "layout_scale", "command": shlex.join(["python", "benchmarks/layout_scale.py", *cli]),
         "config": {"model": "gpt2-175b (partitioner.zoo, meta)", "global_batch": args.global_batch,
-                   "device": args.device, "precision": args.precision, "granularity": "module"},
+                   "device": args.device, "precision": args.precision, "granularity": "module",
+                   "tp_sizes": list(tp) if tp is not None else "auto"},
         "env": run_env(load, t0), "results": results, "megatron": MEGATRON,
         "targets": {"plan_s_at_most": PLAN_S_AT_MOST, "rss_gib_at_most": RSS_GIB_AT_MOST, "met": ok},
     })

@@ -94,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--zero", default=None,
                       help="with --devices: the shardings over the replicas to search, comma-separated, of "
                       f"{', '.join(ZERO_OPTIONS)} (default {','.join(DEFAULT_ZERO)}; fsdp, FSDP2, only when named)")
+    plan.add_argument("--tp", default=None,
+                      help="with --devices: the tensor-parallel sizes to search, comma-separated (e.g. 1,2,4,8; "
+                      "default: every divisor of the node size that divides the model's heads, 1 without a "
+                      "Hugging Face config or a node size)")
     plan.add_argument(
         "--device", default=None, help=f"device preset for every stage ({', '.join(DEVICE_PRESETS)}); default: "
         "this machine's (its GPU's preset, else cpu), the same as pipecut train's"
@@ -191,9 +195,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_ERROR
 
 
+def _tp_sizes(text: str) -> tuple[int, ...]:
+    """``--tp 1,2,4,8`` as ``LayoutSpace.tp_sizes``."""
+    sizes = tuple(positive_count(x.strip(), "in the comma-separated --tp list") for x in text.split(",") if x.strip())
+    if not sizes:
+        raise CliArgumentError(f"--tp takes comma-separated sizes such as 1,2,4,8, got {text!r}")
+    return sizes
+
+
 # Flags that size or search a training job, and what a plan for generation has instead of each.
 _TRAINING_ONLY = {
-    "devices": "--devices", "global_batch": "--global-batch", "top": "--top", "zero": "--zero",
+    "devices": "--devices", "global_batch": "--global-batch", "top": "--top", "zero": "--zero", "tp": "--tp",
     "schedule": "--schedule", "microbatches": "--microbatches", "recompute": "--recompute",
     "state_bytes": "--state-bytes", "micro_batch_size": "--micro-batch-size",
 }
@@ -270,6 +282,7 @@ def _plan(args: argparse.Namespace) -> int:
         space = LayoutSpace(
             schedules=(args.schedule,) if args.schedule not in (None, "auto") else None,
             zero=tuple(z.strip() for z in zero.split(",") if z.strip()), top=top,
+            tp_sizes=_tp_sizes(args.tp) if args.tp is not None else None,
         )
         plan = plan_layout(model, inputs, cluster=cluster, global_batch=args.global_batch, space=space,
                            capture=capture, costing=costing)

@@ -125,7 +125,7 @@ def _stage_row(plan: PlanRecord, st: StagePlan, *, worst: int, recompute_column:
 _STAGE_DROP_ORDER = ("fwd FLOPs", "bwd FLOPs", "nodes", "F", "B", "comm", "sends", "params", "recompute", "device")
 _CANDIDATE_DROP_ORDER = ("stages", "bubble", "step", "peak memory", "per micro-batch")
 _INFERENCE_DROP_ORDER = ("comm", "sends", "params", "time", "device")
-_LAYOUT_DROP_ORDER = ("recompute", "exchanged", "bubble", "exchange", "#", "memory / device")
+_LAYOUT_DROP_ORDER = ("recompute", "tp", "exchanged", "bubble", "exchange", "#", "memory / device")
 _FOLD_MIN = 20  # the narrowest a folding column (modules, fits) gets before a column is left out
 
 
@@ -340,15 +340,17 @@ def _layout_lines(plan: PlanRecord, lay: Layout, stage_capacity: float) -> list[
     (``stage_capacity``, the least any stage had): what each device keeps for the gathered weights."""
     rate = f"{fmt_count(lay.tokens_per_s)} tokens/s" if lay.tokens_per_row else f"{fmt_count(lay.samples_per_s)} rows/s"
     zero = _SHARDING.get(lay.zero, f", sharding {lay.zero!r}")
+    tp = f" x {lay.tp}-way tensor parallel (inside a node)" if lay.tp > 1 else ""
     head = (
         f"pipecut layout: {lay.devices} devices = {lay.dp} replica(s) x {lay.pp}-rank pipeline ({lay.stages} stages, "
-        f"{lay.schedule}); global batch {lay.global_batch} = {lay.dp} x {lay.microbatches} micro-batches of "
+        f"{lay.schedule}){tp}; global batch {lay.global_batch} = {lay.dp} x {lay.microbatches} micro-batches of "
         f"{lay.microbatch_size}{zero}; precision {precision_words(plan.precision)}"
     )
     cost = (
         f"{plan.cluster.estimate_basis}: step {fmt_time(lay.step_time)} = pipeline {fmt_time(lay.pipeline_time)} "
         f"(bubble {lay.bubble:.1%}"
-        f"{f', FSDP gathers {fmt_time(lay.gather_time)} per rank' if lay.gather_time else ''}) "
+        f"{f', FSDP gathers {fmt_time(lay.gather_time)} per rank' if lay.gather_time else ''}"
+        f"{f', tp all-reduces {fmt_time(lay.allreduce_time)} per rank' if lay.allreduce_time else ''}) "
         f"+ exchange not hidden {fmt_time(lay.exchange_time)} + optimizer {fmt_time(lay.optimizer_time)}; {rate}; "
         f"peak memory {fmt_bytes(lay.memory)} of {fmt_bytes(lay.capacity)} usable per device"
     )
@@ -362,13 +364,13 @@ def _layout_lines(plan: PlanRecord, lay: Layout, stage_capacity: float) -> list[
 
 def _layouts_table(plan: PlanRecord, *, width: int, top: int) -> tuple[Table, list[str]]:
     tokens = bool(plan.layout and plan.layout.tokens_per_row)
-    names = ("#", "layout", "step", "tokens/s" if tokens else "rows/s", "memory / device", "bubble", "exchange",
-             "exchanged", "recompute", "vs chosen")
+    names = ("#", "layout", "tp", "step", "tokens/s" if tokens else "rows/s", "memory / device", "bubble",
+             "exchange", "exchanged", "recompute", "vs chosen")
     columns: list[tuple[str, JustifyMethod]] = [(c, "left" if c in ("layout", "vs chosen") else "right") for c in names]
     rows = []
     for i, lay in enumerate([r for r in plan.layouts if r.fits][:top], 1):
         rows.append([
-            str(i), lay.label(), fmt_time(lay.step_time),
+            str(i), lay.label(), str(lay.tp), fmt_time(lay.step_time),
             fmt_count(lay.tokens_per_s if tokens else lay.samples_per_s),
             f"{fmt_bytes(lay.memory)} / {fmt_bytes(lay.capacity)}", f"{lay.bubble:.1%}", fmt_time(lay.exchange_time),
             fmt_bytes(lay.exchange_bytes), f"{lay.recompute}/{lay.stages}" if lay.recompute else "-", lay.note,

@@ -174,7 +174,7 @@ def find_split(gm: fx.GraphModule, module_of: Mapping[str, str]) -> TensorSplit:
         found = _weight(node, gm, shapes) if block is not None else None
         if found is not None:
             name, act = found
-            shape = shapes[name] if name in shapes else gm.get_submodule(str(node.target)).weight.shape
+            shape = shapes[name]
             by_rows = node.op == "call_module" or node.target in _LINEAR  # weight (out, in)
             out_dim, in_dim = (0, 1) if by_rows else (1, 0)
             params = [str(a.target) for a in node.all_input_nodes if a.op == "get_attr"]
@@ -183,14 +183,14 @@ def find_split(gm: fx.GraphModule, module_of: Mapping[str, str]) -> TensorSplit:
             if act.name in split:  # row-wise: its input features; the bias is added after the sum, whole
                 row.add(node.name)
                 sizes[node.name] = int(shape[in_dim])
-                sharded[name] = int(shape.numel())
+                sharded[name] = shape.numel()
                 fwd[node.name] = node.name
             else:  # column-wise: its output features, weight and bias
                 column.add(node.name)
                 split.add(node.name)
                 sizes[node.name] = int(shape[out_dim])
                 for p in params:
-                    sharded[p] = int(shapes[p].numel()) if p in shapes else 0
+                    sharded[p] = shapes[p].numel() if p in shapes else 0
                 if act.name not in reduced_inputs:  # q, k and v share one all-reduce of their input's gradient
                     reduced_inputs.add(act.name)
                     bwd[node.name] = act.name

@@ -1,7 +1,8 @@
 """``plan_layout()``: how to spend a cluster on a global batch, searched and priced, as one plan.
 
-Legend: ``N`` devices, ``dp`` replicas, ``pp`` ranks per pipeline, ``S`` stages, ``b`` rows per
-micro-batch, ``m`` micro-batches per replica, ``B`` the global batch, ``P`` parameters.
+Legend: ``N = dp x pp x tp`` devices, ``dp`` replicas, ``pp`` ranks per pipeline, ``tp`` devices
+per pipeline rank (a tensor-parallel group in one node), ``S`` stages, ``b`` rows per micro-batch,
+``m`` micro-batches per replica, ``B`` the global batch, ``P`` parameters.
 
 The model is traced and costed once, at the example's micro-batch; every other micro-batch size
 scales those costs (``partitioner.cost.nodecost.scale_cost``). Each layout of
@@ -24,8 +25,17 @@ optimizer state over ``dp``, the gradients whole, two gathered blocks and the pa
 the blocks per rank (the whole stage under a split backward), a gather before every forward and
 backward, a reduce-scatter behind the drain.
 
-What it ignores: tensor parallelism (pipecut has none), compute slowed by concurrent
-communication, the tied-weight all-reduce (one tensor per tie), and the loss broadcast.
+``tp > 1`` is priced on one tp rank (``partitioner.tensor``): the linear weights of the blocks'
+column/row pairs, their gradients and optimizer state ``1 / tp``, embeddings, norms and the head
+whole; the compute and activations between a column layer and its row layer ``1 / tp``; per pair
+one all-reduce of ``B x T x C`` forward and one backward over the node's link, latency included,
+in the F and B the cut balances (a recomputed forward repeats its own); no cut inside a pair;
+the pipeline and the "dp" rings on the ranks ``(d * pp + r) * tp`` (``tp_groups``), whose
+gradients are ``1 / tp`` of the sharded weights.
+
+What it ignores: compute slowed by concurrent communication (the tp all-reduces and the exchange
+included), the tied-weight all-reduce (one tensor per tie), the loss broadcast, and the kernels'
+lower efficiency on the ``1 / tp`` narrower matrices of a tp rank (the roofline runs them at peak).
 """
 
 from __future__ import annotations
@@ -88,7 +98,7 @@ def plan_layout(
 ) -> Plan:
     """Choose the whole layout of a job on ``cluster`` for ``global_batch`` rows per step.
 
-    Searches every ``dp x pp = len(cluster)``, micro-batch size, schedule and sharding
+    Searches every ``dp x pp x tp = len(cluster)``, micro-batch size, schedule and sharding
     (see the module docstring for how each is priced) and returns the fastest that fits as a
     plan the trainer runs as it is: ``plan.layout`` holds dp, the micro-batch size and the
     sharding, ``plan.schedule`` / ``plan.microbatches`` / each stage's ``recompute`` the rest.
@@ -315,8 +325,8 @@ class LayoutSearch:
                 raise refused(e, StateBound.of(
                     p.cluster, p.params, p.ctx.state_bytes_per_param, dp_sizes=tuple(sorted({o.dp for o in options})),
                     zero=tuple(sorted({o.zero for o in options})), max_pp=len(p.ctx.units), gathered=p.gathered,
-                ), f"No layout fits {len(p.cluster)} x {p.cluster.devices[0].name} (tried {len(rows)}: every dp x pp, "
-                   "micro-batch size, schedule and sharding searched).") from None
+                ), f"No layout fits {len(p.cluster)} x {p.cluster.devices[0].name} (tried {len(rows)}: every "
+                   "dp x pp x tp, micro-batch size, schedule and sharding searched).") from None
             rows = explain(rows, best)
             log.info("plan_layout: %d layouts, %.2fs: %s", len(rows), time.perf_counter() - t0, why)
             plan = self._pricer_for(best.tp).plan(best.option)

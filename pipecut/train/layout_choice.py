@@ -157,6 +157,8 @@ def search_space(cfg: TrainConfig, *, world: int) -> dict[str, Any]:
         "schedules": (cfg.schedule,) if cfg.schedule not in (None, "auto") else None,
         "microbatch_sizes": (cfg.micro_batch_size,) if cfg.micro_batch_size is not None else None,
         "zero": (cfg.zero,) if cfg.zero is not None else DEFAULT_ZERO,
+        # pipecut train runs no tensor parallelism yet (docs/tensor-parallel.md, Next: CLI): dp x pp only.
+        "tp_sizes": (1,),
     }
 
 

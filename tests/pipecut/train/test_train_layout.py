@@ -41,10 +41,11 @@ def test_manual_is_the_default_and_fills_in_the_flags_defaults(tmp_path: Path) -
 def test_the_layout_keys_given_constrain_the_search() -> None:
     auto = TrainConfig(**REQUIRED, layout="auto", global_batch=16)
     assert search_space(auto, world=4) == {
-        "dp_sizes": None, "schedules": None, "microbatch_sizes": None, "zero": ("none", "zero1")}
+        "dp_sizes": None, "schedules": None, "microbatch_sizes": None, "zero": ("none", "zero1"),
+        "tp_sizes": (1,)}  # the train command runs no tensor parallelism yet
     given = dataclasses.replace(auto, pp=4, schedule="zbv", micro_batch_size=2, zero="none")
     assert search_space(given, world=8) == {
-        "dp_sizes": (2,), "schedules": ("zbv",), "microbatch_sizes": (2,), "zero": ("none",)}
+        "dp_sizes": (2,), "schedules": ("zbv",), "microbatch_sizes": (2,), "zero": ("none",), "tp_sizes": (1,)}
     assert search_space(dataclasses.replace(auto, dp=2, schedule="auto"), world=4)["schedules"] is None
     # In one process: one replica over --pp ranks.
     assert search_space(dataclasses.replace(auto, pp=2), world=1)["dp_sizes"] == (1,)

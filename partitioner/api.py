@@ -246,6 +246,16 @@ class _Context:
     costs: Mapping[str, NodeCost]
     numel: dict[str, int]
     opts: PlannerOptions  # the capture decided for the model; the cut's method, refine and split points
+    # Shared by the copies ``scaled`` and ``sharded`` make: the traced graph's fingerprint, hashed once
+    # (hashing a 175B GPT-2's graph for every layout priced took a third of the search).
+    memo: dict[str, str] = field(default_factory=dict, repr=False)
+
+    @property
+    def fingerprint(self) -> str:
+        """The traced graph's fingerprint (``TracedModel.fingerprint``), computed once per trace."""
+        if "fingerprint" not in self.memo:
+            self.memo["fingerprint"] = self.traced.fingerprint()
+        return self.memo["fingerprint"]
 
     @property
     def granularity(self) -> str:
@@ -481,7 +491,7 @@ def _make_plan(ctx: _Context, found: _Found, *, predictions: bool, generation: G
         predictions=preds,
         cluster=cluster,
         state_bytes_per_param=generation.dtype_bytes if generation is not None else ctx.state_bytes_per_param,
-        fingerprint=traced.fingerprint(),
+        fingerprint=ctx.fingerprint,
         trace_method=traced.method,
         input_names=tuple(traced.input_names),
         io=found.io,

@@ -49,15 +49,17 @@ def _plan(devices: int, global_batch: int, device: str, precision: str, top: int
     """Plan one device count (run in a fresh process)."""
     import torch
 
-    from partitioner import Cluster, LayoutSpace, plan_layout
+    from partitioner import Capture, Cluster, Costing, InfeasibleMemoryError, LayoutSearch, LayoutSpace
+    from partitioner.plan.layout import Option
     from partitioner.zoo import load_model
 
     torch.set_num_threads(1)
     model, example = load_model("gpt2-175b")
     params = sum(p.numel() for p in model.parameters())
     t0 = time.perf_counter()
-    plan = plan_layout(model, example, cluster=Cluster.uniform(devices, device), global_batch=global_batch,
-                       precision=precision, granularity="module", space=LayoutSpace(top=top, tp_sizes=tp))
+    search = LayoutSearch(model, example, cluster=Cluster.uniform(devices, device), global_batch=global_batch,
+                          capture=Capture(granularity="module"), costing=Costing(precision=precision))
+    plan = search.run(LayoutSpace(top=top, tp_sizes=tp))  # what plan_layout(...) does
     seconds = time.perf_counter() - t0
     lay = plan.layout
     assert lay is not None
@@ -74,7 +76,17 @@ def _plan(devices: int, global_batch: int, device: str, precision: str, top: int
                 "tp_allreduce_s": x.allreduce_time,
                 "note": x.note}
 
+    # Megatron-LM's own layout at its device count, priced by the same cost model (both shardings).
+    megatron = []
+    if devices == MEGATRON["devices"] and (tp is None or 8 in tp):
+        for zero in ("none", "zero1"):
+            o = Option(12, 16, "interleaved", 1, zero, global_batch, 8)
+            try:
+                megatron.append(row(search.price(o)))
+            except InfeasibleMemoryError as e:
+                megatron.append({"layout": o.label(), "note": f"does not fit: {str(e).splitlines()[0]}"})
     return {"devices": devices, "params": params, "tokens_per_step": tokens, "plan_s": seconds,
+            "megatron_layout_priced": megatron,
             "rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
             "chosen": row(lay), "ranked": [row(x) for x in plan.layouts if x.fits][:top],
             "searched": len(plan.layouts), "priced": sum(x.priced for x in plan.layouts),

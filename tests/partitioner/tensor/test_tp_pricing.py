@@ -16,7 +16,7 @@ from partitioner.cost.nodecost import NodeCost, node_time, scale_cost, wgrad_tim
 from partitioner.errors import PartitionOptionError
 from partitioner.tensor.sizes import model_heads, tp_groups, tp_sizes
 from partitioner.tensor.split import TensorSplit, find_split, shard_costs, shard_numel
-from partitioner.tracing.trace import CausalLMLogits, trace
+from partitioner.tracing.trace import trace
 
 # -- pricing on plain data ------------------------------------------------------------------
 

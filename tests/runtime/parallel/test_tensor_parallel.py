@@ -1,7 +1,8 @@
 """Tensor parallelism of a stage graph (runtime.parallel.tensor): plans mapped onto parameter names
-(pure), and on 2 gloo processes a Llama (grouped-query attention) and a Qwen2 (q/k/v biases)
-stage sharded over tp=2 that computes the unsharded stage's output and every gradient, with two
-all-reduces per block forward and two backward; and the refusals."""
+(pure), and on 2 gloo processes a Llama (grouped-query attention), a Qwen2 (q/k/v biases) and a
+GPT-2 (Conv1D layers, q, k and v packed in c_attn, the embedding tied to the LM head) stage sharded
+over tp=2 that computes the unsharded stage's output and every gradient, with two all-reduces per
+block forward and two backward; and the refusals."""
 
 from __future__ import annotations
 
@@ -38,8 +39,15 @@ def test_a_style_not_implemented_is_refused_only_where_it_matches() -> None:
     moe = {**LLAMA_PLAN, "layers.*.mlp.experts": "moe_tp_experts"}
     dense = ["model.layers.0.self_attn.o_proj.weight"]
     assert plan_for(moe, dense) == {dense[0]: "rowwise"}  # no experts in this stage: nothing to refuse
-    with pytest.raises(TensorParallelError, match=r"'moe_tp_experts'.*layers.0.mlp.experts.gate_up_proj.*plan="):
-        plan_for(moe, [*dense, "model.layers.0.mlp.experts.gate_up_proj"])
+    experts = [f"model.layers.{i}.mlp.experts.{w}" for i in range(3) for w in ("gate_up_proj", "down_proj")]
+    with pytest.raises(TensorParallelError) as refused:
+        plan_for(moe, [*dense, *experts])
+    # The message names the entry, the expert weights it matches (how many, the first few) and the way out.
+    said = str(refused.value)
+    assert ("'layers.*.mlp.experts': 'moe_tp_experts' matches 6 expert (MoE) weights" in said
+            and "'model.layers.0.mlp.experts.gate_up_proj', 'model.layers.0.mlp.experts.down_proj'" in said
+            and "and 2 more" in said and "without the entry 'layers.*.mlp.experts' to keep those weights whole" in said
+            and "tp=1" in said), said
 
 
 def test_the_plans_of_hugging_face_configs() -> None:
@@ -47,10 +55,17 @@ def test_the_plans_of_hugging_face_configs() -> None:
     names = ["model.layers.0.self_attn.k_proj.weight", "model.layers.0.mlp.down_proj.weight"]
     got = plan_from_config(transformers.LlamaConfig(), names)
     assert got == dict(zip(names, ("colwise", "rowwise")))
-    with pytest.raises(TensorParallelError, match=r"GPT2Config has no base_model_tp_plan.*Conv1D"):
-        plan_from_config(transformers.GPT2Config(), ["transformer.h.0.attn.c_attn.weight"])
-    with pytest.raises(TensorParallelError, match="moe_tp_experts"):
-        plan_from_config(transformers.MixtralConfig(), ["model.layers.0.mlp.experts.gate_up_proj"])
+    # GPT-2's config has no plan: pipecut's own, with q, k and v packed in c_attn.
+    gpt2 = [f"transformer.h.0.{w}" for w in ("attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight",
+                                             "mlp.c_fc.weight", "mlp.c_proj.bias")] + ["transformer.wte.weight"]
+    assert plan_from_config(transformers.GPT2Config(), gpt2) == dict(
+        zip(gpt2[:5], ("packed_colwise", "packed_colwise", "rowwise", "colwise", "rowwise")))
+    with pytest.raises(TensorParallelError, match=r"BertConfig has no base_model_tp_plan \(and pipecut derives.*plan="):
+        plan_from_config(transformers.BertConfig(), ["encoder.layer.0.attention.self.query.weight"])
+    for moe in (transformers.MixtralConfig(), transformers.Qwen2MoeConfig()):
+        with pytest.raises(TensorParallelError, match=r"'moe_tp_experts' matches 1 expert \(MoE\) weights: "
+                                                      r"'model.layers.0.mlp.experts.gate_up_proj'.*without the entry"):
+            plan_from_config(moe, ["model.layers.0.mlp.experts.gate_up_proj"])
 
 
 # ---- 2 gloo processes ------------------------------------------------------------------------
@@ -63,10 +78,14 @@ def _stage(family: str, heads: int = 4, kv: int = 2, stages: int = 1) -> tuple[A
     from partitioner import partition
 
     torch.manual_seed(0)
+    x = torch.randint(0, 96, (2, 8))
+    if family == "gpt2":  # its embedding is tied to the LM head: one stage reads it twice
+        gpt2 = T.GPT2Config(n_layer=2, n_embd=8 * heads, n_head=heads, vocab_size=96, n_positions=32,
+                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        return partition(T.GPT2LMHeadModel(gpt2), (x,), stages, microbatches=1), gpt2, x
     config, model = {"llama": (T.LlamaConfig, T.LlamaForCausalLM), "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM)}[family]
     cfg = config(hidden_size=8 * heads, intermediate_size=64, num_attention_heads=heads, num_key_value_heads=kv,
                  num_hidden_layers=2, vocab_size=96, max_position_embeddings=32, attention_dropout=0.0)
-    x = torch.randint(0, 96, (2, 8))
     return partition(model(cfg), (x,), stages, microbatches=1), cfg, x
 
 
@@ -148,15 +167,20 @@ def _refusals() -> dict[str, str]:
     model, (x,) = gpt2(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16, batch=2, seq=8)
     from partitioner import partition
 
-    (g2,) = partition(model, (x,), 1, microbatches=1).build_stages().stages
+    g2plan = partition(model, (x,), 1, microbatches=1)
+    (g2,) = g2plan.build_stages().stages
     names = [n for n, _ in g2.named_parameters()]
-    refused("conv1d", g2, plan_for({"h.*.attn.c_attn": "colwise"}, names))
+    # c_attn packs q, k and v: as one 'colwise' output, rank 0 would hold q and half of k.
+    refused("packed as colwise", g2, plan_for({"h.*.attn.c_attn": "colwise", "h.*.attn.c_proj": "rowwise"}, names))
+    (g2,) = g2plan.build_stages().stages
+    refused("not packed", g2, plan_for({"h.*.mlp.c_fc": "packed_colwise", "h.*.mlp.c_proj": "rowwise"}, names))
     return got
 
 
 def _worker(rank: int, world: int) -> dict[str, Any]:
     return {"llama": _parity("llama", outline=False), "llama outlined": _parity("llama", outline=True),
-            "qwen2 outlined": _parity("qwen2", outline=True), "refusals": _refusals()}
+            "qwen2 outlined": _parity("qwen2", outline=True), "gpt2": _parity("gpt2", outline=False),
+            "refusals": _refusals()}
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +189,7 @@ def runs() -> list[dict[str, Any]]:
     return spawn(_worker, 2, timeout=420)
 
 
-@pytest.mark.parametrize("case", ["llama", "llama outlined", "qwen2 outlined"])
+@pytest.mark.parametrize("case", ["llama", "llama outlined", "qwen2 outlined", "gpt2"])
 def test_a_stage_over_tp_2_computes_the_unsharded_stage_with_two_all_reduces_a_block(
     runs: list[dict[str, Any]], case: str
 ) -> None:
@@ -175,15 +199,21 @@ def test_a_stage_over_tp_2_computes_the_unsharded_stage_with_two_all_reduces_a_b
         # one before each attention's q/k/v and each MLP's gate/up backward (the inputs' gradients).
         assert (got["fwd"], got["bwd"]) == (4, 4) == (got["layout"].forward_all_reduces,
                                                        got["layout"].backward_all_reduces)
-        biases = 6 if case.startswith("qwen2") else 0  # q, k, v biases of 2 blocks, sharded by rows
-        assert len(got["layout"].sharded) == 14 + biases
+        # Per block: q, k, v, o, gate, up, down (+ the q, k, v biases in Qwen2); GPT-2's c_attn
+        # (weight and bias, q, k and v packed), attn.c_proj, c_fc (weight and bias), mlp.c_proj.
+        split = {"qwen2 outlined": 20, "gpt2": 12}.get(case, 14)
+        assert len(got["layout"].sharded) == split
+        packed = {f"transformer.h.{i}.attn.c_attn.{w}": 3 for i in range(2) for w in ("weight", "bias")}
+        assert got["layout"].packed == (packed if case == "gpt2" else {})
         assert got["local"] * 2 == got["sharded_whole"]  # each rank holds half of every sharded weight
-        assert got["replicated_same"] and got["whole_grads"] == got["checked"] - 14 - biases
-        assert got["blocks"] == ([] if case == "llama" else ["model.layers.0", "model.layers.1"])
+        assert got["replicated_same"] and got["whole_grads"] == got["checked"] - split
+        assert got["blocks"] == ([] if case in ("llama", "gpt2") else ["model.layers.0", "model.layers.1"])
 
 
 def test_what_tensor_parallelism_cannot_split_is_refused_with_the_fix(runs: list[dict[str, Any]]) -> None:
     got = runs[0]["refusals"]
     assert "splits a tp-split dim into 3 (heads?), not divisible by tp=2" in got["heads"]
     assert "leaves the graph split over tp" in got["cut"] and "cut the pipeline between blocks" in got["cut"]
-    assert "c_attn.weight' is in the tp plan but is read by addmm" in got["conv1d"] and "Conv1D" in got["conv1d"]
+    assert "splits the split dim 2" in got["packed as colwise"] and "'packed_colwise'" in got["packed as colwise"]
+    assert ("transformer.h.0.mlp.c_fc.weight' is packed_colwise but its output" in got["not packed"]
+            and "mark it 'colwise'" in got["not packed"])

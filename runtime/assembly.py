@@ -227,7 +227,7 @@ def assemble(plan: Plan, run: Run) -> Assembly:
     # Wrap for the replicas: tie the copies of shared weights, then the gradient exchange.
     tied = tie_copies(staged.shared_params, mine, devices, schedule.stage_to_rank,
                       rank if run.mode == "dist" else None, comm_device,
-                      replicas=placement.mesh.ranks, replica=placement.mesh.dp_rank, timeout=ex.timeout)
+                      replicas=placement.mesh.pipelines, replica=placement.mesh.pipeline, timeout=ex.timeout)
     for st in stages.values():
         st.module.to(st.device)
         # Export records the tracing device (cpu) in factory calls such as the position ids' arange.

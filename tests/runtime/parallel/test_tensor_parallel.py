@@ -185,6 +185,17 @@ def _refusals() -> dict[str, str]:
     refused("packed as colwise", g2, plan_for({"h.*.attn.c_attn": "colwise", "h.*.attn.c_proj": "rowwise"}, names))
     (g2,) = g2plan.build_stages().stages
     refused("not packed", g2, plan_for({"h.*.mlp.c_fc": "packed_colwise", "h.*.mlp.c_proj": "rowwise"}, names))
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from runtime.parallel.tensor_stages import split_stages
+
+    plan, _, _ = _stage("gpt2")
+    (g2,) = plan.build_stages().stages
+    try:  # a weight tied between stages (as the trainer names it) that the plan would split
+        split_stages({0: g2}, {"lm_head": "colwise"}, model, DeviceMesh.from_group(dist.group.WORLD, "cpu"),
+                     tied={"lm_head.weight"})
+    except TensorParallelError as e:
+        got["tied"] = str(e)
     return got
 
 
@@ -229,5 +240,7 @@ def test_what_tensor_parallelism_cannot_split_is_refused_with_the_fix(runs: list
     assert "splits a tp-split dim into 3 (heads?), not divisible by tp=2" in got["heads"]
     assert "leaves the graph split over tp" in got["cut"] and "cut the pipeline between blocks" in got["cut"]
     assert "splits the split dim 2" in got["packed as colwise"] and "'packed_colwise'" in got["packed as colwise"]
+    assert "stage 0: 'lm_head.weight' is tied between stages and in the tp plan (colwise)" in got["tied"]
+    assert "drop its pattern from TensorParallel(plan=...)" in got["tied"]
     assert ("transformer.h.0.mlp.c_fc.weight' is packed_colwise but its output" in got["not packed"]
             and "mark it 'colwise'" in got["not packed"])

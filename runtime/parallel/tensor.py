@@ -76,6 +76,9 @@ class TensorParallelLayout:
         forward_all_reduces: all-reduces one forward of the stage runs (one per row-parallel layer).
         backward_all_reduces: all-reduces one backward runs (one per input of column-parallel layers).
         packed: sharded parameter name -> the parts it packs (``packed_colwise`` layers only).
+        kept_whole: planned ``colwise`` weights left whole on every rank: they project to fewer
+            heads than ``tp`` (grouped-query attention's k and v); each rank takes its queries'
+            heads of their output at the attention (one more all-reduce backward for each).
     """
 
     tp: int
@@ -83,6 +86,7 @@ class TensorParallelLayout:
     forward_all_reduces: int
     backward_all_reduces: int
     packed: Mapping[str, int] = field(default_factory=dict)
+    kept_whole: tuple[str, ...] = ()
 
 
 def plan_for(patterns: Mapping[str, str], names: Iterable[str]) -> dict[str, str]:
@@ -242,7 +246,10 @@ def parallelize_stage(
         shard = _shard(params[name].detach(), dim, rw.packed.get(name, 1), mesh, tp, rank)
         setattr(gm.get_submodule(owner_path), leaf, nn.Parameter(shard, requires_grad=params[name].requires_grad))
     layout = TensorParallelLayout(tp=tp, sharded=dict(rw.sharded), forward_all_reduces=rw.reduces,
-                                  backward_all_reduces=rw.enters, packed=dict(rw.packed))
+                                  backward_all_reduces=rw.enters, packed=dict(rw.packed), kept_whole=tuple(rw.whole))
+    if rw.whole:
+        log.info("kept whole on every tp rank (fewer heads than tp=%d; each rank takes its queries' heads at the "
+                 "attention): %s", tp, ", ".join(rw.whole))
     log.info("tensor parallel over %d ranks: %d weights sharded, %d all-reduces a forward, %d a backward",
              tp, len(layout.sharded), layout.forward_all_reduces, layout.backward_all_reduces)
     return layout
@@ -312,6 +319,34 @@ class TensorParallelOut(nn.Module):
         return _Reduce.apply(x, self.group)  # type: ignore[no-untyped-call,no-any-return]
 
 
+class _Heads(torch.autograd.Function):
+    """Whole keys or values to this rank's heads: a slice forward; backward, the slice's gradient
+    in place in a zero tensor of the whole shape, all-reduced (every rank's heads, whole again)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any, dim: int, n: int) -> torch.Tensor:
+        ctx.group, ctx.dim, ctx.start, ctx.shape = group, dim, dist.get_rank(group) * n, x.shape
+        return x.narrow(dim, ctx.start, n).contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        whole = grad.new_zeros(ctx.shape)
+        whole.narrow(ctx.dim, ctx.start, grad.shape[ctx.dim]).copy_(grad)
+        dist.all_reduce(whole, group=ctx.group)
+        return whole, None, None, None
+
+
+class TensorParallelHeads(nn.Module):
+    """Called by a rewritten stage graph on whole keys or values before attention (see :class:`_Heads`)."""
+
+    def __init__(self, group: Any, dim: int, n: int) -> None:
+        super().__init__()
+        self.group, self.dim, self.n = group, dim, n
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Heads.apply(x, self.group, self.dim, self.n)  # type: ignore[no-untyped-call,no-any-return]
+
+
 class _Rewriter:
     """Rewrites the graphs of one stage; collects what it sharded and the collectives it added."""
 
@@ -322,6 +357,7 @@ class _Rewriter:
         self.seen: set[str] = set()
         self.reduces = self.enters = 0
         self.readers: dict[str, str] = {}  # planned parameter -> the op that reads it, for errors
+        self.whole: list[str] = []  # planned weights kept whole: fewer heads than tp
 
     def rewrite(self, gm: fx.GraphModule, prefix: str) -> None:
         graph = gm.graph
@@ -344,13 +380,15 @@ class _Rewriter:
             layer = _layer(node)
             if layer is not None:
                 style = self._style(prefix, node, layer[1])
-                if style is not None:
+                if style is not None and not self._kept_whole(prefix, node, style, layer):
                     self._split_layer(gm, prefix, node, style, layer, local, packed, entered)
                     changed = True
                     continue
             ins = [a for a in node.all_input_nodes if a in local]
             if not ins:
                 continue
+            if op_name(node) == "scaled_dot_product_attention":
+                self._select_heads(gm, node, local)
             if node.op == "output":
                 raise TensorParallelError(
                     f"{prefix or 'the stage'}: {ins[0].name} leaves the graph split over tp (a cut between a "
@@ -375,6 +413,40 @@ class _Rewriter:
             raise TensorParallelError(f"{name!r} (tp {style}) is read by {users[0].name} besides {node.name}: a "
                                       "weight tied to another op stays whole; drop it from the tp plan")
         return style
+
+    def _kept_whole(self, prefix: str, node: fx.Node, style: str, layer: _Layer) -> bool:
+        """Whether a ``colwise`` layer projects to fewer heads than ``tp`` (grouped-query attention's
+        k and v with kv heads < tp): it then stays whole on every rank, and each rank takes the
+        heads its queries use at the attention (:meth:`_select_heads`)."""
+        heads = _head_count(node) if style == "colwise" else None
+        if heads is None or heads % self.tp == 0 or self.tp % heads:
+            return False
+        w, b = layer[1], layer[2]
+        self.seen.add(prefix + str(w.target))
+        if isinstance(b, fx.Node) and b.op == "get_attr":
+            self.seen.add(prefix + str(b.target))
+        self.whole.append(prefix + str(w.target))
+        return True
+
+    def _select_heads(self, gm: fx.GraphModule, node: fx.Node, local: dict[fx.Node, int]) -> None:
+        """Attention with split queries and whole keys or values (kv heads < tp, repeated to every
+        query head): each rank takes the heads of its queries (and all-reduces their gradient)."""
+        q, *kv = node.args[:3]
+        heads = len(shape_of(node)) - 3
+        if local.get(q) != heads:  # type: ignore[arg-type]
+            return
+        for t in dict.fromkeys(kv):
+            if not isinstance(t, fx.Node) or t in local:
+                continue
+            n = shape_of(t)[heads] // self.tp
+            path = _free(gm, "pipecut_tp_heads")
+            gm.add_submodule(path, TensorParallelHeads(self.group, heads, n))
+            with gm.graph.inserting_before(node):
+                sel = gm.graph.call_module(path, (t,))
+            sel.meta = dict(t.meta)
+            node.replace_input_with(t, sel)
+            local[sel] = heads
+            self.enters += 1
 
     def _split_layer(self, gm: fx.GraphModule, prefix: str, node: fx.Node, style: str, layer: _Layer,
                      local: dict[fx.Node, int], packed: dict[fx.Node, int], entered: dict[fx.Node, fx.Node]) -> None:
@@ -467,6 +539,21 @@ def _layer(node: fx.Node) -> _Layer | None:
         if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
             return None  # not a Conv1D: its weight, if planned, is refused as not read by a layer
         return a[1], a[2], a[0], True
+    return None
+
+
+def _head_count(node: fx.Node) -> int | None:
+    """The heads a layer's output is viewed as (``(..., n * hd) -> (..., n, hd)``, through views
+    only), or ``None``: no such view (an MLP's hidden units)."""
+    at = node
+    while len(at.users) == 1:
+        (nxt,) = at.users
+        if op_name(nxt) not in ("view", "reshape", "_unsafe_view"):
+            return None
+        src, out = shape_of(at), shape_of(nxt)
+        if len(out) == len(src) + 1 and out[:-2] == src[:-1] and out[-2] * out[-1] == src[-1]:
+            return out[-2]
+        at = nxt
     return None
 
 

@@ -103,7 +103,7 @@ def _count_all_reduces(fn: Any) -> int:
     return int(sum(comm.get_comm_counts().values()))
 
 
-def _parity(family: str, outline: bool) -> dict[str, Any]:
+def _parity(family: str, outline: bool, kv: int = 2) -> dict[str, Any]:
     """The stage sharded over the world (tp=2) against its unsharded copy: output, every gradient."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
@@ -111,7 +111,7 @@ def _parity(family: str, outline: bool) -> dict[str, Any]:
     from runtime.parallel.blocks import outline_blocks
     from runtime.parallel.tensor import parallelize_stage
 
-    plan, cfg, x = _stage(family)
+    plan, cfg, x = _stage(family, kv=kv)
     (stage,) = plan.build_stages().stages
     ref = copy.deepcopy(stage)
     blocks = outline_blocks(stage) if outline else []
@@ -203,6 +203,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
     return {"llama": _parity("llama", outline=False), "llama outlined": _parity("llama", outline=True),
             "qwen2 outlined": _parity("qwen2", outline=True), "gpt2": _parity("gpt2", outline=False),
             "mixtral, experts whole": _parity("mixtral", outline=False),
+            "llama, 1 kv head": _parity("llama", outline=False, kv=1),
             "refusals": _refusals()}
 
 
@@ -212,7 +213,8 @@ def runs() -> list[dict[str, Any]]:
     return spawn(_worker, 2, timeout=420)
 
 
-@pytest.mark.parametrize("case", ["llama", "llama outlined", "qwen2 outlined", "gpt2", "mixtral, experts whole"])
+@pytest.mark.parametrize("case", ["llama", "llama outlined", "qwen2 outlined", "gpt2", "mixtral, experts whole",
+                                  "llama, 1 kv head"])
 def test_a_stage_over_tp_2_computes_the_unsharded_stage_with_two_all_reduces_a_block(
     runs: list[dict[str, Any]], case: str
 ) -> None:
@@ -220,13 +222,16 @@ def test_a_stage_over_tp_2_computes_the_unsharded_stage_with_two_all_reduces_a_b
         got = r[case]
         # 2 blocks: one all-reduce after each attention's o_proj and each MLP's down_proj forward,
         # one before each attention's q/k/v and each MLP's gate/up backward (the inputs' gradients).
-        # (Mixtral with its experts whole: the attention's only.)
-        reduces = 2 if case.startswith("mixtral") else 4
-        assert (got["fwd"], got["bwd"]) == (reduces, reduces) == (got["layout"].forward_all_reduces,
-                                                                  got["layout"].backward_all_reduces)
+        # (Mixtral with its experts whole: the attention's only. One kv head for 2 ranks: k and v
+        # stay whole, each rank takes its queries' head, whose gradient is all-reduced backward.)
+        fwd, bwd = {"mixtral, experts whole": (2, 2), "llama, 1 kv head": (4, 8)}.get(case, (4, 4))
+        assert (got["fwd"], got["bwd"]) == (fwd, bwd) == (got["layout"].forward_all_reduces,
+                                                          got["layout"].backward_all_reduces)
+        kept = [f"model.layers.{i}.self_attn.{w}_proj.weight" for i in range(2) for w in "kv"]
+        assert list(got["layout"].kept_whole) == (kept if case == "llama, 1 kv head" else [])
         # Per block: q, k, v, o, gate, up, down (+ the q, k, v biases in Qwen2); GPT-2's c_attn
         # (weight and bias, q, k and v packed), attn.c_proj, c_fc (weight and bias), mlp.c_proj.
-        split = {"qwen2 outlined": 20, "gpt2": 12, "mixtral, experts whole": 8}.get(case, 14)
+        split = {"qwen2 outlined": 20, "gpt2": 12, "mixtral, experts whole": 8, "llama, 1 kv head": 10}.get(case, 14)
         assert len(got["layout"].sharded) == split
         packed = {f"transformer.h.{i}.attn.c_attn.{w}": 3 for i in range(2) for w in ("weight", "bias")}
         assert got["layout"].packed == (packed if case == "gpt2" else {})

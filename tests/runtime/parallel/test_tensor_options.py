@@ -60,3 +60,14 @@ def test_checkpoints_and_exports_of_tp_shards_are_refused_until_they_are_built()
     refuse_tensor_parallel(SimpleNamespace(mesh=SimpleNamespace(tp=1)), "export_safetensors")
     with pytest.raises(CheckpointError, match=r"export_safetensors with TensorParallel\(size=2\).*tp=1"):
         refuse_tensor_parallel(SimpleNamespace(mesh=SimpleNamespace(tp=2)), "export_safetensors")
+
+
+def test_every_pipeline_of_the_job_one_per_replica_and_tp_rank() -> None:
+    from runtime.parallel.data_parallel import PipelineMesh
+
+    # 2 dp x 2 pp x 2 tp: world rank (d * pp + r) * tp + t; this process is d 1, r 0, t 1 (rank 5).
+    mesh = PipelineMesh(2, 2, 1, 0, ((1, 3), (5, 7)), tp=2, tp_rank=1)
+    assert mesh.pipelines == ((0, 2), (1, 3), (4, 6), (5, 7))  # the tie groups are made over these
+    assert mesh.pipelines[mesh.pipeline] == mesh.ranks[mesh.dp_rank] == (5, 7)
+    plain = PipelineMesh(2, 2, 1, 1, ((0, 1), (2, 3)))  # without tp: the replicas' pipelines
+    assert (plain.pipelines, plain.pipeline) == (plain.ranks, 1)

@@ -20,7 +20,8 @@ end-of-sequence token: every sequence runs to its limit), side by side in the sa
   ranks wait in a barrier).
 
 Tokens/s is the batch's new tokens over the wall time of ``generate`` (prefill included), the
-best of ``--repeat`` runs after one untimed warm-up. The three produce the same tokens (checked).
+best of ``--repeat`` runs after one untimed warm-up, the variants taking turns within each round.
+The three produce the same tokens (checked).
 
 The cache check: on the pipelined ranks and a fixed batch, the time per new token at a
 ``--long``-token prefix against a ``--short`` one, each from two runs (``k`` and ``2k`` new
@@ -72,15 +73,20 @@ def _prompts(b: int, length: int, vocab: int) -> list[list[int]]:
     return torch.randint(3, vocab, (b, length), generator=g).tolist()
 
 
-def _timed(fn: Any, repeat: int) -> tuple[float, Any]:
-    """Best wall time of ``repeat`` calls of ``fn`` (all ranks start together), and its last result."""
-    best, out = float("inf"), None
+def _timed(fns: list[Any], repeat: int) -> list[tuple[float, Any]]:
+    """Best wall time of ``repeat`` calls of each of ``fns`` (all ranks start together), and its last result.
+
+    The calls interleave (each round runs every function once, in turn), so a swing in the shared
+    machine's load reaches every variant alike rather than the one that happened to run during it.
+    """
+    best, outs = [float("inf")] * len(fns), [None] * len(fns)
     for _ in range(repeat):
-        dist.barrier()
-        t = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - t)
-    return best, out
+        for i, fn in enumerate(fns):
+            dist.barrier()
+            t = time.perf_counter()
+            outs[i] = fn()
+            best[i] = min(best[i], time.perf_counter() - t)
+    return list(zip(best, outs))
 
 
 def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -97,10 +103,10 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             return gen.generate(prompts, max_new_tokens=new, eos_token_id=[], pad_token_id=0, groups=groups)
 
         run(None)  # warm-up
-        t_pipe, piped = _timed(lambda: run(None), cfg["repeat"])
-        t_one, one = _timed(lambda: run(1), cfg["repeat"])
         more = 2 * world  # twice as many groups as ranks: slack for a rank whose group comes back late
-        t_more, deep = _timed(lambda m=more: run(m), cfg["repeat"]) if b >= more else (float("nan"), piped)
+        variants = [lambda: run(None), lambda: run(1)] + ([lambda m=more: run(m)] if b >= more else [])
+        (t_pipe, piped), (t_one, one), *rest = _timed(variants, cfg["repeat"])
+        t_more, deep = rest[0] if rest else (float("nan"), piped)
         dist.barrier()
         t_proc, same = float("nan"), True
         if whole is not None:
@@ -127,8 +133,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             return gen.generate(prompts, max_new_tokens=n, eos_token_id=[], pad_token_id=0)
 
         steps(k)  # warm-up
-        t_k, _ = _timed(lambda: steps(k), cfg["repeat"])
-        t_2k, _ = _timed(lambda: steps(2 * k), cfg["repeat"])
+        (t_k, _), (t_2k, _) = _timed([lambda: steps(k), lambda: steps(2 * k)], cfg["repeat"])
         cache[length] = max(t_2k - t_k, 0.0) / k
     return {"rows": rows, "cache_s_per_token": cache, "peak_rss_bytes": proc_status().get("VmHWM", 0),
             "rss_before_model_bytes": before}

@@ -185,12 +185,8 @@ def run_rank(
     if not isinstance(slots, int) or slots < 1:
         raise GenerateOptionError(f"in_flight must be an int >= 1, got {in_flight!r}")
     pieces = batch.prefill_pieces()
-    if len(pieces) > 1 and len(groups) > MAX_CHUNKED_GROUPS:
-        raise GenerateOptionError(
-            f"{len(groups)} groups with prefill_chunk={batch.prefill_chunk}: a chunked prefill keys each "
-            f"piece's messages by group, for at most {MAX_CHUNKED_GROUPS} groups; use a larger group_size "
-            "or prefill_chunk=None"
-        )
+    if len(pieces) > 1:
+        _check_pieces(len(pieces), len(groups), ring.ranks, batch)
 
     def piece(g: int) -> int:  # the prompt piece group g's next hop carries; 0 after the prefill (one in flight)
         return steps[g] if steps[g] < len(pieces) else 0
@@ -248,6 +244,24 @@ def run_rank(
         steps[g] += 1
         round_.append(g)
     return results
+
+
+def _check_pieces(pieces: int, groups: int, ranks: int, batch: Batch) -> None:
+    """Refuse a chunked prefill whose message keys would collide or overflow a 32-bit message tag."""
+    if groups > MAX_CHUNKED_GROUPS:
+        raise GenerateOptionError(
+            f"{groups} groups with prefill_chunk={batch.prefill_chunk}: a chunked prefill keys each piece's "
+            f"messages by group, for at most {MAX_CHUNKED_GROUPS} groups; use a larger group_size or "
+            "prefill_chunk=None"
+        )
+    # DistTransport's tag: ((mb * S + src) * S + dst) * 2 + 1 with mb up to 2 (g + PIECE_STRIDE c) + 1.
+    most = ((2**31 - 1) // (2 * ranks * ranks) - ranks) // 2 // PIECE_STRIDE
+    if pieces - 1 > most:
+        raise GenerateOptionError(
+            f"prefill_chunk={batch.prefill_chunk} cuts the {batch.ids.shape[1]}-position prompts into {pieces} "
+            f"pieces; with {ranks} ranks at most {most + 1} pieces have message tags: use a prefill_chunk of at "
+            f"least {-(-batch.ids.shape[1] // (most + 1))}"
+        )
 
 
 class GroupState:

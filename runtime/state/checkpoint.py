@@ -63,7 +63,6 @@ from runtime.state.weight_errors import (
     CheckpointError,
     CheckpointMismatchError,
     CheckpointShapeError,
-    refuse_tensor_parallel,
 )
 
 __all__ = [
@@ -128,7 +127,6 @@ def save(trainer: Checkpointable, directory: PathLike) -> Path:
 
     Collective under torch.distributed: every rank calls it. Returns the directory.
     """
-    refuse_tensor_parallel(trainer, "a checkpoint save")
     target = Path(directory)
     partial = target.parent / f".{target.name}.partial-step{trainer.step_count}"
     leader = _rank() == 0
@@ -176,7 +174,6 @@ def load(trainer: Checkpointable, directory: PathLike, *, optimizer: bool = True
             (nothing of it ran).
         CorruptFileError: a file is missing, truncated or damaged (the error names it and the entry).
     """
-    refuse_tensor_parallel(trainer, "a checkpoint load")
     # Integrity (issue 31), before any read: an overwrite cut between its renames undone, every file checksummed.
     path = integrity.verify_manifest(_commits.resolve(directory), collective=_distributed())
     if not (path / ".metadata").is_file():
@@ -291,7 +288,6 @@ def export_safetensors(trainer: Checkpointable, directory: PathLike, *, prefix: 
     """
     from safetensors.torch import save_file
 
-    refuse_tensor_parallel(trainer, "export_safetensors")
     target = Path(directory)
     rank = _rank()
     partial = target.parent / f".{target.name}.partial-export"

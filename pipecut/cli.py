@@ -365,6 +365,7 @@ _TRAIN_FLAGS: dict[str, tuple[Any, str]] = {
     "micro-batch-size": (int, "sequences per micro-batch (default 1)"),
     "pp": (int, "pipeline ranks (default: world size / dp; 1 in one process)"),
     "dp": (int, "data-parallel replicas, under torchrun (default: world size / pp)"),
+    "tp": (int, "tensor-parallel processes per pipeline rank, under torchrun: dp x pp x tp processes (default 1)"),
     "schedule": (str, "pipeline schedule or 'auto' (default 1f1b)"),
     "zero": (str, "sharding over the replicas (dp >= 2): none (default), zero1 (optimizer state) or fsdp (FSDP2)"),
     "layout": (str, ("manual (default: the flags above) or auto: the planner chooses dp, pp, schedule, micro-batch "

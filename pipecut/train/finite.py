@@ -52,8 +52,10 @@ def problem(line: Mapping[str, Any], *, skipped: bool) -> str | None:
 
 def weights_finite(parameters: list[torch.Tensor], *, device: torch.device | str = "cpu") -> bool:
     """Whether every parameter is finite; collective under torch.distributed (every rank gets the
-    same answer, so every rank skips or stops at the same save)."""
-    ok = all(bool(torch.isfinite(p.detach()).all()) for p in parameters)
+    same answer, so every rank skips or stops at the same save). A shard (a ``DTensor``) is checked
+    as its local part: the all-reduce below covers the other parts, with no collective per tensor."""
+    local = [p.detach().to_local() if hasattr(p, "to_local") else p.detach() for p in parameters]
+    ok = all(bool(torch.isfinite(t).all()) for t in local)
     if dist.is_initialized():
         flag = torch.tensor([1 if ok else 0], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)

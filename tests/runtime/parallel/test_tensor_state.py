@@ -2,7 +2,8 @@
 a DCP checkpoint saved after a step holds each split weight as its two shards and each whole one
 once; a fresh trainer of the same layout loads it and continues bitwise as the saved one does; it
 loads exactly into 2 dp x 2 pp (tp 1) and into the plain model; the safetensors export is the
-whole weights (``from_pretrained`` reads it); ``Init(weights=...)`` reads each rank's shard only."""
+whole weights (``from_pretrained`` reads it); ``Init(weights=...)`` reads each rank's shard only,
+from the export and from the DCP checkpoint."""
 
 from __future__ import annotations
 
@@ -49,12 +50,33 @@ def _everything(mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {n: t for part in parts for n, t in part.items()}
 
 
+def _shards_equal(trainer: Any, whole: dict[str, torch.Tensor]) -> int:
+    """Each parameter of ``trainer`` (tp 2) is exactly its rank's chunk of ``whole``'s; returns their bytes."""
+    from torch.distributed.tensor import DTensor
+
+    nbytes = 0
+    for n, p in trainer.named_parameters():
+        assert isinstance(p, DTensor), n
+        (placement,) = p.placements
+        part = whole[n].chunk(2, placement.dim)[trainer.mesh.tp_rank] if placement.is_shard() else whole[n]
+        torch.testing.assert_close(p.to_local(), part, **EXACT, msg=lambda m, n=n: f"{n}: {m}")
+        nbytes += p.to_local().numel() * p.to_local().element_size()
+    return nbytes
+
+
+def _spoil(trainer: Any) -> None:
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.zero_()
+
+
 def _worker(rank: int, world: int, folder: str) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     from runtime.state.checkpoint import load_model
     from runtime.state.safe_dcp import read_metadata
+    from runtime.state.weights import Weights
 
     started, out = time.perf_counter(), {}
     ckpt, hf = Path(folder) / "ckpt", Path(folder) / "hf"
@@ -83,22 +105,17 @@ def _worker(rank: int, world: int, folder: str) -> dict[str, Any]:
 
     # Init(weights=export) under tp: each rank read its shard of the split weights, nothing more.
     b = _trainer(tp=2, weights=hf)
-    local_bytes = 0
-    for n, p in b.named_parameters():
-        assert isinstance(p, DTensor), n
-        (placement,) = p.placements
-        part = saved[n].chunk(2, placement.dim)[b.mesh.tp_rank] if placement.is_shard() else saved[n]
-        torch.testing.assert_close(p.to_local(), part, **EXACT, msg=lambda m, n=n: f"{n}: {m}")
-        local_bytes += p.to_local().numel() * p.to_local().element_size()
+    local_bytes = _shards_equal(b, saved)
     report = b.load_weights(hf)
     whole_bytes = sum(saved[n].numel() * saved[n].element_size() for n, _ in b.named_parameters())
     assert report.bytes_read == local_bytes < whole_bytes, (report.bytes_read, local_bytes, whole_bytes)
     out["bytes"] = (report.bytes_read, whole_bytes)
+    _spoil(b)  # weights= from the DCP checkpoint: DCP reads each shard
+    b.load_weights(Weights(ckpt, strict=False))  # its optimizer entries are not weights
+    _shards_equal(b, saved)
 
     # Resume: the same layout, its weights spoiled first, continues bitwise.
-    with torch.no_grad():
-        for p in b.parameters():
-            p.zero_()
+    _spoil(b)
     b.load(ckpt)
     assert b.step_count == 1
     got = [float(b.step(*x, max_norm=0.5)) for x in batches[1:]]

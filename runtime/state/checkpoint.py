@@ -280,7 +280,8 @@ def export_safetensors(trainer: Checkpointable, directory: PathLike, *, prefix: 
     under the keys ``save_pretrained`` writes (:func:`~runtime.state.hf_conversion.checkpoint_names`).
 
     Each rank writes one shard with its stages' tensors (a tied weight once, by its lowest
-    rank; with data parallelism, only the first replica's ranks), rank 0 writes
+    rank; with data parallelism, only the first replica's ranks; a sharded one, FSDP's or
+    tensor parallelism's, gathered whole and written by its group's first rank), rank 0 writes
     ``model.safetensors.index.json`` naming every key's shard, and the folder is committed
     with renames only after all have finished. ``prefix`` is removed from the names
     (``"model."`` for a model wrapped in ``CausalLMLogits``), so the folder, with the model's
@@ -297,9 +298,9 @@ def export_safetensors(trainer: Checkpointable, directory: PathLike, *, prefix: 
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     _barrier()
-    mine = {name: _whole(t) for name, t in _owned_tensors(trainer).items()}
-    # A tensor several ranks hold (a tied weight) is written by the lowest one; aliases are
-    # dropped (save_pretrained stores a tied weight once too).
+    mine = _owned_tensors(trainer)
+    # A tensor several ranks hold (a tied weight, a shard's group) is written by the lowest one;
+    # aliases are dropped (save_pretrained stores a tied weight once too).
     keys = {name: _hf_name(name, prefix) for name in mine}
     held = _gather([(name, keys[name]) for name in mine])
     first_rank: dict[str, int] = {}
@@ -309,9 +310,12 @@ def export_safetensors(trainer: Checkpointable, directory: PathLike, *, prefix: 
     kept = _kept_names(trainer, first_rank)
     shard = {}
     for name, t in mine.items():
-        if first_rank[name] != rank or kept.get(name, name) != name:
-            continue
-        shard[keys[name]] = t.detach().to("cpu").contiguous()
+        # Gathered one at a time (a collective for a shard), kept on the host by its writer only:
+        # no rank holds its stages whole on the device.
+        whole = _whole(t)
+        if first_rank[name] == rank and kept.get(name, name) == name:
+            shard[keys[name]] = whole.detach().to("cpu").contiguous()
+        del whole
     # The keys save_pretrained writes (transformers' conversion reversed: experts one by one,
     # legacy names); every group of a conversion lies in one stage, so each rank converts its own.
     shard = checkpoint_names(shard, trainer.plan.model, prefix=prefix)

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from partitioner.errors import PipecutError
+from runtime.state.weight_sources import local_part
 
 __all__ = ["NonFiniteLossError", "problem", "weights_finite", "resume_hint"]
 
@@ -54,8 +55,7 @@ def weights_finite(parameters: list[torch.Tensor], *, device: torch.device | str
     """Whether every parameter is finite; collective under torch.distributed (every rank gets the
     same answer, so every rank skips or stops at the same save). A shard (a ``DTensor``) is checked
     as its local part: the all-reduce below covers the other parts, with no collective per tensor."""
-    local = [p.detach().to_local() if hasattr(p, "to_local") else p.detach() for p in parameters]
-    ok = all(bool(torch.isfinite(t).all()) for t in local)
+    ok = all(bool(torch.isfinite(local_part(p.detach())[0]).all()) for p in parameters)
     if dist.is_initialized():
         flag = torch.tensor([1 if ok else 0], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)

@@ -146,8 +146,7 @@ def resolve_run(
     # Where this process sits: under 'dist' (collective: joins the process group, builds the mesh)
     # one rank and its device; otherwise every rank, with a device per stage.
     devices, dp, tp = ex.devices, options.data_parallel, options.tensor_parallel.size
-    refuse_unsupported(tp, engine=dp.engine if (dp.size or 1) > 1 else "replicate", precision=mp.name,
-                       weights=options.init.weights is not None)
+    refuse_unsupported(tp, engine=dp.engine if (dp.size or 1) > 1 else "replicate", precision=mp.name)
     if mode == "dist":
         ensure_process_group()
         check_backend(schedule, io)

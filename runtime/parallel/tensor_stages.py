@@ -13,8 +13,8 @@ before any of that, which other options tensor parallelism does not compose with
 run instead.
 
 Example:
-    >>> refuse_unsupported(1, engine="fsdp", precision="fp16", weights=True)  # tp 1: anything goes
-    >>> refuse_unsupported(2, engine="replicate", precision="bf16", weights=False)
+    >>> refuse_unsupported(1, engine="fsdp", precision="fp16")  # tp 1: anything goes
+    >>> refuse_unsupported(2, engine="replicate", precision="bf16")
 """
 
 from __future__ import annotations
@@ -44,14 +44,13 @@ class TensorParallelOptionError(TensorParallelError):
     names both and what to run instead."""
 
 
-def refuse_unsupported(tp: int, *, engine: str, precision: str, weights: bool) -> None:
+def refuse_unsupported(tp: int, *, engine: str, precision: str) -> None:
     """Refuse, on every rank alike and before any weight is touched, what ``tp > 1`` does not run yet.
 
     Args:
         tp: tensor-parallel ranks per stage.
         engine: ``DataParallel.engine``.
         precision: the mixed-precision policy's name.
-        weights: whether ``Init(weights=...)`` asks for a checkpoint to be loaded.
 
     Raises:
         TensorParallelOptionError: naming the option, the tp size and the way out.
@@ -68,11 +67,6 @@ def refuse_unsupported(tp: int, *, engine: str, precision: str, weights: bool) -
             f"TensorParallel(size={tp}) with precision='fp16': the loss scaler's inf/NaN check is not reduced "
             "over the tp shards yet, so tp ranks could disagree on skipping a step; use precision='bf16' "
             "(no loss scaling) or 'fp32'")
-    if weights:
-        raise TensorParallelOptionError(
-            f"TensorParallel(size={tp}) with Init(weights=...): loading a checkpoint into tp shards is not "
-            "wired yet; load the weights into the model before partitioning it (model.load_state_dict or "
-            "from_pretrained on a small model), or train with tp=1")
 
 
 def split_stages(

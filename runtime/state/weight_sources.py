@@ -75,12 +75,14 @@ _ST_DTYPES: dict[str, str] = {
 Done = Callable[[str], None]
 
 
-def local_part(dest: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...] | None]:
+def local_part(dest: torch.Tensor) -> tuple[torch.Tensor, tuple[slice | torch.Tensor, ...] | None]:
     """Where a destination's values go, and which part of the whole tensor they are.
 
     A ``DTensor`` (a tensor-parallel shard, an FSDP2 shard, or ``Replicate``): its local tensor
     and its slices of the global tensor, from the offsets DTensor and DCP themselves use
-    (``Shard(0)``, ``Shard(1)``, uneven chunks). A plain tensor: itself, and ``None`` (all of it).
+    (``Shard(0)``, ``Shard(1)``, uneven chunks); a packed weight's (``_StridedShard``) part is
+    not one range: an index tensor of its rows or columns takes that dim's place. A plain
+    tensor: itself, and ``None`` (all of it).
 
     Example:
         >>> t = torch.zeros(2, 3)
@@ -95,8 +97,22 @@ def local_part(dest: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...] | No
 
     if not isinstance(dest, DTensor):
         return dest, None
+    strided = [pl for pl in dest.placements if hasattr(pl, "split_factor")]
+    if strided and dest.device_mesh.ndim == 1:
+        return dest.to_local(), _packed_region(dest, strided[0])
     shape, offset = compute_local_shape_and_global_offset(dest.shape, dest.device_mesh, dest.placements)
     return dest.to_local(), tuple(slice(o, o + n) for o, n in zip(offset, shape))
+
+
+def _packed_region(dest: Any, placement: Any) -> tuple[slice | torch.Tensor, ...]:
+    """A packed tensor-parallel weight's part (``_StridedShard(dim, split_factor=k)`` on the tp
+    mesh, runtime.parallel.tensor): this rank's slice of each of its ``k`` parts, side by side;
+    an index of those rows (or columns), since they are not one range."""
+    dim, k = placement.dim, placement.split_factor
+    tp, t = dest.device_mesh.size(), dest.device_mesh.get_local_rank()
+    part = dest.shape[dim] // k // tp
+    index = torch.cat([torch.arange(j * part * tp + t * part, j * part * tp + (t + 1) * part) for j in range(k)])
+    return tuple(index if d == dim else slice(None) for d in range(dest.dim()))
 
 
 def copy_part(dest: torch.Tensor, whole: torch.Tensor) -> None:
@@ -327,6 +343,11 @@ class _SafetensorsSource(Source):
                                 whole = handle.get_tensor(key)  # this tensor only, on CPU
                                 nbytes += whole.numel() * whole.element_size()
                             local.copy_(whole)
+                        elif any(isinstance(r, torch.Tensor) for r in region):  # a packed weight's parts
+                            part = handle.get_tensor(key)[region]
+                            nbytes += part.numel() * part.element_size()
+                            local.copy_(part)
+                            del part
                         else:  # a shard: only its rows (or columns) are read
                             part = handle.get_slice(key)[region]
                             nbytes += part.numel() * part.element_size()

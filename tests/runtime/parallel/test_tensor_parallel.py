@@ -199,8 +199,44 @@ def _refusals() -> dict[str, str]:
     return got
 
 
-def _worker(rank: int, world: int) -> dict[str, Any]:
-    return {"llama": _parity("llama", outline=False), "llama outlined": _parity("llama", outline=True),
+def _packed_state(rank: int, tmp: str) -> dict[str, Any]:
+    """A packed weight (GPT-2's c_attn over tp=2) read from a whole tensor, as Init(weights=...)
+    reads it (the torch and safetensors readers), and a DCP save of it refused on both ranks."""
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    from runtime.parallel.tensor import parallelize_stage
+    from runtime.state import safe_dcp
+    from runtime.state.weight_errors import CheckpointError
+    from runtime.state.weight_sources import copy_part, local_part, open_source
+
+    plan, cfg, _ = _stage("gpt2")
+    (stage,) = plan.build_stages().stages
+    name = "transformer.h.0.attn.c_attn.weight"  # (32, 96): q, k and v side by side
+    whole = stage.get_parameter(name).detach().clone()
+    parallelize_stage(stage, plan_from_config(cfg, [n for n, _ in stage.named_parameters()]), dist.group.WORLD)
+    prm = stage.get_parameter(name)
+    mine = torch.cat([part.chunk(2, dim=1)[rank] for part in whole.chunk(3, dim=1)], dim=1)  # its heads of each
+    got: dict[str, Any] = {}
+    with torch.no_grad():
+        local_part(prm)[0].zero_()
+        copy_part(prm, whole)  # the torch file reader's and the Hugging Face conversion's path
+        got["copied"] = torch.equal(prm.to_local(), mine)
+        local_part(prm)[0].zero_()
+        save_file({name: whole}, f"{tmp}/rank{rank}.safetensors")
+        with open_source(f"{tmp}/rank{rank}.safetensors") as source:
+            source.read({name: [prm]}, lambda key: None)
+        got["safetensors"] = torch.equal(prm.to_local(), mine) and torch.equal(prm.full_tensor(), whole)
+    try:
+        safe_dcp.save({name: prm.detach()}, f"{tmp}/never", collective=True)
+    except CheckpointError as e:
+        got["save refused"] = str(e)
+    return got
+
+
+def _worker(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    return {"packed state": _packed_state(rank, tmp),
+            "llama": _parity("llama", outline=False), "llama outlined": _parity("llama", outline=True),
             "qwen2 outlined": _parity("qwen2", outline=True), "gpt2": _parity("gpt2", outline=False),
             "mixtral, experts whole": _parity("mixtral", outline=False),
             "llama, 1 kv head": _parity("llama", outline=False, kv=1),
@@ -208,9 +244,9 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def runs() -> list[dict[str, Any]]:
+def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     pytest.importorskip("transformers")
-    return spawn(_worker, 2, timeout=420)
+    return spawn(_worker, 2, str(tmp_path_factory.mktemp("tp")), timeout=420)
 
 
 @pytest.mark.parametrize("case", ["llama", "llama outlined", "qwen2 outlined", "gpt2", "mixtral, experts whole",
@@ -249,3 +285,12 @@ def test_what_tensor_parallelism_cannot_split_is_refused_with_the_fix(runs: list
     assert "drop its pattern from TensorParallel(plan=...)" in got["tied"]
     assert ("transformer.h.0.mlp.c_fc.weight' is packed_colwise but its output" in got["not packed"]
             and "mark it 'colwise'" in got["not packed"])
+
+
+def test_a_packed_weight_loads_its_heads_of_each_part_and_is_refused_by_dcp(runs: list[dict[str, Any]]) -> None:
+    for r in runs:
+        got = r["packed state"]
+        # Each rank holds columns [16 r, 16 r + 16) of q, of k and of v: not one range of the whole.
+        assert got["copied"] and got["safetensors"]
+        assert "'transformer.h.0.attn.c_attn.weight' is a packed tensor-parallel weight" in got["save refused"]
+        assert "export_safetensors writes it whole" in got["save refused"] and "tp=1" in got["save refused"]

@@ -12,6 +12,9 @@ end-of-sequence token: every sequence runs to its limit), side by side in the sa
 
 * ``pipelined``: the sequences split into ``p`` groups in flight (the default), so every rank
   works on some group while the others work on others;
+* ``in pieces``: the same with each group's prompt entering the pipeline ``--prefill-chunk``
+  positions at a time (``generate(prefill_chunk=)``), so the next rank starts after the first
+  piece rather than after the whole prompt (a shorter pipeline fill);
 * ``2p groups``: the same with twice as many groups as ranks (from ``2 p`` sequences), so a
   rank whose next group is late has another to run;
 * ``one group``: the same ranks with ``groups=1``, the device-map strategy (accelerate's
@@ -20,7 +23,8 @@ end-of-sequence token: every sequence runs to its limit), side by side in the sa
   ranks wait in a barrier).
 
 Tokens/s is the batch's new tokens over the wall time of ``generate`` (prefill included), the
-best of ``--repeat`` runs after one untimed warm-up. The three produce the same tokens (checked).
+best of ``--repeat`` runs after one untimed warm-up, the variants taking turns within each round.
+All produce the same tokens (checked).
 
 The cache check: on the pipelined ranks and a fixed batch, the time per new token at a
 ``--long``-token prefix against a ``--short`` one, each from two runs (``k`` and ``2k`` new
@@ -72,15 +76,20 @@ def _prompts(b: int, length: int, vocab: int) -> list[list[int]]:
     return torch.randint(3, vocab, (b, length), generator=g).tolist()
 
 
-def _timed(fn: Any, repeat: int) -> tuple[float, Any]:
-    """Best wall time of ``repeat`` calls of ``fn`` (all ranks start together), and its last result."""
-    best, out = float("inf"), None
+def _timed(fns: list[Any], repeat: int) -> list[tuple[float, Any]]:
+    """Best wall time of ``repeat`` calls of each of ``fns`` (all ranks start together), and its last result.
+
+    The calls interleave (each round runs every function once, in turn), so a swing in the shared
+    machine's load reaches every variant alike rather than the one that happened to run during it.
+    """
+    best, outs = [float("inf")] * len(fns), [None] * len(fns)
     for _ in range(repeat):
-        dist.barrier()
-        t = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - t)
-    return best, out
+        for i, fn in enumerate(fns):
+            dist.barrier()
+            t = time.perf_counter()
+            outs[i] = fn()
+            best[i] = min(best[i], time.perf_counter() - t)
+    return list(zip(best, outs))
 
 
 def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -93,14 +102,16 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     for b in cfg["batches"]:
         prompts = _prompts(b, cfg["prompt"], cfg["vocab"])
 
-        def run(groups: int | None, prompts: list[list[int]] = prompts) -> Any:
-            return gen.generate(prompts, max_new_tokens=new, eos_token_id=[], pad_token_id=0, groups=groups)
+        def run(groups: int | None, chunk: int | None = None, prompts: list[list[int]] = prompts) -> Any:
+            return gen.generate(prompts, max_new_tokens=new, eos_token_id=[], pad_token_id=0, groups=groups,
+                                prefill_chunk=chunk)
 
         run(None)  # warm-up
-        t_pipe, piped = _timed(lambda: run(None), cfg["repeat"])
-        t_one, one = _timed(lambda: run(1), cfg["repeat"])
         more = 2 * world  # twice as many groups as ranks: slack for a rank whose group comes back late
-        t_more, deep = _timed(lambda m=more: run(m), cfg["repeat"]) if b >= more else (float("nan"), piped)
+        variants = [lambda: run(None), lambda: run(1), lambda: run(None, cfg["prefill_chunk"] or None)]
+        variants += [lambda m=more: run(m)] if b >= more else []
+        (t_pipe, piped), (t_one, one), (t_pieces, pieces), *rest = _timed(variants, cfg["repeat"])
+        t_more, deep = rest[0] if rest else (float("nan"), piped)
         dist.barrier()
         t_proc, same = float("nan"), True
         if whole is not None:
@@ -110,12 +121,13 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
                 t = time.perf_counter()
                 alone = whole.generate(prompts, max_new_tokens=new, eos_token_id=[], pad_token_id=0)
                 t_proc = min(t_proc, time.perf_counter() - t)
-            same = all(torch.equal(alone.sequences, x.sequences) for x in (piped, one, deep))
+            same = all(torch.equal(alone.sequences, x.sequences) for x in (piped, one, deep, pieces))
         dist.barrier()
         tokens = b * new
         rows.append({"sequences": b, "groups_in_flight": min(b, world), "new_tokens": tokens,
                      "pipelined_tok_s": tokens / t_pipe, "one_group_tok_s": tokens / t_one,
                      "pipelined_2p_groups_tok_s": tokens / t_more, "pipelined_2p_groups_s": t_more,
+                     "pipelined_pieces_tok_s": tokens / t_pieces, "pipelined_pieces_s": t_pieces,
                      "one_process_tok_s": tokens / t_proc, "pipelined_s": t_pipe, "one_group_s": t_one,
                      "one_process_s": t_proc, "same_tokens": same})
     cache = {}
@@ -127,8 +139,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             return gen.generate(prompts, max_new_tokens=n, eos_token_id=[], pad_token_id=0)
 
         steps(k)  # warm-up
-        t_k, _ = _timed(lambda: steps(k), cfg["repeat"])
-        t_2k, _ = _timed(lambda: steps(2 * k), cfg["repeat"])
+        (t_k, _), (t_2k, _) = _timed([lambda: steps(k), lambda: steps(2 * k)], cfg["repeat"])
         cache[length] = max(t_2k - t_k, 0.0) / k
     return {"rows": rows, "cache_s_per_token": cache, "peak_rss_bytes": proc_status().get("VmHWM", 0),
             "rss_before_model_bytes": before}
@@ -205,13 +216,15 @@ def _print(cfg: dict[str, Any], rows: list[dict[str, Any]], cache: dict[int, flo
     p = cfg["ranks"]
     print(f"Llama {cfg['layers']} layers x hidden {cfg['hidden']}, vocab {cfg['vocab']}; {p} ranks (gloo processes, "
           f"1 thread each); prompts of {cfg['prompt']} tokens, {cfg['new']} new tokens each")
-    print(f"{'seqs':>5} {'groups':>6} {'pipelined tok/s':>16} {f'{2 * p} groups tok/s':>16} {'one group tok/s':>16} "
-          f"{'one process tok/s':>18} {'pipelined/one group':>20} {f'{2 * p} groups/one group':>22} {'same':>5}")
+    print(f"{'seqs':>5} {'groups':>6} {'pipelined tok/s':>16} {'in pieces tok/s':>16} {f'{2 * p} groups tok/s':>16} "
+          f"{'one group tok/s':>16} {'one process tok/s':>18} {'pipelined/one group':>20} "
+          f"{'in pieces/one group':>20} {f'{2 * p} groups/one group':>22} {'same':>5}")
     for r in rows:
+        one = r["one_group_tok_s"]
         print(f"{r['sequences']:>5} {r['groups_in_flight']:>6} {r['pipelined_tok_s']:>16.1f} "
-              f"{r['pipelined_2p_groups_tok_s']:>16.1f} {r['one_group_tok_s']:>16.1f} {r['one_process_tok_s']:>18.1f} "
-              f"{r['pipelined_tok_s'] / r['one_group_tok_s']:>20.2f} "
-              f"{r['pipelined_2p_groups_tok_s'] / r['one_group_tok_s']:>22.2f} "
+              f"{r['pipelined_pieces_tok_s']:>16.1f} {r['pipelined_2p_groups_tok_s']:>16.1f} {one:>16.1f} "
+              f"{r['one_process_tok_s']:>18.1f} {r['pipelined_tok_s'] / one:>20.2f} "
+              f"{r['pipelined_pieces_tok_s'] / one:>20.2f} {r['pipelined_2p_groups_tok_s'] / one:>22.2f} "
               f"{'yes' if r['same_tokens'] else 'NO':>5}")
     print(f"target once enough sequences are in flight: pipelined/one group >= 0.7 x {p} = {0.7 * p:.1f}")
     print(f"time per new token, {cfg['cache_batch']} sequences: {cache[cfg['short']] * 1e3:.2f} ms at a "
@@ -230,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", type=int_list, default=[1, 2, 4, 8, 16, 32, 64], help="sequence counts, e.g. 1,8,64")
     ap.add_argument("--prompt", type=int, default=16, help="prompt tokens")
     ap.add_argument("--new", type=int, default=16, help="new tokens per sequence")
+    ap.add_argument("--prefill-chunk", type=int, default=4,
+                    help="prompt positions per prefill hop in the 'in pieces' column (generate(prefill_chunk=))")
     ap.add_argument("--short", type=int, default=64, help="the short prefix of the cache check")
     ap.add_argument("--long", type=int, default=512, help="the long prefix of the cache check")
     ap.add_argument("--cache-batch", type=int, default=4, help="sequences in the cache check")
@@ -241,10 +256,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.layers, args.hidden, args.heads, args.vocab, args.batches = 2, 32, 4, 64, [1, 4]
         args.prompt, args.new, args.short, args.long, args.cache_batch, args.repeat = 4, 4, 8, 32, 2, 1
-    if args.ranks < 1 or args.layers % args.ranks or args.new < 2 or min(args.batches) < 1:
-        ap.error("need --ranks dividing --layers, --new >= 2 and batch sizes >= 1")
+        args.prefill_chunk = 2
+    if args.ranks < 1 or args.layers % args.ranks or args.new < 2 or min(args.batches) < 1 or args.prefill_chunk < 1:
+        ap.error("need --ranks dividing --layers, --new >= 2, batch sizes >= 1 and --prefill-chunk >= 1")
     cfg = {k: getattr(args, k) for k in ("ranks", "layers", "hidden", "heads", "vocab", "batches", "prompt", "new",
-                                         "short", "long", "cache_batch", "repeat", "timeout")}
+                                         "prefill_chunk", "short", "long", "cache_batch", "repeat", "timeout")}
     t0 = time.time()
     load = load_before(f"the {args.ranks} pipeline processes")
     ranks = spawn(_worker, args.ranks, cfg, timeout=args.timeout, threads=1)

@@ -16,6 +16,7 @@ Examples::
     pipecut plan gpt2-tiny --devices 4 --global-batch 16 --calibrate cluster.json
     pipecut train --model path/to/hf-folder --data tokens.bin --out run --pp 2 --steps 100
     torchrun --standalone --nproc-per-node 4 -m pipecut train --model ... --pp 2 --dp 2
+    torchrun --standalone --nproc-per-node 4 -m pipecut train --model ... --pp 2 --tp 2
     torchrun --standalone --nproc-per-node 8 -m pipecut train --model ... --layout auto --global-batch 64
     torchrun --standalone --nproc-per-node 8 -m pipecut train --model ... --plan plan.json --global-batch 64
     pipecut generate --model path/to/hf-folder --prompts prompts.jsonl --max-new-tokens 32 --pp 2
@@ -378,6 +379,7 @@ _TRAIN_FLAGS: dict[str, tuple[Any, str]] = {
     "micro-batch-size": (int, "sequences per micro-batch (default 1)"),
     "pp": (int, "pipeline ranks (default: world size / dp; 1 in one process)"),
     "dp": (int, "data-parallel replicas, under torchrun (default: world size / pp)"),
+    "tp": (int, "tensor-parallel processes per pipeline rank, under torchrun: dp x pp x tp processes (default 1)"),
     "schedule": (str, "pipeline schedule or 'auto' (default 1f1b)"),
     "zero": (str, "sharding over the replicas (dp >= 2): none (default), zero1 (optimizer state) or fsdp (FSDP2)"),
     "layout": (str, ("manual (default: the flags above) or auto: the planner chooses dp, pp, schedule, micro-batch "
@@ -421,7 +423,7 @@ def _add_train_parser(sub: Any) -> None:
     train = sub.add_parser(
         "train", help="train a Hugging Face folder on a token file as a pipeline; rerun to resume",
         description="Train a Hugging Face causal LM folder on a token file, in one process (a thread per "
-        "stage) or under torchrun (dp x pp processes). Running the same command again resumes.",
+        "stage) or under torchrun (dp x pp x tp processes). Running the same command again resumes.",
     )
     train.add_argument("--config", dest="config_file", default=None,
                        help="a TOML file of these settings (flags override it)")

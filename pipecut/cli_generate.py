@@ -72,6 +72,9 @@ def add_generate_parser(sub: Any) -> None:
                      help="sampling seed (default 0): the same seed gives the same text on any --pp, --dp and "
                      "--batch-size")
     gen.add_argument("--batch-size", type=int, default=8, help="prompts generated together (default 8)")
+    gen.add_argument("--prefill-chunk", type=int, default=None,
+                     help="prompt positions per prefill message between stages: each prompt enters the pipeline "
+                     "in pieces, so the next stage starts sooner (default: the whole prompt at once)")
     gen.add_argument("--out", default=None, help="write the completions here (default: stdout)")
     gen.add_argument("--timeout", type=float, default=300.0,
                      help="under torchrun, seconds any rank waits for another (a message, or the others loading "
@@ -91,6 +94,7 @@ class _Options:
     sampling: Sampling | None
     precision: str
     timeout: float
+    prefill_chunk: int | None
 
 
 def generate_command(args: argparse.Namespace) -> int:
@@ -125,7 +129,7 @@ def _generate(args: argparse.Namespace, opts: _Options, job: Job, t0: float) -> 
             sampling = dataclasses.replace(opts.sampling, first_index=start) if opts.sampling else None
             result = generator.generate([ids[i] for i in batch], max_new_tokens=opts.max_new_tokens,
                                         eos_token_id=opened.eos_token_id, pad_token_id=opened.pad_token_id,
-                                        sampling=sampling)
+                                        sampling=sampling, prefill_chunk=opts.prefill_chunk)
             seconds = time.perf_counter() - t
             for i, tokens in zip(batch, result.tokens, strict=True):
                 record = {"prompt": prompts[i].text,
@@ -173,7 +177,7 @@ def _where(job: Job) -> str:
 def _options(args: argparse.Namespace) -> _Options:
     """The flags checked before any file is read: each wrong value refused with what was given."""
     for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--pp", args.pp), ("--dp", args.dp),
-                        ("--batch-size", args.batch_size)):
+                        ("--batch-size", args.batch_size), ("--prefill-chunk", args.prefill_chunk)):
         if value is not None and value < 1:
             raise CliArgumentError(f"{flag} must be a positive integer, got {value}")
     if not args.timeout > 0:
@@ -188,7 +192,8 @@ def _options(args: argparse.Namespace) -> _Options:
             f"--top-k {args.top_k} / --top-p {args.top_p} filter sampling, and --temperature 0 decodes greedily: "
             "add --temperature T (T > 0; 1 samples from the model's distribution), or drop them"
         )
-    return _Options(args.max_new_tokens, args.pp, args.dp, args.batch_size, sampling, args.precision, args.timeout)
+    return _Options(args.max_new_tokens, args.pp, args.dp, args.batch_size, sampling, args.precision, args.timeout,
+                    args.prefill_chunk)
 
 
 def _tokenizer(opened: GenerationFolder) -> Any:

@@ -146,8 +146,7 @@ def resolve_run(
     # Where this process sits: under 'dist' (collective: joins the process group, builds the mesh)
     # one rank and its device; otherwise every rank, with a device per stage.
     devices, dp, tp = ex.devices, options.data_parallel, options.tensor_parallel.size
-    refuse_unsupported(tp, engine=dp.engine if (dp.size or 1) > 1 else "replicate", precision=mp.name,
-                       weights=options.init.weights is not None)
+    refuse_unsupported(tp, engine=dp.engine if (dp.size or 1) > 1 else "replicate", precision=mp.name)
     if mode == "dist":
         ensure_process_group()
         check_backend(schedule, io)
@@ -227,7 +226,7 @@ def assemble(plan: Plan, run: Run) -> Assembly:
     # Wrap for the replicas: tie the copies of shared weights, then the gradient exchange.
     tied = tie_copies(staged.shared_params, mine, devices, schedule.stage_to_rank,
                       rank if run.mode == "dist" else None, comm_device,
-                      replicas=placement.mesh.ranks, replica=placement.mesh.dp_rank, timeout=ex.timeout)
+                      replicas=placement.mesh.pipelines, replica=placement.mesh.pipeline, timeout=ex.timeout)
     for st in stages.values():
         st.module.to(st.device)
         # Export records the tracing device (cpu) in factory calls such as the position ids' arange.

@@ -210,8 +210,9 @@ class TensorParallel:
     """``tp``, the ranks each stage is split over (1: no tensor parallelism)."""
 
     plan: Mapping[str, str] | tuple[tuple[str, str], ...] | None = None
-    """Module pattern -> ``'colwise'`` | ``'rowwise'`` (``runtime.parallel.tensor.plan_for``);
-    ``None``: the model's Hugging Face ``config.base_model_tp_plan``. Kept as a tuple of pairs."""
+    """Module pattern -> ``'colwise'`` | ``'rowwise'`` | ``'packed_colwise'``
+    (``runtime.parallel.tensor.plan_for``); ``None``: the model's Hugging Face
+    ``config.base_model_tp_plan``, or pipecut's own for its model type (GPT-2). Kept as a tuple of pairs."""
 
     def __post_init__(self) -> None:
         if type(self.size) is not int or self.size < 1:

@@ -43,7 +43,7 @@ from runtime.execute.wiring import merge_microbatches, model_output
 from runtime.metrics import step_metrics
 from runtime.options import DataParallel, Execution, Init, TensorParallel, resolve_options
 from runtime.parallel.clipping import clip_grad_norm_
-from runtime.parallel.fsdp import FSDPReplicas, check_optimizer, whole_buffers
+from runtime.parallel.fsdp import FSDPReplicas, check_optimizer
 from runtime.parallel.tied import copy_tied_values, second_copies, sum_tied_grads
 from runtime.precision import (
     CallerAutocast,
@@ -426,7 +426,7 @@ class PipelineTrainer:
         under any of its names; a Hugging Face model's checkpoint is read through transformers' own
         conversion mapping, as ``from_pretrained`` reads it (legacy names, experts stored one by
         one). Every name, shape and dtype is checked before any data is copied, and every value
-        is checked finite as it is copied.
+        is checked finite as it is copied. A split (tp) or FSDP weight: each rank reads its shard only.
 
         Raises:
             WeightsError: a missing or unexpected key, a shape or dtype mismatch (typed
@@ -436,13 +436,11 @@ class PipelineTrainer:
         """
         spec = weights if isinstance(weights, Weights) else Weights(weights)
         into, stage_of = stage_tensors({s: st.module for s, st in self.stages.items()})
-        into, scatter = whole_buffers(into)  # FSDP: read whole tensors, keep this rank's shards
         report = load_weights(
             spec.source, into, names=list(self.plan.model.state_dict(keep_vars=True)),
             aliases=self.plan.param_aliases, stage_of=stage_of, prefix=spec.prefix, cast=spec.cast,
             strict=spec.strict, model=self.plan.model, allow_nonfinite=spec.allow_nonfinite,
         )
-        scatter()
         self.sync_tied_copies()
         return report
 

@@ -56,6 +56,10 @@ class TrainConfig:
     """Pipeline ranks (default: the world size over ``dp``; 1 in one process)."""
     dp: int | None = None
     """Data-parallel replicas (default: the world size over ``pp``; 1 in one process)."""
+    tp: int = 1
+    """Tensor-parallel processes per pipeline rank: each stage's layers split over ``tp`` processes in
+    the model's column/row pairs (``base_model_tp_plan``; docs/tensor-parallel.md). The job runs
+    ``dp x pp x tp`` processes, under torchrun; with ``layout = "manual"`` and no ``plan`` only."""
     schedule: str | None = None
     """The pipeline schedule, or ``auto`` (default 1f1b; with ``layout = "auto"`` the planner's unless given)."""
     zero: str | None = None
@@ -239,7 +243,7 @@ def _typed(key: str, value: Any) -> Any:
 
 
 def _check(cfg: TrainConfig) -> None:
-    for key in ("steps", "seq_len", "global_batch", "keep", "eval_batches"):
+    for key in ("steps", "seq_len", "global_batch", "keep", "eval_batches", "tp"):
         if getattr(cfg, key) < 1:
             raise TrainConfigError(f"{key} must be at least 1, got {getattr(cfg, key)}")
     for key in ("pp", "dp", "decay_steps", "log_every", "micro_batch_size"):
@@ -283,6 +287,12 @@ def _check_modes(cfg: TrainConfig) -> None:
         raise TrainConfigError(
             f"--calibrate {cfg.calibrate} prices the layouts --layout auto searches: add --layout auto, or drop "
             "--calibrate" + (" (a --plan was priced when it was made)" if cfg.plan else "")
+        )
+    if cfg.tp > 1 and (cfg.layout == "auto" or cfg.plan is not None):
+        raise TrainConfigError(
+            f"--tp {cfg.tp} with {'--layout auto' if cfg.layout == 'auto' else f'--plan {cfg.plan}'}: a plan's "
+            "layout is trained as dp x pp (its tp is not applied yet); give the layout by hand (--dp, --pp, --tp; "
+            "--layout manual, no --plan)"
         )
     if cfg.calibrate is not None and cfg.device != "auto":
         raise TrainConfigError(

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from partitioner.errors import PipecutError
+from runtime.state.weight_sources import local_part
 
 __all__ = ["NonFiniteLossError", "problem", "weights_finite", "resume_hint"]
 
@@ -52,8 +53,9 @@ def problem(line: Mapping[str, Any], *, skipped: bool) -> str | None:
 
 def weights_finite(parameters: list[torch.Tensor], *, device: torch.device | str = "cpu") -> bool:
     """Whether every parameter is finite; collective under torch.distributed (every rank gets the
-    same answer, so every rank skips or stops at the same save)."""
-    ok = all(bool(torch.isfinite(p.detach()).all()) for p in parameters)
+    same answer, so every rank skips or stops at the same save). A shard (a ``DTensor``) is checked
+    as its local part: the all-reduce below covers the other parts, with no collective per tensor."""
+    ok = all(bool(torch.isfinite(local_part(p.detach())[0]).all()) for p in parameters)
     if dist.is_initialized():
         flag = torch.tensor([1 if ok else 0], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)

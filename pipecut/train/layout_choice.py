@@ -157,7 +157,7 @@ def search_space(cfg: TrainConfig, *, world: int) -> dict[str, Any]:
         "schedules": (cfg.schedule,) if cfg.schedule not in (None, "auto") else None,
         "microbatch_sizes": (cfg.micro_batch_size,) if cfg.micro_batch_size is not None else None,
         "zero": (cfg.zero,) if cfg.zero is not None else DEFAULT_ZERO,
-        # pipecut train runs no tensor parallelism yet (docs/tensor-parallel.md, Next: CLI): dp x pp only.
+        # --layout auto trains the plan's dp x pp; it does not apply a plan's tp yet (--tp is refused with it).
         "tp_sizes": (1,),
     }
 
@@ -243,15 +243,16 @@ def predicted_step(plan: Plan) -> float | None:
         return None
 
 
-def describe(plan: Plan, *, dp: int, pp: int, m: int, zero: str | None, how: str) -> str:
-    """One line: the layout trained (``dp`` replicas of ``pp`` ranks, ``m`` micro-batches of the plan's
-    size each), where it comes from (``how``), its predicted step."""
+def describe(plan: Plan, *, dp: int, pp: int, m: int, zero: str | None, how: str, tp: int = 1) -> str:
+    """One line: the layout trained (``dp`` replicas of ``pp`` ranks of ``tp`` processes, ``m`` micro-batches
+    of the plan's size each), where it comes from (``how``), its predicted step."""
     z = f" {zero}" if zero not in (None, "none") else ""
     recompute = sum(bool(st.recompute) for st in plan.stages)
     again = f" recompute {recompute}/{len(plan.stages)}" if recompute else ""
     step = predicted_step(plan)
     text = f"predicted step {fmt_time(step)}" if step is not None else "no predicted step"
-    return f"layout dp{dp} x pp{pp} {plan.schedule} b{plan.microbatch_size} m{m}{z}{again} ({how}), {text}"
+    split = f" x tp{tp}" if tp > 1 else ""
+    return f"layout dp{dp} x pp{pp}{split} {plan.schedule} b{plan.microbatch_size} m{m}{z}{again} ({how}), {text}"
 
 
 # -- the search ---------------------------------------------------------------------------------

@@ -1,10 +1,12 @@
 """One ``pipecut train`` run: plan the folder's model, build the trainer, resume, step, save, export.
 
-Legend: ``pp`` pipeline ranks, ``dp`` replicas, ``B`` sequences per step, ``b`` rows per
-micro-batch, ``m`` micro-batches per step (``B = dp * m * b``), ``L`` sequence length.
+Legend: ``pp`` pipeline ranks, ``dp`` replicas, ``tp`` processes per pipeline rank, ``B`` sequences
+per step, ``b`` rows per micro-batch, ``m`` micro-batches per step (``B = dp * m * b``), ``L``
+sequence length.
 
 One process runs the whole pipeline (a thread per rank); under ``torchrun`` the job's
-``dp * pp`` processes each run one rank of one replica (gloo on CPU, NCCL on GPUs). Every process
+``dp * pp * tp`` processes each run one rank of one replica, or a ``1/tp`` share of its layers
+(gloo on CPU, NCCL on GPUs). Every process
 builds the model on ``meta`` and makes the same plan (planning is deterministic); each then
 allocates and loads only its own stages.
 
@@ -57,7 +59,8 @@ BETAS = (0.9, 0.95)  # AdamW's, as nanoGPT and most LLM recipes use
 
 @dataclass(frozen=True)
 class Layout:
-    """How the job's processes and the batch divide: ``dp`` replicas of ``pp`` ranks, ``m`` micro-batches."""
+    """How the job's processes and the batch divide: ``dp`` replicas of ``pp`` ranks of ``tp`` processes each,
+    ``m`` micro-batches."""
 
     pp: int
     dp: int
@@ -66,6 +69,7 @@ class Layout:
     """This process's global rank (0 in one process)."""
     dp_rank: int
     """This process's replica."""
+    tp: int = 1
 
 
 @dataclass
@@ -85,27 +89,31 @@ lm_loss = next_token_loss
 
 
 def layout(cfg: TrainConfig, world: int, rank: int) -> Layout:
-    """Split ``world`` processes into ``dp x pp`` and the global batch into micro-batches.
+    """Split ``world`` processes into ``dp x pp x tp`` and the global batch into micro-batches.
 
     Raises:
-        TrainConfigError: ``dp * pp`` is not the world size, or the batch does not divide.
+        TrainConfigError: ``dp * pp * tp`` is not the world size, the batch does not divide, or
+            ``tp > 1`` with an option it does not run with yet (``--zero fsdp``, ``--precision fp16``).
 
     Example:
         >>> cfg = TrainConfig(model="m", data="d", out="o", global_batch=8, micro_batch_size=2, dp=2)
         >>> layout(cfg, world=4, rank=3)
-        Layout(pp=2, dp=2, m=2, rank=3, dp_rank=1)
+        Layout(pp=2, dp=2, m=2, rank=3, dp_rank=1, tp=1)
+        >>> layout(dataclasses.replace(cfg, tp=2), world=8, rank=5)  # rank (d * pp + r) * tp + t
+        Layout(pp=2, dp=2, m=2, rank=5, dp_rank=1, tp=2)
     """
-    pp, dp, b = cfg.pp, cfg.dp, cfg.micro_batch_size or 1
-    pp, dp = world_split(world, pp, dp)
+    pp, dp, b, tp = cfg.pp, cfg.dp, cfg.micro_batch_size or 1, cfg.tp
+    _check_tp(cfg, world)
+    pp, dp = world_split(world // tp, pp, dp)
     if world == 1 and dp != 1:
         raise TrainConfigError(
             f"--dp {dp} needs {dp} processes: launch with torchrun --nproc-per-node {dp * (pp or 1)} "
             "(one process runs one replica of the pipeline)"
         )
-    if world > 1 and (not pp or not dp or pp * dp != world):
+    if world > 1 and (not pp or not dp or pp * dp * tp != world):
         raise TrainConfigError(
-            f"the job has {world} processes, which is not dp x pp (dp {cfg.dp}, pp {cfg.pp}): "
-            f"give --dp and --pp whose product is {world}, or one of them"
+            f"the job has {world} processes, which is not dp x pp x tp (dp {cfg.dp}, pp {cfg.pp}, tp {tp}): "
+            f"give --dp and --pp whose product is {world // tp}, or one of them"
         )
     assert pp is not None and dp is not None  # internal invariant
     if cfg.zero not in (None, "none") and dp == 1:
@@ -121,9 +129,32 @@ def layout(cfg: TrainConfig, world: int, rank: int) -> Layout:
         )
     if world == 1:
         return Layout(pp=pp, dp=1, m=cfg.global_batch // per_replica, rank=0, dp_rank=0)
-    # runtime.parallel.data_parallel's mesh: replicas are the outer dimension (rank = d * pp + r);
-    # the trainer's mesh has the last word.
-    return Layout(pp=pp, dp=dp, m=cfg.global_batch // per_replica, rank=rank, dp_rank=rank // pp)
+    # runtime.parallel.data_parallel's mesh: replicas are the outer dimension, tp the inner
+    # (rank = (d * pp + r) * tp + t); the trainer's mesh has the last word.
+    return Layout(pp=pp, dp=dp, m=cfg.global_batch // per_replica, rank=rank, dp_rank=rank // (pp * tp), tp=tp)
+
+
+def _check_tp(cfg: TrainConfig, world: int) -> None:
+    """Refuse ``--tp`` where the job cannot run it: too few processes, or an option tp does not compose with."""
+    tp = cfg.tp
+    if tp == 1:
+        return
+    if world % tp:
+        need = (cfg.dp or 1) * (cfg.pp or 2) * tp
+        raise TrainConfigError(
+            f"--tp {tp} splits each pipeline rank's stages over {tp} processes, and the job has {world}: launch "
+            f"dp x pp x tp processes, e.g. torchrun --nproc-per-node {need} -m pipecut train ... --tp {tp}"
+        )
+    if cfg.zero == "fsdp":
+        raise TrainConfigError(
+            f"--zero fsdp with --tp {tp}: FSDP2 over tensor-parallel stages (2-D sharding) is not wired yet; "
+            "use --zero zero1 or none with --tp, or --tp 1 with --zero fsdp"
+        )
+    if cfg.precision == "fp16":
+        raise TrainConfigError(
+            f"--precision fp16 with --tp {tp}: the loss scaler's inf/NaN check is not reduced over the tp "
+            "processes yet; use --precision bf16 (no loss scaling) or fp32"
+        )
 
 
 def train(
@@ -206,7 +237,8 @@ def _run(
     plan, trainer = _build(cfg, lay, folder, config, weights, world, choice.plan)
     predicted = layout_choice.predicted_step(plan)
     if leader:
-        described = layout_choice.describe(plan, dp=lay.dp, pp=lay.pp, m=lay.m, zero=cfg.zero, how=choice.how)
+        described = layout_choice.describe(plan, dp=lay.dp, pp=lay.pp, m=lay.m, zero=cfg.zero, how=choice.how,
+                                           tp=lay.tp)
         log.info("%s", described)
         runfolder.write_text_atomic(out / "config.toml", to_toml(cfg) + f"# {described}\n")
         plan.save(out / "plan.json")
@@ -279,6 +311,9 @@ def _build(
         init=Init(seed=cfg.seed, weights=Weights(weights, cast=True, allow_nonfinite=cfg.nonfinite_patterns)
                   if weights else None),
         data_parallel=_data_parallel(cfg, lay) if world > 1 else None,
+        # The plan's cuts fall between the model's blocks (its default granularity), so no stage
+        # parts a column layer from its row layer; a stage that did is refused, named.
+        tensor_parallel=lay.tp,
     )
     return plan, trainer
 
@@ -290,7 +325,7 @@ def _started(
     """The start-up block, to ``train.log`` and to ``on_start``."""
     params, trainable = report.count_parameters(plan.model)
     facts = report.RunFacts(model_class=type(plan.model).__name__, params=params, trainable=trainable, dp=lay.dp,
-                            pp=lay.pp, world=world, resumed_from=resumed_from)
+                            pp=lay.pp, world=world, resumed_from=resumed_from, tp=lay.tp)
     block = report.start_report(cfg, plan, facts)
     journal.start(block)
     if on_start is not None:

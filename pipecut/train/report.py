@@ -65,6 +65,8 @@ class RunFacts:
     """Processes in the job (1: one process, a thread per pipeline rank)."""
     resumed_from: int
     """The step the run starts from (0 when it starts afresh)."""
+    tp: int = 1
+    """Processes per pipeline rank, each holding a ``1/tp`` share of its stages' split layers."""
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,8 @@ class StartReport:
     keep: int
     paths: tuple[tuple[str, Path], ...]
     """Where the run's files go, by what they are: out, checkpoints, metrics, log, final, tensorboard."""
+    tp: int = 1
+    """Processes per pipeline rank (tensor parallelism)."""
 
     @property
     def tokens_per_step(self) -> int:
@@ -143,7 +147,8 @@ class StartReport:
         lines = [
             (f"pipecut train: {self.model} ({self.model_class}), {self.params:,} parameters "
              f"({fmt_count(self.params)}; {self.trainable:,} trainable)"),
-            (f"layout: {self.dp} replica(s) x {self.pp}-rank pipeline on {where}; "
+            (f"layout: {self.dp} replica(s) x {self.pp}-rank pipeline"
+             f"{f' x tp {self.tp} (each stage split over {self.tp} processes)' if self.tp > 1 else ''} on {where}; "
              f"{sum(len(r.stages) for r in self.ranks)} stages, schedule {self.schedule}{chose}"),
         ]
         for r in self.ranks:
@@ -228,7 +233,7 @@ def start_report(cfg: TrainConfig, plan: Plan, facts: RunFacts) -> StartReport:
         memory=lay.memory if lay is not None else pred.memory,
         capacity=lay.capacity if lay is not None else min(r.capacity for r in ranks),
         steps=cfg.steps, resumed_from=facts.resumed_from, log_every=cfg.log_interval,
-        checkpoint_every=cfg.checkpoint_every, keep=cfg.keep, paths=tuple(paths),
+        checkpoint_every=cfg.checkpoint_every, keep=cfg.keep, paths=tuple(paths), tp=facts.tp,
     )
 
 

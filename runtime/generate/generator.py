@@ -175,7 +175,7 @@ class Generator:
         self, prompts: Prompts, *, attention_mask: torch.Tensor | None = None,
         max_new_tokens: int | Sequence[int] = 20, eos_token_id: int | Sequence[int] | None = None,
         pad_token_id: int | None = None, sampling: Sampling | None = None, output_logits: bool = False,
-        groups: int | None = None, group_size: int | None = None,
+        groups: int | None = None, group_size: int | None = None, prefill_chunk: int | None = None,
     ) -> Generation:
         """Continue each prompt until it emits an end-of-sequence token or its ``max_new_tokens``.
 
@@ -199,6 +199,11 @@ class Generator:
                 many sequences, ``groups`` of them in flight, and each group that ends gives its
                 place to the next (continuous batching: memory for ``groups x group_size``
                 sequences' caches, however many prompts). The tokens do not depend on it.
+            prefill_chunk: ``None`` (default): a group's whole padded prompt is one hop. An int:
+                the prompt enters the pipeline in pieces of this many positions, each stage
+                extending its cache piece by piece, so the next rank starts on the first piece
+                while this one runs the second (the pipeline fills sooner; a chunked prefill).
+                Greedy tokens are those of one piece up to the round-off of smaller products.
 
         Within a group, a sequence that stops leaves it: no stage computes for it again, and
         its rows leave every stage's cache.
@@ -211,7 +216,8 @@ class Generator:
             A :class:`Generation`.
 
         Raises:
-            GenerateOptionError: an empty prompt, right padding, or a bad ``max_new_tokens``.
+            GenerateOptionError: an empty prompt, right padding, a bad ``max_new_tokens`` or
+                ``prefill_chunk``.
             AutocastConflictError: the caller's autocast names another low dtype than ``precision``.
         """
         precision = caller_policy(self.precision, [self.device.type], what="generate()")
@@ -221,8 +227,10 @@ class Generator:
         b = ids.shape[0]
         limits = _limits(max_new_tokens, b, self.device)
         positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)  # padding's positions reach no token
-        batch = Batch(ids, mask, positions, limits, tuple(eos), pad, sampling, output_logits)
-        if self.transport != "sequential" or (groups or 1) > 1 or group_size is not None:
+        if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk < 1):
+            raise GenerateOptionError(f"prefill_chunk must be None or an int >= 1, got {prefill_chunk!r}")
+        batch = Batch(ids, mask, positions, limits, tuple(eos), pad, sampling, output_logits, prefill_chunk)
+        if self.transport != "sequential" or (groups or 1) > 1 or group_size is not None or prefill_chunk:
             return self._pipelined(batch, groups, group_size, precision)
         # One group through this generator's own stages (their caches stay readable: cached_layers).
         generators = sequence_generators(sampling, range(b), self.device) if sampling is not None else []

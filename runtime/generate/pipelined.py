@@ -35,13 +35,15 @@ import torch
 from runtime.generate.cut import StageSpan
 from runtime.generate.errors import GenerateOptionError
 from runtime.generate.parts import DecoderParts
-from runtime.generate.ring import Ring
+from runtime.generate.ring import PIECE_STRIDE, Ring
 from runtime.generate.sampling import Sampling, kept_generators, next_tokens, sequence_generators
 from runtime.generate.stage import Hop, StageRunner
 
 __all__ = ["Batch", "Step", "GroupResult", "GroupState", "split_groups", "chunk_groups", "run_rank"]
 
 log = logging.getLogger(__name__)
+
+MAX_CHUNKED_GROUPS = PIECE_STRIDE  # a piece's message keys sit PIECE_STRIDE groups apart (runtime.generate.ring)
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,10 @@ class Batch:
         pad: what a stopped sequence gets after its stop.
         sampling: ``None`` for greedy decoding.
         output_logits: whether the last rank sends each step's logits back too.
+        prefill_chunk: prompt positions per prefill hop (``None``: the whole padded prompt in one).
+            A group's prompt then enters the pipeline in pieces, the first rank sending the next
+            piece without waiting for any token, so the second rank starts after one piece, not
+            after the whole prompt: the pipeline fills sooner.
     """
 
     ids: torch.Tensor
@@ -67,6 +73,14 @@ class Batch:
     pad: int
     sampling: Sampling | None
     output_logits: bool
+    prefill_chunk: int | None = None
+
+    def prefill_pieces(self) -> list[slice]:
+        """The prompt positions each prefill hop carries, in order (one slice without ``prefill_chunk``)."""
+        t0, c = self.ids.shape[1], self.prefill_chunk
+        if c is None or c >= t0:
+            return [slice(0, t0)]
+        return [slice(a, min(a + c, t0)) for a in range(0, t0, c)]
 
 
 @dataclass(frozen=True)
@@ -76,7 +90,8 @@ class Step:
     Attributes:
         rank: the pipeline position ``r`` (with replicas, the global rank is ``replica * p + r``).
         group: the group ``g``.
-        step: the group's step (0 is its prefill).
+        step: the group's step (0 is its prefill; with ``Batch.prefill_chunk``, steps
+            ``0 .. n - 1`` are the prompt's ``n`` pieces).
         start, end: ``time.time()`` around the rank's stages (comparable across processes of one host).
     """
 
@@ -169,6 +184,12 @@ def run_rank(
     slots = len(groups) if in_flight is None else in_flight
     if not isinstance(slots, int) or slots < 1:
         raise GenerateOptionError(f"in_flight must be an int >= 1, got {in_flight!r}")
+    pieces = batch.prefill_pieces()
+    if len(pieces) > 1:
+        _check_pieces(len(pieces), len(groups), ring.ranks, batch)
+
+    def piece(g: int) -> int:  # the prompt piece group g's next hop carries; 0 after the prefill (one in flight)
+        return steps[g] if steps[g] < len(pieces) else 0
     device = batch.ids.device
     runners: dict[int, list[StageRunner]] = {}
     generators: dict[int, list[torch.Generator]] = {}
@@ -194,12 +215,12 @@ def run_rank(
     while round_:
         g = round_.popleft()
         if ring.first:
-            hop = state[g].next_hop(ring, g, batch) if steps[g] else state[g].prefill()
+            hop = state[g].prefill(steps[g]) if steps[g] < len(pieces) else state[g].next_hop(ring, g, batch)
         else:
-            hop = ring.recv_hop(g)
+            hop = ring.recv_hop(g, piece(g))
         if hop is None:  # the group has ended: tell the next rank, free its caches, let the next group in
             if not ring.last:
-                ring.send_hop(g, None)
+                ring.send_hop(g, None, piece(g))
             del runners[g]
             generators.pop(g, None)
             if g in state:
@@ -212,16 +233,35 @@ def run_rank(
         for stage in runners[g]:
             out = stage(out)
         timeline.append(Step(ring.position, g, steps[g], begin, clock()))
-        steps[g] += 1
         if ring.last:
             if g in generators:  # the stopped sequences' generators leave with them
                 generators[g] = kept_generators(generators[g], hop.keep)
-            ring.send_tokens(g, next_tokens(out.data, batch.sampling, generators.get(g, ())),
-                             out.data if batch.output_logits else None)
+            if steps[g] >= len(pieces) - 1:  # a prompt's earlier pieces choose no token
+                ring.send_tokens(g, next_tokens(out.data, batch.sampling, generators.get(g, ())),
+                                 out.data if batch.output_logits else None)
         else:
-            ring.send_hop(g, out)
+            ring.send_hop(g, out, piece(g))
+        steps[g] += 1
         round_.append(g)
     return results
+
+
+def _check_pieces(pieces: int, groups: int, ranks: int, batch: Batch) -> None:
+    """Refuse a chunked prefill whose message keys would collide or overflow a 32-bit message tag."""
+    if groups > MAX_CHUNKED_GROUPS:
+        raise GenerateOptionError(
+            f"{groups} groups with prefill_chunk={batch.prefill_chunk}: a chunked prefill keys each piece's "
+            f"messages by group, for at most {MAX_CHUNKED_GROUPS} groups; use a larger group_size or "
+            "prefill_chunk=None"
+        )
+    # DistTransport's tag: ((mb * S + src) * S + dst) * 2 + 1 with mb up to 2 (g + PIECE_STRIDE c) + 1.
+    most = ((2**31 - 1) // (2 * ranks * ranks) - ranks) // 2 // PIECE_STRIDE
+    if pieces - 1 > most:
+        raise GenerateOptionError(
+            f"prefill_chunk={batch.prefill_chunk} cuts the {batch.ids.shape[1]}-position prompts into {pieces} "
+            f"pieces; with {ranks} ranks at most {most + 1} pieces have message tags: use a prefill_chunk of at "
+            f"least {-(-batch.ids.shape[1] // (most + 1))}"
+        )
 
 
 class GroupState:
@@ -244,9 +284,18 @@ class GroupState:
         self.tokens: list[torch.Tensor] = []
         self.logits: list[torch.Tensor] = []
         self.last_positions = self.positions[:, -1:]
+        pieces = batch.prefill_pieces()
+        self.pieces = pieces if len(pieces) > 1 else None
 
-    def prefill(self) -> Hop | None:
-        return Hop(self.ids, self.positions, self.mask) if bool(self.unfinished.any()) else None
+    def prefill(self, piece: int = 0) -> Hop | None:
+        """The hop carrying the prompt's ``piece`` (:meth:`Batch.prefill_pieces`); ``None`` when no
+        sequence of the group is to run at all (every limit 0)."""
+        if not bool(self.unfinished.any()):
+            return None
+        if self.pieces is None:
+            return Hop(self.ids, self.positions, self.mask)
+        sl = self.pieces[piece]
+        return Hop(self.ids[:, sl], self.positions[:, sl], self.mask[:, :sl.stop])
 
     def next_hop(self, ring: Ring, g: int, batch: Batch) -> Hop | None:
         tokens, logits = ring.recv_tokens(g, len(self.running), batch.output_logits)

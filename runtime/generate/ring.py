@@ -19,7 +19,10 @@ last rank sends the first the group's chosen tokens (B,), and only with ``output
 Each message has its own key: ``mb`` is ``2 g`` for a header and ``2 g + 1`` for what follows,
 so gloo pairs them by tag whatever order the groups arrive in, and two steps of one group (the
 same keys) can never be in flight at once: the first rank only sends a group's next step after
-its tokens came back.
+its tokens came back. A prompt sent in pieces (``Batch.prefill_chunk``) is the exception: its
+pieces follow each other with no token between, so piece ``c`` adds ``PIECE_STRIDE * c`` to
+``g`` (piece 0 and every later step keep the plain keys: a step after the prefill is sent only
+once the last piece's tokens are back, so piece 0 was received long before).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from runtime.generate.errors import GenerateError
 from runtime.generate.stage import Hop
 from runtime.transport.p2p import Key, TensorMeta, Transport
 
-__all__ = ["Ring", "DTYPES"]
+__all__ = ["Ring", "DTYPES", "PIECE_STRIDE"]
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +43,7 @@ log = logging.getLogger(__name__)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _HEADER = TensorMeta((6,), torch.long)
 _LOGITS_HEADER = TensorMeta((2,), torch.long)
+PIECE_STRIDE = 1 << 12  # the key distance between two prompt pieces of one group (groups are fewer)
 
 
 class Ring:
@@ -66,9 +70,11 @@ class Ring:
     def last(self) -> bool:
         return self.position == self.ranks - 1
 
-    def send_hop(self, group: int, hop: Hop | None) -> None:
-        """Send the next rank group ``g``'s step (``None``: the group has ended)."""
-        key = Key(self.position, self.position + 1, "act", 2 * group)
+    def send_hop(self, group: int, hop: Hop | None, piece: int = 0) -> None:
+        """Send the next rank group ``g``'s step (``None``: the group has ended); ``piece``: which piece
+        of the prompt it carries (0 for a whole prompt and every step after the prefill)."""
+        slot = group + PIECE_STRIDE * piece
+        key = Key(self.position, self.position + 1, "act", 2 * slot)
         if hop is None:
             self.transport.send(key, [torch.zeros(_HEADER.shape, dtype=torch.long, device=self.device)])
             return
@@ -86,12 +92,13 @@ class Ring:
         payload = [data.contiguous(), hop.position_ids.contiguous(), hop.attention_mask.contiguous()]
         if hop.keep is not None:
             payload.append(hop.keep.to(torch.long).contiguous())
-        self.transport.send(Key(self.position, self.position + 1, "act", 2 * group + 1), payload)
+        self.transport.send(Key(self.position, self.position + 1, "act", 2 * slot + 1), payload)
 
-    def recv_hop(self, group: int) -> Hop | None:
-        """Receive from the previous rank group ``g``'s step (``None``: the group has ended)."""
-        src = self.position - 1
-        (header,) = self.transport.recv(Key(src, self.position, "act", 2 * group), [_HEADER], self.device)
+    def recv_hop(self, group: int, piece: int = 0) -> Hop | None:
+        """Receive from the previous rank group ``g``'s step (``None``: the group has ended); ``piece`` as
+        in :meth:`send_hop`."""
+        src, slot = self.position - 1, group + PIECE_STRIDE * piece
+        (header,) = self.transport.recv(Key(src, self.position, "act", 2 * slot), [_HEADER], self.device)
         t, k, dtype, h, rows, kept = (int(v) for v in header.tolist())
         if t == 0:
             return None
@@ -99,7 +106,7 @@ class Ring:
                  TensorMeta((rows, k), torch.long)]
         if kept:
             metas.append(TensorMeta((rows,), torch.long))
-        got = self.transport.recv(Key(src, self.position, "act", 2 * group + 1), metas, self.device)
+        got = self.transport.recv(Key(src, self.position, "act", 2 * slot + 1), metas, self.device)
         return Hop(got[0], got[1], got[2], got[3] if kept else None)
 
     def send_tokens(self, group: int, tokens: torch.Tensor, logits: torch.Tensor | None) -> None:

@@ -106,5 +106,6 @@ def local_shard(t: torch.Tensor) -> torch.Tensor:
 
 def _is_shard(t: torch.Tensor) -> bool:
     """Whether ``t`` is a ``DTensor`` sharded on some mesh dim (its own process's part of a tensor);
-    a replicated one is whole. Read without importing DTensor."""
-    return any(pl.is_shard() for pl in getattr(t, "placements", ()))
+    a replicated one is whole. Read without importing DTensor. A packed layer's weight is a
+    ``_StridedShard`` (a slice of each of its parts), which is no ``Shard``: it has a split factor."""
+    return any(pl.is_shard() or hasattr(pl, "split_factor") for pl in getattr(t, "placements", ()))

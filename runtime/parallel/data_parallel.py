@@ -84,6 +84,18 @@ class PipelineMesh:
         """The process group of this process's tp group (``None`` when ``tp == 1``)."""
         return None if self.tp_mesh is None else self.tp_mesh.get_group()
 
+    @property
+    def pipelines(self) -> tuple[tuple[int, ...], ...]:
+        """Every pipeline of the job, ``d * tp + t`` in order: the global ranks of tp rank ``t`` of
+        each stage of replica ``d`` (``ranks`` when ``tp == 1``). Process groups every process must
+        create alike, one per pipeline (a tied weight's), are made over these."""
+        return tuple(tuple(g - self.tp_rank + t for g in row) for row in self.ranks for t in range(self.tp))
+
+    @property
+    def pipeline(self) -> int:
+        """This process's index in :attr:`pipelines`."""
+        return self.dp_rank * self.tp + self.tp_rank
+
     def global_rank(self, pp_rank: int) -> int:
         """The global rank of position ``pp_rank`` in this process's pipeline."""
         return self.ranks[self.dp_rank][pp_rank]

@@ -47,7 +47,7 @@ from runtime.parallel.data_parallel import PipelineMesh
 from runtime.parallel.tied import TiedGroup
 from runtime.transport.placement import PlacementError
 
-__all__ = ["FSDPReplicas", "FSDPOptionError", "check_fsdp_plan", "check_optimizer", "whole_buffers"]
+__all__ = ["FSDPReplicas", "FSDPOptionError", "check_fsdp_plan", "check_optimizer"]
 
 
 class FSDPOptionError(PlacementError):
@@ -304,36 +304,3 @@ def check_fsdp_plan(shared: Mapping[str, tuple[int, ...]], stage_to_rank: Sequen
                     "gpipe, interleaved), untie the weight, or engine='replicate' with shard_optimizer=True "
                     "(ZeRO-1) for this schedule"
                 )
-
-
-def whole_buffers(
-    tensors: Mapping[str, torch.Tensor],
-) -> tuple[dict[str, torch.Tensor], Callable[[], None]]:
-    """Whole-shape buffers to load a checkpoint into where ``tensors`` holds ``DTensor`` shards,
-    and the function that then copies each rank's part of them into its shards (no collective:
-    every rank read the whole tensors). Plain tensors are passed through, loaded in place.
-
-    Example:
-        >>> into, scatter = whole_buffers({"w": torch.zeros(2)})
-        >>> _ = into["w"].fill_(1.0); scatter(); into["w"].tolist()
-        [1.0, 1.0]
-    """
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    buffers: dict[str, torch.Tensor] = {}
-    shards: list[tuple[DTensor, torch.Tensor]] = []
-    for name, t in tensors.items():
-        if isinstance(t, DTensor):
-            buf = torch.empty(t.shape, dtype=t.dtype, device=t.to_local().device)
-            buffers[name] = buf
-            shards.append((t, buf))
-        else:
-            buffers[name] = t
-
-    def scatter() -> None:
-        with torch.no_grad():
-            for t, buf in shards:
-                part = distribute_tensor(buf, t.device_mesh, t.placements, src_data_rank=None)
-                t.to_local().copy_(part.to_local())
-
-    return buffers, scatter

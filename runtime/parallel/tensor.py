@@ -37,35 +37,33 @@ Example:
 from __future__ import annotations
 
 import logging
-import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import fx, nn
 
-from partitioner.errors import PipecutError
+from runtime.parallel.tensor_rules import TensorParallelError, op_name, propagate, shape_of
 
 __all__ = [
-    "STYLES", "TensorParallelError", "TensorParallelLayout", "parallelize_stage", "plan_for", "plan_from_config",
+    "DERIVED_PLANS", "STYLES", "TensorParallelError", "TensorParallelLayout", "config_patterns", "parallelize_stage",
+    "plan_for", "plan_from_config",
 ]
 
 log = logging.getLogger(__name__)
 
-STYLES = ("colwise", "rowwise")
-_ELEMENTWISE = {
-    "add", "sub", "mul", "div", "neg", "silu", "gelu", "relu", "tanh", "sigmoid", "pow", "rsqrt", "exp",
-    "to", "_to_copy", "clone", "contiguous", "alias", "dropout", "type_as", "where", "masked_fill",
+STYLES = ("colwise", "rowwise", "packed_colwise")
+
+# Hugging Face configs without a ``base_model_tp_plan`` whose layers pipecut splits all the same,
+# by ``config.model_type``. GPT-2's ``Conv1D`` layers run ``addmm`` on ``(in, out)`` weights, and
+# ``c_attn`` packs q, k and v side by side in one: each rank keeps its heads' slice of each.
+DERIVED_PLANS: dict[str, dict[str, str]] = {
+    "gpt2": {"h.*.attn.c_attn": "packed_colwise", "h.*.attn.c_proj": "rowwise",
+             "h.*.mlp.c_fc": "colwise", "h.*.mlp.c_proj": "rowwise"},
 }
-_VIEWS = {"view", "reshape", "_unsafe_view"}
-
-
-class TensorParallelError(PipecutError, ValueError):
-    """The plan or the stage cannot be split over the tensor-parallel group; the message names
-    the parameter or node, the values, and what to do instead."""
 
 
 @dataclass(frozen=True)
@@ -77,12 +75,18 @@ class TensorParallelLayout:
         sharded: sharded parameter name -> the dim split over ``tp`` (0 rows, 1 columns).
         forward_all_reduces: all-reduces one forward of the stage runs (one per row-parallel layer).
         backward_all_reduces: all-reduces one backward runs (one per input of column-parallel layers).
+        packed: sharded parameter name -> the parts it packs (``packed_colwise`` layers only).
+        kept_whole: planned ``colwise`` weights left whole on every rank: they project to fewer
+            heads than ``tp`` (grouped-query attention's k and v); each rank takes its queries'
+            heads of their output at the attention (one more all-reduce backward for each).
     """
 
     tp: int
     sharded: Mapping[str, int]
     forward_all_reduces: int
     backward_all_reduces: int
+    packed: Mapping[str, int] = field(default_factory=dict)
+    kept_whole: tuple[str, ...] = ()
 
 
 def plan_for(patterns: Mapping[str, str], names: Iterable[str]) -> dict[str, str]:
@@ -97,48 +101,76 @@ def plan_for(patterns: Mapping[str, str], names: Iterable[str]) -> dict[str, str
         names: the stage's parameter names.
 
     Returns:
-        Parameter name -> ``'colwise'`` or ``'rowwise'``, for the parameters a pattern matches.
+        Parameter name -> its style (one of :data:`STYLES`), for the parameters a pattern matches.
 
     Raises:
         TensorParallelError: a pattern matching one of ``names`` has a style this module does
-            not implement (``packed_colwise``, ``moe_tp_experts``, ``embedding_rowwise``...).
+            not implement (``moe_tp_experts``, ``embedding_rowwise``...): the message lists the
+            weights it matches.
     """
     compiled = [(re.compile(r"(?:^|.*\.)" + re.escape(p).replace(r"\*", r"[^.]+") + r"$"), p, s)
                 for p, s in patterns.items()]
     out: dict[str, str] = {}
+    names = list(names)
     for name in names:
         owner = name.rpartition(".")[0]
         for rx, pattern, style in compiled:
             if not rx.match(owner):
                 continue
             if style not in STYLES:
-                raise TensorParallelError(
-                    f"tp plan entry {pattern!r}: {style!r} (it matches {name!r}) is not a style pipecut "
-                    f"shards yet (known: {', '.join(STYLES)}); expert, packed and vocabulary styles are "
-                    "not implemented: pass plan= without that entry to keep those weights whole on "
-                    "every tp rank, or run this model with tp=1"
-                )
+                raise _unknown_style(pattern, style, [n for n in names if rx.match(n.rpartition(".")[0])])
             out[name] = style
             break
     return out
 
 
-def plan_from_config(config: Any, names: Iterable[str]) -> dict[str, str]:
-    """The tp plan of a Hugging Face config (``config.base_model_tp_plan``) on these parameter names.
+def _unknown_style(pattern: str, style: str, matched: Sequence[str]) -> TensorParallelError:
+    shown = ", ".join(repr(n) for n in matched[:4]) + (f" and {len(matched) - 4} more" if len(matched) > 4 else "")
+    moe = "moe" in style or "expert" in pattern
+    what = "expert (MoE) weights" if moe else "weights"
+    why = ("each expert's matrices would have to be split, or the experts spread over the ranks (expert "
+           "parallelism), neither of which pipecut does yet" if moe else "a style pipecut does not shard yet")
+    return TensorParallelError(
+        f"tp plan entry {pattern!r}: {style!r} matches {len(matched)} {what}: {shown}; {why} (styles pipecut "
+        f"shards: {', '.join(STYLES)}): pass TensorParallel(plan=...) without the entry {pattern!r} to keep those "
+        "weights whole on every tp rank (the other layers are still split), or run this model with tp=1"
+    )
+
+
+def config_patterns(config: Any, owner: str = "") -> dict[str, str]:
+    """The tp plan's patterns for a Hugging Face config: its ``base_model_tp_plan``, else pipecut's
+    own for its ``model_type`` (:data:`DERIVED_PLANS`: GPT-2).
+
+    Args:
+        config: the model's config (``None``: a model without one).
+        owner: what to call the model in the error (default: the config's class).
 
     Raises:
-        TensorParallelError: the config has no plan (GPT-2's fused ``Conv1D`` layers have none:
-            ``c_attn`` packs q, k and v in one weight, which needs a packed style not
-            implemented yet), or :func:`plan_for` refuses one of its styles.
+        TensorParallelError: neither exists; the message shows the plan to pass instead.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> config_patterns(SimpleNamespace(model_type="gpt2"))["h.*.attn.c_attn"]
+        'packed_colwise'
     """
-    patterns = getattr(config, "base_model_tp_plan", None)
-    if not patterns:
+    found = getattr(config, "base_model_tp_plan", None) or DERIVED_PLANS.get(getattr(config, "model_type", ""))
+    if not found:
         raise TensorParallelError(
-            f"{type(config).__name__} has no base_model_tp_plan: pass plan={{module pattern: 'colwise' | "
-            "'rowwise'}} (e.g. {'layers.*.mlp.up_proj': 'colwise', 'layers.*.mlp.down_proj': 'rowwise'}); "
-            "GPT-2's Conv1D c_attn packs q, k and v in one weight and is not supported yet"
+            f"{owner or type(config).__name__} has no base_model_tp_plan (and pipecut derives none for it): pass "
+            "TensorParallel(size=..., plan={module pattern: style}) with styles 'colwise', 'rowwise' or "
+            "'packed_colwise' (e.g. {'layers.*.mlp.up_proj': 'colwise', 'layers.*.mlp.down_proj': 'rowwise'})"
         )
-    return plan_for(dict(patterns), names)
+    return dict(found)
+
+
+def plan_from_config(config: Any, names: Iterable[str]) -> dict[str, str]:
+    """The tp plan of a Hugging Face config (:func:`config_patterns`) on these parameter names.
+
+    Raises:
+        TensorParallelError: the config has no plan and pipecut derives none, or :func:`plan_for`
+            refuses one of its styles (MoE experts).
+    """
+    return plan_for(config_patterns(config), names)
 
 
 def parallelize_stage(
@@ -156,16 +188,18 @@ def parallelize_stage(
 
     Args:
         gm: the stage module, traced to ``aten`` ops (``torch.export``: Hugging Face models).
-        plan: parameter name -> ``'colwise'`` | ``'rowwise'`` (:func:`plan_for`,
-            :func:`plan_from_config`); a bias follows its weight.
+        plan: parameter name -> ``'colwise'`` | ``'rowwise'`` | ``'packed_colwise'`` (:func:`plan_for`,
+            :func:`plan_from_config`); a bias follows its weight. A packed layer holds ``k``
+            outputs side by side (GPT-2's ``c_attn``: q, k, v), split into them right after:
+            each rank keeps its slice of each part (``k`` is read from that split).
         group: the tensor-parallel ``ProcessGroup`` or a 1-D ``DeviceMesh``.
 
     Returns:
         What was sharded and the all-reduces a forward and a backward run.
 
     Raises:
-        TensorParallelError: a planned weight is not read by one ``aten.linear`` of the graph
-            (a ``Conv1D``'s ``addmm``, an embedding, a weight tied elsewhere), a split dim is not
+        TensorParallelError: a planned weight is not read by one ``aten.linear`` or ``Conv1D``
+            ``aten.addmm`` of the graph (an embedding, a weight tied elsewhere), a split dim is not
             divisible by ``tp`` (heads, kv heads, hidden units), or the sharded activations reach
             an op with no rule or leave the stage (a cut between a column layer and its row layer).
 
@@ -204,25 +238,34 @@ def parallelize_stage(
     if missed:
         reader = rw.readers.get(missed[0], "no op")
         raise TensorParallelError(
-            f"{missed[0]!r} is in the tp plan but is read by {reader}, not as the weight of an aten.linear: "
-            "only linear layers are split (a Conv1D, GPT-2's c_attn/c_fc/c_proj, runs addmm on an (in, out) "
-            "weight, and c_attn packs q, k and v: not supported yet); drop it from the plan to keep it whole"
+            f"{missed[0]!r} is in the tp plan but is read by {reader}, not as the weight of an aten.linear or a "
+            "Conv1D's aten.addmm: only those layers are split; drop it from the plan to keep it whole"
         )
-    from torch.distributed.tensor import DTensor, Shard
-
     for name, dim in rw.sharded.items():
         owner_path, _, leaf = name.rpartition(".")
-        owner = gm.get_submodule(owner_path)
-        whole = params[name].detach()
-        rows = whole.shape[dim] // tp
-        local = whole.narrow(dim, rank * rows, rows).clone()
-        shard = DTensor.from_local(local, mesh, [Shard(dim)], run_check=False)
-        setattr(owner, leaf, nn.Parameter(shard, requires_grad=params[name].requires_grad))
+        shard = _shard(params[name].detach(), dim, rw.packed.get(name, 1), mesh, tp, rank)
+        setattr(gm.get_submodule(owner_path), leaf, nn.Parameter(shard, requires_grad=params[name].requires_grad))
     layout = TensorParallelLayout(tp=tp, sharded=dict(rw.sharded), forward_all_reduces=rw.reduces,
-                                  backward_all_reduces=rw.enters)
+                                  backward_all_reduces=rw.enters, packed=dict(rw.packed), kept_whole=tuple(rw.whole))
+    if rw.whole:
+        log.info("kept whole on every tp rank (fewer heads than tp=%d; each rank takes its queries' heads at the "
+                 "attention): %s", tp, ", ".join(rw.whole))
     log.info("tensor parallel over %d ranks: %d weights sharded, %d all-reduces a forward, %d a backward",
              tp, len(layout.sharded), layout.forward_all_reduces, layout.backward_all_reduces)
     return layout
+
+
+def _shard(whole: torch.Tensor, dim: int, k: int, mesh: Any, tp: int, rank: int) -> Any:
+    """This rank's shard of ``whole`` as a ``DTensor``: rows (or columns) ``rank / tp`` of it, or of
+    each of its ``k`` packed parts, side by side (``_StridedShard``: its ``full_tensor()`` is
+    ``whole`` again, parts in place)."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    part = whole.shape[dim] // k // tp
+    local = torch.cat([p.narrow(dim, rank * part, part) for p in whole.chunk(k, dim)], dim).clone()
+    placement = Shard(dim) if k == 1 else _StridedShard(dim, split_factor=k)
+    return DTensor.from_local(local, mesh, [placement], run_check=False, shape=whole.shape, stride=whole.stride())
 
 
 class _Enter(torch.autograd.Function):
@@ -276,19 +319,50 @@ class TensorParallelOut(nn.Module):
         return _Reduce.apply(x, self.group)  # type: ignore[no-untyped-call,no-any-return]
 
 
+class _Heads(torch.autograd.Function):
+    """Whole keys or values to this rank's heads: a slice forward; backward, the slice's gradient
+    in place in a zero tensor of the whole shape, all-reduced (every rank's heads, whole again)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any, dim: int, n: int) -> torch.Tensor:
+        ctx.group, ctx.dim, ctx.start, ctx.shape = group, dim, dist.get_rank(group) * n, x.shape
+        return x.narrow(dim, ctx.start, n).contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        whole = grad.new_zeros(ctx.shape)
+        whole.narrow(ctx.dim, ctx.start, grad.shape[ctx.dim]).copy_(grad)
+        dist.all_reduce(whole, group=ctx.group)
+        return whole, None, None, None
+
+
+class TensorParallelHeads(nn.Module):
+    """Called by a rewritten stage graph on whole keys or values before attention (see :class:`_Heads`)."""
+
+    def __init__(self, group: Any, dim: int, n: int) -> None:
+        super().__init__()
+        self.group, self.dim, self.n = group, dim, n
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Heads.apply(x, self.group, self.dim, self.n)  # type: ignore[no-untyped-call,no-any-return]
+
+
 class _Rewriter:
     """Rewrites the graphs of one stage; collects what it sharded and the collectives it added."""
 
     def __init__(self, root: fx.GraphModule, plan: Mapping[str, str], group: Any, tp: int) -> None:
         self.root, self.plan, self.group, self.tp = root, plan, group, tp
         self.sharded: dict[str, int] = {}
+        self.packed: dict[str, int] = {}
         self.seen: set[str] = set()
         self.reduces = self.enters = 0
         self.readers: dict[str, str] = {}  # planned parameter -> the op that reads it, for errors
+        self.whole: list[str] = []  # planned weights kept whole: fewer heads than tp
 
     def rewrite(self, gm: fx.GraphModule, prefix: str) -> None:
         graph = gm.graph
         local: dict[fx.Node, int] = {}  # node -> its sharded dim
+        packed: dict[fx.Node, int] = {}  # node -> the parts a packed layer's output holds, until split
         entered: dict[fx.Node, fx.Node] = {}
         changed = False
         for node in list(graph.nodes):
@@ -303,20 +377,23 @@ class _Rewriter:
                         f"node {node.name}: layer {prefix}{node.target} is called as a module (an fx trace), "
                         "so its weights cannot be split in the graph: trace the model with torch.export "
                         "(pipecut's default for Hugging Face models) or drop it from the tp plan")
-            if node.op == "call_function" and _op(node) == "linear":
-                style = self._style(gm, prefix, node)
-                if style is not None:
-                    self._linear(gm, prefix, node, style, local, entered)
+            layer = _layer(node)
+            if layer is not None:
+                style = self._style(prefix, node, layer[1])
+                if style is not None and not self._kept_whole(prefix, node, style, layer):
+                    self._split_layer(gm, prefix, node, style, layer, local, packed, entered)
                     changed = True
                     continue
             ins = [a for a in node.all_input_nodes if a in local]
             if not ins:
                 continue
+            if op_name(node) == "scaled_dot_product_attention":
+                self._select_heads(gm, node, local)
             if node.op == "output":
                 raise TensorParallelError(
                     f"{prefix or 'the stage'}: {ins[0].name} leaves the graph split over tp (a cut between a "
                     "column-parallel layer and its row-parallel layer): cut the pipeline between blocks")
-            d = _propagate(node, local, self.tp)
+            d = propagate(node, local, packed, self.tp)
             if d is not None:
                 local[node] = d
             changed = True
@@ -324,8 +401,7 @@ class _Rewriter:
             graph.lint()
             gm.recompile()
 
-    def _style(self, gm: fx.GraphModule, prefix: str, node: fx.Node) -> str | None:
-        w = node.args[1]
+    def _style(self, prefix: str, node: fx.Node, w: Any) -> str | None:
         if not (isinstance(w, fx.Node) and w.op == "get_attr"):
             return None
         name = prefix + str(w.target)
@@ -338,38 +414,77 @@ class _Rewriter:
                                       "weight tied to another op stays whole; drop it from the tp plan")
         return style
 
-    def _linear(self, gm: fx.GraphModule, prefix: str, node: fx.Node, style: str,
-                local: dict[fx.Node, int], entered: dict[fx.Node, fx.Node]) -> None:
+    def _kept_whole(self, prefix: str, node: fx.Node, style: str, layer: _Layer) -> bool:
+        """Whether a ``colwise`` layer projects to fewer heads than ``tp`` (grouped-query attention's
+        k and v with kv heads < tp): it then stays whole on every rank, and each rank takes the
+        heads its queries use at the attention (:meth:`_select_heads`)."""
+        heads = _head_count(node) if style == "colwise" else None
+        if heads is None or heads % self.tp == 0 or self.tp % heads:
+            return False
+        w, b = layer[1], layer[2]
+        self.seen.add(prefix + str(w.target))
+        if isinstance(b, fx.Node) and b.op == "get_attr":
+            self.seen.add(prefix + str(b.target))
+        self.whole.append(prefix + str(w.target))
+        return True
+
+    def _select_heads(self, gm: fx.GraphModule, node: fx.Node, local: dict[fx.Node, int]) -> None:
+        """Attention with split queries and whole keys or values (kv heads < tp, repeated to every
+        query head): each rank takes the heads of its queries (and all-reduces their gradient)."""
+        q, *kv = node.args[:3]
+        heads = len(shape_of(node)) - 3
+        if local.get(q) != heads:  # type: ignore[arg-type]
+            return
+        for t in dict.fromkeys(kv):
+            if not isinstance(t, fx.Node) or t in local:
+                continue
+            n = shape_of(t)[heads] // self.tp
+            path = _free(gm, "pipecut_tp_heads")
+            gm.add_submodule(path, TensorParallelHeads(self.group, heads, n))
+            with gm.graph.inserting_before(node):
+                sel = gm.graph.call_module(path, (t,))
+            sel.meta = dict(t.meta)
+            node.replace_input_with(t, sel)
+            local[sel] = heads
+            self.enters += 1
+
+    def _split_layer(self, gm: fx.GraphModule, prefix: str, node: fx.Node, style: str, layer: _Layer,
+                     local: dict[fx.Node, int], packed: dict[fx.Node, int], entered: dict[fx.Node, fx.Node]) -> None:
         graph = gm.graph
-        x, w = node.args[0], node.args[1]
-        b = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-        assert isinstance(x, fx.Node) and isinstance(w, fx.Node)
+        x, w, b, conv = layer
         wname = prefix + str(w.target)
         shape = tuple(gm.get_parameter(str(w.target)).shape)
-        dim = 0 if style == "colwise" else 1
-        if shape[dim] % self.tp:
-            what = "output features (heads x head dim, or hidden units)" if dim == 0 else "input features"
-            raise TensorParallelError(f"{wname!r} ({style}) has {shape[dim]} {what}, not divisible by tp={self.tp}: "
-                                      f"pick a tp that divides {shape[dim]}")
+        col = style != "rowwise"
+        dim = (1 if conv else 0) if col else (0 if conv else 1)  # a Conv1D's weight is (in, out)
+        k = _packed_parts(node, wname) if style == "packed_colwise" else 1
+        if shape[dim] % (k * self.tp):
+            what = ("output features (heads x head dim, or hidden units)" if col else "input features") + (
+                f" in {k} packed parts" if k > 1 else "")
+            raise TensorParallelError(f"{wname!r} ({style}) has {shape[dim]} {what}, not divisible by "
+                                      f"{k * self.tp} ({k} parts x tp={self.tp}): pick a tp that divides "
+                                      f"{shape[dim] // k}")
         self.sharded[wname] = dim
         self.seen.add(wname)
+        if k > 1:
+            self.packed[wname] = k
         owner = str(w.target).rpartition(".")[0]
         with graph.inserting_before(node):
             wl = graph.call_method("to_local", (w,))
             wl.meta = dict(node.meta)
             node.replace_input_with(w, wl)
-            bl = None
             if isinstance(b, fx.Node) and b.op == "get_attr":
                 bname = prefix + str(b.target)
                 self.seen.add(bname)
-                if style == "colwise":
+                if col:
                     self.sharded[bname] = 0
+                    if k > 1:
+                        self.packed[bname] = k
                     bl = graph.call_method("to_local", (b,))
                     bl.meta = dict(node.meta)
                     node.replace_input_with(b, bl)
-        if style == "colwise":
+        if col:
             if x in local:
-                raise TensorParallelError(f"node {node.name}: {wname!r} is colwise but its input {x.name} is already "
+                raise TensorParallelError(f"node {node.name}: {wname!r} is {style} but its input {x.name} is already "
                                           "split over tp (two column-parallel layers in a row): make the first rowwise")
             if x not in entered:
                 path = _free(gm, owner + ".pipecut_tp_in")
@@ -379,28 +494,91 @@ class _Rewriter:
                 entered[x].meta = dict(node.meta)
                 self.enters += 1
             node.replace_input_with(x, entered[x])
-            local[node] = len(_shape(node)) - 1
+            local[node] = len(shape_of(node)) - 1
+            if k > 1:
+                packed[node] = k
             return
-        if local.get(x) != len(_shape(x)) - 1:
-            raise TensorParallelError(
-                f"node {node.name}: {wname!r} is rowwise but its input {x.name} is "
-                + ("whole on every rank" if x not in local else f"split on dim {local[x]}, not its last")
-                + ": a row-parallel layer must follow its column-parallel ones in the same stage")
+        if local.get(x) != len(shape_of(x)) - 1 or x in packed:
+            where = "whole on every rank" if x not in local else (
+                f"split on dim {local[x]}, not its last" if x not in packed else "a packed layer's output")
+            raise TensorParallelError(f"node {node.name}: {wname!r} is rowwise but its input {x.name} is {where}: "
+                                      "a row-parallel layer must follow its column-parallel ones in the same stage")
+        # The sum of the ranks' partial products first, the bias once after it.
+        with graph.inserting_before(node):
+            if conv:
+                part = graph.call_function(torch.ops.aten.mm.default, (x, node.args[2]))
+            else:
+                part = graph.call_function(torch.ops.aten.linear.default, (x, node.args[1]))
+        part.meta = dict(node.meta)
         path = _free(gm, owner + ".pipecut_tp_out")
         gm.add_submodule(path, TensorParallelOut(self.group))
-        if b is not None:
-            node.args = (x, node.args[1])
-            node.kwargs = {k: v for k, v in node.kwargs.items() if k != "bias"}
-        with graph.inserting_after(node):
-            red = graph.call_module(path, (node,))
+        with graph.inserting_after(part):
+            last = red = graph.call_module(path, (part,))
         red.meta = dict(node.meta)
-        last = red
         if b is not None:
             with graph.inserting_after(red):
                 last = graph.call_function(torch.ops.aten.add.Tensor, (red, b))
             last.meta = dict(node.meta)
-        node.replace_all_uses_with(last, delete_user_cb=lambda u: u is not red)
+        node.replace_all_uses_with(last)
+        graph.erase_node(node)
         self.reduces += 1
+
+
+# A layer the rewrite splits: (input, weight, bias or None, whether it is a Conv1D's addmm on an (in, out) weight).
+_Layer = tuple[fx.Node, fx.Node, Any, bool]
+
+
+def _layer(node: fx.Node) -> _Layer | None:
+    """``node`` as a layer, when it is an ``aten.linear`` or a ``Conv1D``'s ``aten.addmm(bias, x, W)``."""
+    if node.op != "call_function":
+        return None
+    op, a = op_name(node), node.args
+    if op == "linear" and isinstance(a[0], fx.Node) and isinstance(a[1], fx.Node):
+        return a[0], a[1], a[2] if len(a) > 2 else node.kwargs.get("bias"), False
+    if op == "addmm" and isinstance(a[1], fx.Node) and isinstance(a[2], fx.Node):
+        if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
+            return None  # not a Conv1D: its weight, if planned, is refused as not read by a layer
+        return a[1], a[2], a[0], True
+    return None
+
+
+def _head_count(node: fx.Node) -> int | None:
+    """The heads a layer's output is viewed as (``(..., n * hd) -> (..., n, hd)``, through views
+    only), or ``None``: no such view (an MLP's hidden units)."""
+    at = node
+    while len(at.users) == 1:
+        (nxt,) = at.users
+        if op_name(nxt) not in ("view", "reshape", "_unsafe_view"):
+            return None
+        src, out = shape_of(at), shape_of(nxt)
+        if len(out) == len(src) + 1 and out[:-2] == src[:-1] and out[-2] * out[-1] == src[-1]:
+            return out[-2]
+        at = nxt
+    return None
+
+
+def _packed_parts(node: fx.Node, wname: str) -> int:
+    """How many outputs a ``packed_colwise`` layer holds side by side: the parts of the ``split``
+    (or ``chunk``) of its output along its last dim, found through the views between."""
+    at = node
+    while len(at.users) == 1:
+        (nxt,) = at.users
+        op, a, kw = op_name(nxt), list[Any](nxt.args), dict[str, Any](nxt.kwargs)  # the op fixes the types
+        if op in ("view", "reshape", "_unsafe_view") and shape_of(nxt)[-1] == shape_of(at)[-1]:
+            at = nxt
+            continue
+        if op in ("split", "split_with_sizes", "chunk"):
+            dim = int(a[2] if len(a) > 2 else kw.get("dim", 0))
+            whole = shape_of(at)[-1]
+            if dim % len(shape_of(at)) == len(shape_of(at)) - 1:
+                size = a[1]
+                if op == "chunk":
+                    return int(size)
+                return whole // int(size) if op == "split" else len(size)
+        break
+    raise TensorParallelError(
+        f"{wname!r} is packed_colwise but its output ({node.name}) is not split into its parts along the last dim "
+        "(a split or chunk after it, through views only): mark it 'colwise' if it is one output, or leave it whole")
 
 
 def _free(gm: nn.Module, path: str) -> str:
@@ -411,139 +589,3 @@ def _free(gm: nn.Module, path: str) -> str:
         k += 1
         out = f"{path}_{k}"
     return out
-
-
-def _op(node: fx.Node) -> str:
-    """The aten op's name without its overload (``'linear'`` for ``aten.linear.default``)."""
-    packet = getattr(node.target, "overloadpacket", None)
-    return str(getattr(packet, "__name__", node.target)) if node.op == "call_function" else str(node.target)
-
-
-def _shape(node: Any) -> tuple[int, ...]:
-    """The global shape the trace recorded for ``node`` (symbolic sizes by their hints)."""
-    if not isinstance(node, fx.Node):
-        return tuple(node.shape) if isinstance(node, torch.Tensor) else ()
-    val = node.meta.get("val", node.meta.get("tensor_meta"))
-    if val is None or not hasattr(val, "shape"):
-        raise TensorParallelError(f"node {node.name} has no recorded shape (meta 'val'): tensor parallelism "
-                                  "follows the shapes torch.export records; trace the stage with torch.export")
-    return tuple(_int(s) for s in val.shape)
-
-
-def _int(s: Any) -> int:
-    if isinstance(s, int):
-        return s
-    hint = getattr(getattr(s, "node", None), "hint", None)
-    return int(hint if hint is not None else s)
-
-
-def _refuse(node: fx.Node, why: str) -> TensorParallelError:
-    return TensorParallelError(
-        f"node {node.name} ({node.target}) reads an activation split over tp, and {why}: pipecut's tensor "
-        "parallelism knows the ops of attention and MLP blocks (elementwise, views, transpose, slice, cat, "
-        "expand, attention); cut the stage so this op is outside a column/row pair, or drop the pair from the plan")
-
-
-def _propagate(node: fx.Node, local: dict[fx.Node, int], tp: int) -> int | None:
-    """The sharded dim of ``node``'s output (``None``: whole), rewriting its size arguments to local sizes."""
-    op = _op(node) if node.op == "call_function" else f"{node.op} {node.target}"
-    if node.op == "call_method" and node.target in ("contiguous", "clone"):
-        op = str(node.target)
-    out = _shape(node)
-    a: Any = node.args  # fx types each argument as any Argument: the op fixes them
-    x = a[0] if a else None
-    d = local.get(x, -1) if isinstance(x, fx.Node) else -1
-    if op in _ELEMENTWISE:
-        return _elementwise(node, local, out)
-    if op == "transpose":
-        i, j = (int(k) % len(out) for k in a[1:3])
-        return j if d == i else i if d == j else d
-    if op == "permute":
-        return [int(i) % len(out) for i in a[1]].index(d)
-    if op == "unsqueeze":
-        k = int(a[1]) % len(out)
-        return d + 1 if k <= d else d
-    if op == "slice":
-        dim = int(a[1]) % len(out)
-        start = a[2] if len(node.args) > 2 else None
-        end = a[3] if len(node.args) > 3 else None
-        whole = start in (None, 0) and (end is None or (isinstance(end, int) and end >= _shape(x)[dim]))
-        if dim == d and not whole:
-            raise _refuse(node, f"slices the split dim {d}")
-        return d
-    if op == "cat":
-        parts, dim = a[0], int(a[1]) if len(node.args) > 1 else 0
-        dims = {local.get(p, -1) for p in parts}
-        if len(dims) != 1 or -1 in dims:
-            raise _refuse(node, "joins it with a whole tensor")
-        (d,) = dims
-        if dim % len(out) == d:
-            raise _refuse(node, f"concatenates along the split dim {d}")
-        return d
-    if op == "expand":
-        sizes = list(a[1])
-        d2 = d + len(sizes) - len(_shape(x))
-        node.args = (x, _local_sizes(node, sizes, d2, out, tp), *a[2:])
-        return d2
-    if op in _VIEWS:
-        d2 = _view_dim(node, _shape(x), out, d, tp)
-        node.args = (x, _local_sizes(node, list(a[1]), d2, out, tp), *a[2:])
-        return d2
-    if op == "scaled_dot_product_attention":
-        q, k, v = a[:3]
-        heads = len(out) - 3
-        if any(local.get(t, -1) != heads for t in (q, k, v)):
-            raise _refuse(node, "attention needs q, k and v all split by heads")
-        mask = a[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
-        if isinstance(mask, fx.Node):
-            m = _shape(mask)
-            if mask in local or (len(m) > len(out) - 1 - heads and m[heads - len(out)] != 1):
-                raise _refuse(node, f"its mask {mask.name} varies over the heads")
-        return heads
-    if op == "sym_size" and int(a[1]) % len(_shape(x)) != d:
-        return None  # the size of a dim that is whole: the same on every rank
-    raise _refuse(node, f"{op} has no rule for split tensors")
-
-
-def _elementwise(node: fx.Node, local: dict[fx.Node, int], out: tuple[int, ...]) -> int:
-    dims = set()
-    for a in _flat(node.args, node.kwargs):
-        if isinstance(a, fx.Node) and a in local:
-            dims.add(local[a] + len(out) - len(_shape(a)))
-    if len(dims) != 1:
-        raise _refuse(node, "its operands are split on different dims")
-    (d,) = dims
-    for a in _flat(node.args, node.kwargs):
-        if isinstance(a, fx.Node) and a not in local and "val" in a.meta and hasattr(a.meta["val"], "shape"):
-            s = _shape(a)
-            k = d - (len(out) - len(s))
-            if k >= 0 and s[k] != 1:
-                raise _refuse(node, f"it combines it with {a.name}, whole along the split dim {d}")
-    return d
-
-
-def _flat(args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
-    return [*args, *kwargs.values()]
-
-
-def _view_dim(node: fx.Node, src: tuple[int, ...], out: tuple[int, ...], d: int, tp: int) -> int:
-    """The output dim of a view/reshape that the split input dim ``d`` lands on: the outermost of
-    the dims it splits into, or the merged dim it is the outermost of."""
-    before = math.prod(src[:d])
-    for d2 in range(len(out)):
-        if math.prod(out[:d2]) == before and out[d2] != 1:
-            if out[d2] % tp:
-                raise TensorParallelError(
-                    f"node {node.name} ({node.target}) splits a tp-split dim into {out[d2]} (heads?), not "
-                    f"divisible by tp={tp}: pick a tp dividing the heads and the kv heads ({out})")
-            return d2
-    raise _refuse(node, f"the view {src} -> {out} moves the split dim {d} inside another dim")
-
-
-def _local_sizes(node: fx.Node, sizes: list[Any], d: int, out: tuple[int, ...], tp: int) -> list[Any]:
-    s = sizes[d]
-    if isinstance(s, fx.Node):
-        raise _refuse(node, f"its size at the split dim {d} is symbolic ({s.name})")
-    if s != -1:
-        sizes[d] = out[d] // tp
-    return sizes

@@ -13,8 +13,8 @@ before any of that, which other options tensor parallelism does not compose with
 run instead.
 
 Example:
-    >>> refuse_unsupported(1, engine="fsdp", precision="fp16", weights=True)  # tp 1: anything goes
-    >>> refuse_unsupported(2, engine="replicate", precision="bf16", weights=False)
+    >>> refuse_unsupported(1, engine="fsdp", precision="fp16")  # tp 1: anything goes
+    >>> refuse_unsupported(2, engine="replicate", precision="bf16")
 """
 
 from __future__ import annotations
@@ -26,7 +26,13 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from runtime.parallel.tensor import TensorParallelError, TensorParallelLayout, parallelize_stage, plan_for
+from runtime.parallel.tensor import (
+    TensorParallelError,
+    TensorParallelLayout,
+    config_patterns,
+    parallelize_stage,
+    plan_for,
+)
 
 __all__ = ["TensorParallelOptionError", "split_stages", "refuse_unsupported"]
 
@@ -38,14 +44,13 @@ class TensorParallelOptionError(TensorParallelError):
     names both and what to run instead."""
 
 
-def refuse_unsupported(tp: int, *, engine: str, precision: str, weights: bool) -> None:
+def refuse_unsupported(tp: int, *, engine: str, precision: str) -> None:
     """Refuse, on every rank alike and before any weight is touched, what ``tp > 1`` does not run yet.
 
     Args:
         tp: tensor-parallel ranks per stage.
         engine: ``DataParallel.engine``.
         precision: the mixed-precision policy's name.
-        weights: whether ``Init(weights=...)`` asks for a checkpoint to be loaded.
 
     Raises:
         TensorParallelOptionError: naming the option, the tp size and the way out.
@@ -62,11 +67,6 @@ def refuse_unsupported(tp: int, *, engine: str, precision: str, weights: bool) -
             f"TensorParallel(size={tp}) with precision='fp16': the loss scaler's inf/NaN check is not reduced "
             "over the tp shards yet, so tp ranks could disagree on skipping a step; use precision='bf16' "
             "(no loss scaling) or 'fp32'")
-    if weights:
-        raise TensorParallelOptionError(
-            f"TensorParallel(size={tp}) with Init(weights=...): loading a checkpoint into tp shards is not "
-            "wired yet; load the weights into the model before partitioning it (model.load_state_dict or "
-            "from_pretrained on a small model), or train with tp=1")
 
 
 def split_stages(
@@ -75,10 +75,16 @@ def split_stages(
 ) -> dict[int, TensorParallelLayout]:
     """Split each of this process's ``stages`` over its tp group, in place (``parallelize_stage``).
 
+    A weight tied between stages (GPT-2's embedding and LM head) stays whole, a ``Replicate``
+    ``DTensor`` like the other whole weights: rank ``t`` of each stage holding it keeps a copy, and
+    ``runtime.parallel.tied`` sums the copies' gradients between the ranks ``t`` of those stages.
+    Two stages of this process reading one weight read one parameter, as before the split.
+
     Args:
         stages: stage index -> this process's materialised stage module (a ``GraphModule``).
-        patterns: module pattern -> ``'colwise'`` | ``'rowwise'``; ``None``: the model's
-            ``config.base_model_tp_plan``.
+        patterns: module pattern -> style (``'colwise'``, ``'rowwise'``, ``'packed_colwise'``);
+            ``None``: the model's ``config.base_model_tp_plan``, or pipecut's own for its model type
+            (``runtime.parallel.tensor.config_patterns``: GPT-2).
         model: the model the plan is bound to (for its config).
         tp_mesh: this process's tp group as a 1-D ``DeviceMesh`` (``PipelineMesh.tp_mesh``).
         tied: the names of weights tied between stages (``StagedModel.shared_params``).
@@ -87,32 +93,28 @@ def split_stages(
         Stage index -> what was sharded there (a stage with no planned weight is left whole).
 
     Raises:
-        TensorParallelError: no plan (a model without a Hugging Face tp plan and none given), a
-            style not implemented, or a stage that cannot be split (see ``parallelize_stage``).
-        TensorParallelOptionError: a weight tied between stages (not wired with tp yet).
+        TensorParallelError: no plan (a model without a Hugging Face tp plan, none derived and none
+            given), a style not implemented, a tied weight in the plan, or a stage that cannot be
+            split (see ``parallelize_stage``).
     """
-    if tied:
-        raise TensorParallelOptionError(
-            f"TensorParallel: the model ties {sorted(tied)[0]!r} between stages (tie_word_embeddings?); the "
-            "tied-weight exchange is not wired with tensor parallelism yet: untie the weights or train with tp=1")
     if patterns is None:
         config = getattr(model, "config", None)
-        found = getattr(config, "base_model_tp_plan", None)
-        if not found:
-            kind = type(config).__name__ if config is not None else f"{type(model).__name__} (no Hugging Face config)"
-            raise TensorParallelError(
-                f"{kind} has no base_model_tp_plan to split its stages by: pass TensorParallel(size=..., "
-                "plan={module pattern: 'colwise' | 'rowwise'}), e.g. {'layers.*.mlp.up_proj': 'colwise', "
-                "'layers.*.mlp.down_proj': 'rowwise'}; GPT-2's Conv1D layers are not supported yet")
-        patterns = dict(found)
+        owner = type(config).__name__ if config is not None else f"{type(model).__name__} (no Hugging Face config)"
+        patterns = config_patterns(config, owner)
     out: dict[int, TensorParallelLayout] = {}
+    swapped: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # one Replicate parameter a whole weight
     for s, module in sorted(stages.items()):
         if not isinstance(module, fx.GraphModule):
             raise TensorParallelError(f"stage {s} is a {type(module).__name__}, not a traced graph: tensor "
                                       "parallelism rewrites the stage's graph; partition the model with pipecut")
         plan = plan_for(patterns, [n for n, _ in module.named_parameters()])
+        shared = sorted(set(plan) & set(tied))
+        if shared:
+            raise TensorParallelError(
+                f"stage {s}: {shared[0]!r} is tied between stages and in the tp plan ({plan[shared[0]]}): a tied "
+                "weight stays whole on every tp rank; drop its pattern from TensorParallel(plan=...)")
         out[s] = parallelize_stage(module, plan, tp_mesh)
-        _replicate_whole(s, module, tp_mesh)
+        _replicate_whole(s, module, tp_mesh, swapped)
         log.info("stage %d: %d weights split over tp=%d", s, len(out[s].sharded), out[s].tp)
     if not any(lay.sharded for lay in out.values()):
         log.warning("tensor parallelism: no weight of stages %s matches the tp plan; they run whole on every "
@@ -120,9 +122,13 @@ def split_stages(
     return out
 
 
-def _replicate_whole(s: int, gm: fx.GraphModule, mesh: Any) -> int:
+def _replicate_whole(
+    s: int, gm: fx.GraphModule, mesh: Any, swapped: dict[int, tuple[nn.Parameter, nn.Parameter]],
+) -> int:
     """Make the weights ``parallelize_stage`` left whole ``Replicate`` DTensors on the tp mesh, read
-    through ``to_local``; returns how many.
+    through ``to_local``; returns how many. ``swapped`` (a whole parameter's id -> it and its
+    ``DTensor`` parameter, the first kept so that its id is not reused) is shared by the stages of
+    one process, so a weight two of them read stays one parameter.
 
     An optimizer's multi-tensor (``foreach``) update refuses a list mixing ``DTensor`` shards and
     plain tensors, and one step runs over both: with every parameter a ``DTensor`` (torchtitan's
@@ -131,25 +137,25 @@ def _replicate_whole(s: int, gm: fx.GraphModule, mesh: Any) -> int:
     """
     from torch.distributed.tensor import DTensor, Replicate
 
-    swapped: dict[int, nn.Parameter] = {}
+    mine = {id(prm) for prm in gm.parameters() if not isinstance(prm, DTensor)}
     for prm in gm.parameters():
-        if not isinstance(prm, DTensor):
-            swapped[id(prm)] = nn.Parameter(DTensor.from_local(prm.detach(), mesh, [Replicate()], run_check=False),
-                                            requires_grad=prm.requires_grad)
+        if id(prm) in mine and id(prm) not in swapped:
+            whole = DTensor.from_local(prm.detach(), mesh, [Replicate()], run_check=False)
+            swapped[id(prm)] = (prm, nn.Parameter(whole, requires_grad=prm.requires_grad))
     for prefix, sub in gm.named_modules():
         for node in sub.graph.nodes if isinstance(sub, fx.GraphModule) else ():
             called = sub.get_submodule(str(node.target)) if node.op == "call_module" else None
             if called is not None and not isinstance(called, fx.GraphModule) and any(
-                    id(p) in swapped for p in called.parameters()):
+                    id(p) in mine for p in called.parameters()):
                 raise TensorParallelError(
                     f"stage {s}: node {node.name} calls {prefix + '.' if prefix else ''}{node.target} "
                     f"({type(called).__name__}) as a module holding weights, which tensor parallelism cannot read "
                     "locally: trace the model with torch.export (pipecut's default for Hugging Face models)")
     for _, mod in gm.named_modules(remove_duplicate=False):
         for leaf, prm in list(mod._parameters.items()):
-            if prm is not None and id(prm) in swapped:
-                mod._parameters[leaf] = swapped[id(prm)]
-    new = {id(p) for p in swapped.values()}
+            if prm is not None and id(prm) in mine:
+                mod._parameters[leaf] = swapped[id(prm)][1]
+    new = {id(swapped[i][1]) for i in mine}
     for _, sub in gm.named_modules():
         if not isinstance(sub, fx.GraphModule):
             continue
@@ -165,7 +171,7 @@ def _replicate_whole(s: int, gm: fx.GraphModule, mesh: Any) -> int:
             node.replace_all_uses_with(local, delete_user_cb=lambda u, local=local: u is not local)
         graph.lint()
         sub.recompile()
-    return len(swapped)
+    return len(mine)
 
 
 def _attr(gm: nn.Module, target: str) -> Any:

@@ -8,6 +8,10 @@ would add in thread order, so the sums would differ in the last bits from run to
 their gradients are summed before every optimizer step (:func:`sum_tied_grads`), and so they stay
 equal.
 
+Under tensor parallelism each stage runs on ``tp`` processes and a tied weight stays whole on
+each (a ``Replicate`` ``DTensor``, read through its local tensor here): the copies of tp rank ``t``
+form their own group, so each "pipeline" below is one ``(replica, t)`` pair.
+
 Under torch.distributed each exchange is bounded by the trainer's ``timeout``
 (``runtime.transport.collective``): a holder that failed, exited or never reaches the sum makes the
 others raise ``PeerFailed`` or ``TransportTimeout`` instead of waiting for the process group's
@@ -54,9 +58,10 @@ def tie_copies(
         rank: this rank of the pipeline under torch.distributed (every rank of the job must call
             this, in the same order: it creates process groups), or ``None`` in one process.
         comm_device: where collectives run (the rank's GPU on NCCL, else the CPU).
-        replicas: with data parallelism, ``replicas[d][r]``: the global rank of pipeline rank
-            ``r`` in replica ``d`` (default: one pipeline, global rank ``r``).
-        replica: this process's replica ``d``.
+        replicas: with data or tensor parallelism, ``replicas[i][r]``: the global rank of pipeline
+            rank ``r`` in pipeline ``i``, every pipeline of the job (``PipelineMesh.pipelines``: one
+            per replica and tp rank; default: one pipeline, global rank ``r``).
+        replica: this process's pipeline ``i`` (``PipelineMesh.pipeline``).
         timeout: seconds the first copy's broadcast may take.
 
     Raises:
@@ -76,11 +81,12 @@ def tie_copies(
             if rank in ranks:
                 prm = next(_param(modules[s], name) for s in holders if s in modules)
                 with torch.no_grad():  # start from identical values on every holder
-                    buf = prm.data.to(comm_device())
+                    mine = local_shard(prm.detach())  # under tp: the whole weight a Replicate DTensor holds
+                    buf = mine.to(comm_device())
                     work = dist.broadcast(buf, src=rows[replica][ranks[0]], group=group, async_op=True)
                     wait_bounded(work, timeout=timeout, what=f"the broadcast of tied weight {name!r} to ranks "
                                  f"{group_ranks(group)}")
-                    prm.data.copy_(buf.to(prm.device))
+                    mine.copy_(buf.to(mine.device))
                 groups.append(([prm], group))
         elif len({(devices[s], stage_to_rank[s]) for s in holders}) > 1:
             groups.append((_untie(name, holders, modules, devices, stage_to_rank), None))

@@ -63,7 +63,6 @@ from runtime.state.weight_errors import (
     CheckpointError,
     CheckpointMismatchError,
     CheckpointShapeError,
-    refuse_tensor_parallel,
 )
 
 __all__ = [
@@ -128,7 +127,6 @@ def save(trainer: Checkpointable, directory: PathLike) -> Path:
 
     Collective under torch.distributed: every rank calls it. Returns the directory.
     """
-    refuse_tensor_parallel(trainer, "a checkpoint save")
     target = Path(directory)
     partial = target.parent / f".{target.name}.partial-step{trainer.step_count}"
     leader = _rank() == 0
@@ -176,7 +174,6 @@ def load(trainer: Checkpointable, directory: PathLike, *, optimizer: bool = True
             (nothing of it ran).
         CorruptFileError: a file is missing, truncated or damaged (the error names it and the entry).
     """
-    refuse_tensor_parallel(trainer, "a checkpoint load")
     # Integrity (issue 31), before any read: an overwrite cut between its renames undone, every file checksummed.
     path = integrity.verify_manifest(_commits.resolve(directory), collective=_distributed())
     if not (path / ".metadata").is_file():
@@ -283,7 +280,8 @@ def export_safetensors(trainer: Checkpointable, directory: PathLike, *, prefix: 
     under the keys ``save_pretrained`` writes (:func:`~runtime.state.hf_conversion.checkpoint_names`).
 
     Each rank writes one shard with its stages' tensors (a tied weight once, by its lowest
-    rank; with data parallelism, only the first replica's ranks), rank 0 writes
+    rank; with data parallelism, only the first replica's ranks; a sharded one, FSDP's or
+    tensor parallelism's, gathered whole and written by its group's first rank), rank 0 writes
     ``model.safetensors.index.json`` naming every key's shard, and the folder is committed
     with renames only after all have finished. ``prefix`` is removed from the names
     (``"model."`` for a model wrapped in ``CausalLMLogits``), so the folder, with the model's
@@ -291,7 +289,6 @@ def export_safetensors(trainer: Checkpointable, directory: PathLike, *, prefix: 
     """
     from safetensors.torch import save_file
 
-    refuse_tensor_parallel(trainer, "export_safetensors")
     target = Path(directory)
     rank = _rank()
     partial = target.parent / f".{target.name}.partial-export"
@@ -301,9 +298,9 @@ def export_safetensors(trainer: Checkpointable, directory: PathLike, *, prefix: 
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     _barrier()
-    mine = {name: _whole(t) for name, t in _owned_tensors(trainer).items()}
-    # A tensor several ranks hold (a tied weight) is written by the lowest one; aliases are
-    # dropped (save_pretrained stores a tied weight once too).
+    mine = _owned_tensors(trainer)
+    # A tensor several ranks hold (a tied weight, a shard's group) is written by the lowest one;
+    # aliases are dropped (save_pretrained stores a tied weight once too).
     keys = {name: _hf_name(name, prefix) for name in mine}
     held = _gather([(name, keys[name]) for name in mine])
     first_rank: dict[str, int] = {}
@@ -313,9 +310,12 @@ def export_safetensors(trainer: Checkpointable, directory: PathLike, *, prefix: 
     kept = _kept_names(trainer, first_rank)
     shard = {}
     for name, t in mine.items():
-        if first_rank[name] != rank or kept.get(name, name) != name:
-            continue
-        shard[keys[name]] = t.detach().to("cpu").contiguous()
+        # Gathered one at a time (a collective for a shard), kept on the host by its writer only:
+        # no rank holds its stages whole on the device.
+        whole = _whole(t)
+        if first_rank[name] == rank and kept.get(name, name) == name:
+            shard[keys[name]] = whole.detach().to("cpu").contiguous()
+        del whole
     # The keys save_pretrained writes (transformers' conversion reversed: experts one by one,
     # legacy names); every group of a conversion lies in one stage, so each rank converts its own.
     shard = checkpoint_names(shard, trainer.plan.model, prefix=prefix)

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from runtime.state.weight_errors import WeightsSourceError
-from runtime.state.weight_sources import Done, Source, TensorInfo
+from runtime.state.weight_sources import Done, Source, TensorInfo, copy_part, local_part
 
 __all__ = ["ConvertedSource", "KeyConversion", "hf_conversion"]
 
@@ -212,6 +212,24 @@ class ConvertedSource(Source):
         return {t: (v[0] if isinstance(v, list) else v) for t, v in out.items()}
 
     def _read_group(self, group: _Group, wanted: Mapping[str, Sequence[torch.Tensor]], done: Done) -> int:
+        # A converted tensor is made from whole sources: a shard (a DTensor) takes its part of a
+        # whole buffer once the group is converted, and only then is the target done.
+        shards: list[tuple[torch.Tensor, torch.Tensor]] = []
+        into: dict[str, list[torch.Tensor]] = {}
+        for target, dests in wanted.items():
+            for dest in dests:
+                if local_part(dest)[1] is not None:
+                    shards.append((dest, torch.empty(dest.shape, dtype=dest.dtype)))
+                    dest = shards[-1][1]
+                into.setdefault(target, []).append(dest)
+        nbytes = self._read_whole(group, into)
+        for dest, whole in shards:
+            copy_part(dest, whole)
+        for target in wanted:
+            done(target)
+        return nbytes
+
+    def _read_whole(self, group: _Group, wanted: Mapping[str, Sequence[torch.Tensor]]) -> int:
         nbytes = 0
         slices = _merged_slices(group, wanted)
         if slices is not None:  # experts merged: each source straight into its slice of the destination
@@ -221,8 +239,6 @@ class ConvertedSource(Source):
                 for view in views:
                     view.copy_(tensor)
                 del tensor
-            for target in wanted:
-                done(target)
             return nbytes
 
         def read(key: str) -> torch.Tensor:
@@ -235,7 +251,6 @@ class ConvertedSource(Source):
         for target, dests in wanted.items():
             for dest in dests:
                 dest.copy_(out[target])
-            done(target)
         return nbytes
 
 

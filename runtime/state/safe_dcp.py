@@ -54,7 +54,7 @@ from runtime.state.weight_errors import CheckpointError, CorruptFileError, Unsaf
 
 __all__ = [
     "SafeLoadPlanner", "SafeReader", "from_record", "load", "read_metadata", "record_slot", "save",
-    "single_process_quiet", "to_record",
+    "refuse_packed", "single_process_quiet", "to_record",
 ]
 
 log = logging.getLogger(__name__)
@@ -280,6 +280,7 @@ def load(state: dict[str, Any], directory: str | os.PathLike[str], *, collective
         CorruptFileError: a file is missing, truncated or damaged.
         CheckpointError: DCP failed otherwise (the message carries its first failure).
     """
+    refuse_packed(state, f"a load from {directory}", collective=collective)
     reader = SafeReader(directory)
     if collective:  # every rank checks every file, so that all raise the same error or none
         reader.check_files()
@@ -304,6 +305,7 @@ def save(state: dict[str, Any], directory: str | os.PathLike[str], *, collective
     Raises:
         CheckpointError: DCP failed on some rank (the message names the rank and its error).
     """
+    refuse_packed(state, f"a save to {directory}", collective=collective)
     # Looked up at each call, so that tests can replace dcp.save (untyped: it is re-exported).
     dcp: Any = importlib.import_module("torch.distributed.checkpoint")
 
@@ -313,6 +315,35 @@ def save(state: dict[str, Any], directory: str | os.PathLike[str], *, collective
     except CheckpointException as e:
         raise _typed(e, f"torch.distributed.checkpoint could not save to {directory}",
                      "check that the folder is writable and the disk has room") from e
+
+
+def refuse_packed(state: dict[str, Any], what: str, *, collective: bool) -> None:
+    """Refuse a DCP save or load of a packed tensor-parallel weight, on every rank alike.
+
+    A ``packed_colwise`` weight (GPT-2's ``c_attn``, ``runtime.parallel.tensor``) is a
+    ``_StridedShard`` ``DTensor``: each rank holds a slice of each of its parts, not one range,
+    and DCP describes a chunk by one offset and size (it finds them overlapping on save and would
+    read the wrong columns on load). ``collective``: the ranks tell each other what they found
+    (one small gather), so that all raise, or none does, before DCP's own collectives.
+
+    Raises:
+        CheckpointError: naming the weight and what to do instead.
+    """
+    mine = next((k for k, v in state.items()
+                 if any(hasattr(pl, "split_factor") for pl in getattr(v, "placements", ()))), None)
+    if collective:
+        import torch.distributed as dist
+
+        found: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(found, mine)
+        mine = next((k for k in found if k is not None), None)
+    if mine is not None:
+        raise CheckpointError(
+            f"{what}: {mine!r} is a packed tensor-parallel weight (packed_colwise: each tp rank holds a slice "
+            "of each of its parts, a _StridedShard DTensor), which torch.distributed.checkpoint cannot store or "
+            "read; export_safetensors writes it whole. To checkpoint, train with tp=1, or with a tp plan that "
+            "keeps the packed layer whole (GPT-2: TensorParallel(plan={'h.*.mlp.c_fc': 'colwise', "
+            "'h.*.mlp.c_proj': 'rowwise'}))")
 
 
 def _dcp_load(state: dict[str, Any], **kwargs: Any) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from partitioner.errors import PipecutError
 
@@ -219,19 +218,3 @@ def names_listing(names: Sequence[str]) -> str:
     """``'a', 'b', ... (+3 more)``: names as one line."""
     shown = ", ".join(map(repr, names[:_SHOWN]))
     return shown + (f", ... (+{len(names) - _SHOWN} more)" if len(names) > _SHOWN else "")
-
-
-def refuse_tensor_parallel(trainer: Any, what: str) -> None:
-    """Refuse ``what`` (a checkpoint save, load or export) for a trainer whose stages are split over
-    tensor-parallel ranks: saving shards, loading them into another layout and exporting them whole
-    are not wired yet (docs/tensor-parallel.md, *Next*).
-
-    Raises:
-        CheckpointError: ``trainer.mesh.tp > 1``.
-    """
-    tp = getattr(getattr(trainer, "mesh", None), "tp", 1)
-    if tp > 1:
-        raise CheckpointError(
-            f"{what} with TensorParallel(size={tp}) is not supported yet: tp-sharded checkpoints and exports are "
-            "still to be built; train with tp=1 to save, or read the shards from trainer.named_parameters() "
-            "(p.full_tensor() gathers one)")

@@ -14,6 +14,10 @@ sizes only while copying, after earlier tensors were written. ``safe_open`` maps
 reads its header (names, shapes, dtypes) without touching data, and ``get_tensor`` reads one
 tensor, which is what "each rank reads only its stages, all checked before any copy" needs.
 
+A destination may be a ``DTensor`` (a tensor-parallel or FSDP2 shard): each reader fills its
+local part only (:func:`local_part`), and safetensors reads only that part's bytes
+(``safe_open(...).get_slice(key)[rows]``), so a rank never holds a whole split weight.
+
 Torch files are read with ``torch.load(weights_only=True)`` only, so a file whose pickle would
 import a class or function is refused (:class:`UnsafeFileError`) and nothing of it runs; torch
 before 2.6 is refused too, since its ``weights_only`` loader could be escaped (CVE-2025-32434).
@@ -25,6 +29,7 @@ import json
 import os
 import pickle
 import re
+import sys
 import zipfile
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -53,7 +58,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "INDEX_FILE", "SINGLE_FILE", "TORCH_FILE", "TORCH_INDEX_FILE", "HF_CHECKPOINTS", "Source", "TensorInfo",
-    "find_checkpoint", "open_source",
+    "copy_part", "find_checkpoint", "local_part", "open_source",
 ]
 
 _DCP_METADATA = ".metadata"
@@ -68,6 +73,52 @@ _ST_DTYPES: dict[str, str] = {
 
 # Copies every tensor of ``plan`` (key -> its destinations); calls back with each key done.
 Done = Callable[[str], None]
+
+
+def local_part(dest: torch.Tensor) -> tuple[torch.Tensor, tuple[slice | torch.Tensor, ...] | None]:
+    """Where a destination's values go, and which part of the whole tensor they are.
+
+    A ``DTensor`` (a tensor-parallel shard, an FSDP2 shard, or ``Replicate``): its local tensor
+    and its slices of the global tensor, from the offsets DTensor and DCP themselves use
+    (``Shard(0)``, ``Shard(1)``, uneven chunks); a packed weight's (``_StridedShard``) part is
+    not one range: an index tensor of its rows or columns takes that dim's place. A plain
+    tensor: itself, and ``None`` (all of it).
+
+    Example:
+        >>> t = torch.zeros(2, 3)
+        >>> local_part(t)[0] is t, local_part(t)[1]
+        (True, None)
+    """
+    # No DTensor can exist before its module is imported: plain loads never pay for the import.
+    if "torch.distributed.tensor" not in sys.modules:
+        return dest, None
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not isinstance(dest, DTensor):
+        return dest, None
+    strided = [pl for pl in dest.placements if hasattr(pl, "split_factor")]
+    if strided and dest.device_mesh.ndim == 1:
+        return dest.to_local(), _packed_region(dest, strided[0])
+    shape, offset = compute_local_shape_and_global_offset(dest.shape, dest.device_mesh, dest.placements)
+    return dest.to_local(), tuple(slice(o, o + n) for o, n in zip(offset, shape))
+
+
+def _packed_region(dest: Any, placement: Any) -> tuple[slice | torch.Tensor, ...]:
+    """A packed tensor-parallel weight's part (``_StridedShard(dim, split_factor=k)`` on the tp
+    mesh, runtime.parallel.tensor): this rank's slice of each of its ``k`` parts, side by side;
+    an index of those rows (or columns), since they are not one range."""
+    dim, k = placement.dim, placement.split_factor
+    tp, t = dest.device_mesh.size(), dest.device_mesh.get_local_rank()
+    part = dest.shape[dim] // k // tp
+    index = torch.cat([torch.arange(j * part * tp + t * part, j * part * tp + (t + 1) * part) for j in range(k)])
+    return tuple(index if d == dim else slice(None) for d in range(dest.dim()))
+
+
+def copy_part(dest: torch.Tensor, whole: torch.Tensor) -> None:
+    """Copy ``whole`` into ``dest``: its part of it when ``dest`` is a ``DTensor`` (:func:`local_part`)."""
+    local, region = local_part(dest)
+    local.copy_(whole if region is None else whole[region])
 
 
 @dataclass(frozen=True)
@@ -284,11 +335,25 @@ class _SafetensorsSource(Source):
             self._open(file)  # the header, and the error for a missing or broken shard
             with safe_open(file, framework="pt") as handle:
                 for key in keys:
-                    tensor = handle.get_tensor(key)  # this tensor only, on CPU
-                    nbytes += tensor.numel() * tensor.element_size()
+                    whole: torch.Tensor | None = None
                     for dest in plan[key]:
-                        dest.copy_(tensor)
-                    del tensor
+                        local, region = local_part(dest)
+                        if region is None:
+                            if whole is None:
+                                whole = handle.get_tensor(key)  # this tensor only, on CPU
+                                nbytes += whole.numel() * whole.element_size()
+                            local.copy_(whole)
+                        elif any(isinstance(r, torch.Tensor) for r in region):  # a packed weight's parts
+                            part = handle.get_tensor(key)[region]
+                            nbytes += part.numel() * part.element_size()
+                            local.copy_(part)
+                            del part
+                        else:  # a shard: only its rows (or columns) are read
+                            part = handle.get_slice(key)[region]
+                            nbytes += part.numel() * part.element_size()
+                            local.copy_(part)
+                            del part
+                    del whole
                     done(key)
         return nbytes
 
@@ -357,7 +422,7 @@ class _TorchSource(Source):
                 tensor = tensors[key]
                 nbytes += tensor.numel() * tensor.element_size()
                 for dest in plan[key]:
-                    dest.copy_(tensor)
+                    copy_part(dest, tensor)
                 done(key)
             # Let the file's mapping go once its keys are copied: pages read through a mapping
             # count in the process's RSS for as long as it is mapped.
@@ -498,6 +563,7 @@ class _DcpSource(Source):
                     first.copy_(state[k])
                 for dest in others:
                     dest.copy_(first)
-                nbytes += TensorInfo(tuple(self._meta[k].size), self._meta[k].properties.dtype, ()).nbytes
+                local = local_part(first)[0]  # DCP reads a DTensor's own part only
+                nbytes += local.numel() * local.element_size()
                 done(k)
         return nbytes

@@ -38,7 +38,7 @@ from runtime.state.weight_errors import (
     listing,
     names_listing,
 )
-from runtime.state.weight_sources import Source, TensorInfo, open_source
+from runtime.state.weight_sources import Source, TensorInfo, local_part, open_source
 
 __all__ = [
     "LoadReport", "PrefixMap", "TensorInfo", "Weights", "checkpoint_index", "detect_prefix", "load_weights",
@@ -271,7 +271,7 @@ def load_weights(
 
         def done(key: str) -> None:
             loaded.extend(key_names[key])
-            first = by_key[key][0]
+            first = local_part(by_key[key][0])[0]  # a shard: the part this rank read
             if first.is_floating_point() and not any(fnmatch.fnmatchcase(n, p) for n in key_names[key]
                                                      for p in allow_nonfinite):
                 bad = _nonfinite(first)

@@ -31,8 +31,8 @@ def test_generate_benchmark_quick(tmp_path: Path) -> None:
     rows = data["results"]
     assert [r["sequences"] for r in rows] == [1, 4] and [r["groups_in_flight"] for r in rows] == [1, 2]
     for r in rows:
-        assert r["same_tokens"]  # pipelined, one group and one process chose the same tokens
-        for key in ("pipelined_tok_s", "one_group_tok_s", "one_process_tok_s"):
+        assert r["same_tokens"]  # pipelined (whole prompts and in pieces), one group and one process: the same tokens
+        for key in ("pipelined_tok_s", "pipelined_pieces_tok_s", "one_group_tok_s", "one_process_tok_s"):
             assert r[key] > 0, key
         assert r["new_tokens"] == r["sequences"] * 4
     assert set(data["cache"]["s_per_token"]) == {"8", "32"} and data["cache"]["long_over_short"] > 0

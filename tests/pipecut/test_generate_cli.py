@@ -71,6 +71,10 @@ def test_greedy_on_2_stages_is_model_generate(
         assert record["completion_tokens"] == len(new)
         assert record["completion"] == tok.decode(new, skip_special_tokens=True)
     assert len({r["prompt_tokens"] for r in written}) == 3  # the prompts were ragged
+    # Each prompt entering the 2 stages in pieces of 2 positions: the same completions.
+    pieces, _ = _run(capsys, "--model", str(folder), "--prompts", str(prompts), "--max-new-tokens", str(NEW),
+                     "--pp", "2", "--batch-size", "3", "--prefill-chunk", "2")
+    assert [r["completion"] for r in pieces] == [r["completion"] for r in written]
 
 
 def test_sampling_with_a_seed_is_the_same_on_1_and_2_stages(
@@ -119,6 +123,7 @@ def test_refusals_are_one_line_exit_2(
     blank.write_text("\n  \n")
     assert "holds no prompt" in _refused(capsys, *base[:2], "--prompts", str(blank), "--max-new-tokens", "4")
     assert "--max-new-tokens must be a positive integer, got 0" in _refused(capsys, *base[:4], "--max-new-tokens", "0")
+    assert "--prefill-chunk must be a positive integer, got 0" in _refused(capsys, *base, "--prefill-chunk", "0")
     bert = tmp_path / "bert"
     BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
                architectures=["BertForMaskedLM"]).save_pretrained(bert)

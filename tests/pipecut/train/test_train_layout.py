@@ -42,7 +42,7 @@ def test_the_layout_keys_given_constrain_the_search() -> None:
     auto = TrainConfig(**REQUIRED, layout="auto", global_batch=16)
     assert search_space(auto, world=4) == {
         "dp_sizes": None, "schedules": None, "microbatch_sizes": None, "zero": ("none", "zero1"),
-        "tp_sizes": (1,)}  # the train command runs no tensor parallelism yet
+        "tp_sizes": (1,)}  # --layout auto does not apply a plan's tp yet
     given = dataclasses.replace(auto, pp=4, schedule="zbv", micro_batch_size=2, zero="none")
     assert search_space(given, world=8) == {
         "dp_sizes": (2,), "schedules": ("zbv",), "microbatch_sizes": (2,), "zero": ("none",), "tp_sizes": (1,)}

@@ -60,6 +60,25 @@ def test_layout_splits_the_world_and_the_batch() -> None:
         layout(TrainConfig(**REQUIRED, pp=3), 4, 0)
 
 
+def test_tp_takes_a_share_of_the_world_and_refuses_what_it_cannot_run_with() -> None:
+    lay = layout(TrainConfig(**REQUIRED, global_batch=8, pp=2, tp=2), 8, 5)  # rank (d * pp + r) * tp + t
+    assert (lay.dp, lay.pp, lay.tp, lay.dp_rank) == (2, 2, 2, 1)
+    for cfg, world, words in [
+        (TrainConfig(**REQUIRED, pp=2, tp=2), 1, r"--tp 2 .* the job has 1: .*torchrun --nproc-per-node 4"),
+        (TrainConfig(**REQUIRED, pp=2, tp=4), 6, r"--tp 4 .* the job has 6"),
+        (TrainConfig(**REQUIRED, pp=3, tp=2), 8, r"the job has 8 processes, which is not dp x pp x tp"),
+        (TrainConfig(**REQUIRED, dp=2, tp=2, zero="fsdp"), 4, r"--zero fsdp with --tp 2: .*--zero zero1"),
+        (TrainConfig(**REQUIRED, pp=2, tp=2, precision="fp16"), 4, r"--precision fp16 with --tp 2: .*bf16"),
+    ]:
+        with pytest.raises(TrainConfigError, match=words):
+            layout(cfg, world, 0)
+    for mode, words in [({"layout": "auto"}, "--layout auto"), ({"plan": "p.json"}, "--plan p.json")]:
+        with pytest.raises(TrainConfigError, match=f"--tp 2 with {words}: the planner does not search"):
+            resolve(REQUIRED, {"tp": 2, **mode})
+    with pytest.raises(TrainConfigError, match="tp must be at least 1, got 0"):
+        resolve(REQUIRED, {"tp": 0})
+
+
 def test_learning_rate_warms_up_then_decays_to_the_floor() -> None:
     rates = [lr_at(k, lr=1.0, warmup=4, decay_end=20, floor=0.1) for k in range(25)]
     assert rates[:4] == [0.25, 0.5, 0.75, 1.0] and rates[4] == 1.0

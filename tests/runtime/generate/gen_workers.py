@@ -33,14 +33,16 @@ def generate_over_gloo(rank: int, world: int, prompts: list[list[int]], dp: int)
 
 def families_over_gloo(rank: int, world: int, prompts: list[list[int]], names: list[str]) -> dict[str, Any]:
     """Each family planned into ``world`` stages, one per process: its greedy sequences (2 groups in flight, then
-    groups of 2 sequences with 2 in flight, continuous batching) and seeded samples (as the second)."""
+    groups of 2 sequences with 2 in flight, continuous batching, each prompt entering in pieces of 2 positions)
+    and seeded samples (as the second, the prompt whole)."""
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
     for name in names:
         gen = Generator(partition(build(name), EXAMPLE, world), transport="dist", timeout=60)
         assert len(gen.modules) == 1 and len(gen.stages) == 1  # this rank built and runs its own stage only
         flight = gen.generate(prompts, max_new_tokens=NEW, eos_token_id=2, pad_token_id=0, groups=2)
-        rolling = gen.generate(prompts, max_new_tokens=NEW, eos_token_id=2, pad_token_id=0, groups=2, group_size=2)
+        rolling = gen.generate(prompts, max_new_tokens=NEW, eos_token_id=2, pad_token_id=0, groups=2, group_size=2,
+                               prefill_chunk=2)
         sampled = gen.generate(prompts, max_new_tokens=NEW, eos_token_id=[], sampling=SAMPLING, groups=2,
                                group_size=2)
         out[name] = (flight.sequences.tolist(), rolling.sequences.tolist(), sampled.tokens,

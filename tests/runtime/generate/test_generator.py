@@ -109,6 +109,8 @@ def test_sampling_with_a_seed_gives_the_same_tokens_on_2_and_4_stages() -> None:
     assert other.tokens != runs[0].tokens
     greedy = again.generate(PROMPTS, max_new_tokens=NEW, eos_token_id=[])
     assert greedy.tokens != runs[0].tokens
+    pieces = again.generate(PROMPTS, max_new_tokens=NEW, eos_token_id=[], sampling=sampling, prefill_chunk=2)
+    assert pieces.tokens == runs[0].tokens  # the prompt in pieces: each sequence's draws are the same
 
 
 def test_a_meta_model_is_built_and_loaded_per_stage(tmp_path: Path) -> None:
@@ -169,3 +171,29 @@ def test_bf16_reaches_every_rank_thread_whatever_the_transport() -> None:
         Generator(plan, precision="int8")
     with torch.autocast("cpu", dtype=torch.float16), pytest.raises(AutocastConflictError, match="precision='bf16'"):
         Generator(plan, transport="threads", precision="bf16").generate(PROMPTS, **run)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n if n in ("gemma2", "qwen2_mixed") else pytest.param(n, marks=pytest.mark.long)
+                                  for n in sorted(CASES)])  # the sliding windows by default, every family long
+def test_a_prompt_in_pieces_gives_generates_tokens_and_logits(name: str) -> None:
+    # A chunked prefill: the padded prompt (7 positions) enters in pieces of 3, 3 and 1; each stage
+    # extends its cache piece by piece (sliding windows of 4 included), then decodes as before.
+    model = build(name)
+    want = _reference(model)
+    width = max(len(p) for p in PROMPTS)
+    for p, transport, groups in ((2, "threads", 1), (2, "threads", 2), (4, "sequential", 2)):
+        gen = Generator(partition(model, EXAMPLE, p), transport=transport)
+        got = gen.generate(PROMPTS, max_new_tokens=NEW, eos_token_id=2, pad_token_id=0, output_logits=True,
+                           groups=groups, prefill_chunk=3)
+        assert torch.equal(got.sequences, want.sequences), (p, groups, got.sequences.tolist())
+        assert got.logits is not None
+        torch.testing.assert_close(torch.stack(got.logits, 1), torch.stack(want.logits, 1), rtol=1e-5, atol=1e-5)
+        # Each group's first rank steps: three pieces (no token back between them), then one per new token.
+        firsts = sorted((s.group, s.step) for s in got.timeline if s.rank == 0)
+        assert [s for g, s in firsts if g == 0][:4] == [0, 1, 2, 3]
+    # What each layer received, one group: the pieces' widths, then one position per step.
+    gen = Generator(partition(model, EXAMPLE, 2), transport="threads")
+    seen = _positions_per_call(gen)
+    gen.generate(PROMPTS, max_new_tokens=NEW, eos_token_id=[], pad_token_id=0, groups=1, prefill_chunk=3)
+    assert width == 7 and seen == [[3, 3, 3, 3, 1, 1] + [1, 1] * (NEW - 1)] * 2

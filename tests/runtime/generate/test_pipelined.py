@@ -211,3 +211,17 @@ def test_every_family_over_gloo_gives_generates_tokens(world: int) -> None:
             assert flight == want and rolling == want, (name, world, r)
             assert sampled == one.tokens, (name, world, r)
             assert groups == [0, 1, 2], (name, r)  # the six prompts as three groups of two, two in flight
+
+
+def test_a_chunked_prefill_too_fine_or_too_many_groups_is_refused() -> None:
+    from runtime.generate.pipelined import MAX_CHUNKED_GROUPS, Batch, _check_pieces
+
+    ids = torch.zeros(1, 100_000, dtype=torch.long)
+    batch = Batch(ids, ids, ids, torch.ones(1, dtype=torch.long), (), 0, None, False, prefill_chunk=1)
+    assert [s.stop - s.start for s in Batch(ids[:, :7], ids, ids, ids, (), 0, None, False, 3).prefill_pieces()] == [
+        3, 3, 1]
+    _check_pieces(512, MAX_CHUNKED_GROUPS, 16, batch)  # the most there are keys and tags for
+    with pytest.raises(GenerateOptionError, match=r"at most 512 pieces .* at least 196"):
+        _check_pieces(100_000, 1, 16, batch)
+    with pytest.raises(GenerateOptionError, match=f"at most {MAX_CHUNKED_GROUPS} groups"):
+        _check_pieces(2, MAX_CHUNKED_GROUPS + 1, 2, batch)

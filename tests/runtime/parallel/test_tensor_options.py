@@ -37,10 +37,9 @@ def test_tensor_parallelism_in_one_process_is_refused_with_the_launch_command() 
 @pytest.mark.parametrize(("opts", "words"), [
     ({"engine": "fsdp"}, r"DataParallel\(engine='fsdp'.*2-D.*engine='replicate'"),
     ({"precision": "fp16"}, r"precision='fp16'.*'bf16'"),
-    ({"weights": True}, r"Init\(weights=...\).*before partitioning"),
 ])
 def test_what_does_not_compose_with_tp_yet_is_refused_naming_both(opts: dict[str, object], words: str) -> None:
-    kw = {"engine": "replicate", "precision": "fp32", "weights": False, **opts}
+    kw = {"engine": "replicate", "precision": "fp32", **opts}
     refuse_unsupported(1, **kw)  # type: ignore[arg-type]  # tp 1: nothing to refuse
     with pytest.raises(TensorParallelOptionError, match=r"TensorParallel\(size=2\) with " + words):
         refuse_unsupported(2, **kw)  # type: ignore[arg-type]
@@ -52,11 +51,12 @@ def test_the_trainer_refuses_fsdp_with_tp_before_joining_a_process_group() -> No
                         data_parallel=DataParallel(size=2, engine="fsdp"))
 
 
-def test_checkpoints_and_exports_of_tp_shards_are_refused_until_they_are_built() -> None:
-    from types import SimpleNamespace
+def test_every_pipeline_of_the_job_one_per_replica_and_tp_rank() -> None:
+    from runtime.parallel.data_parallel import PipelineMesh
 
-    from runtime.state.weight_errors import CheckpointError, refuse_tensor_parallel
-
-    refuse_tensor_parallel(SimpleNamespace(mesh=SimpleNamespace(tp=1)), "export_safetensors")
-    with pytest.raises(CheckpointError, match=r"export_safetensors with TensorParallel\(size=2\).*tp=1"):
-        refuse_tensor_parallel(SimpleNamespace(mesh=SimpleNamespace(tp=2)), "export_safetensors")
+    # 2 dp x 2 pp x 2 tp: world rank (d * pp + r) * tp + t; this process is d 1, r 0, t 1 (rank 5).
+    mesh = PipelineMesh(2, 2, 1, 0, ((1, 3), (5, 7)), tp=2, tp_rank=1)
+    assert mesh.pipelines == ((0, 2), (1, 3), (4, 6), (5, 7))  # the tie groups are made over these
+    assert mesh.pipelines[mesh.pipeline] == mesh.ranks[mesh.dp_rank] == (5, 7)
+    plain = PipelineMesh(2, 2, 1, 1, ((0, 1), (2, 3)))  # without tp: the replicas' pipelines
+    assert (plain.pipelines, plain.pipeline) == (plain.ranks, 1)

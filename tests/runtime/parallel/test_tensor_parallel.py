@@ -1,7 +1,9 @@
 """Tensor parallelism of a stage graph (runtime.parallel.tensor): plans mapped onto parameter names
-(pure), and on 2 gloo processes a Llama (grouped-query attention) and a Qwen2 (q/k/v biases)
-stage sharded over tp=2 that computes the unsharded stage's output and every gradient, with two
-all-reduces per block forward and two backward; and the refusals."""
+(pure), and on 2 gloo processes a Llama (grouped-query attention), a Qwen2 (q/k/v biases), a GPT-2
+(Conv1D layers, q, k and v packed in c_attn, the embedding tied to the LM head) and a Mixtral (its
+experts kept whole: the way out of the MoE refusal) stage sharded over tp=2 that computes the
+unsharded stage's output and every gradient, with two all-reduces per block forward and two
+backward; and the refusals."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from runtime.parallel.tensor import TensorParallelError, plan_for, plan_from_config
+from runtime.parallel.tensor import TensorParallelError, config_patterns, plan_for, plan_from_config
 from runtime.transport.launch import spawn
 from tests.runtime.parity import TOL
 
@@ -38,8 +40,15 @@ def test_a_style_not_implemented_is_refused_only_where_it_matches() -> None:
     moe = {**LLAMA_PLAN, "layers.*.mlp.experts": "moe_tp_experts"}
     dense = ["model.layers.0.self_attn.o_proj.weight"]
     assert plan_for(moe, dense) == {dense[0]: "rowwise"}  # no experts in this stage: nothing to refuse
-    with pytest.raises(TensorParallelError, match=r"'moe_tp_experts'.*layers.0.mlp.experts.gate_up_proj.*plan="):
-        plan_for(moe, [*dense, "model.layers.0.mlp.experts.gate_up_proj"])
+    experts = [f"model.layers.{i}.mlp.experts.{w}" for i in range(3) for w in ("gate_up_proj", "down_proj")]
+    with pytest.raises(TensorParallelError) as refused:
+        plan_for(moe, [*dense, *experts])
+    # The message names the entry, the expert weights it matches (how many, the first few) and the way out.
+    said = str(refused.value)
+    assert ("'layers.*.mlp.experts': 'moe_tp_experts' matches 6 expert (MoE) weights" in said
+            and "'model.layers.0.mlp.experts.gate_up_proj', 'model.layers.0.mlp.experts.down_proj'" in said
+            and "and 2 more" in said and "without the entry 'layers.*.mlp.experts' to keep those weights whole" in said
+            and "tp=1" in said), said
 
 
 def test_the_plans_of_hugging_face_configs() -> None:
@@ -47,10 +56,17 @@ def test_the_plans_of_hugging_face_configs() -> None:
     names = ["model.layers.0.self_attn.k_proj.weight", "model.layers.0.mlp.down_proj.weight"]
     got = plan_from_config(transformers.LlamaConfig(), names)
     assert got == dict(zip(names, ("colwise", "rowwise")))
-    with pytest.raises(TensorParallelError, match=r"GPT2Config has no base_model_tp_plan.*Conv1D"):
-        plan_from_config(transformers.GPT2Config(), ["transformer.h.0.attn.c_attn.weight"])
-    with pytest.raises(TensorParallelError, match="moe_tp_experts"):
-        plan_from_config(transformers.MixtralConfig(), ["model.layers.0.mlp.experts.gate_up_proj"])
+    # GPT-2's config has no plan: pipecut's own, with q, k and v packed in c_attn.
+    gpt2 = [f"transformer.h.0.{w}" for w in ("attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight",
+                                             "mlp.c_fc.weight", "mlp.c_proj.bias")] + ["transformer.wte.weight"]
+    assert plan_from_config(transformers.GPT2Config(), gpt2) == dict(
+        zip(gpt2[:5], ("packed_colwise", "packed_colwise", "rowwise", "colwise", "rowwise")))
+    with pytest.raises(TensorParallelError, match=r"BertConfig has no base_model_tp_plan \(and pipecut derives.*plan="):
+        plan_from_config(transformers.BertConfig(), ["encoder.layer.0.attention.self.query.weight"])
+    for moe in (transformers.MixtralConfig(), transformers.Qwen2MoeConfig()):
+        with pytest.raises(TensorParallelError, match=r"'moe_tp_experts' matches 1 expert \(MoE\) weights: "
+                                                      r"'model.layers.0.mlp.experts.gate_up_proj'.*without the entry"):
+            plan_from_config(moe, ["model.layers.0.mlp.experts.gate_up_proj"])
 
 
 # ---- 2 gloo processes ------------------------------------------------------------------------
@@ -63,10 +79,19 @@ def _stage(family: str, heads: int = 4, kv: int = 2, stages: int = 1) -> tuple[A
     from partitioner import partition
 
     torch.manual_seed(0)
+    x = torch.randint(0, 96, (2, 8))
+    if family == "mixtral":  # 4 experts, 2 per token: the experts are one fused weight per block
+        moe = T.MixtralConfig(hidden_size=8 * heads, intermediate_size=64, num_attention_heads=heads,
+                              num_key_value_heads=kv, num_hidden_layers=2, vocab_size=96, max_position_embeddings=32,
+                              num_local_experts=4, num_experts_per_tok=2, attention_dropout=0.0)
+        return partition(T.MixtralForCausalLM(moe), (x,), stages, microbatches=1), moe, x
+    if family == "gpt2":  # its embedding is tied to the LM head: one stage reads it twice
+        gpt2 = T.GPT2Config(n_layer=2, n_embd=8 * heads, n_head=heads, vocab_size=96, n_positions=32,
+                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        return partition(T.GPT2LMHeadModel(gpt2), (x,), stages, microbatches=1), gpt2, x
     config, model = {"llama": (T.LlamaConfig, T.LlamaForCausalLM), "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM)}[family]
     cfg = config(hidden_size=8 * heads, intermediate_size=64, num_attention_heads=heads, num_key_value_heads=kv,
                  num_hidden_layers=2, vocab_size=96, max_position_embeddings=32, attention_dropout=0.0)
-    x = torch.randint(0, 96, (2, 8))
     return partition(model(cfg), (x,), stages, microbatches=1), cfg, x
 
 
@@ -78,7 +103,7 @@ def _count_all_reduces(fn: Any) -> int:
     return int(sum(comm.get_comm_counts().values()))
 
 
-def _parity(family: str, outline: bool) -> dict[str, Any]:
+def _parity(family: str, outline: bool, kv: int = 2) -> dict[str, Any]:
     """The stage sharded over the world (tp=2) against its unsharded copy: output, every gradient."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
@@ -86,12 +111,17 @@ def _parity(family: str, outline: bool) -> dict[str, Any]:
     from runtime.parallel.blocks import outline_blocks
     from runtime.parallel.tensor import parallelize_stage
 
-    plan, cfg, x = _stage(family)
+    plan, cfg, x = _stage(family, kv=kv)
     (stage,) = plan.build_stages().stages
     ref = copy.deepcopy(stage)
     blocks = outline_blocks(stage) if outline else []
     names = [n for n, _ in stage.named_parameters()]
-    layout = parallelize_stage(stage, plan_from_config(cfg, names), dist.group.WORLD)
+    if family == "mixtral":  # the way out the refusal of its expert style gives: the plan without that entry
+        patterns = {k: v for k, v in config_patterns(cfg).items() if not k.startswith("layers.*.mlp.experts")}
+        tp_plan = plan_for(patterns, names)
+    else:
+        tp_plan = plan_from_config(cfg, names)
+    layout = parallelize_stage(stage, tp_plan, dist.group.WORLD)
     out: list[torch.Tensor] = []
     fwd = _count_all_reduces(lambda: out.append(stage(x)[0]))
     want = ref(x)[0]
@@ -148,24 +178,79 @@ def _refusals() -> dict[str, str]:
     model, (x,) = gpt2(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16, batch=2, seq=8)
     from partitioner import partition
 
-    (g2,) = partition(model, (x,), 1, microbatches=1).build_stages().stages
+    g2plan = partition(model, (x,), 1, microbatches=1)
+    (g2,) = g2plan.build_stages().stages
     names = [n for n, _ in g2.named_parameters()]
-    refused("conv1d", g2, plan_for({"h.*.attn.c_attn": "colwise"}, names))
+    # c_attn packs q, k and v: as one 'colwise' output, rank 0 would hold q and half of k.
+    refused("packed as colwise", g2, plan_for({"h.*.attn.c_attn": "colwise", "h.*.attn.c_proj": "rowwise"}, names))
+    (g2,) = g2plan.build_stages().stages
+    refused("not packed", g2, plan_for({"h.*.mlp.c_fc": "packed_colwise", "h.*.mlp.c_proj": "rowwise"}, names))
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from runtime.parallel.tensor_stages import split_stages
+
+    plan, _, _ = _stage("gpt2")
+    (g2,) = plan.build_stages().stages
+    try:  # a weight tied between stages (as the trainer names it) that the plan would split
+        split_stages({0: g2}, {"lm_head": "colwise"}, model, DeviceMesh.from_group(dist.group.WORLD, "cpu"),
+                     tied={"lm_head.weight"})
+    except TensorParallelError as e:
+        got["tied"] = str(e)
     return got
 
 
-def _worker(rank: int, world: int) -> dict[str, Any]:
-    return {"llama": _parity("llama", outline=False), "llama outlined": _parity("llama", outline=True),
-            "qwen2 outlined": _parity("qwen2", outline=True), "refusals": _refusals()}
+def _packed_state(rank: int, tmp: str) -> dict[str, Any]:
+    """A packed weight (GPT-2's c_attn over tp=2) read from a whole tensor, as Init(weights=...)
+    reads it (the torch and safetensors readers), and a DCP save of it refused on both ranks."""
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    from runtime.parallel.tensor import parallelize_stage
+    from runtime.state import safe_dcp
+    from runtime.state.weight_errors import CheckpointError
+    from runtime.state.weight_sources import copy_part, local_part, open_source
+
+    plan, cfg, _ = _stage("gpt2")
+    (stage,) = plan.build_stages().stages
+    name = "transformer.h.0.attn.c_attn.weight"  # (32, 96): q, k and v side by side
+    whole = stage.get_parameter(name).detach().clone()
+    parallelize_stage(stage, plan_from_config(cfg, [n for n, _ in stage.named_parameters()]), dist.group.WORLD)
+    prm = stage.get_parameter(name)
+    mine = torch.cat([part.chunk(2, dim=1)[rank] for part in whole.chunk(3, dim=1)], dim=1)  # its heads of each
+    got: dict[str, Any] = {}
+    with torch.no_grad():
+        local_part(prm)[0].zero_()
+        copy_part(prm, whole)  # the torch file reader's and the Hugging Face conversion's path
+        got["copied"] = torch.equal(prm.to_local(), mine)
+        local_part(prm)[0].zero_()
+        save_file({name: whole}, f"{tmp}/rank{rank}.safetensors")
+        with open_source(f"{tmp}/rank{rank}.safetensors") as source:
+            source.read({name: [prm]}, lambda key: None)
+        got["safetensors"] = torch.equal(prm.to_local(), mine) and torch.equal(prm.full_tensor(), whole)
+    try:
+        safe_dcp.save({name: prm.detach()}, f"{tmp}/never", collective=True)
+    except CheckpointError as e:
+        got["save refused"] = str(e)
+    return got
+
+
+def _worker(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    return {"packed state": _packed_state(rank, tmp),
+            "llama": _parity("llama", outline=False), "llama outlined": _parity("llama", outline=True),
+            "qwen2 outlined": _parity("qwen2", outline=True), "gpt2": _parity("gpt2", outline=False),
+            "mixtral, experts whole": _parity("mixtral", outline=False),
+            "llama, 1 kv head": _parity("llama", outline=False, kv=1),
+            "refusals": _refusals()}
 
 
 @pytest.fixture(scope="module")
-def runs() -> list[dict[str, Any]]:
+def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     pytest.importorskip("transformers")
-    return spawn(_worker, 2, timeout=420)
+    return spawn(_worker, 2, str(tmp_path_factory.mktemp("tp")), timeout=420)
 
 
-@pytest.mark.parametrize("case", ["llama", "llama outlined", "qwen2 outlined"])
+@pytest.mark.parametrize("case", ["llama", "llama outlined", "qwen2 outlined", "gpt2", "mixtral, experts whole",
+                                  "llama, 1 kv head"])
 def test_a_stage_over_tp_2_computes_the_unsharded_stage_with_two_all_reduces_a_block(
     runs: list[dict[str, Any]], case: str
 ) -> None:
@@ -173,17 +258,39 @@ def test_a_stage_over_tp_2_computes_the_unsharded_stage_with_two_all_reduces_a_b
         got = r[case]
         # 2 blocks: one all-reduce after each attention's o_proj and each MLP's down_proj forward,
         # one before each attention's q/k/v and each MLP's gate/up backward (the inputs' gradients).
-        assert (got["fwd"], got["bwd"]) == (4, 4) == (got["layout"].forward_all_reduces,
-                                                       got["layout"].backward_all_reduces)
-        biases = 6 if case.startswith("qwen2") else 0  # q, k, v biases of 2 blocks, sharded by rows
-        assert len(got["layout"].sharded) == 14 + biases
+        # (Mixtral with its experts whole: the attention's only. One kv head for 2 ranks: k and v
+        # stay whole, each rank takes its queries' head, whose gradient is all-reduced backward.)
+        fwd, bwd = {"mixtral, experts whole": (2, 2), "llama, 1 kv head": (4, 8)}.get(case, (4, 4))
+        assert (got["fwd"], got["bwd"]) == (fwd, bwd) == (got["layout"].forward_all_reduces,
+                                                          got["layout"].backward_all_reduces)
+        kept = [f"model.layers.{i}.self_attn.{w}_proj.weight" for i in range(2) for w in "kv"]
+        assert list(got["layout"].kept_whole) == (kept if case == "llama, 1 kv head" else [])
+        # Per block: q, k, v, o, gate, up, down (+ the q, k, v biases in Qwen2); GPT-2's c_attn
+        # (weight and bias, q, k and v packed), attn.c_proj, c_fc (weight and bias), mlp.c_proj.
+        split = {"qwen2 outlined": 20, "gpt2": 12, "mixtral, experts whole": 8, "llama, 1 kv head": 10}.get(case, 14)
+        assert len(got["layout"].sharded) == split
+        packed = {f"transformer.h.{i}.attn.c_attn.{w}": 3 for i in range(2) for w in ("weight", "bias")}
+        assert got["layout"].packed == (packed if case == "gpt2" else {})
         assert got["local"] * 2 == got["sharded_whole"]  # each rank holds half of every sharded weight
-        assert got["replicated_same"] and got["whole_grads"] == got["checked"] - 14 - biases
-        assert got["blocks"] == ([] if case == "llama" else ["model.layers.0", "model.layers.1"])
+        assert got["replicated_same"] and got["whole_grads"] == got["checked"] - split
+        assert got["blocks"] == ([] if "outlined" not in case else ["model.layers.0", "model.layers.1"])
 
 
 def test_what_tensor_parallelism_cannot_split_is_refused_with_the_fix(runs: list[dict[str, Any]]) -> None:
     got = runs[0]["refusals"]
     assert "splits a tp-split dim into 3 (heads?), not divisible by tp=2" in got["heads"]
     assert "leaves the graph split over tp" in got["cut"] and "cut the pipeline between blocks" in got["cut"]
-    assert "c_attn.weight' is in the tp plan but is read by addmm" in got["conv1d"] and "Conv1D" in got["conv1d"]
+    assert "splits the split dim 2" in got["packed as colwise"] and "'packed_colwise'" in got["packed as colwise"]
+    assert "stage 0: 'lm_head.weight' is tied between stages and in the tp plan (colwise)" in got["tied"]
+    assert "drop its pattern from TensorParallel(plan=...)" in got["tied"]
+    assert ("transformer.h.0.mlp.c_fc.weight' is packed_colwise but its output" in got["not packed"]
+            and "mark it 'colwise'" in got["not packed"])
+
+
+def test_a_packed_weight_loads_its_heads_of_each_part_and_is_refused_by_dcp(runs: list[dict[str, Any]]) -> None:
+    for r in runs:
+        got = r["packed state"]
+        # Each rank holds columns [16 r, 16 r + 16) of q, of k and of v: not one range of the whole.
+        assert got["copied"] and got["safetensors"]
+        assert "'transformer.h.0.attn.c_attn.weight' is a packed tensor-parallel weight" in got["save refused"]
+        assert "export_safetensors writes it whole" in got["save refused"] and "tp=1" in got["save refused"]

@@ -1,0 +1,163 @@
+"""State under tensor parallelism, on 4 gloo processes (a Llama, 2 pp x tp 2, as test_tensor_trainer's):
+a DCP checkpoint saved after a step holds each split weight as its two shards and each whole one
+once; a fresh trainer of the same layout loads it and continues bitwise as the saved one does; it
+loads exactly into 2 dp x 2 pp (tp 1) and into the plain model; the safetensors export is the
+whole weights (``from_pretrained`` reads it); ``Init(weights=...)`` reads each rank's shard only,
+from the export and from the DCP checkpoint."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from runtime.transport.launch import spawn
+from tests.runtime.parallel.test_tensor_trainer import _batch, _llama, _loss
+from tests.runtime.parity import TOL
+
+EXACT = {"rtol": 0.0, "atol": 0.0}
+
+
+def _opt(ps: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1, eps=1e-5, foreach=True)
+
+
+def _trainer(tp: int, dp: int = 1, weights: Path | None = None) -> Any:
+    from partitioner import partition
+    from runtime.options import DataParallel, Init
+    from runtime.trainer import PipelineTrainer
+
+    model = _llama()
+    x, _ = _batch(torch.Generator().manual_seed(5))
+    plan = partition(model, (x[:2],), 2, microbatches=4, schedule="1f1b", split_points=["model.layers.2"])
+    return PipelineTrainer(plan, _loss, _opt, schedule="1f1b", transport="dist", tensor_parallel=tp,
+                           data_parallel=DataParallel(size=dp), init=Init(weights=weights))
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _everything(mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every rank's tensors by name (each rank holds its stages')."""
+    import torch.distributed as dist
+
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    return {n: t for part in parts for n, t in part.items()}
+
+
+def _shards_equal(trainer: Any, whole: dict[str, torch.Tensor]) -> int:
+    """Each parameter of ``trainer`` (tp 2) is exactly its rank's chunk of ``whole``'s; returns their bytes."""
+    from torch.distributed.tensor import DTensor
+
+    nbytes = 0
+    for n, p in trainer.named_parameters():
+        assert isinstance(p, DTensor), n
+        (placement,) = p.placements
+        part = whole[n].chunk(2, placement.dim)[trainer.mesh.tp_rank] if placement.is_shard() else whole[n]
+        torch.testing.assert_close(p.to_local(), part, **EXACT, msg=lambda m, n=n: f"{n}: {m}")
+        nbytes += p.to_local().numel() * p.to_local().element_size()
+    return nbytes
+
+
+def _spoil(trainer: Any) -> None:
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.zero_()
+
+
+def _worker(rank: int, world: int, folder: str) -> dict[str, Any]:
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from runtime.state.checkpoint import load_model
+    from runtime.state.safe_dcp import read_metadata
+    from runtime.state.weights import Weights
+
+    started, out = time.perf_counter(), {}
+    ckpt, hf = Path(folder) / "ckpt", Path(folder) / "hf"
+    gen = torch.Generator().manual_seed(6)
+    batches = [_batch(gen) for _ in range(3)]
+    a = _trainer(tp=2)
+    a.step(*batches[0], max_norm=0.5)
+    a.save(ckpt)
+    a.export_safetensors(hf)  # the split weights gathered, written by tp rank 0 of each stage
+    if rank == 0:
+        a.plan.model.config.save_pretrained(hf)
+    saved = _everything({n: _whole(p.detach()) for n, p in a.named_parameters()})
+    moments = _everything({n: _whole(a.optimizer.state[p]["exp_avg"]) for n, p in a.named_parameters()})
+    split = {n for n, p in a.named_parameters() if any(pl.is_shard() for pl in p.placements)}
+    want = [float(a.step(*b, max_norm=0.5)) for b in batches[1:]]
+    after = {n: _whole(p.detach()) for n, p in a.named_parameters()}
+
+    # The checkpoint: each split weight (and its moments) in two chunks, each whole one in one.
+    meta = read_metadata(ckpt)
+    for n in split:
+        for key in (f"model.{n}", f"optim.state.{n}.exp_avg"):
+            assert len(meta.state_dict_metadata[key].chunks) == 2, key
+    for n in set(dict(a.named_parameters())) - split:
+        assert len(meta.state_dict_metadata[f"model.{n}"].chunks) == 1, n
+    out["split"] = len(split)
+
+    # Init(weights=export) under tp: each rank read its shard of the split weights, nothing more.
+    b = _trainer(tp=2, weights=hf)
+    local_bytes = _shards_equal(b, saved)
+    report = b.load_weights(hf)
+    whole_bytes = sum(saved[n].numel() * saved[n].element_size() for n, _ in b.named_parameters())
+    assert report.bytes_read == local_bytes < whole_bytes, (report.bytes_read, local_bytes, whole_bytes)
+    out["bytes"] = (report.bytes_read, whole_bytes)
+    _spoil(b)  # weights= from the DCP checkpoint: DCP reads each shard
+    b.load_weights(Weights(ckpt, strict=False))  # its optimizer entries are not weights
+    _shards_equal(b, saved)
+
+    # Resume: the same layout, its weights spoiled first, continues bitwise.
+    _spoil(b)
+    b.load(ckpt)
+    assert b.step_count == 1
+    got = [float(b.step(*x, max_norm=0.5)) for x in batches[1:]]
+    assert got == want, (got, want)
+    mine = dict(b.named_parameters())
+    for n, t in after.items():
+        torch.testing.assert_close(_whole(mine[n].detach()), t, **EXACT, msg=lambda m, n=n: f"{n}: {m}")
+    del a, b
+
+    # Another layout, tp 1 (2 replicas x 2 pipeline ranks): the same values, whole.
+    c = _trainer(tp=1, dp=2)
+    c.load(ckpt)
+    for n, p in c.named_parameters():
+        assert not isinstance(p, DTensor), n
+        torch.testing.assert_close(p.detach(), saved[n], **EXACT, msg=lambda m, n=n: f"{n}: {m}")
+        torch.testing.assert_close(c.optimizer.state[p]["exp_avg"], moments[n], **EXACT)
+    x, y = batches[1]
+    loss = c.step(*c.local_batch(x, y), max_norm=0.5)  # each replica half the batch, averaged
+    torch.testing.assert_close(float(loss), want[0], **TOL)
+    out["checked"] = len(saved)
+
+    if rank == 0:  # the plain model, from the checkpoint and from the export
+        import transformers as T
+
+        plain = _llama()
+        load_model(plain, ckpt)
+        pretrained = T.LlamaForCausalLM.from_pretrained(hf)
+        for model in (plain, pretrained):
+            for n, p in model.named_parameters():
+                torch.testing.assert_close(p.detach(), saved[n], **EXACT, msg=lambda m, n=n: f"{n}: {m}")
+    dist.barrier()
+    out["seconds"] = time.perf_counter() - started
+    return out
+
+
+@pytest.mark.multiprocess
+def test_tp_checkpoints_resume_bitwise_reshard_to_tp_1_and_export_whole(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    runs = spawn(_worker, 4, str(tmp_path), timeout=420)
+    for r in runs:
+        # Each rank's stage: 2 blocks of 7 split weights; the model: 4 blocks of 9 tensors, embedding,
+        # norm and head. Each rank read its stage's shards (and whole weights): under 60% of the whole.
+        assert r["split"] == 14 and r["checked"] == 4 * 9 + 3
+        read, whole = r["bytes"]
+        assert read < 0.6 * whole, (read, whole)

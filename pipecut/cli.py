@@ -86,8 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--stages", type=int, default=None, help="number of pipeline stages (or --devices)")
     plan.add_argument("--devices", type=positive_count, default=None,
-                      help="search the whole layout of this many devices (dp x pp, micro-batch size, schedule, "
-                      "ZeRO-1) for --global-batch rows per step, instead of cutting --stages")
+                      help="search the whole layout of this many devices (dp x pp x tp, micro-batch size, schedule, "
+                      "sharding) for --global-batch rows per step, instead of cutting --stages")
     plan.add_argument("--global-batch", type=positive_count, default=None,
                       help="rows per optimizer step (with --devices)")
     plan.add_argument("--top", type=positive_count, default=None,

@@ -287,14 +287,16 @@ class _Context:
         g = build_graph(self.traced.gm, costs, self.traced.module_path)
         return replace(self, g=g, units=group_units(g, self.granularity, self.opts.capture.module_depth), costs=costs)
 
-    def sharded(self, found: TensorSplit, tp: int, ring: Collective) -> _Context:
-        """One tensor-parallel rank's view of this context (``partitioner.tensor.split``): its costs and
-        parameter counts split over ``tp``, the all-reduces on ``ring`` in its nodes' times, and no cut
-        between a column layer and its row layer (a split value cannot cross a stage boundary)."""
+    def sharded(self, found: TensorSplit, tp: int, ring: Collective, factor: float = 1.0) -> _Context:
+        """One tensor-parallel rank's view of this context (``partitioner.tensor.split``) at micro-batches
+        ``factor`` times as large (as :meth:`scaled`, the graph built once): its costs and parameter
+        counts split over ``tp``, the all-reduces on ``ring`` in its nodes' times, and no cut between
+        a column layer and its row layer (a split value cannot cross a stage boundary)."""
         if tp == 1:
-            return self
+            return self.scaled(factor)
         inputs = {name: float(nbytes) for name, (_, nbytes) in self.g.graph["inputs"].items()}
-        costs = shard_costs(self.costs, found, tp, ring, inputs)
+        whole = self.costs if factor == 1 else {name: scale_cost(c, factor) for name, c in self.costs.items()}
+        costs = shard_costs(whole, found, tp, ring, inputs)
         g = build_graph(self.traced.gm, costs, self.traced.module_path)
         for v in found.split:
             if v in g:

@@ -438,16 +438,17 @@ class _Pricer:
         # the same held counts, larger micro-batches only add activation bytes.
         self._too_big: dict[tuple[int, int, str, str, tuple[int, ...]], int] = {}
 
-    def _shard(self, ctx: _Context) -> _Context:
-        """``ctx`` as one tp rank runs it (itself when ``tp`` is 1)."""
-        return ctx.sharded(self.split, self.tp, self.ring)
+    def _shard(self, ctx: _Context, factor: float = 1.0) -> _Context:
+        """``ctx`` as one tp rank runs it (itself when ``tp`` is 1), at micro-batches ``factor`` times
+        the traced one."""
+        return ctx.sharded(self.split, self.tp, self.ring, factor)
 
     def _sized(self, b: int) -> tuple[_Context, float, float, float, float]:
         """The context costed for ``b`` rows (one tp rank's); one micro-batch's total work (forward and
         backward), its activation bytes, the largest any one unit saves, and its work less the weight
         gradients (the bounds' terms)."""
         if b not in self._at:
-            ctx = self._shard(self.ctx.scaled(b / self.rows))  # the all-reduces priced at b rows
+            ctx = self._shard(self.ctx, b / self.rows)  # the all-reduces priced at b rows
             dev = self.cluster.devices[0]
             times = [(ctx.g.nodes[v]["cost"], node_time(ctx.g.nodes[v]["cost"], dev)) for v in ctx.g.nodes]
             work = sum(f + bw for _, (f, bw) in times)

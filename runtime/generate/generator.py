@@ -203,7 +203,7 @@ class Generator:
                 the prompt enters the pipeline in pieces of this many positions, each stage
                 extending its cache piece by piece, so the next rank starts on the first piece
                 while this one runs the second (the pipeline fills sooner; a chunked prefill).
-                Greedy tokens are those of one piece up to the round-off of smaller products.
+                Tokens and logits are a whole prompt's up to the round-off of the smaller products.
 
         Within a group, a sequence that stops leaves it: no stage computes for it again, and
         its rows leave every stage's cache.

@@ -284,16 +284,13 @@ class GroupState:
         self.tokens: list[torch.Tensor] = []
         self.logits: list[torch.Tensor] = []
         self.last_positions = self.positions[:, -1:]
-        pieces = batch.prefill_pieces()
-        self.pieces = pieces if len(pieces) > 1 else None
+        self.pieces = batch.prefill_pieces()
 
     def prefill(self, piece: int = 0) -> Hop | None:
         """The hop carrying the prompt's ``piece`` (:meth:`Batch.prefill_pieces`); ``None`` when no
         sequence of the group is to run at all (every limit 0)."""
         if not bool(self.unfinished.any()):
             return None
-        if self.pieces is None:
-            return Hop(self.ids, self.positions, self.mask)
         sl = self.pieces[piece]
         return Hop(self.ids[:, sl], self.positions[:, sl], self.mask[:, :sl.stop])
 

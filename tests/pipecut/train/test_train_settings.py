@@ -72,9 +72,8 @@ def test_tp_takes_a_share_of_the_world_and_refuses_what_it_cannot_run_with() -> 
     ]:
         with pytest.raises(TrainConfigError, match=words):
             layout(cfg, world, 0)
-    for mode, words in [({"layout": "auto"}, "--layout auto"), ({"plan": "p.json"}, "--plan p.json")]:
-        with pytest.raises(TrainConfigError, match=f"--tp 2 with {words}: a plan.s layout is trained as dp x pp"):
-            resolve(REQUIRED, {"tp": 2, **mode})
+    # --tp is a layout key: with --layout auto or --plan it constrains the layout (test_train_layout.py).
+    assert resolve(REQUIRED, {"tp": 2, "layout": "auto"}).tp == 2
     with pytest.raises(TrainConfigError, match="tp must be at least 1, got 0"):
         resolve(REQUIRED, {"tp": 0})
 

@@ -227,18 +227,13 @@ def check_tp_options(cfg: TrainConfig) -> None:
     """Refuse ``--tp`` above 1 with an option the runtime does not run under tensor parallelism yet.
 
     Raises:
-        TrainConfigError: ``--zero fsdp`` or ``--precision fp16`` with ``--tp`` > 1 (the fix named).
+        TrainConfigError: ``--zero fsdp`` with ``--tp`` > 1 (the fix named).
     """
     tp = cfg.tp or 1
     if tp > 1 and cfg.zero == "fsdp":
         raise TrainConfigError(
             f"--zero fsdp with --tp {tp}: FSDP2 over tensor-parallel stages (2-D sharding) is not wired yet; "
             "use --zero zero1 or none with --tp, or --tp 1 with --zero fsdp"
-        )
-    if tp > 1 and cfg.precision == "fp16":
-        raise TrainConfigError(
-            f"--precision fp16 with --tp {tp}: the loss scaler's inf/NaN check is not reduced over the tp "
-            "processes yet; use --precision bf16 (no loss scaling) or fp32"
         )
 
 

@@ -14,8 +14,8 @@ micro-batch, ``m`` micro-batches per replica, ``B`` the global batch (``B = dp *
   own layout again. A tp group must sit inside one node: the job's node is the processes torchrun
   started on this host (``LOCAL_WORLD_SIZE``; all of them without torchrun), so tp is searched
   over the divisors of that count which the model's heads and split sizes take
-  (``partitioner.tensor.sizes``); not with ``--precision fp16`` or ``--zero fsdp``, which the
-  runtime does not run under tp yet.
+  (``partitioner.tensor.sizes``); not with ``--zero fsdp``, which the runtime does not run under
+  tp yet.
   The devices are priced as ``--calibrate FILE`` measured them, else as the ``--device`` preset;
   when the device is this machine's CPU (``--device auto`` without CUDA), every rank first times
   the model with real weights (``runtime.overheads.calibrate_job``, collective).
@@ -158,8 +158,8 @@ def search_space(cfg: TrainConfig, *, world: int) -> dict[str, Any]:
             )
         dp_sizes = (cfg.dp,) if cfg.dp is not None else None
         tp_sizes = (cfg.tp,) if cfg.tp is not None else None
-    check_tp_options(cfg)  # --tp with fp16 or FSDP: the refusal a manual --tp meets
-    if cfg.precision == "fp16" or cfg.zero == "fsdp":
+    check_tp_options(cfg)  # --tp with FSDP: the refusal a manual --tp meets
+    if cfg.zero == "fsdp":
         tp_sizes = (1,)  # not run under tp yet: the search keeps to tp 1
     if cfg.zero not in (None, "none") and dp_sizes == (1,):
         raise TrainConfigError(

@@ -93,7 +93,7 @@ def layout(cfg: TrainConfig, world: int, rank: int) -> Layout:
 
     Raises:
         TrainConfigError: ``dp * pp * tp`` is not the world size, the batch does not divide, or
-            ``tp > 1`` with an option it does not run with yet (``--zero fsdp``, ``--precision fp16``).
+            ``tp > 1`` with an option it does not run with yet (``--zero fsdp``).
 
     Example:
         >>> cfg = TrainConfig(model="m", data="d", out="o", global_batch=8, micro_batch_size=2, dp=2)

@@ -50,7 +50,7 @@ def test_the_layout_keys_given_constrain_the_search() -> None:
     assert search_space(dataclasses.replace(auto, dp=2, schedule="auto"), world=4)["schedules"] is None
     assert search_space(dataclasses.replace(auto, dp=1, tp=2), world=4)["tp_sizes"] == (2,)
     # What tp does not run with yet keeps the search at tp 1.
-    assert search_space(dataclasses.replace(auto, precision="fp16"), world=4)["tp_sizes"] == (1,)
+    assert search_space(dataclasses.replace(auto, precision="fp16"), world=4)["tp_sizes"] is None
     assert search_space(dataclasses.replace(auto, dp=2, zero="fsdp"), world=4)["tp_sizes"] == (1,)
     # In one process: one replica over --pp ranks, no tp.
     one = search_space(dataclasses.replace(auto, pp=2), world=1)
@@ -72,7 +72,7 @@ def test_the_layout_keys_given_constrain_the_search() -> None:
         ({"layout": "auto", "dp": 2, "pp": 2, "tp": 2}, 4, "with dp 2, pp 2, tp 2: the job has 4 processes"),
         ({"layout": "auto", "tp": 3}, 4, "which is not dp x pp x tp"),
         ({"layout": "auto", "tp": 2}, 1, "--tp 2 needs 2 processes"),
-        ({"layout": "auto", "tp": 2, "precision": "fp16"}, 4, "--precision fp16 with --tp 2: .*bf16"),
+        ({"layout": "auto", "tp": 2, "zero": "fsdp"}, 4, "--zero fsdp with --tp 2: .*--zero zero1"),
     ],
 )
 def test_conflicting_settings_are_refused_with_the_flags_named(flags: dict[str, object], world: int,

@@ -68,7 +68,6 @@ def test_tp_takes_a_share_of_the_world_and_refuses_what_it_cannot_run_with() -> 
         (TrainConfig(**REQUIRED, pp=2, tp=4), 6, r"--tp 4 .* the job has 6"),
         (TrainConfig(**REQUIRED, pp=3, tp=2), 8, r"the job has 8 processes, which is not dp x pp x tp"),
         (TrainConfig(**REQUIRED, dp=2, tp=2, zero="fsdp"), 4, r"--zero fsdp with --tp 2: .*--zero zero1"),
-        (TrainConfig(**REQUIRED, pp=2, tp=2, precision="fp16"), 4, r"--precision fp16 with --tp 2: .*bf16"),
     ]:
         with pytest.raises(TrainConfigError, match=words):
             layout(cfg, world, 0)

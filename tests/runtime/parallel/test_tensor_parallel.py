@@ -309,4 +309,5 @@ def test_a_packed_weight_loads_its_heads_of_each_part_and_checkpoints_as_its_par
         # In DCP: 6 chunks of 16 columns, q's, k's and v's of each rank, read back whole and sliced.
         assert got["chunks"] == [((0, 16 * i), (32, 16)) for i in range(6)] and got["dcp"]
         assert "'transformer.h.0.attn.c_attn.weight' is a packed tensor-parallel weight" in got["save refused"]
-        assert "mesh of shape (1, 2)" in got["save refused"] and "export_safetensors writes it whole" in got["save refused"]
+        refused = got["save refused"]
+        assert "mesh of shape (1, 2)" in refused and "export_safetensors writes it whole" in refused

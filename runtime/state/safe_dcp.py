@@ -23,6 +23,9 @@ DCP stores them as tensors and nothing in a pipecut checkpoint needs pickle.
 Anything else is refused with :class:`UnsafeFileError` naming the file and the class; nothing
 of it is imported or called. A truncated or damaged file is a :class:`CorruptFileError` naming
 the file and the entry, checked before any destination is written where sizes tell.
+
+Every save and load here also shows DCP a packed tensor-parallel weight as the parts it is
+(:func:`packed_in_parts`), which DCP cannot tell from its ``DTensor`` placement alone.
 """
 
 from __future__ import annotations

@@ -202,7 +202,8 @@ def _refusals() -> dict[str, str]:
 def _packed_state(rank: int, tmp: str) -> dict[str, Any]:
     """A packed weight (GPT-2's c_attn over tp=2) read from a whole tensor, as Init(weights=...)
     reads it (the torch and safetensors readers); saved through DCP as its parts and read back
-    whole and into each rank's slice; a packed weight on a 2-D mesh refused on both ranks."""
+    whole and into each rank's slice, and read into the slices from a whole tensor's checkpoint;
+    a packed weight on a 2-D mesh refused on both ranks."""
     import torch.distributed as dist
     from safetensors.torch import save_file
     from torch.distributed.device_mesh import DeviceMesh
@@ -239,6 +240,12 @@ def _packed_state(rank: int, tmp: str) -> dict[str, Any]:
     state = {name: torch.zeros_like(prm)}  # another trainer of this layout: each rank its slices
     safe_dcp.load(state, f"{tmp}/dcp", collective=True)
     got["dcp"] = torch.equal(plain, whole) and torch.equal(state[name].to_local(), mine)
+    if rank == 0:  # saved whole (tp 1): each rank reads its slice of each part from the one chunk
+        safe_dcp.save({name: whole}, f"{tmp}/whole", collective=False)
+    dist.barrier()
+    state = {name: torch.zeros_like(prm)}
+    safe_dcp.load(state, f"{tmp}/whole", collective=True)
+    got["from whole"] = torch.equal(state[name].to_local(), mine)
     mesh = DeviceMesh("cpu", torch.arange(2).reshape(1, 2), mesh_dim_names=("dp", "tp"))
     on_2d = DTensor.from_local(prm.to_local().detach(), mesh, [Replicate(), prm.placements[0]], run_check=False)
     try:  # FSDP2 x tp would place it so (refused before today); DCP cannot take it as parts
@@ -307,7 +314,7 @@ def test_a_packed_weight_loads_its_heads_of_each_part_and_checkpoints_as_its_par
         # Each rank holds columns [16 r, 16 r + 16) of q, of k and of v: not one range of the whole.
         assert got["copied"] and got["safetensors"]
         # In DCP: 6 chunks of 16 columns, q's, k's and v's of each rank, read back whole and sliced.
-        assert got["chunks"] == [((0, 16 * i), (32, 16)) for i in range(6)] and got["dcp"]
+        assert got["chunks"] == [((0, 16 * i), (32, 16)) for i in range(6)] and got["dcp"] and got["from whole"]
         assert "'transformer.h.0.attn.c_attn.weight' is a packed tensor-parallel weight" in got["save refused"]
         refused = got["save refused"]
         assert "mesh of shape (1, 2)" in refused and "export_safetensors writes it whole" in refused

@@ -497,12 +497,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"calibrated through the command line in {cli_run['wall_s']:.0f} s: {cli_run['command']}")
     if args.calibrate:
         cfg["cluster"] = str(Path(args.out).with_suffix(".cluster.json"))
-        measured = calibrate(cfg, cfg["cluster"])
-        dev = measured.devices[0]
+        host = calibrate(cfg, cfg["cluster"])
+        dev = host.devices[0]
         print(f"calibrated: {dev.peak_flops_fp32 / 1e9:.0f} GFLOP/s fp32, {dev.mem_bandwidth / 1e9:.1f} GB/s, "
-              f"op overhead {dev.op_overhead * 1e6:.1f} us, link {measured.link_bandwidth[0] / 1e9:.2f} GB/s + "
-              f"{measured.link_latency[0] * 1e6:.0f} us, all-reduce "
-              f"{(measured.collective_bandwidth or 0) / 1e9:.2f} GB/s -> {cfg['cluster']}")
+              f"op overhead {dev.op_overhead * 1e6:.1f} us, link {host.link_bandwidth[0] / 1e9:.2f} GB/s + "
+              f"{host.link_latency[0] * 1e6:.0f} us, all-reduce "
+              f"{(host.collective_bandwidth or 0) / 1e9:.2f} GB/s -> {cfg['cluster']}")
     load = load_before(f"the {PROCESSES} processes")
     print(f"{len(todo)} layouts; building a trainer for each on every rank, then {args.warmup} + {args.rounds} rounds")
     ranks_out = spawn(_worker, PROCESSES, cfg, timeout=args.timeout, threads=1)

@@ -77,6 +77,7 @@ from torch import nn  # noqa: E402
 
 from _common import int_list, load_before, run_env, step_times, write_result  # noqa: E402
 from _layout_stats import CHOICE_WITHIN, MEDIAN_ERROR_AT_MOST, SPEARMAN_AT_LEAST, errors, ranks, targets  # noqa: E402
+from _tp_allreduce import activation_bytes, measure, priced  # noqa: E402
 from layout_model import CONFIGS, calibrate_with_cli, factory_for  # noqa: E402
 from layout_model import build as build_model  # noqa: E402
 from partitioner import Cluster, LayoutSearch, LayoutSpace, Plan  # noqa: E402
@@ -321,6 +322,12 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         trainers[layout.name] = _trainer(plan, layout, meshes, cfg["timeout"])
         build_s[layout.name] = (t1 - t0, time.perf_counter() - t1)
     choice = planner_choice(search, todo) if rank == 0 else ""
+    tp_allreduce = {}  # per tp size: the planner's all-reduce beside gloo's on the job's tp groups
+    sizes = activation_bytes(cfg["microbatch_sizes"], cfg["seq"], cfg["n_embd"])
+    for tp in sorted({lay.tp for lay in todo} - {1}):
+        group = next(trainers[lay.name] for lay in todo if lay.tp == tp).mesh.tp_group
+        tp_allreduce[tp] = {"bytes": sizes, "measured_s": list(measure(group, sizes).values()),
+                            "priced_s": list(priced(search.cluster, tp, sizes).values())}
     # A job holds one trainer; this one holds them all, and Python's full collections would scan
     # every one of them during the timed steps: set what was built aside from the collector.
     gc.collect()
@@ -352,7 +359,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     phases["steps"] = time.perf_counter()
     marks = list(phases.values())
     return {"spans": spans, "predicted": predicted, "choice": choice, "build_s": build_s, "first_loss": first_loss,
-            "fitted": fitted, "beside": beside,
+            "fitted": fitted, "beside": beside, "tp_allreduce": tp_allreduce,
             "reference_loss": float(want),
             "phases_s": {k: b - a for k, a, b in zip(list(phases)[1:], marks, marks[1:])}}
 
@@ -529,6 +536,13 @@ def main(argv: list[str] | None = None) -> int:
         for row in rows:
             row["predicted_in_benchmark_fit_s"] = beside["predicted"][row["name"]]
         _print_beside(summary)
+    tp_allreduce = {f"tp{tp}": {**v, "measured_s": [max(r["tp_allreduce"][tp]["measured_s"][i] for r in ranks_out)
+                                                    for i in range(len(v["bytes"]))]}  # the slowest group's
+                    for tp, v in ranks_out[0]["tp_allreduce"].items()}
+    for tp, v in tp_allreduce.items():
+        print(f"{tp} all-reduce (one per block pair and micro-batch, each way), priced / measured on the tp groups: "
+              + ", ".join(f"{n // 1024} KiB {p * 1e6:.0f} / {m * 1e6:.0f} us"
+                          for n, p, m in zip(v["bytes"], v["priced_s"], v["measured_s"])))
     result = {
         "benchmark": "layout",
         "command": shlex.join(["python", "benchmarks/layout.py", *cli]),
@@ -539,6 +553,7 @@ def main(argv: list[str] | None = None) -> int:
         "env": run_env(load, t0),
         "summary": summary,
         "fitted": ranks_out[0]["fitted"],
+        "tp_allreduce": tp_allreduce,
         "cli_calibration": cli_run or None,
         "targets": {"choice_within": CHOICE_WITHIN, "median_abs_error_at_most": MEDIAN_ERROR_AT_MOST,
                     "spearman_at_least": SPEARMAN_AT_LEAST},

@@ -7,15 +7,23 @@ Run (CPU, 4 gloo processes of one thread each; writes ``benchmarks/results/layou
         --vocab 2048 --seq 64 --batch 16 --microbatch-sizes 1,2,4 --schedules 1f1b,zbh1,interleaved,zbv,gpipe  # same
     python benchmarks/layout.py --quick --out /tmp/layout.json   # a tiny GPT-2, 5 layouts, 30 s to a minute
     python benchmarks/layout.py --cli-calibrate   # priced on `pipecut calibrate --model ...`'s file: layout_cli.json
+    python benchmarks/layout.py --tp 1,2 --schedules 1f1b,zbh1,interleaved --timeout 1800  # 48 layouts: layout_tp.json
+    python benchmarks/layout.py --quick --tp 1,2 --out /tmp/layout_tp.json   # 8 layouts, 3 of them tp 2, a minute
 
-Legend: ``dp`` replicas, ``pp`` ranks per pipeline (``dp * pp = 4``), ``b`` rows per micro-batch,
+Legend: ``dp`` replicas, ``pp`` ranks per pipeline, ``tp`` processes per pipeline rank (``dp * pp * tp = 4``;
+``tp`` 1 unless ``--tp`` names more), ``b`` rows per micro-batch,
 ``m = B / (dp * b)`` micro-batches per step and replica, ``B`` the global batch (sequences), ``S``
 stages (``2 * pp`` for ``'interleaved'`` and ``'zbv'``, else ``pp``).
 
 A *layout* (:class:`Layout`) is ``(dp, pp, schedule, b, zero)``: every one that the global batch
 divides into whole micro-batches is run; a one-rank pipeline (``pp = 1``) runs ``'1f1b'`` only
 (its schedules are all plain gradient accumulation), and ``zero = 'zero1'`` (ZeRO-style optimizer
-sharding, ``DataParallel(shard_optimizer=True)``) only where ``dp > 1``.
+sharding, ``DataParallel(shard_optimizer=True)``) only where ``dp > 1``. With ``--tp 1,2`` the layouts
+of ``tp = 2`` join them (``dp1 pp2 tp2 ...`` and ``dp2 pp1 tp2 ...``): each pipeline rank is 2
+processes, its stages split over them (``TensorParallel(size=2)``, pipecut's GPT-2 plan), the plan
+the one the planner prices at tp 2 (``Option(..., tp=2)``: no cut inside a column/row pair). On
+the default model, schedules 1f1b, zbh1 and interleaved and ``b`` in 1, 2, 4 give 33 layouts at tp
+1 and 15 at tp 2, 48 in all.
 
 How the three columns are made:
 
@@ -47,7 +55,10 @@ How the three columns are made:
 Reported, for every layout: predicted and measured seconds, their ratio, measured tokens per second,
 and the rank of each (1 = fastest); then the issue's three targets: the planner's choice within 10%
 of the measured best, the median ``|predicted / measured - 1|`` at most 0.15, and the Spearman rank
-correlation of predicted and measured step times at least 0.8.
+correlation of predicted and measured step times at least 0.8. With ``--tp``, each tp size's rows on
+their own too (``summary.by_tp``: their median error, median ``pred / meas``, Spearman, measured
+and predicted best), and the tp all-reduce the planner prices beside gloo's, timed on the job's
+own tp groups (``tp_allreduce``, ``benchmarks/_tp_allreduce.py``).
 """
 
 from __future__ import annotations

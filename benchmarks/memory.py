@@ -10,7 +10,7 @@ of free memory and 7 GB of disk; writes ``benchmarks/results/memory.json``)::
     python benchmarks/memory.py --engines   # the engines (below): ~5 minutes, results/memory_fsdp.json
     python benchmarks/memory.py --engines --quick --out /tmp/memory_fsdp.json   # a tiny GPT-2, 2-3 minutes
     python benchmarks/memory.py --engines --only "fsdp;replicate" --mmap-threshold 131072 --out /tmp/m.json
-    python benchmarks/memory.py --engines --tp   # tp 1 against tp 2 at pp 2: ~3 minutes, results/memory_tp.json
+    python benchmarks/memory.py --engines --tp   # tp 1 against tp 2 at pp 2: 6 minutes at load 30, memory_tp.json
     python benchmarks/memory.py --engines --tp --quick --out /tmp/memory_tp.json   # a tiny GPT-2, about a minute
 
 ``--engines`` measures something else, each rank's peak under each data-parallel engine on one

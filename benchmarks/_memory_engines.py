@@ -396,7 +396,10 @@ def _summary(ranks: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         }
         if base:
             out[name]["max_peak_vs_replicate"] = peak / max(r["peak_bytes"] for r in base)
-            out[name]["param_bytes_vs_replicate"] = [r["param_bytes"] / b["param_bytes"] for r, b in zip(rows, base)]
+            # Against replicate's rank holding the same stages (tp 2 places them on other ranks).
+            same = {tuple(b["stages"]): b for b in base}
+            out[name]["param_bytes_vs_replicate"] = [r["param_bytes"] / same[tuple(r["stages"])]["param_bytes"]
+                                                     for r in rows]
     return out
 
 

@@ -8,7 +8,7 @@ Run (CPU, 4 gloo processes of one thread each; writes ``benchmarks/results/layou
     python benchmarks/layout.py --quick --out /tmp/layout.json   # a tiny GPT-2, 5 layouts, 30 s to a minute
     python benchmarks/layout.py --cli-calibrate   # priced on `pipecut calibrate --model ...`'s file: layout_cli.json
     python benchmarks/layout.py --calibrate --tp 1,2 --schedules 1f1b,zbh1,interleaved --timeout 1800  # 48 layouts,
-        # 15 of them tp 2: layout_tp.json; 23 minutes at load 13-33, about 10 idle (the preset's, no --calibrate)
+        # 15 of them tp 2: layout_tp.json; 24 minutes at load 7-33 (steps 21 of them), idle: not yet timed
     python benchmarks/layout.py --quick --tp 1,2 --out /tmp/layout_tp.json   # 8 layouts, 3 of them tp 2, a minute
 
 Legend: ``dp`` replicas, ``pp`` ranks per pipeline, ``tp`` processes per pipeline rank (``dp * pp * tp = 4``;

@@ -1,5 +1,6 @@
 """``memory.py --engines``: each rank's peak memory under each data-parallel engine on one layout,
-measured, taken apart, and set beside what the planner predicts.
+and (``--tp``) with tensor parallelism at the same pp, measured, taken apart, and set beside what the
+planner predicts.
 
 Legend: ``dp`` replicas, ``pp`` ranks per pipeline, ``m`` micro-batches per replica, ``b`` rows
 per micro-batch, ``B`` the global batch.
@@ -13,6 +14,13 @@ configuration's own:
 * ``fsdp``: ``engine='fsdp', reshard_after_forward=True`` (ZeRO-3, ``fsdp``);
 * ``fsdp kept gathered``: ``reshard_after_forward=False``, priced as ``zero1``
   (``partitioner.plan.sharding`` says why);
+
+and, with ``--tp`` (or ``--only``), tensor parallelism at the same pp on the same 4 processes:
+
+* ``tp 2``: 1 dp x 2 pp x 2 tp (``TensorParallel(size=2)``, pipecut's GPT-2 plan: ``c_attn``
+  packed by heads, ``c_fc`` by columns, both ``c_proj`` by rows; embeddings, norms and the LM head
+  whole on both tp ranks), priced by ``LayoutSearch.plan(Option(..., tp=2))`` (one tp rank's
+  stage); ``replicate`` is its tp 1 (``--tp`` runs the two).
 
 Every rank plans the model on ``meta`` with ``partitioner.search.LayoutSearch`` (the plan it
 trains is the one priced, so measurement and prediction share the cut), so the trainer
@@ -59,7 +67,7 @@ import statistics
 import time
 import warnings
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -71,21 +79,36 @@ from partitioner import Cluster
 from partitioner.plan.layout import Option
 from partitioner.search import LayoutSearch
 from partitioner.zoo import gpt2
-from runtime import DataParallel, Execution, Init, PipelineTrainer
+from runtime import DataParallel, Execution, Init, PipelineTrainer, TensorParallel
 from runtime.parallel.clipping import local_shard
 from runtime.parallel.fsdp import FSDPReplicas, _fsdp_params
+from runtime.parallel.tensor import DERIVED_PLANS
 from runtime.state.materialize import empty_weights
 
-__all__ = ["ENGINES", "QUICK", "FULL", "run_engine"]
+__all__ = ["Engine", "ENGINES", "DP_ENGINES", "TP_ENGINES", "QUICK", "FULL", "run_engine"]
 
 DP, PP, SCHEDULE = 2, 2, "1f1b"
-# name -> (DataParallel keywords, the sharding the trainer's plan is cut for, the sharding it is priced as)
-ENGINES: dict[str, tuple[dict[str, Any], str, str]] = {
-    "replicate": ({}, "none", "none"),
-    "replicate + ZeRO-1": ({"shard_optimizer": True}, "zero1", "zero1"),
-    "fsdp": ({"engine": "fsdp", "reshard_after_forward": True}, "fsdp", "fsdp"),
-    "fsdp kept gathered": ({"engine": "fsdp", "reshard_after_forward": False}, "fsdp", "zero1"),
+
+
+class Engine(NamedTuple):
+    """How one configuration trains: ``dp x PP x tp`` = 4 processes."""
+
+    data_parallel: dict[str, Any]  # DataParallel keywords
+    cut_for: str  # the sharding the trainer's plan is cut for
+    priced_as: str  # the sharding it is priced as
+    dp: int = DP
+    tp: int = 1
+
+
+ENGINES: dict[str, Engine] = {
+    "replicate": Engine({}, "none", "none"),
+    "replicate + ZeRO-1": Engine({"shard_optimizer": True}, "zero1", "zero1"),
+    "fsdp": Engine({"engine": "fsdp", "reshard_after_forward": True}, "fsdp", "fsdp"),
+    "fsdp kept gathered": Engine({"engine": "fsdp", "reshard_after_forward": False}, "fsdp", "zero1"),
+    "tp 2": Engine({}, "none", "none", dp=1, tp=2),
 }
+DP_ENGINES = ("replicate", "replicate + ZeRO-1", "fsdp", "fsdp kept gathered")  # --engines
+TP_ENGINES = ("replicate", "tp 2")  # --engines --tp: tp 1 and tp 2 at the same pp
 # --quick (the test suite's smoke run): three engines, three spawns of 4 fresh processes.
 QUICK_ENGINES = ("replicate", "replicate + ZeRO-1", "fsdp")
 # The model and batch: GPT-2 weights dominate a rank's memory (16.5 M parameters a stage, 264 MB
@@ -146,7 +169,7 @@ def run_engine(rank: int, world: int, cfg: dict[str, Any], name: str, traced: bo
     gen = torch.Generator().manual_seed(7)  # the same global batch on every rank
     x = torch.randint(0, cfg["vocab"], (batch, cfg["seq"]), generator=gen)  # (B, T)
     y = torch.randint(0, cfg["vocab"], (batch, cfg["seq"]), generator=gen)
-    found = LayoutSearch(model, (x[:b],), cluster=Cluster.uniform(DP * PP, "cpu"), global_batch=batch,
+    found = LayoutSearch(model, (x[:b],), cluster=Cluster.uniform(world, "cpu"), global_batch=batch,
                          recompute=False)
     plan_s = time.perf_counter() - t0
     return {"rank": rank, **_measure(found, name, cfg, x, y, traced), "idle_rss": idle, "plan_s": plan_s,
@@ -155,11 +178,11 @@ def run_engine(rank: int, world: int, cfg: dict[str, Any], name: str, traced: bo
 
 def _measure(found: LayoutSearch, name: str, cfg: dict[str, Any], x: torch.Tensor, y: torch.Tensor,
              traced: bool) -> dict[str, Any]:
-    dp_kw, cut_zero, priced_zero = ENGINES[name]
+    dp_kw, cut_zero, priced_zero, dp, tp = ENGINES[name]
 
     def option(zero: str) -> Option:
-        return Option(dp=DP, pp=PP, schedule=SCHEDULE, microbatch_size=cfg["micro_batch"], zero=zero,
-                      global_batch=cfg["batch"])
+        return Option(dp=dp, pp=PP, schedule=SCHEDULE, microbatch_size=cfg["micro_batch"], zero=zero,
+                      global_batch=cfg["batch"], tp=tp)
 
     layout = found.price(option(priced_zero))
     priced = found.plan(option(priced_zero)).stages
@@ -176,7 +199,9 @@ def _measure(found: LayoutSearch, name: str, cfg: dict[str, Any], x: torch.Tenso
             trainer = PipelineTrainer(
                 plan, _lm_loss, lambda ps: torch.optim.AdamW(ps, lr=1e-4),
                 execution=Execution(schedule=SCHEDULE, transport="dist"), init=Init(seed=0),
-                data_parallel=DataParallel(size=DP, **dp_kw),
+                data_parallel=DataParallel(size=dp, **dp_kw),
+                # The zoo's GPT-2 wraps the Hugging Face one (no config of its own): pipecut's plan, given.
+                tensor_parallel=TensorParallel(size=tp, plan=DERIVED_PLANS["gpt2"] if tp > 1 else None),
             )
         built = _status()
         whole_grads = _count_whole_grads(trainer)
@@ -212,7 +237,8 @@ def _measure(found: LayoutSearch, name: str, cfg: dict[str, Any], x: torch.Tenso
     # rank keeps beside its stage (under FSDP, the whole tensors materialised before sharding, say).
     stray = {q.untyped_storage().data_ptr(): q.untyped_storage().nbytes() for q in _stray(plan, trainer)}
     res = {
-        "dp_rank": trainer.mesh.dp_rank, "pp_rank": trainer.mesh.pp_rank, "stages": stage,
+        "dp_rank": trainer.mesh.dp_rank, "pp_rank": trainer.mesh.pp_rank, "tp_rank": trainer.mesh.tp_rank,
+        "stages": stage,
         "rss": {"baseline": base, "after_build": built["VmRSS"], "after_steps": after["VmRSS"], "peak": max(peaks)},
         "peak_bytes": max(peaks) - base,
         "after_build_bytes": built["VmRSS"] - base,
@@ -324,26 +350,28 @@ def _count_whole_grads(trainer: PipelineTrainer) -> list[int]:
 
 
 def run_all(cfg: dict[str, Any], *, timeout: float, names: Sequence[str] = tuple(ENGINES)) -> dict[str, Any]:
-    """The configurations ``names`` of :data:`ENGINES` on ``DP * PP`` fresh processes each; the summary."""
+    """The configurations ``names`` of :data:`ENGINES` on ``dp * PP * tp`` (4) fresh processes each; the summary."""
     from runtime.transport.launch import spawn
 
     phases: dict[str, float] = {}
     ranks: dict[str, list[dict[str, Any]]] = {}
     for name in names:
         t = time.perf_counter()
+        world = ENGINES[name].dp * PP * ENGINES[name].tp
         if cfg["tensor_pass"] == "separate":
-            rows = spawn(run_engine, DP * PP, cfg, name, False, timeout=timeout, threads=1)
-            traced = spawn(run_engine, DP * PP, cfg, name, True, timeout=timeout, threads=1)
+            rows = spawn(run_engine, world, cfg, name, False, timeout=timeout, threads=1)
+            traced = spawn(run_engine, world, cfg, name, True, timeout=timeout, threads=1)
             for r, tr in zip(rows, traced):
                 assert r["stages"] == tr["stages"], (name, r["stages"], tr["stages"])
                 r.update({k: v for k, v in tr.items() if k.startswith("tensor_")}, traced_peak_bytes=tr["peak_bytes"],
                          traced_step_s=tr["step_s"])
         else:
-            rows = spawn(run_engine, DP * PP, cfg, name, True, timeout=timeout, threads=1)
+            rows = spawn(run_engine, world, cfg, name, True, timeout=timeout, threads=1)
         ranks[name] = rows
         phases[name] = time.perf_counter() - t
     return {"config": {**cfg, "dp": DP, "pp": PP, "schedule": SCHEDULE, "optimizer": "AdamW(lr=1e-4)",
-                       "engines": {k: {"data_parallel": v[0], "plan_cut_for": v[1], "priced_as": v[2]}
+                       "engines": {k: {"data_parallel": v.data_parallel, "plan_cut_for": v.cut_for,
+                                       "priced_as": v.priced_as, "dp": v.dp, "pp": PP, "tp": v.tp}
                                    for k, v in ENGINES.items() if k in names}},
             "ranks": ranks, "summary": _summary(ranks), "phases_s": phases}
 
@@ -368,7 +396,10 @@ def _summary(ranks: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         }
         if base:
             out[name]["max_peak_vs_replicate"] = peak / max(r["peak_bytes"] for r in base)
-            out[name]["param_bytes_vs_replicate"] = [r["param_bytes"] / b["param_bytes"] for r, b in zip(rows, base)]
+            # Against replicate's rank holding the same stages (tp 2 places them on other ranks).
+            same = {tuple(b["stages"]): b for b in base}
+            out[name]["param_bytes_vs_replicate"] = [r["param_bytes"] / same[tuple(r["stages"])]["param_bytes"]
+                                                     for r in rows]
     return out
 
 
@@ -381,20 +412,22 @@ def print_table(res: dict[str, Any]) -> None:
         return "-" if x is None else f"{x / 2**20:.1f}"
 
     cfg = res["config"]
-    table = Table(title=(f"Peak memory per rank, {cfg['dp']} dp x {cfg['pp']} pp {cfg['schedule']} on 4 gloo "
+    table = Table(title=(f"Peak memory per rank, dp x {cfg['pp']} pp x tp (layout) {cfg['schedule']} on 4 gloo "
                          "processes: "
                          f"GPT-2 {cfg['n_layer']} layers x {cfg['n_embd']}, vocab {cfg['vocab']}, seq {cfg['seq']}, "
                          f"batch {cfg['batch']} in micro-batches of {cfg['micro_batch']}, {cfg['optimizer']}, "
                          f"{cfg['steps']} steps (MiB)"
                          + (f", MALLOC_MMAP_THRESHOLD_={cfg['malloc_mmap_threshold']}"
                             if cfg.get("malloc_mmap_threshold") is not None else "")), title_justify="left")
-    for col in ("engine", "rank", "stage", "peak", "peak before opt", "tensor peak", "tensors at step start",
+    for col in ("engine", "layout", "rank", "stage", "peak", "peak before opt", "tensor peak", "tensors at step start",
                 "predicted", "peak / pred", "tensor / pred", "params at rest", "grads after step",
                 "whole grad in step", "optimizer", "stray (model)", "after build", "step s"):
         table.add_column(col, justify="left" if col == "engine" else "right")
     for name, rows in res["ranks"].items():
+        eng = cfg["engines"][name]
         for r in rows:
-            table.add_row(name, str(r["rank"]), ",".join(map(str, r["stages"])), mib(r["peak_bytes"]),
+            table.add_row(name, f"{eng['dp']}x{eng['pp']}x{eng['tp']}", str(r["rank"]), ",".join(map(str, r["stages"])),
+                          mib(r["peak_bytes"]),
                           mib(r["peak_before_optimizer_bytes"]), mib(r["tensor_peak_bytes"]),
                           mib(r["tensor_live_at_step_start_bytes"]),
                           mib(r["predicted_bytes"]), f"{r['peak_bytes'] / r['predicted_bytes']:.2f}",

@@ -7,15 +7,24 @@ Run (CPU, 4 gloo processes of one thread each; writes ``benchmarks/results/layou
         --vocab 2048 --seq 64 --batch 16 --microbatch-sizes 1,2,4 --schedules 1f1b,zbh1,interleaved,zbv,gpipe  # same
     python benchmarks/layout.py --quick --out /tmp/layout.json   # a tiny GPT-2, 5 layouts, 30 s to a minute
     python benchmarks/layout.py --cli-calibrate   # priced on `pipecut calibrate --model ...`'s file: layout_cli.json
+    python benchmarks/layout.py --calibrate --tp 1,2 --schedules 1f1b,zbh1,interleaved --timeout 1800  # 48 layouts,
+        # 15 of them tp 2: layout_tp.json; 24 minutes at load 7-33 (steps 21 of them), idle: not yet timed
+    python benchmarks/layout.py --quick --tp 1,2 --out /tmp/layout_tp.json   # 8 layouts, 3 of them tp 2, a minute
 
-Legend: ``dp`` replicas, ``pp`` ranks per pipeline (``dp * pp = 4``), ``b`` rows per micro-batch,
+Legend: ``dp`` replicas, ``pp`` ranks per pipeline, ``tp`` processes per pipeline rank (``dp * pp * tp = 4``;
+``tp`` 1 unless ``--tp`` names more), ``b`` rows per micro-batch,
 ``m = B / (dp * b)`` micro-batches per step and replica, ``B`` the global batch (sequences), ``S``
 stages (``2 * pp`` for ``'interleaved'`` and ``'zbv'``, else ``pp``).
 
 A *layout* (:class:`Layout`) is ``(dp, pp, schedule, b, zero)``: every one that the global batch
 divides into whole micro-batches is run; a one-rank pipeline (``pp = 1``) runs ``'1f1b'`` only
 (its schedules are all plain gradient accumulation), and ``zero = 'zero1'`` (ZeRO-style optimizer
-sharding, ``DataParallel(shard_optimizer=True)``) only where ``dp > 1``.
+sharding, ``DataParallel(shard_optimizer=True)``) only where ``dp > 1``. With ``--tp 1,2`` the layouts
+of ``tp = 2`` join them (``dp1 pp2 tp2 ...`` and ``dp2 pp1 tp2 ...``): each pipeline rank is 2
+processes, its stages split over them (``TensorParallel(size=2)``, pipecut's GPT-2 plan), the plan
+the one the planner prices at tp 2 (``Option(..., tp=2)``: no cut inside a column/row pair). On
+the default model, schedules 1f1b, zbh1 and interleaved and ``b`` in 1, 2, 4 give 33 layouts at tp
+1 and 15 at tp 2, 48 in all.
 
 How the three columns are made:
 
@@ -47,7 +56,10 @@ How the three columns are made:
 Reported, for every layout: predicted and measured seconds, their ratio, measured tokens per second,
 and the rank of each (1 = fastest); then the issue's three targets: the planner's choice within 10%
 of the measured best, the median ``|predicted / measured - 1|`` at most 0.15, and the Spearman rank
-correlation of predicted and measured step times at least 0.8.
+correlation of predicted and measured step times at least 0.8. With ``--tp``, each tp size's rows on
+their own too (``summary.by_tp``: their median error, median ``pred / meas``, Spearman, measured
+and predicted best), and the tp all-reduce the planner prices beside gloo's, timed on the job's
+own tp groups (``tp_allreduce``, ``benchmarks/_tp_allreduce.py``).
 """
 
 from __future__ import annotations
@@ -76,25 +88,25 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 from _common import int_list, load_before, run_env, step_times, write_result  # noqa: E402
+from _layout_stats import CHOICE_WITHIN, MEDIAN_ERROR_AT_MOST, SPEARMAN_AT_LEAST, errors, ranks, targets  # noqa: E402
+from _tp_allreduce import activation_bytes, measure, priced  # noqa: E402
 from layout_model import CONFIGS, calibrate_with_cli, factory_for  # noqa: E402
 from layout_model import build as build_model  # noqa: E402
-from partitioner import Cluster, LayoutSearch, Plan  # noqa: E402
+from partitioner import Cluster, LayoutSearch, LayoutSpace, Plan  # noqa: E402
 from partitioner.plan.layout import Option  # noqa: E402
 from partitioner.schedule.registry import TRAINING_SCHEDULES, stages_per_rank  # noqa: E402
-from runtime import DataParallel, Execution, PipelineTrainer  # noqa: E402
+from runtime import DataParallel, Execution, PipelineTrainer, TensorParallel  # noqa: E402
 from runtime.overheads import calibrate_job  # noqa: E402
+from runtime.parallel.tensor import DERIVED_PLANS  # noqa: E402
 from runtime.transport.launch import spawn  # noqa: E402
 
 __all__ = [
-    "Layout", "layouts", "option", "layout_plan", "predicted_step_time", "planner_choice", "PREDICTOR",
-    "ranks", "spearman", "median_abs_error", "targets", "main",
+    "Layout", "layouts", "option", "layout_plan", "predicted_step_time", "planner_choice", "PREDICTOR", "main",
 ]
 
 PROCESSES = 4
 ZERO = ("none", "zero1")
 RTOL = 1e-4  # first-step loss against the plain model's
-# The issue's targets: choice within 10% of the best; median |pred / meas - 1| <= 0.15; Spearman >= 0.8.
-CHOICE_WITHIN, MEDIAN_ERROR_AT_MOST, SPEARMAN_AT_LEAST = 0.10, 0.15, 0.8
 PREDICTOR = (
     "partitioner.LayoutSearch(model, (one row,), cluster=CLUSTER, global_batch=B): .plan(layout).layout.step_time "
     "(the exact cut, the simulated pipeline, the dp exchange the drain leaves, the optimizer step); choice: "
@@ -105,15 +117,19 @@ _QUICK = ["--rounds", "2", "--warmup", "1", "--consecutive", "2",
           *(f for k, v in CONFIGS["model_quick"].items() for f in (f"--{k.replace('_', '-')}", str(v))),
           "--batch", "8", "--microbatch-sizes", "2", "--schedules", "1f1b"]
 _MODEL = CONFIGS["model"]
+TP_PLAN = DERIVED_PLANS["gpt2"]  # c_attn packed by heads, c_fc by columns, both c_proj by rows
 
 
 @dataclass(frozen=True)
 class Layout:
-    """How the 4 processes train one global batch: ``dp`` replicas of a ``pp``-rank pipeline.
+    """How the 4 processes train one global batch: ``dp`` replicas of a ``pp``-rank pipeline, each
+    rank ``tp`` processes wide (its stages split over them; the name shows ``tp`` when it is > 1).
 
     Example:
         >>> Layout(2, 2, "interleaved", 2, 4, "zero1").name, Layout(2, 2, "interleaved", 2, 4).stages
         ('dp2 pp2 interleaved b2 m4 zero1', 4)
+        >>> Layout(1, 2, "1f1b", 2, 8, tp=2).name
+        'dp1 pp2 tp2 1f1b b2 m8 none'
     """
 
     dp: int
@@ -122,10 +138,12 @@ class Layout:
     microbatch_size: int  # b, rows per micro-batch
     microbatches: int  # m, per step and replica
     zero: str = "none"  # 'none' or 'zero1' (optimizer state sharded over dp)
+    tp: int = 1  # processes per pipeline rank (tensor parallelism)
 
     @property
     def name(self) -> str:
-        return f"dp{self.dp} pp{self.pp} {self.schedule} b{self.microbatch_size} m{self.microbatches} {self.zero}"
+        t = f" tp{self.tp}" if self.tp > 1 else ""
+        return f"dp{self.dp} pp{self.pp}{t} {self.schedule} b{self.microbatch_size} m{self.microbatches} {self.zero}"
 
     @property
     def stages(self) -> int:
@@ -134,24 +152,29 @@ class Layout:
 
 
 def layouts(
-    processes: int, global_batch: int, microbatch_sizes: Sequence[int], schedules: Sequence[str] = TRAINING_SCHEDULES
+    processes: int, global_batch: int, microbatch_sizes: Sequence[int], schedules: Sequence[str] = TRAINING_SCHEDULES,
+    tp_sizes: Sequence[int] = (1,),
 ) -> list[Layout]:
-    """Every layout of ``processes`` ranks that trains ``global_batch`` rows in whole micro-batches.
+    """Every layout of ``processes`` ranks (``dp * pp * tp``, ``tp`` among ``tp_sizes``) that trains
+    ``global_batch`` rows in whole micro-batches.
 
     Example:
         >>> [x.name for x in layouts(2, 4, [2], ["1f1b", "gpipe"])]
         ['dp1 pp2 1f1b b2 m2 none', 'dp1 pp2 gpipe b2 m2 none', 'dp2 pp1 1f1b b2 m1 none', 'dp2 pp1 1f1b b2 m1 zero1']
+        >>> [x.name for x in layouts(2, 4, [2], ["1f1b"], tp_sizes=[2])]
+        ['dp1 pp1 tp2 1f1b b2 m2 none']
     """
     out = []
-    for dp in (d for d in range(1, processes + 1) if processes % d == 0):
-        pp = processes // dp
-        for b in microbatch_sizes:
-            if global_batch % (dp * b):
-                continue
-            m = global_batch // (dp * b)
-            for schedule in schedules if pp > 1 else schedules[:1]:
-                for zero in ZERO if dp > 1 else ZERO[:1]:
-                    out.append(Layout(dp, pp, schedule, b, m, zero))
+    for tp in (t for t in tp_sizes if processes % t == 0):
+        for dp in (d for d in range(1, processes // tp + 1) if processes // tp % d == 0):
+            pp = processes // (tp * dp)
+            for b in microbatch_sizes:
+                if global_batch % (dp * b):
+                    continue
+                m = global_batch // (dp * b)
+                for schedule in schedules if pp > 1 else schedules[:1]:
+                    for zero in ZERO if dp > 1 else ZERO[:1]:
+                        out.append(Layout(dp, pp, schedule, b, m, zero, tp))
     return out
 
 
@@ -160,7 +183,7 @@ def layouts(
 
 def option(layout: Layout, global_batch: int) -> Option:
     """The planner's name for ``layout``."""
-    return Option(layout.dp, layout.pp, layout.schedule, layout.microbatch_size, layout.zero, global_batch)
+    return Option(layout.dp, layout.pp, layout.schedule, layout.microbatch_size, layout.zero, global_batch, layout.tp)
 
 
 def layout_plan(search: LayoutSearch, layout: Layout) -> Plan:
@@ -180,99 +203,20 @@ def planner_choice(search: LayoutSearch, space: Sequence[Layout]) -> str:
     """The layout ``plan_layout`` picks over the benchmark's space, by the benchmark's name.
 
     The search prices every schedule on a one-rank pipeline too (1F1B, ZB-H1 and GPipe are the same
-    run there); the benchmark runs that run once, under the space's one schedule for ``pp = 1``.
+    run there); the benchmark runs that run once, under the space's one schedule for ``pp = 1``. The
+    tp sizes are the space's, given explicitly (the ``'cpu'`` preset and a measured host name no node
+    size, so the search tries tp 1 alone unless told).
     """
     schedules = sorted({lay.schedule for lay in space}, key=TRAINING_SCHEDULES.index)
     sizes = sorted({lay.microbatch_size for lay in space})
     zero = [z for z in ZERO if any(lay.zero == z for lay in space)]  # the shardings the benchmark runs
-    plan = search.run(schedules=schedules, microbatch_sizes=sizes, zero=zero, prune=False)
+    tps = sorted({lay.tp for lay in space})
+    plan = search.run(LayoutSpace(schedules=schedules, microbatch_sizes=sizes, zero=zero, tp_sizes=tps, prune=False))
     lay = plan.layout
     assert lay is not None
     single = next((x.schedule for x in space if x.pp == 1), lay.schedule)
     return Layout(lay.dp, lay.pp, single if lay.pp == 1 else lay.schedule, lay.microbatch_size, lay.microbatches,
-                  lay.zero).name
-
-
-# -- statistics (pure) ---------------------------------------------------------------------------------
-# Written here rather than taken from scipy.stats: scipy is not a dependency of the project.
-
-
-def ranks(values: Sequence[float]) -> list[float]:
-    """1-based ranks, smallest first; tied values share the mean of the ranks they span.
-
-    Example:
-        >>> ranks([0.3, 0.1, 0.2, 0.1])
-        [4.0, 1.5, 3.0, 1.5]
-    """
-    order = sorted(range(len(values)), key=lambda i: values[i])
-    out = [0.0] * len(values)
-    i = 0
-    while i < len(order):
-        j = i
-        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
-            j += 1
-        for k in order[i:j + 1]:
-            out[k] = (i + j) / 2 + 1
-        i = j + 1
-    return out
-
-
-def spearman(x: Sequence[float], y: Sequence[float]) -> float:
-    """Spearman's rank correlation: Pearson's over the tie-averaged ranks; NaN when either side is constant.
-
-    Raises:
-        ValueError: ``x`` and ``y`` differ in length or hold fewer than two values.
-
-    Example:
-        >>> spearman([1, 2, 3, 4], [10, 20, 30, 40]), spearman([1, 2, 3], [3, 2, 1])
-        (1.0, -1.0)
-    """
-    if len(x) != len(y) or len(x) < 2:
-        raise ValueError(f"spearman needs two sequences of equal length >= 2, got {len(x)} and {len(y)} values")
-    rx, ry = ranks(x), ranks(y)
-    mx, my = statistics.fmean(rx), statistics.fmean(ry)
-    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
-    vx, vy = sum((a - mx) ** 2 for a in rx), sum((b - my) ** 2 for b in ry)
-    return cov / math.sqrt(vx * vy) if vx and vy else math.nan
-
-
-def median_abs_error(predicted: Sequence[float], measured: Sequence[float]) -> float:
-    """The median of ``|predicted / measured - 1|``.
-
-    Example:
-        >>> median_abs_error([1.1, 0.5, 2.0], [1.0, 1.0, 1.0])
-        0.5
-    """
-    return statistics.median(abs(p / m - 1) for p, m in zip(predicted, measured, strict=True))
-
-
-def targets(predicted: dict[str, float], measured: dict[str, float], choice: str) -> dict[str, Any]:
-    """The issue's three figures and whether each meets its target.
-
-    Args:
-        predicted, measured: seconds per step, by layout name (the same names).
-        choice: the planner's layout.
-
-    Example:
-        >>> t = targets({"a": 1.0, "b": 2.0, "c": 3.0}, {"a": 1.2, "b": 1.0, "c": 3.0}, "a")
-        >>> t["choice_measured_rank"], round(t["choice_vs_best"], 3), t["choice_within_10pct"], t["spearman"]
-        (2, 0.2, False, 0.5)
-    """
-    if predicted.keys() != measured.keys() or choice not in measured:
-        raise ValueError(f"predicted and measured must name the same layouts, and the choice {choice!r} one of them")
-    names = list(measured)
-    pred, meas = [predicted[n] for n in names], [measured[n] for n in names]
-    best = min(meas)
-    by_measured = sorted(names, key=lambda n: measured[n])
-    vs_best = measured[choice] / best - 1
-    error = median_abs_error(pred, meas)
-    rho = spearman(pred, meas)
-    return {
-        "choice": choice, "measured_best": by_measured[0], "choice_measured_rank": by_measured.index(choice) + 1,
-        "layouts": len(names), "choice_vs_best": vs_best, "choice_within_10pct": vs_best <= CHOICE_WITHIN,
-        "median_abs_error": error, "median_abs_error_ok": error <= MEDIAN_ERROR_AT_MOST,
-        "spearman": None if math.isnan(rho) else rho, "spearman_ok": rho >= SPEARMAN_AT_LEAST,
-    }
+                  lay.zero, lay.tp).name
 
 
 # -- the measured side -----------------------------------------------------------------------------------
@@ -337,17 +281,26 @@ def _data(cfg: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _trainer(plan: Plan, layout: Layout, meshes: dict[tuple[int, int], Any], timeout: float) -> PipelineTrainer:
     """A trainer of ``layout`` on its own copy of the model; replicas on one DeviceMesh per ``(dp, pp)`` shape
-    (layouts run one at a time, so those of one shape share its process groups: fewer gloo contexts)."""
-    if layout.dp > 1 and (layout.dp, layout.pp) not in meshes:
-        from torch.distributed.device_mesh import init_device_mesh
+    (layouts run one at a time, so those of one shape share its process groups: fewer gloo contexts).
+    A tp layout's trainer builds its own ``("dp", "pp", "tp")`` mesh from the sizes (it refuses a given one).
+    The tp plan is pipecut's own GPT-2 plan, given: the zoo's model wraps the Hugging Face one
+    (``CausalLMLogits``, no ``config`` of its own), so the trainer would not find it by itself."""
+    zero1 = layout.zero == "zero1"
+    if layout.tp > 1:
+        dp = DataParallel(size=layout.dp, shard_optimizer=zero1)
+    elif layout.dp > 1:
+        if (layout.dp, layout.pp) not in meshes:
+            from torch.distributed.device_mesh import init_device_mesh
 
-        meshes[layout.dp, layout.pp] = init_device_mesh("cpu", (layout.dp, layout.pp), mesh_dim_names=("dp", "pp"))
-    dp = (DataParallel(mesh=meshes[layout.dp, layout.pp], shard_optimizer=layout.zero == "zero1")
-          if layout.dp > 1 else DataParallel(size=1))
+            meshes[layout.dp, layout.pp] = init_device_mesh("cpu", (layout.dp, layout.pp),
+                                                            mesh_dim_names=("dp", "pp"))
+        dp = DataParallel(mesh=meshes[layout.dp, layout.pp], shard_optimizer=zero1)
+    else:
+        dp = DataParallel(size=1)
     return PipelineTrainer(plan, _lm_loss, lambda ps: torch.optim.AdamW(ps, lr=1e-4),
                            execution=Execution(schedule=layout.schedule, microbatches=layout.microbatches,
                                                transport="dist", timeout=timeout),
-                           data_parallel=dp)
+                           data_parallel=dp, tensor_parallel=TensorParallel(size=layout.tp, plan=TP_PLAN))
 
 
 def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -381,6 +334,12 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         trainers[layout.name] = _trainer(plan, layout, meshes, cfg["timeout"])
         build_s[layout.name] = (t1 - t0, time.perf_counter() - t1)
     choice = planner_choice(search, todo) if rank == 0 else ""
+    tp_allreduce = {}  # per tp size: the planner's all-reduce beside gloo's on the job's tp groups
+    sizes = activation_bytes(cfg["microbatch_sizes"], cfg["seq"], cfg["n_embd"])
+    for tp in sorted({lay.tp for lay in todo} - {1}):
+        group = next(trainers[lay.name] for lay in todo if lay.tp == tp).mesh.tp_group
+        tp_allreduce[tp] = {"bytes": sizes, "measured_s": list(measure(group, sizes).values()),
+                            "priced_s": list(priced(search.cluster, tp, sizes).values())}
     # A job holds one trainer; this one holds them all, and Python's full collections would scan
     # every one of them during the timed steps: set what was built aside from the collector.
     gc.collect()
@@ -412,7 +371,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     phases["steps"] = time.perf_counter()
     marks = list(phases.values())
     return {"spans": spans, "predicted": predicted, "choice": choice, "build_s": build_s, "first_loss": first_loss,
-            "fitted": fitted, "beside": beside,
+            "fitted": fitted, "beside": beside, "tp_allreduce": tp_allreduce,
             "reference_loss": float(want),
             "phases_s": {k: b - a for k, a, b in zip(list(phases)[1:], marks, marks[1:])}}
 
@@ -464,6 +423,13 @@ def _print(cfg: dict[str, Any], rows: list[dict[str, Any]], summary: dict[str, A
                   f"{MEDIAN_ERROR_AT_MOST}: {ok[summary['median_abs_error_ok']]}")
     console.print(f"Spearman rank correlation: {'n/a' if rho is None else f'{rho:.3f}'}; target >= "
                   f"{SPEARMAN_AT_LEAST}: {ok[summary['spearman_ok']]}")
+    for tp, e in summary.get("by_tp", {}).items():  # each tp size's rows on their own
+        if e["layouts"]:
+            r = e["spearman"]
+            console.print(f"{tp} rows alone ({e['layouts']}): median |pred/meas - 1| {e['median_abs_error']:.3f}, "
+                          f"median pred/meas {e['median_pred_over_meas']:.2f}, Spearman "
+                          f"{'n/a' if r is None else f'{r:.3f}'}; measured best {e['measured_best']}, predicted best "
+                          f"{e['predicted_best']}")
 
 
 def _print_beside(summary: dict[str, Any]) -> None:
@@ -493,6 +459,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=16, help="global batch (sequences), the same in every layout")
     ap.add_argument("--microbatch-sizes", type=int_list, default=[1, 2, 4], help="b values to try, e.g. 1,2,4")
     ap.add_argument("--schedules", default=",".join(TRAINING_SCHEDULES), help="schedules to try (pp > 1)")
+    ap.add_argument("--tp", type=int_list, default=[1], help="tensor-parallel sizes to try, e.g. 1,2 (each divides "
+                    f"the {PROCESSES} processes and the heads); with a size > 1 the result is layout_tp.json")
     ap.add_argument("--quick", action="store_true", help="shorthand for a smoke test: " + " ".join(_QUICK))
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds for the whole run")
     ap.add_argument("--cluster", default=None, help="a cluster JSON to price on (pipecut calibrate --devices 4 "
@@ -510,19 +478,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args = ap.parse_args(_QUICK + cli)
     if args.out is None:
-        args.out = str(ROOT / "benchmarks" / "results" / ("layout_cli.json" if args.cli_calibrate else "layout.json"))
+        name = "layout_cli" if args.cli_calibrate else "layout"
+        args.out = str(ROOT / "benchmarks" / "results" / f"{name}{'_tp' if max(args.tp) > 1 else ''}.json")
     schedules = [s for s in args.schedules.split(",") if s]
     unknown = sorted(set(schedules) - set(TRAINING_SCHEDULES))
     if unknown or args.rounds < 1 or args.warmup < 1 or args.consecutive < 1:
         ap.error(f"need --rounds >= 1, --warmup >= 1, --consecutive >= 1 and schedules among "
                  f"{', '.join(TRAINING_SCHEDULES)} (unknown: {unknown})")
-    todo = layouts(PROCESSES, args.batch, args.microbatch_sizes, schedules)
+    bad_tp = [t for t in args.tp if t < 1 or PROCESSES % t or args.n_head % t]
+    if bad_tp or not args.tp:
+        ap.error(f"--tp {args.tp}: each size must divide the {PROCESSES} processes and the {args.n_head} heads "
+                 f"(offending: {bad_tp}); e.g. --tp 1,2")
+    todo = layouts(PROCESSES, args.batch, args.microbatch_sizes, schedules, sorted(set(args.tp)))
     if len(todo) < 2:
         ap.error(f"--batch {args.batch} and --microbatch-sizes {args.microbatch_sizes} give {len(todo)} layout(s); "
                  "a ranking needs at least two")
     keys = ("rounds", "warmup", "consecutive", "n_layer", "n_embd", "n_head", "vocab", "seq", "batch",
             "microbatch_sizes", "cluster")
     cfg = {k: getattr(args, k) for k in keys}
+    cfg["tp_sizes"] = sorted(set(args.tp))
     cfg.update(schedules=schedules, layouts=[asdict(lay) for lay in todo],
                timeout=min(300.0, args.timeout))  # a peer waited on longer than this has failed
 
@@ -542,12 +516,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"calibrated through the command line in {cli_run['wall_s']:.0f} s: {cli_run['command']}")
     if args.calibrate:
         cfg["cluster"] = str(Path(args.out).with_suffix(".cluster.json"))
-        measured = calibrate(cfg, cfg["cluster"])
-        dev = measured.devices[0]
+        host = calibrate(cfg, cfg["cluster"])
+        dev = host.devices[0]
         print(f"calibrated: {dev.peak_flops_fp32 / 1e9:.0f} GFLOP/s fp32, {dev.mem_bandwidth / 1e9:.1f} GB/s, "
-              f"op overhead {dev.op_overhead * 1e6:.1f} us, link {measured.link_bandwidth[0] / 1e9:.2f} GB/s + "
-              f"{measured.link_latency[0] * 1e6:.0f} us, all-reduce "
-              f"{(measured.collective_bandwidth or 0) / 1e9:.2f} GB/s -> {cfg['cluster']}")
+              f"op overhead {dev.op_overhead * 1e6:.1f} us, link {host.link_bandwidth[0] / 1e9:.2f} GB/s + "
+              f"{host.link_latency[0] * 1e6:.0f} us, all-reduce "
+              f"{(host.collective_bandwidth or 0) / 1e9:.2f} GB/s -> {cfg['cluster']}")
     load = load_before(f"the {PROCESSES} processes")
     print(f"{len(todo)} layouts; building a trainer for each on every rank, then {args.warmup} + {args.rounds} rounds")
     ranks_out = spawn(_worker, PROCESSES, cfg, timeout=args.timeout, threads=1)
@@ -563,6 +537,9 @@ def main(argv: list[str] | None = None) -> int:
     predicted = ranks_out[0]["predicted"]
     measured = {name: statistics.median(ts) for name, ts in times.items()}
     summary = {"predictor": PREDICTOR, **targets(predicted, measured, ranks_out[0]["choice"])}
+    if max(cfg["tp_sizes"]) > 1:  # the tp rows' errors on their own, and the tp 1 rows' beside them
+        summary["by_tp"] = {f"tp{t}": errors(predicted, measured, [lay.name for lay in todo if lay.tp == t])
+                            for t in cfg["tp_sizes"]}
     rows = _rows(todo, predicted, times, cfg)
     _print(cfg, rows, summary)
     beside = ranks_out[0]["beside"]
@@ -571,6 +548,13 @@ def main(argv: list[str] | None = None) -> int:
         for row in rows:
             row["predicted_in_benchmark_fit_s"] = beside["predicted"][row["name"]]
         _print_beside(summary)
+    tp_allreduce = {f"tp{tp}": {**v, "measured_s": [max(r["tp_allreduce"][tp]["measured_s"][i] for r in ranks_out)
+                                                    for i in range(len(v["bytes"]))]}  # the slowest group's
+                    for tp, v in ranks_out[0]["tp_allreduce"].items()}
+    for tp, v in tp_allreduce.items():
+        print(f"{tp} all-reduce (one per block pair and micro-batch, each way), priced / measured on the tp groups: "
+              + ", ".join(f"{n // 1024} KiB {p * 1e6:.0f} / {m * 1e6:.0f} us"
+                          for n, p, m in zip(v["bytes"], v["priced_s"], v["measured_s"])))
     result = {
         "benchmark": "layout",
         "command": shlex.join(["python", "benchmarks/layout.py", *cli]),
@@ -581,6 +565,7 @@ def main(argv: list[str] | None = None) -> int:
         "env": run_env(load, t0),
         "summary": summary,
         "fitted": ranks_out[0]["fitted"],
+        "tp_allreduce": tp_allreduce,
         "cli_calibration": cli_run or None,
         "targets": {"choice_within": CHOICE_WITHIN, "median_abs_error_at_most": MEDIAN_ERROR_AT_MOST,
                     "spearman_at_least": SPEARMAN_AT_LEAST},

@@ -10,11 +10,15 @@ of free memory and 7 GB of disk; writes ``benchmarks/results/memory.json``)::
     python benchmarks/memory.py --engines   # the engines (below): ~5 minutes, results/memory_fsdp.json
     python benchmarks/memory.py --engines --quick --out /tmp/memory_fsdp.json   # a tiny GPT-2, 2-3 minutes
     python benchmarks/memory.py --engines --only "fsdp;replicate" --mmap-threshold 131072 --out /tmp/m.json
+    python benchmarks/memory.py --engines --tp   # tp 1 against tp 2 at pp 2: 6 minutes at load 30, memory_tp.json
+    python benchmarks/memory.py --engines --tp --quick --out /tmp/memory_tp.json   # a tiny GPT-2, about a minute
 
 ``--engines`` measures something else, each rank's peak under each data-parallel engine on one
 layout (2 dp x 2 pp, GPT-2, AdamW: replicated, ZeRO-1, FSDP2 resharding after forward and kept
 gathered, and FSDP2 with the whole stage weights it leaves alive dropped) beside the planner's
-prediction: ``benchmarks/_memory_engines.py`` says how. ``--only`` names the engines to run
+prediction: ``benchmarks/_memory_engines.py`` says how. ``--tp`` runs tensor parallelism against it
+at the same pp instead: ``replicate`` (2 dp x 2 pp, tp 1) and ``tp 2`` (1 dp x 2 pp x 2 tp), per rank
+its peak, tensor peak, prediction and step time side by side. ``--only`` names the engines to run
 (``;``-separated); ``--mmap-threshold`` fixes glibc's mmap threshold in the ranks
 (``MALLOC_MMAP_THRESHOLD_``): the default dynamic one rises after large frees, so freed tensor
 buffers stay in the heap and count in the RSS peak (the tensor peak is blind to it). The rest of
@@ -84,7 +88,7 @@ from torch import nn  # noqa: E402
 
 from _common import git_state, load_before, run_env, write_result  # noqa: E402
 from _common import proc_status as _status  # noqa: E402
-from _memory_engines import ENGINES, FULL, QUICK, QUICK_ENGINES, print_table, run_all  # noqa: E402
+from _memory_engines import DP_ENGINES, ENGINES, FULL, QUICK, QUICK_ENGINES, TP_ENGINES, print_table, run_all  # noqa: E402
 from partitioner import partition  # noqa: E402
 from partitioner.plan.plan import Plan  # noqa: E402
 from runtime import Execution, Init, PipelineTrainer  # noqa: E402
@@ -493,6 +497,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default=None, metavar="NAMES",
                     help="with --engines: only these engines, ';'-separated (one name holds a comma), e.g. "
                          "'fsdp;replicate'")
+    ap.add_argument("--tp", action="store_true",
+                    help="with --engines: tp 1 against tp 2 at the same pp ('replicate;tp 2'; the result "
+                         "memory_tp.json)")
     ap.add_argument("--mmap-threshold", type=int, default=None, metavar="BYTES",
                     help="with --engines: MALLOC_MMAP_THRESHOLD_ for the spawned processes (a fixed glibc mmap "
                          "threshold; default: unset, glibc's dynamic one)")
@@ -525,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _engines(args: argparse.Namespace, cli: list[str]) -> int:
     """``--engines``: run ``benchmarks/_memory_engines.py``'s configurations, print, write the JSON."""
-    names = QUICK_ENGINES if args.quick else tuple(ENGINES)
+    names = TP_ENGINES if args.tp else QUICK_ENGINES if args.quick else DP_ENGINES
     if args.only is not None:
         names = tuple(n.strip() for n in args.only.split(";") if n.strip())
         unknown = [n for n in names if n not in ENGINES]
@@ -551,7 +558,8 @@ def _engines(args: argparse.Namespace, cli: list[str]) -> int:
     meta = {"benchmark": "memory_engines", "command": shlex.join(["python", "benchmarks/memory.py", *cli]),
             "env": {_MMAP_ENV: threshold},
             **run_env(load, t0)}
-    write_result(args.out or ROOT / "benchmarks" / "results" / "memory_fsdp.json", {"meta": meta, **res})
+    default = "memory_tp.json" if args.tp else "memory_fsdp.json"
+    write_result(args.out or ROOT / "benchmarks" / "results" / default, {"meta": meta, **res})
     return 0
 
 

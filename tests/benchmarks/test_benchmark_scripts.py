@@ -158,11 +158,12 @@ def test_memory_quick(tmp_path: Path) -> None:
 
 
 # --engines --quick spawns 4 fresh processes per engine. The default profile runs the two it compares
-# (replicated, FSDP); ZeRO-1's sharded optimizer state is checked by tests/runtime/parallel/
+# (replicated, FSDP) and tensor parallelism at the same pp (tp 2: 1 dp x 2 pp x 2 tp, --tp's pair
+# with replicate); ZeRO-1's sharded optimizer state is checked by tests/runtime/parallel/
 # test_data_parallel.py, and here beside them in the long profile (--quick's three engines).
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("only", [["--only", "replicate;fsdp"], pytest.param([], marks=pytest.mark.long)],
-                         ids=["replicate-fsdp", "quick"])
+@pytest.mark.parametrize("only", [["--only", "replicate;fsdp;tp 2"], pytest.param([], marks=pytest.mark.long)],
+                         ids=["replicate-fsdp-tp", "quick"])
 def test_memory_engines_quick(tmp_path: Path, only: list[str]) -> None:
     # --engines: each rank's peak under each data-parallel engine on 2 dp x 2 pp (a tiny GPT-2).
     out = tmp_path / "memory_fsdp.json"
@@ -174,10 +175,22 @@ def test_memory_engines_quick(tmp_path: Path, only: list[str]) -> None:
     assert data["meta"]["benchmark"] == "memory_engines"
     assert data["meta"]["command"] == shlex.join(["python", "benchmarks/memory.py", *argv])  # --only's ; quoted
     ranks = data["ranks"]
-    engines = ["replicate", "fsdp"] if only else ["replicate", "replicate + ZeRO-1", "fsdp"]  # --quick: three
+    engines = ["replicate", "fsdp", "tp 2"] if only else ["replicate", "replicate + ZeRO-1", "fsdp"]  # --quick: 3
     assert list(ranks) == engines
     assert data["config"]["malloc_mmap_threshold"] == data["meta"]["env"]["MALLOC_MMAP_THRESHOLD_"] == "131072"
     whole = ranks["replicate"]
+    tp = ranks.pop("tp 2", None)
+    if tp is not None:  # 1 dp x 2 pp x 2 tp: ranks 0, 1 run stage 0 and 2, 3 stage 1, each holding its shards
+        assert data["config"]["engines"]["tp 2"] == {"data_parallel": {}, "plan_cut_for": "none", "priced_as": "none",
+                                                     "dp": 1, "pp": 2, "tp": 2}
+        assert [(r["stages"], r["tp_rank"]) for r in tp] == [([0], 0), ([0], 1), ([1], 0), ([1], 1)]
+        for r in tp:
+            assert r["predicted_bytes"] > 0 and r["peak_bytes"] > 0 and len(set(r["losses"])) > 1
+            assert 0 < r["tensor_live_at_step_start_bytes"] < r["tensor_peak_bytes"]
+            # Sharded weights: a rank holds less than its stage whole (its params are DTensors of the whole shapes).
+            assert r["param_bytes"] < 4 * r["param_numel_whole"] and r["optimizer_bytes"] == 2 * r["param_bytes"]
+        assert tp[0]["losses"] == tp[1]["losses"] and tp[0]["param_bytes"] == tp[1]["param_bytes"]
+        assert "median_step_s" in data["summary"]["tp 2"]
     for name, rows in ranks.items():
         assert [r["rank"] for r in rows] == [0, 1, 2, 3], name
         for r, w in zip(rows, whole):

@@ -363,23 +363,25 @@ def with_fit(cluster: Cluster, speed: float, overhead: float) -> Cluster:
 
 
 
-def _shared_cores_speedup(cluster: Cluster, processes: int, dp: int, busy: Sequence[float], step: float) -> float:
+def _shared_cores_speedup(cluster: Cluster, processes: int, copies: int, busy: Sequence[float], step: float) -> float:
     """How much faster the ranks compute than the cluster's figures say, when they share too few cores.
 
     A measured CPU cluster (``cluster.cores``: the cores its processes share) times compute with
     every process busy, each getting ``cores / processes`` of a core. A pipeline's ranks idle in its
-    bubble, ``k`` of them busy on average (every replica alike), and the busy ones get
-    ``min(1, cores / k)`` of a core instead.
+    bubble, ``k`` of them busy on average, each ``copies = dp x tp`` processes (replicas and a rank's
+    tp group compute alike): ``copies x k`` busy get ``min(1, cores / (copies x k))`` of a core.
 
     Example:
         >>> c = replace(Cluster.uniform(4, "cpu"), cores=2)
         >>> _shared_cores_speedup(c, 4, 1, [1.0, 1.0, 0.5, 0.5], 2.0)   # 1.5 busy of 4: a core each, not half
         2.0
+        >>> _shared_cores_speedup(c, 4, 2 * 2, [1.0], 1.0)  # dp 2 x tp 2 of one busy rank: all 4 busy
+        1.0
     """
     cores = cluster.cores
     if not cores or processes <= cores or step <= 0:
         return 1.0
-    busy_on_average = dp * sum(busy) / step
+    busy_on_average = copies * sum(busy) / step
     return min(1.0, cores / max(busy_on_average, 1e-9)) / (cores / processes)
 
 
@@ -549,7 +551,7 @@ class _Pricer:
                   if o.zero == "fsdp" else 0.0 for s, st in enumerate(plan.stages)]
         timed = [gathering(st, g, 1.0) for st, g in zip(plan.stages, gather)] if any(gather) else plan.stages
         sched, sim = simulate_stages(timed, stages, o.schedule, o.microbatches, built=built)
-        faster = _shared_cores_speedup(self.cluster, o.devices, o.dp, sim.busy, sim.step_time)
+        faster = _shared_cores_speedup(self.cluster, o.devices, o.dp * o.tp, sim.busy, sim.step_time)
         if faster > 1:  # idle ranks leave their share of the cores to the busy ones
             quick = [gathering(st, g, faster) for st, g in zip(plan.stages, gather)]
             sched, sim = simulate_stages(quick, stages, o.schedule, o.microbatches, built=built)

@@ -217,11 +217,21 @@ def assemble(plan: Plan, run: Run) -> Assembly:
     # Split over tp once real, before weight-gradient fusion, the replicas and the optimizer see the weights.
     layouts: dict[int, TensorParallelLayout] = {}
     if placement.mesh.tp > 1:
+        before: list[torch.nn.Parameter] = []
         for module in mine.values():
+            before += module.parameters()
             if isinstance(module, fx.GraphModule):
                 unshare_bodies(module)  # the rewrite must not reach the traced graph's bodies
         layouts = split_stages(mine, run.options.tensor_parallel.patterns(), model, placement.mesh.tp_mesh,
                                tied=staged.shared_params)
+        # A split weight is a new tensor (the rank's shard); a whole one a DTensor over the same storage,
+        # which stays. The planned model's tensors of the split ones go to meta, as FSDP's do.
+        live = {_storage(p) for module in mine.values() for p in module.parameters()}
+        released = release_whole_copies([model, gm], [p for p in before if _storage(p) not in live])
+        del before
+        plan.refresh_binding()
+        log.info("rank %d: tp split stages %s; %.1f MiB of whole weights released", rank, sorted(mine),
+                 released / 2**20)
     stages = stage_runtimes(staged, devices, fuse_wgrad=ex.fuse_wgrad)
     # Wrap for the replicas: tie the copies of shared weights, then the gradient exchange.
     tied = tie_copies(staged.shared_params, mine, devices, schedule.stage_to_rank,
@@ -262,3 +272,9 @@ def assemble(plan: Plan, run: Run) -> Assembly:
             timeout=ex.timeout,
         )
     return Assembly(placement, stages, ios, tied, replicas, layouts)
+
+
+def _storage(t: torch.Tensor) -> int:
+    """Where a tensor's (a ``DTensor``'s local tensor's) bytes are."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return int(local.untyped_storage().data_ptr())

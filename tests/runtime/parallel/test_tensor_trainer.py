@@ -113,7 +113,9 @@ def _case(
     for n, prm in trainer.named_parameters():
         got = prm.detach().full_tensor() if isinstance(prm, DTensor) else prm.detach()
         torch.testing.assert_close(got, want[n], **TOL, msg=lambda m, n=n: f"{n}: {m}")
+    planned = dict(plan.model.named_parameters(remove_duplicate=False))  # the split weights' whole tensors went
     return {"sharded": sharded, "checked": len(list(trainer.named_parameters())), "norms": norms,
+            "whole_left": [n for n in sharded if not planned[n].is_meta],
             "names": [n for n, _ in trainer.named_parameters()],
             "tp_rank": trainer.mesh.tp_rank, "pp_rank": trainer.mesh.pp_rank, "dp_rank": trainer.mesh.dp_rank,
             "stages": sorted(trainer.stages),
@@ -245,6 +247,7 @@ def test_2_tp_x_2_pp_trains_as_the_plain_model(runs: list[dict[str, Any]], case:
         # Of the 2 blocks this rank holds (of 4), split over tp: Llama's q, k, v, o, gate, up and
         # down; GPT-2's c_attn (weight, bias), attn.c_proj, c_fc (weight, bias), mlp.c_proj.
         assert len(got["sharded"]) == (6 if case.startswith("gpt2") else 7) * 2, got["sharded"]
+        assert got["whole_left"] == []  # released to meta: the rank holds its shards only
         if case.startswith("gpt2"):  # the tied embedding: the first stage's and the last stage's copy
             first, last = got["stages"][0] == 0, got["stages"][-1] == 2 * v - 1
             assert ("lm_head.weight" in got["names"], "transformer.wte.weight" in got["names"]) == (first, last)

@@ -220,8 +220,9 @@ def assemble(plan: Plan, run: Run) -> Assembly:
         for module in mine.values():
             if isinstance(module, fx.GraphModule):
                 unshare_bodies(module)  # the rewrite must not reach the traced graph's bodies
-        layouts = split_stages(mine, run.options.tensor_parallel.patterns(), model, placement.mesh.tp_mesh,
-                               tied=staged.shared_params)
+        tp = run.options.tensor_parallel
+        layouts = split_stages(mine, tp.patterns(), model, placement.mesh.tp_mesh, tied=staged.shared_params,
+                               vocab_last=run.num_stages - 1 if tp.vocab else None)
     stages = stage_runtimes(staged, devices, fuse_wgrad=ex.fuse_wgrad)
     # Wrap for the replicas: tie the copies of shared weights, then the gradient exchange.
     tied = tie_copies(staged.shared_params, mine, devices, schedule.stage_to_rank,

@@ -196,12 +196,12 @@ def _rewrite_reader(
     rows: tuple[int, int], last: bool,
 ) -> str:
     """Rewrite one op reading the vocabulary weight ``w`` to read its rows ``local``; returns its kind."""
-    graph, op, args = gm.graph, op_name(user), list[Any](user.args)  # the op fixes the types
+    graph, op, args, kw = gm.graph, op_name(user), list[Any](user.args), dict[str, Any](user.kwargs)
     where = f"{name!r} (node {user.name}, {user.target})"
     if op == "embedding" and args[0] is w:
-        pad = int(args[2] if len(args) > 2 else user.kwargs.get("padding_idx", -1))
-        by_freq = bool(args[3] if len(args) > 3 else user.kwargs.get("scale_grad_by_freq", False))
-        sparse = bool(args[4] if len(args) > 4 else user.kwargs.get("sparse", False))
+        pad = int(args[2] if len(args) > 2 else kw.get("padding_idx", -1))
+        by_freq = bool(args[3] if len(args) > 3 else kw.get("scale_grad_by_freq", False))
+        sparse = bool(args[4] if len(args) > 4 else kw.get("sparse", False))
         if by_freq or sparse:
             raise VocabParallelError(f"{where}: an embedding with scale_grad_by_freq or sparse gradients cannot be "
                                      f"split over the vocabulary (each rank would count only its own ids): {_DROP}")
@@ -217,7 +217,7 @@ def _rewrite_reader(
         if not last:
             raise VocabParallelError(f"{where}: an LM head on a stage other than the model's last: its logits would "
                                      f"leave the stage split over the vocabulary; cut the pipeline after it, {_DROP}")
-        bias = args[2] if len(args) > 2 else user.kwargs.get("bias")
+        bias = args[2] if len(args) > 2 else kw.get("bias")
         if bias is not None:
             raise VocabParallelError(f"{where}: an LM head with a bias is not split over the vocabulary yet: {_DROP}")
         path = _free(gm, "pipecut_vocab_in")

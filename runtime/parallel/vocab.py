@@ -176,6 +176,13 @@ def parallelize_vocab(
         if changed:
             sub.graph.lint()
             sub.recompile()
+    read = {id(params[n]) for n in embeddings + heads}
+    unread = sorted(n for n, p in mine.items() if id(p) not in read)
+    if unread:
+        raise VocabParallelError(
+            f"{unread[0]!r} is held by this stage but not read through the graph (a layer called as a module: an fx "
+            "trace), so it cannot be split by rows: trace the model with torch.export (pipecut's default for Hugging "
+            f"Face models), {_DROP}")
     for prm in mine.values():
         if id(prm) not in shared:
             local_rows = prm.detach()[start:stop].clone()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -53,11 +54,12 @@ def _batch(gen: torch.Generator, rows: int = 8) -> tuple[torch.Tensor, torch.Ten
 
 def _case(
     schedule: str, stages: int, dp: int = 1, zero1: bool = False, layers: int = 4, family: str = "llama",
-    vocab: bool = False, eps: float = 1e-5, **opts: Any
+    vocab: bool = False, eps: float = 1e-5, probe: Callable[..., Any] | None = None, **opts: Any
 ) -> dict[str, Any]:
     """One trainer of this rank (tp 2, ``dp`` replicas; ``vocab``: embedding and LM head split over
     the vocabulary) of a ``family`` model against the plain model on the global batch:
-    forward_backward, then 3 clipped AdamW steps."""
+    forward_backward, then 3 clipped AdamW steps; then ``probe(trainer, plain model)``, if given,
+    whose result is returned under ``"probe"``."""
     from torch.distributed.tensor import DTensor
 
     from partitioner import partition
@@ -119,7 +121,7 @@ def _case(
             "names": [n for n, _ in trainer.named_parameters()],
             "local": {n: (tuple(p.to_local().shape), str(p.placements[0])) for n, p in trainer.named_parameters()},
             "tp_rank": trainer.mesh.tp_rank, "pp_rank": trainer.mesh.pp_rank, "dp_rank": trainer.mesh.dp_rank,
-            "stages": sorted(trainer.stages),
+            "stages": sorted(trainer.stages), "probe": probe(trainer, ref) if probe is not None else None,
             "seconds": time.perf_counter() - started}
 
 

@@ -36,12 +36,13 @@ from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from runtime.parallel.tensor import TensorParallelIn, TensorParallelOut
 from runtime.parallel.tensor_rules import TensorParallelError, op_name
 
 __all__ = [
-    "VocabLayout", "VocabLossError", "VocabParallelError", "parallelize_vocab", "plain_loss", "sharded_loss",
+    "Gathers", "VocabLayout", "VocabLossError", "VocabParallelError", "parallelize_vocab", "plain_loss", "sharded_loss",
     "vocab_head", "vocab_names", "vocab_rows", "whole_outputs",
 ]
 
@@ -306,34 +307,54 @@ def sharded_loss() -> Iterator[None]:
 def plain_loss(loss_fn: Callable[[Any, Any], Any], out: Any, target: Any, where: str) -> Any:
     """``loss_fn(out, target)`` on logits sharded over the vocabulary, as a plain tensor.
 
-    Runs under :func:`sharded_loss`, counting the collectives (``CommDebugMode``): an all-gather
-    means the loss built the whole logits (an op ``loss_parallel`` does not cover), which is refused.
+    Runs under :func:`sharded_loss`, watching the collectives it runs (:class:`Gathers`): an
+    all-gather means the loss built the whole logits (an op ``loss_parallel`` does not cover), which
+    is refused.
 
     Raises:
-        VocabLossError: ``loss_fn`` raised on the sharded logits, gathered them, or returned
-            something other than a tensor.
+        VocabLossError: ``loss_fn`` raised on the sharded logits, or gathered them.
     """
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.debug import CommDebugMode
 
     supported = ("under TensorParallel(vocab=True) the logits reach loss_fn as a DTensor sharded over the classes "
                  "and loss_fn runs under torch's loss_parallel(), which computes F.cross_entropy (or F.nll_loss of "
                  "F.log_softmax) with class indices, reduction 'mean', 'sum' or 'none', without label smoothing")
-    counts = CommDebugMode()
+    gathers = Gathers()
     try:
-        with sharded_loss(), counts:
+        with sharded_loss(), gathers:
             loss = loss_fn(out, target)
     except Exception as e:
         raise VocabLossError(f"{where}: loss_fn raised {type(e).__name__}: {e}; {supported}: write the loss that way, "
                              f"{_DROP}") from e
-    gathers = {str(op): k for op, k in counts.get_comm_counts().items() if "all_gather" in str(op)}
-    if gathers:
-        raise VocabLossError(f"{where}: loss_fn gathered the logits whole ({gathers}): an op on them that "
-                             f"loss_parallel does not split ran on all V classes; {supported}: write the loss that "
-                             f"way, {_DROP}")
+    if gathers.ops:
+        raise VocabLossError(f"{where}: loss_fn gathered the logits whole ({', '.join(gathers.ops)}): an op on them "
+                             f"that loss_parallel does not split ran on all V classes; {supported}: write the loss "
+                             f"that way, {_DROP}")
     if isinstance(loss, DTensor):
         return loss.full_tensor()
     return loss
+
+
+class Gathers(TorchDispatchMode):
+    """Records the all-gathers run under it (``ops``), those a ``DTensor`` op makes included.
+
+    A dispatch mode sees an op before a tensor subclass does; handing a ``DTensor`` op back
+    (``NotImplemented``) lets ``DTensor`` run it and issue its collectives on local tensors, which
+    this mode then sees (as torch's ``CommDebugMode`` does, without its module tracking).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        from torch.distributed.tensor import DTensor
+
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        if "all_gather" in func.name() or "allgather" in func.name():
+            self.ops.append(func.name())
+        return func(*args, **(kwargs or {}))
 
 
 def whole_outputs(outputs: Any) -> Any:

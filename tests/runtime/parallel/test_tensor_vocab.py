@@ -19,7 +19,6 @@ from runtime.options import TensorParallel
 from runtime.parallel.vocab import VocabParallelError, parallelize_vocab, vocab_names, vocab_rows
 from runtime.transport.launch import spawn
 from tests.runtime.parallel.test_tensor_trainer import _batch, _case
-from tests.runtime.parity import TOL
 
 V = 96  # the test models' vocabulary: 48 rows a rank
 
@@ -29,15 +28,14 @@ def _probe(trainer: Any, ref: nn.Module) -> dict[str, Any]:
     shape, ``predict``'s whole logits against the plain model's, and two losses refused."""
     import torch.nn.functional as F
     from torch.distributed.tensor import DTensor, Shard
-    from torch.distributed.tensor.debug import CommDebugMode
 
-    from runtime.parallel.vocab import VocabLogits, VocabLossError, plain_loss
+    from runtime.parallel.vocab import Gathers, VocabLogits, VocabLossError, plain_loss
 
     x, y = _batch(torch.Generator().manual_seed(11))
     shapes: list[tuple[int, ...]] = []
     hooks = [m.register_forward_hook(lambda _m, _i, out: shapes.append(tuple(out.to_local().shape)))
              for st in trainer.stages.values() for m in st.module.modules() if isinstance(m, VocabLogits)]
-    with CommDebugMode() as comm:
+    with Gathers() as gathers:
         trainer.forward_backward(x, y)
     for h in hooks:
         h.remove()
@@ -58,7 +56,7 @@ def _probe(trainer: Any, ref: nn.Module) -> dict[str, Any]:
         with pytest.raises(VocabLossError) as info:
             plain_loss(fn, logits, torch.zeros(2, 8, dtype=torch.long), f"tp rank {t}")
         refused[name] = str(info.value)
-    return {"comm": {str(k): v for k, v in comm.get_comm_counts().items()}, "logits": shapes,
+    return {"gathers": gathers.ops, "logits": shapes,
             "predicted": predicted, "refused": refused}
 
 
@@ -66,7 +64,8 @@ def _worker(rank: int, world: int, cases: dict[str, tuple[str, int, dict[str, An
     torch.set_num_threads(1)
     # eps 1e-4: the split head and loss sum the logits' classes in two halves; Adam's step near a
     # zero gradient moves by lr / eps times that round-off (eps 1e-5 left 1 element of 3,072 at 3e-6).
-    return {key: _case(schedule, stages, vocab=True, eps=1e-4, **opts) for key, (schedule, stages, opts) in cases.items()}
+    return {key: _case(schedule, stages, vocab=True, eps=1e-4, **opts)
+            for key, (schedule, stages, opts) in cases.items()}
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +104,7 @@ def test_vocabulary_split_trains_as_the_plain_model(runs: list[dict[str, Any]], 
 def test_a_step_gathers_no_logits_and_predict_gives_them_whole(runs: list[dict[str, Any]]) -> None:
     for rank, r in enumerate(runs):
         got = r["llama"]["probe"]
-        assert not [k for k in got["comm"] if "gather" in k], got["comm"]
+        assert got["gathers"] == [], got["gathers"]  # no all-gather anywhere in the step
         last = rank >= 2
         # One micro-batch of 2 sequences of 8 tokens, this rank's 48 classes: 4 micro-batches each
         # forward in the step (and none recomputed), the 4 of predict.

@@ -106,9 +106,8 @@ def test_a_step_gathers_no_logits_and_predict_gives_them_whole(runs: list[dict[s
         got = r["llama"]["probe"]
         assert got["gathers"] == [], got["gathers"]  # no all-gather anywhere in the step
         last = rank >= 2
-        # One micro-batch of 2 sequences of 8 tokens, this rank's 48 classes: 4 micro-batches each
-        # forward in the step (and none recomputed), the 4 of predict.
-        assert got["logits"] == ([(2, 8, V // 2)] * 8 if last else []), got["logits"]
+        # A micro-batch of 2 sequences of 8 tokens, this rank's 48 classes: the step's 4 forwards.
+        assert got["logits"] == ([(2, 8, V // 2)] * 4 if last else []), got["logits"]
         if last:
             assert got["predicted"]["type"] == "Tensor" and got["predicted"]["shape"] == (8, 8, V)
             assert got["predicted"]["diff"] < 1e-4, got["predicted"]  # after 3 steps, parameters within TOL

@@ -220,8 +220,8 @@ class TensorParallel:
     """Split the token embedding and the LM head over the vocabulary too (``runtime.parallel.vocab``):
     each tp rank holds ``V / tp`` of their rows, the last stage's logits stay sharded over the classes
     and ``loss_fn`` runs under torch's ``loss_parallel`` (``F.cross_entropy`` on the sharded logits).
-    Found through the model's ``get_input_embeddings()`` / ``get_output_embeddings()``. Off: both
-    stay whole on every tp rank."""
+    Found through the model's ``get_input_embeddings()`` / ``get_output_embeddings()``. Off (and at
+    ``size=1``): both stay whole on every tp rank."""
 
     def __post_init__(self) -> None:
         if type(self.size) is not int or self.size < 1:

@@ -369,7 +369,9 @@ class Executor:
             else:
                 args.append(received[name])
         replay = None
-        with self.precision.autocast(stage.device):
+        # A vocabulary-split head's stage runs under loss_parallel too: a loss the model computes
+        # itself (given labels) then splits as loss_fn's does, and its backward matches.
+        with self.precision.autocast(stage.device), self._sharded_loss(s):
             if train and s in self.recompute:  # the replay re-enters this autocast state
                 outputs, replay = forward_without_graph(stage.module, args, stage.device)
             elif torch.is_grad_enabled() == train:
@@ -458,7 +460,8 @@ class Executor:
     ) -> None:
         stage = self.stages[s]
         if st.replay is not None:
-            self._replay(s, mb, st)
+            with self._sharded_loss(s):
+                self._replay(s, mb, st)
         roots: list[torch.Tensor] = []
         grads: list[torch.Tensor | None] = []
         if s == self.p - 1:

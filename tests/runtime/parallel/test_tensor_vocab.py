@@ -2,8 +2,9 @@
 processes, 2 pp x tp 2, a Llama (untied) and a GPT-2 (``wte`` tied between the first stage and the
 last) train as the plain model does (loss, every gradient, parameters after 3 clipped AdamW steps),
 their embedding and LM head ``Shard(0)`` of ``V / tp`` rows; a step gathers nothing (the logits stay
-``(B, T, V / tp)``), ``predict`` returns them whole, and a loss ``loss_parallel`` cannot run is
-refused. In one process: the refusals of the rewrite itself."""
+``(B, T, V / tp)``), ``predict`` returns them whole, a loss the model computes from ``labels``
+splits too (long profile), and a loss ``loss_parallel`` cannot run is refused. In one process: the
+refusals of the rewrite itself."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from runtime.options import TensorParallel
 from runtime.parallel.vocab import VocabParallelError, parallelize_vocab, vocab_names, vocab_rows
 from runtime.transport.launch import spawn
 from tests.runtime.parallel.test_tensor_trainer import _batch, _case
+from tests.runtime.parity import TOL
 
 V = 96  # the test models' vocabulary: 48 rows a rank
 
@@ -60,11 +62,45 @@ def _probe(trainer: Any, ref: nn.Module) -> dict[str, Any]:
             "predicted": predicted, "refused": refused}
 
 
+def _labels_case() -> dict[str, Any]:
+    """A 2-layer Llama given ``labels``, its own loss (``out.loss``) computed in the last stage's graph
+    on the split logits: the loss and every gradient against the plain model's, and the all-gathers
+    of the second forward_backward (the first one's agreement on the batch gathers a few bytes)."""
+    import copy
+
+    from torch.distributed.tensor import DTensor
+
+    from partitioner import partition
+    from runtime.parallel.vocab import Gathers
+    from runtime.trainer import PipelineTrainer
+    from tests.runtime.parallel.test_tensor_trainer import _llama
+
+    model = _llama(2)
+    ref = copy.deepcopy(model)
+    x, y = _batch(torch.Generator().manual_seed(5))
+    plan = partition(model, (x[:2],), 2, microbatches=4, schedule="1f1b", split_points=["model.layers.1"],
+                     example_kwargs={"labels": y[:2]})
+    trainer = PipelineTrainer(plan, lambda out, _: out.loss, schedule="1f1b", transport="dist",
+                              tensor_parallel=TensorParallel(size=2, vocab=True))
+    trainer.forward_backward({"input_ids": x, "labels": y})
+    trainer.zero_grad()
+    with Gathers() as gathers:
+        loss = trainer.forward_backward({"input_ids": x, "labels": y})
+    want = ref(x, labels=y).loss
+    want.backward()
+    torch.testing.assert_close(loss, want.detach(), **TOL)
+    grads = {n: p.grad for n, p in ref.named_parameters(remove_duplicate=False)}
+    for n, prm in trainer.named_parameters():
+        got = prm.grad.full_tensor() if isinstance(prm.grad, DTensor) else prm.grad
+        torch.testing.assert_close(got, grads[n], **TOL, msg=lambda m, n=n: f"{n}: {m}")
+    return {"gathers": gathers.ops}
+
+
 def _worker(rank: int, world: int, cases: dict[str, tuple[str, int, dict[str, Any]]]) -> dict[str, Any]:
     torch.set_num_threads(1)
     # eps 1e-4: the split head and loss sum the logits' classes in two halves; Adam's step near a
     # zero gradient moves by lr / eps times that round-off (eps 1e-5 left 1 element of 3,072 at 3e-6).
-    return {key: _case(schedule, stages, vocab=True, eps=1e-4, **opts)
+    return {key: _labels_case() if schedule == "labels" else _case(schedule, stages, vocab=True, eps=1e-4, **opts)
             for key, (schedule, stages, opts) in cases.items()}
 
 
@@ -73,8 +109,8 @@ def runs() -> list[dict[str, Any]]:
     pytest.importorskip("transformers")
     cases = {"llama": ("1f1b", 2, {"probe": _probe}), "gpt2": ("1f1b", 2, {"family": "gpt2"}),
              "llama zbh1": ("zbh1", 2, {}), "gpt2 interleaved": ("interleaved", 4, {"family": "gpt2"}),
-             "llama recompute": ("1f1b", 2, {"recompute": True})}
-    chosen = in_profile(cases, ["llama zbh1", "gpt2 interleaved", "llama recompute"])
+             "llama recompute": ("1f1b", 2, {"recompute": True}), "labels": ("labels", 2, {})}
+    chosen = in_profile(cases, ["llama zbh1", "gpt2 interleaved", "llama recompute", "labels"])
     return spawn(_worker, 4, chosen, timeout=540)
 
 
@@ -98,6 +134,13 @@ def test_vocabulary_split_trains_as_the_plain_model(runs: list[dict[str, Any]], 
             assert got["local"][name] == ((V // 2, 32), "S(0)"), (rank, name, got["local"][name])
         for mine, plain in got["norms"]:
             assert mine == pytest.approx(plain, rel=2e-5)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.long
+def test_a_loss_the_model_computes_from_labels_runs_split_too(runs: list[dict[str, Any]]) -> None:
+    # _labels_case asserted the loss and every gradient; and nothing gathered the logits.
+    assert all(r["labels"]["gathers"] == [] for r in runs), [r["labels"] for r in runs]
 
 
 @pytest.mark.multiprocess

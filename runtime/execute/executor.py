@@ -141,8 +141,8 @@ class Executor:
         self.record = record
         self._waited = 0.0  # seconds the current action spent in receives
         self._wiring = {s: wire(self.ios, s) for s in self.stages}
-        # Stages returning logits split over the vocabulary (runtime.parallel.vocab): their loss, and
-        # its backward, run under loss_parallel; predict gathers their logits whole.
+        # Stages returning logits split over the vocabulary (runtime.parallel.vocab): their forward,
+        # loss and backward run under loss_parallel; predict gathers their logits whole.
         self._vocab = frozenset(s for s, st in self.stages.items() if vocab_head(st.module))
         on_the_wire = dict(wire_dtypes or {})
         self._metas = {
@@ -488,8 +488,8 @@ class Executor:
         st.args, st.outputs, st.loss, st.target = [], (), None, None
 
     def _sharded_loss(self, s: int) -> Any:
-        """The context of stage ``s``'s loss and backward: ``loss_parallel`` where its logits are
-        split over the vocabulary."""
+        """The context of stage ``s``'s forward, loss and backward: ``loss_parallel`` where its logits
+        are split over the vocabulary."""
         return sharded_loss() if s in self._vocab else contextlib.nullcontext()
 
     def _autograd(self, module: nn.Module, roots: list[torch.Tensor], grads: list[torch.Tensor | None],

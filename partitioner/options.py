@@ -285,6 +285,9 @@ class LayoutSpace:
     """The replica counts to try (default: every divisor of the devices that divides ``B``);
     ``(1,)`` plans one pipeline over every device."""
 
+    pp_sizes: Sequence[int] | None = None
+    """The pipeline rank counts to try (default: every one the devices, replicas and tp sizes leave)."""
+
     tp_sizes: Sequence[int] | None = None
     """The tensor-parallel sizes to try: devices per pipeline rank, a group inside one node
     (``partitioner.tensor.sizes``). ``None`` (the default): every divisor of the devices' node size
@@ -314,7 +317,11 @@ class LayoutSpace:
         tps = self.tp_sizes
         if tps is not None and (not tps or any(type(t) is not int or t < 1 for t in tps)):
             raise PartitionOptionError(f"tp_sizes must be positive ints (e.g. (1, 2, 4, 8)), got {tps!r}")
-        for name in ("schedules", "microbatch_sizes", "zero", "dp_sizes", "tp_sizes"):
+        for name in ("dp_sizes", "pp_sizes"):
+            sizes = getattr(self, name)
+            if sizes is not None and (not sizes or any(type(n) is not int or n < 1 for n in sizes)):
+                raise PartitionOptionError(f"{name} must be positive ints, got {sizes!r}")
+        for name in ("schedules", "microbatch_sizes", "zero", "dp_sizes", "pp_sizes", "tp_sizes"):
             object.__setattr__(self, name, _tuple(getattr(self, name)))
 
 

@@ -291,7 +291,7 @@ class LayoutSearch:
         options = layout_space(
             len(self.cluster), self.global_batch, schedules=tuple(space.schedules or TRAINING_SCHEDULES),
             microbatch_sizes=space.microbatch_sizes, zero=space.zero, max_stages=len(self._pricer.ctx.units),
-            dp_sizes=space.dp_sizes, tp_sizes=tps,
+            dp_sizes=space.dp_sizes, pp_sizes=space.pp_sizes, tp_sizes=tps,
         )
         if not options:
             raise PartitionOptionError(

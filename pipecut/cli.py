@@ -379,11 +379,13 @@ _TRAIN_FLAGS: dict[str, tuple[Any, str]] = {
     "micro-batch-size": (int, "sequences per micro-batch (default 1)"),
     "pp": (int, "pipeline ranks (default: world size / dp; 1 in one process)"),
     "dp": (int, "data-parallel replicas, under torchrun (default: world size / pp)"),
-    "tp": (int, "tensor-parallel processes per pipeline rank, under torchrun: dp x pp x tp processes (default 1)"),
+    "tp": (int, ("tensor-parallel processes per pipeline rank, under torchrun: dp x pp x tp processes (default 1; "
+                 "with --layout auto the planner's unless given)")),
     "schedule": (str, "pipeline schedule or 'auto' (default 1f1b)"),
     "zero": (str, "sharding over the replicas (dp >= 2): none (default), zero1 (optimizer state) or fsdp (FSDP2)"),
-    "layout": (str, ("manual (default: the flags above) or auto: the planner chooses dp, pp, schedule, micro-batch "
-                     "size, recomputation and sharding for --global-batch; the layout flags given constrain it")),
+    "layout": (str, ("manual (default: the flags above) or auto: the planner chooses dp, pp, tp, schedule, "
+                     "micro-batch size, recomputation and sharding for --global-batch; the layout flags given "
+                     "constrain it")),
     "plan": (str, "train this saved plan (pipecut plan ... --json, or a run's OUT/plan.json): its layout"),
     "calibrate": (str, "with --layout auto: price the layouts on this cluster JSON (from pipecut calibrate)"),
     "precision": (str, "fp32, bf16 or fp16 (autocast over fp32 weights; default fp32)"),

@@ -146,7 +146,7 @@ def resolve_run(
     # Where this process sits: under 'dist' (collective: joins the process group, builds the mesh)
     # one rank and its device; otherwise every rank, with a device per stage.
     devices, dp, tp = ex.devices, options.data_parallel, options.tensor_parallel.size
-    refuse_unsupported(tp, engine=dp.engine if (dp.size or 1) > 1 else "replicate", precision=mp.name)
+    refuse_unsupported(tp, engine=dp.engine if (dp.size or 1) > 1 else "replicate")
     if mode == "dist":
         ensure_process_group()
         check_backend(schedule, io)

@@ -365,7 +365,10 @@ def apply_layout(options: TrainerOptions, layout: Layout | None, mode: str) -> T
     is ``engine='fsdp'`` with ``reshard_after_forward=True``); the schedule, micro-batches and
     recomputation are the plan's own fields, which the trainer reads anyway. A ``DataParallel``
     with a size or a mesh wins over the layout (a different size or sharding is logged as a
-    warning: the plan was priced for another); with neither, the layout's are used.
+    warning: the plan was priced for another); with neither, the layout's are used. Its tensor
+    parallelism (``layout.tp``) likewise: a ``TensorParallel`` left at size 1 takes the layout's
+    under ``'dist'`` (in one process, which cannot split a stage, a warning says tp 1 runs); a size
+    above 1 wins, with a warning when it differs.
 
     Raises:
         PlacementError: the layout has replicas and the trainer runs in one process.
@@ -379,6 +382,8 @@ def apply_layout(options: TrainerOptions, layout: Layout | None, mode: str) -> T
         >>> opts = apply_layout(resolve_options(), dataclasses.replace(lay, zero="fsdp"), "dist").data_parallel
         >>> opts.engine, opts.reshard_after_forward, opts.shard_optimizer
         ('fsdp', True, False)
+        >>> apply_layout(resolve_options(), dataclasses.replace(lay, tp=2), "dist").tensor_parallel.size
+        2
     """
     if layout is None:
         return options
@@ -402,4 +407,10 @@ def apply_layout(options: TrainerOptions, layout: Layout | None, mode: str) -> T
     if layout.dp > 1 and (dp.size or 0) > 1 and running != layout.zero:
         log.warning("sharding over the replicas as %r; the plan's layout was priced for %r (%s): each rank's "
                     "memory differs from the plan's", running, layout.zero, layout.label())
-    return dataclasses.replace(options, data_parallel=dp)
+    tp = options.tensor_parallel
+    if tp.size == 1 and layout.tp > 1 and mode == "dist":
+        tp = dataclasses.replace(tp, size=layout.tp)
+    elif tp.size != layout.tp:
+        log.warning("running tp %d; the plan's layout was priced for tp %d (%s)%s", tp.size, layout.tp,
+                    layout.label(), "" if mode == "dist" else ": one process does not split a stage")
+    return dataclasses.replace(options, data_parallel=dp, tensor_parallel=tp)

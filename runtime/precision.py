@@ -328,7 +328,7 @@ class LossScaler:
     def unscale_(
         self, params: Iterable[torch.nn.Parameter], *, distributed: bool = False,
         comm_device: Callable[[], torch.device] | None = None, group: dist.ProcessGroup | None = None,
-        timeout: float = 1800.0,
+        timeout: float = 1800.0, tp_group: dist.ProcessGroup | None = None,
     ) -> bool:
         """Divide every gradient by the scale; return whether any rank's has an inf or NaN.
 
@@ -341,6 +341,9 @@ class LossScaler:
             group: the process group of the pipeline's ranks.
             timeout: seconds the reduction may wait (the trainer's ``timeout``; default torch's
                 30 minutes).
+            tp_group: the rank's tensor-parallel group, when its stages are split (``None``: none):
+                each tp rank holds a shard of a split weight's gradient, so the flag is reduced over
+                it too, and every rank of the job skips or takes the step alike.
 
         Raises:
             TransportTimeout: the reduction did not complete within ``timeout`` (``PeerFailed`` /
@@ -360,6 +363,9 @@ class LossScaler:
             buf = found.to(comm_device() if comm_device is not None else torch.device("cpu"))
             run_bounded(dist.all_reduce, buf, op=dist.ReduceOp.MAX, group=group, timeout=timeout,
                         what="the all-reduce of fp16 loss scaling's inf/NaN flag")
+            if tp_group is not None:
+                run_bounded(dist.all_reduce, buf, op=dist.ReduceOp.MAX, group=tp_group, timeout=timeout,
+                            what="the all-reduce of fp16 loss scaling's inf/NaN flag over the tp group")
             found = buf.cpu()
         return bool(found.item())
 

@@ -284,7 +284,7 @@ class PipelineTrainer:
         if self.scaler is not None:
             self.last_found_inf = self.scaler.unscale_(self.parameters(), distributed=self.mode == "dist",
                                                        comm_device=_comm_device, group=self._replicas.norm_group,
-                                                       timeout=self.timeout)
+                                                       timeout=self.timeout, tp_group=self.mesh.tp_group)
         add_back(aside)
         loss = torch.zeros((), dtype=torch.float32)
         for res in results:

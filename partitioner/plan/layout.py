@@ -202,16 +202,17 @@ def layout_space(
     max_stages: int | None = None,
     dp_sizes: Sequence[int] | None = None,
     tp_sizes: Sequence[int] = (1,),
+    pp_sizes: Sequence[int] | None = None,
 ) -> list[Option]:
     """Every layout of ``devices`` devices for a global batch of ``global_batch`` rows.
 
     For each ``tp`` of ``tp_sizes`` that divides the devices (checked against the model and the nodes
     by ``partitioner.tensor.sizes.tp_sizes``), the ``devices / tp`` pipeline ranks are spent as
-    ``dp x pp``: ``dp`` divides both them and the batch (``dp_sizes``: only those); ``b`` divides the replica's rows
-    (``microbatch_sizes``: only those; default: every divisor); ``zero1`` and ``fsdp`` only with ``dp > 1``;
-    a single-rank pipeline (``pp = 1``) takes only the schedules with one stage per rank, and
-    stage counts above ``max_stages`` (the model's units) are left out; ``fsdp`` only with ``tp = 1``
-    (the runtime does not compose FSDP2 with tp yet).
+    ``dp x pp``: ``dp`` divides both them and the batch (``dp_sizes``, ``pp_sizes``: only those); ``b``
+    divides the replica's rows (``microbatch_sizes``: only those; default: every divisor); ``zero1``
+    and ``fsdp`` only with ``dp > 1``; a single-rank pipeline (``pp = 1``) takes only the schedules
+    with one stage per rank, and stage counts above ``max_stages`` (the model's units) are left out;
+    ``fsdp`` only with ``tp = 1`` (the runtime does not compose FSDP2 with tp yet).
 
     Example:
         >>> [o.label() for o in layout_space(2, 4, schedules=("1f1b",), zero=("none",))]
@@ -224,9 +225,10 @@ def layout_space(
             continue
         ranks = devices // tp
         for dp in divisors(ranks):
-            if global_batch % dp or (dp_sizes is not None and dp not in dp_sizes):
-                continue
             pp, rows = ranks // dp, global_batch // dp
+            if global_batch % dp or (dp_sizes is not None and dp not in dp_sizes) or (
+                    pp_sizes is not None and pp not in pp_sizes):
+                continue
             sizes = [b for b in divisors(rows) if microbatch_sizes is None or b in microbatch_sizes]
             for sched in schedules:
                 v = stages_per_rank(sched)

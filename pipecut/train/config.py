@@ -29,7 +29,9 @@ from partitioner.errors import ClusterError, MissingDependencyError, PipecutErro
 from partitioner.plan.layout import ZERO_OPTIONS
 from partitioner.schedule.registry import TRAINING_SCHEDULES
 
-__all__ = ["TrainConfig", "TrainConfigError", "resolve", "read_toml", "to_toml", "KEYS", "LAYOUT_KEYS"]
+__all__ = [
+    "TrainConfig", "TrainConfigError", "resolve", "read_toml", "to_toml", "KEYS", "LAYOUT_KEYS", "check_tp_options",
+]
 
 
 class TrainConfigError(PipecutError, ValueError):
@@ -56,10 +58,11 @@ class TrainConfig:
     """Pipeline ranks (default: the world size over ``dp``; 1 in one process)."""
     dp: int | None = None
     """Data-parallel replicas (default: the world size over ``pp``; 1 in one process)."""
-    tp: int = 1
+    tp: int | None = None
     """Tensor-parallel processes per pipeline rank: each stage's layers split over ``tp`` processes in
     the model's column/row pairs (``base_model_tp_plan``; docs/tensor-parallel.md). The job runs
-    ``dp x pp x tp`` processes, under torchrun; with ``layout = "manual"`` and no ``plan`` only."""
+    ``dp x pp x tp`` processes, under torchrun (default 1; with ``layout = "auto"`` the planner's
+    unless given, with ``plan`` the plan's)."""
     schedule: str | None = None
     """The pipeline schedule, or ``auto`` (default 1f1b; with ``layout = "auto"`` the planner's unless given)."""
     zero: str | None = None
@@ -144,7 +147,7 @@ _CHOICES = {
     "zero": ZERO_OPTIONS, "layout": ("manual", "auto"),
 }
 # The keys that say how the job's processes and the batch divide: what --layout auto searches.
-LAYOUT_KEYS = ("dp", "pp", "schedule", "micro_batch_size", "zero")
+LAYOUT_KEYS = ("dp", "pp", "tp", "schedule", "micro_batch_size", "zero")
 
 
 def resolve(file_values: Mapping[str, Any], flags: Mapping[str, Any]) -> TrainConfig:
@@ -220,6 +223,20 @@ def to_toml(cfg: TrainConfig) -> str:
 # -- checks ------------------------------------------------------------------------------------
 
 
+def check_tp_options(cfg: TrainConfig) -> None:
+    """Refuse ``--tp`` above 1 with an option the runtime does not run under tensor parallelism yet.
+
+    Raises:
+        TrainConfigError: ``--zero fsdp`` with ``--tp`` > 1 (the fix named).
+    """
+    tp = cfg.tp or 1
+    if tp > 1 and cfg.zero == "fsdp":
+        raise TrainConfigError(
+            f"--zero fsdp with --tp {tp}: FSDP2 over tensor-parallel stages (2-D sharding) is not wired yet; "
+            "use --zero zero1 or none with --tp, or --tp 1 with --zero fsdp"
+        )
+
+
 def _field_types() -> dict[str, str]:
     return {f.name: str(f.type) for f in dataclasses.fields(TrainConfig)}
 
@@ -243,10 +260,10 @@ def _typed(key: str, value: Any) -> Any:
 
 
 def _check(cfg: TrainConfig) -> None:
-    for key in ("steps", "seq_len", "global_batch", "keep", "eval_batches", "tp"):
+    for key in ("steps", "seq_len", "global_batch", "keep", "eval_batches"):
         if getattr(cfg, key) < 1:
             raise TrainConfigError(f"{key} must be at least 1, got {getattr(cfg, key)}")
-    for key in ("pp", "dp", "decay_steps", "log_every", "micro_batch_size"):
+    for key in ("pp", "dp", "tp", "decay_steps", "log_every", "micro_batch_size"):
         if getattr(cfg, key) is not None and getattr(cfg, key) < 1:
             raise TrainConfigError(f"{key} must be at least 1, got {getattr(cfg, key)}")
     for key in ("warmup", "checkpoint_every", "eval_every", "seed"):
@@ -287,12 +304,6 @@ def _check_modes(cfg: TrainConfig) -> None:
         raise TrainConfigError(
             f"--calibrate {cfg.calibrate} prices the layouts --layout auto searches: add --layout auto, or drop "
             "--calibrate" + (" (a --plan was priced when it was made)" if cfg.plan else "")
-        )
-    if cfg.tp > 1 and (cfg.layout == "auto" or cfg.plan is not None):
-        raise TrainConfigError(
-            f"--tp {cfg.tp} with {'--layout auto' if cfg.layout == 'auto' else f'--plan {cfg.plan}'}: a plan's "
-            "layout is trained as dp x pp (its tp is not applied yet); give the layout by hand (--dp, --pp, --tp; "
-            "--layout manual, no --plan)"
         )
     if cfg.calibrate is not None and cfg.device != "auto":
         raise TrainConfigError(

@@ -6,11 +6,16 @@ micro-batch, ``m`` micro-batches per replica, ``B`` the global batch (``B = dp *
 
 * ``--layout manual`` (the default): the flags decide, as they always have; nothing is searched.
 * ``--layout auto``: the folder's model is traced once on ``meta`` and ``partitioner.LayoutSearch``
-  searches ``dp x pp = N`` (``N``: the job's processes; in one process, ``--pp`` or the GPU count,
-  else 1, with ``dp = 1``), the micro-batch size, the schedule, recomputation and the sharding for
-  ``--global-batch``. The layout keys given (``--dp``, ``--pp``, ``--schedule``,
-  ``--micro-batch-size``, ``--zero``) constrain the search instead of being refused, so a run's
-  ``OUT/config.toml``, which records the chosen values, searches exactly its own layout again.
+  searches ``dp x pp x tp = N`` (``N``: the job's processes; in one process, ``--pp`` or the GPU
+  count, else 1, with ``dp = tp = 1``), the micro-batch size, the schedule, recomputation and the
+  sharding for ``--global-batch``. The layout keys given (``--dp``, ``--pp``, ``--tp``,
+  ``--schedule``, ``--micro-batch-size``, ``--zero``) constrain the search instead of being
+  refused, so a run's ``OUT/config.toml``, which records the chosen values, searches exactly its
+  own layout again. A tp group must sit inside one node: the job's node is the processes torchrun
+  started on this host (``LOCAL_WORLD_SIZE``; all of them without torchrun), so tp is searched
+  over the divisors of that count which the model's heads and split sizes take
+  (``partitioner.tensor.sizes``); not with ``--zero fsdp``, which the runtime does not run under
+  tp yet.
   The devices are priced as ``--calibrate FILE`` measured them, else as the ``--device`` preset;
   when the device is this machine's CPU (``--device auto`` without CUDA), every rank first times
   the model with real weights (``runtime.overheads.calibrate_job``, collective).
@@ -25,14 +30,15 @@ Example:
     >>> from pipecut.train.config import TrainConfig
     >>> cfg = TrainConfig(model="m", data="d", out="o", layout="auto", global_batch=16, pp=2)
     >>> space = search_space(cfg, world=4)
-    >>> space["dp_sizes"], space["schedules"], space["zero"]
-    ((2,), None, ('none', 'zero1'))
+    >>> space["dp_sizes"], space["pp_sizes"], space["tp_sizes"], space["schedules"], space["zero"]
+    (None, (2,), None, None, ('none', 'zero1'))
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,10 +58,10 @@ from partitioner.schedule.registry import stages_per_rank
 from partitioner.search import LayoutSearch
 from pipecut.folder import HFFolder
 from pipecut.train import checkpoints
-from pipecut.train.config import LAYOUT_KEYS, TrainConfig, TrainConfigError
+from pipecut.train.config import LAYOUT_KEYS, TrainConfig, TrainConfigError, check_tp_options
 
 __all__ = [
-    "Choice", "choose", "search_space", "resolved", "bind_plan", "predicted_step", "describe",
+    "Choice", "choose", "search_space", "resolved", "bind_plan", "predicted_step", "describe", "job_nodes",
     "TrainPlanError", "PlanWorldError", "PlanModelError",
 ]
 
@@ -82,7 +88,7 @@ class Choice:
     """The layout a run trains: the settings with it filled in, and the plan when one decides it."""
 
     cfg: TrainConfig
-    """The run's settings; with a plan, its ``dp``, ``pp``, ``schedule``, ``micro_batch_size`` and ``zero``."""
+    """The run's settings; with a plan, its ``dp``, ``pp``, ``tp``, ``schedule``, ``micro_batch_size`` and ``zero``."""
     plan: Plan | None
     """The plan to train, bound to the folder's model on ``meta``; ``None``: the flags' (the loop cuts it)."""
     how: str
@@ -112,7 +118,8 @@ def choose(
         settled = resolved(cfg, plan, world, source=f"--plan {cfg.plan}")
         return Choice(settled, bind_plan(plan, folder, config, cfg, source=f"--plan {cfg.plan}"), f"--plan {cfg.plan}")
     if cfg.layout == "manual":  # the defaults written out, as the run's config.toml records them
-        filled = dataclasses.replace(cfg, schedule=cfg.schedule or "1f1b", micro_batch_size=cfg.micro_batch_size or 1)
+        filled = dataclasses.replace(cfg, schedule=cfg.schedule or "1f1b", micro_batch_size=cfg.micro_batch_size or 1,
+                                     tp=cfg.tp or 1)
         return Choice(filled, None, "the flags")
     recorded = _recorded(cfg, folder, config, world, out)
     if recorded is not None:
@@ -126,26 +133,34 @@ def search_space(cfg: TrainConfig, *, world: int) -> dict[str, Any]:
     """``LayoutSpace``'s fields for a job of ``world`` processes: the layout keys ``cfg`` sets, as constraints.
 
     Raises:
-        TrainConfigError: ``--dp``/``--pp`` that no split of the job's processes gives, or
-            ``--zero`` sharding over replicas the job cannot have.
+        TrainConfigError: ``--dp``/``--pp``/``--tp`` that no split of the job's processes gives,
+            ``--tp`` in one process or with an option tp does not run with, or ``--zero`` sharding
+            over replicas the job cannot have.
     """
-    dp_sizes: tuple[int, ...] | None = None
+    pp_sizes = (cfg.pp,) if cfg.pp is not None else None
+    dp_sizes: tuple[int, ...] | None
+    tp_sizes: tuple[int, ...] | None
     if world == 1:
-        if cfg.dp not in (None, 1):
+        if cfg.dp not in (None, 1) or cfg.tp not in (None, 1):
+            flag, n = ("--dp", cfg.dp) if cfg.dp not in (None, 1) else ("--tp", cfg.tp)
             raise TrainConfigError(
-                f"--dp {cfg.dp} needs {cfg.dp} processes: launch with torchrun --nproc-per-node "
-                f"{cfg.dp * (cfg.pp or 1)} (in one process --layout auto searches one replica over --pp pipeline ranks)"
+                f"{flag} {n} needs {n} processes: launch with torchrun --nproc-per-node {(n or 1) * (cfg.pp or 1)} "
+                f"(in one process --layout auto searches one replica over --pp pipeline ranks)"
             )
-        dp_sizes = (1,)
-    elif cfg.dp is not None or cfg.pp is not None:
-        dp = cfg.dp if cfg.dp is not None else world // cfg.pp if cfg.pp and world % cfg.pp == 0 else 0
-        pp = cfg.pp if cfg.pp is not None else world // dp if dp and world % dp == 0 else 0
-        if not dp or not pp or dp * pp != world:
+        dp_sizes, pp_sizes, tp_sizes = (1,), None, (1,)
+    else:
+        splits = [(d, p, world // (d * p)) for d in _divisors(world) for p in _divisors(world // d)]
+        if not any(cfg.dp in (None, d) and cfg.pp in (None, p) and cfg.tp in (None, t) for d, p, t in splits):
             raise TrainConfigError(
-                f"--layout auto with dp {cfg.dp}, pp {cfg.pp}: the job has {world} processes, which is not dp x pp; "
-                f"give values whose product is {world}, one of them, or neither (the planner then chooses)"
+                f"--layout auto with dp {cfg.dp}, pp {cfg.pp}, tp {cfg.tp}: the job has {world} processes, which is "
+                f"not dp x pp x tp; give values whose product is {world}, some of them, or none (the planner then "
+                "chooses)"
             )
-        dp_sizes = (dp,)
+        dp_sizes = (cfg.dp,) if cfg.dp is not None else None
+        tp_sizes = (cfg.tp,) if cfg.tp is not None else None
+    check_tp_options(cfg)  # --tp with FSDP: the refusal a manual --tp meets
+    if cfg.zero == "fsdp":
+        tp_sizes = (1,)  # not run under tp yet: the search keeps to tp 1
     if cfg.zero not in (None, "none") and dp_sizes == (1,):
         raise TrainConfigError(
             f"--zero {cfg.zero} shards the training state over data-parallel replicas, and this job has one "
@@ -154,20 +169,24 @@ def search_space(cfg: TrainConfig, *, world: int) -> dict[str, Any]:
         )
     return {
         "dp_sizes": dp_sizes,
+        "pp_sizes": pp_sizes,
+        "tp_sizes": tp_sizes,
         "schedules": (cfg.schedule,) if cfg.schedule not in (None, "auto") else None,
         "microbatch_sizes": (cfg.micro_batch_size,) if cfg.micro_batch_size is not None else None,
         "zero": (cfg.zero,) if cfg.zero is not None else DEFAULT_ZERO,
-        # --layout auto trains the plan's dp x pp; it does not apply a plan's tp yet (--tp is refused with it).
-        "tp_sizes": (1,),
     }
 
 
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
 def resolved(cfg: TrainConfig, plan: Plan, world: int, *, source: str = "the plan") -> TrainConfig:
-    """``cfg`` with the plan's layout: its ``dp``, ``pp``, ``schedule``, ``micro_batch_size`` and ``zero``.
+    """``cfg`` with the plan's layout: its ``dp``, ``pp``, ``tp``, ``schedule``, ``micro_batch_size`` and ``zero``.
 
     A plan from the layout search (``plan.layout``) says all of them; a plain plan (``pipecut plan
-    --stages``) its stages, schedule, micro-batches and micro-batch size, with ``dp`` the job's
-    processes over its pipeline ranks and the sharding ``--zero``'s.
+    --stages``) its stages, schedule, micro-batches and micro-batch size, with ``tp`` ``--tp``'s
+    (default 1), ``dp`` the job's processes over its ``pp x tp`` and the sharding ``--zero``'s.
 
     Raises:
         PlanWorldError: the plan needs another number of processes than ``world``.
@@ -176,14 +195,14 @@ def resolved(cfg: TrainConfig, plan: Plan, world: int, *, source: str = "the pla
     """
     lay = plan.layout
     if lay is not None:
-        dp, pp, b, zero, batch = lay.dp, lay.pp, lay.microbatch_size, lay.zero, lay.global_batch
+        dp, pp, tp, b, zero, batch = lay.dp, lay.pp, lay.tp, lay.microbatch_size, lay.zero, lay.global_batch
     else:
-        pp = plan.num_stages // stages_per_rank(plan.schedule)
-        dp = 1 if world == 1 else world // pp if world % pp == 0 else 0
+        pp, tp = plan.num_stages // stages_per_rank(plan.schedule), cfg.tp or 1
+        dp = 1 if world == 1 else world // (pp * tp) if world % (pp * tp) == 0 else 0
         b = plan.microbatch_size or 1
         zero, batch = cfg.zero or "none", max(dp, 1) * plan.microbatches * b
-    _check_world(plan, dp, pp, world, source)
-    given = {"dp": dp, "pp": pp, "schedule": plan.schedule, "micro_batch_size": b, "zero": zero}
+    _check_world(plan, dp, pp, tp, world, source)
+    given = {"dp": dp, "pp": pp, "tp": tp, "schedule": plan.schedule, "micro_batch_size": b, "zero": zero}
     clash = [f"--{k.replace('_', '-')} {getattr(cfg, k)} (the plan's: {v})" for k, v in given.items()
              if getattr(cfg, k) not in (None, v) and not (k == "schedule" and cfg.schedule == "auto")]
     length = _seq_len(plan)
@@ -195,8 +214,8 @@ def resolved(cfg: TrainConfig, plan: Plan, world: int, *, source: str = "the pla
         raise TrainPlanError(
             f"{source} was made for another job: {'; '.join(clash)}. Drop the layout flags (the plan decides "
             f"them) and give the plan's --global-batch, --seq-len and --precision, or make a plan for this job: "
-            f"pipecut plan {cfg.model} --devices {max(world, dp * pp)} --global-batch {cfg.global_batch} --seq-len "
-            f"{cfg.seq_len} --precision {cfg.precision} --json plan.json"
+            f"pipecut plan {cfg.model} --devices {max(world, dp * pp * tp)} --global-batch {cfg.global_batch} "
+            f"--seq-len {cfg.seq_len} --precision {cfg.precision} --json plan.json"
         )
     assert set(given) == set(LAYOUT_KEYS)  # internal invariant: every layout key comes from the plan
     return dataclasses.replace(cfg, **given)  # type: ignore[arg-type]
@@ -272,17 +291,38 @@ def _search(cfg: TrainConfig, folder: HFFolder, config: Any, world: int, preset:
     else:
         cluster = Cluster.uniform(n, preset, memory_reserve=cfg.memory_reserve)
         priced_on = f"{n} x {preset}"
+    cluster = job_nodes(cluster, world)
     search = LayoutSearch(folder.build(meta=True, config=config), example, cluster=cluster,
                           global_batch=cfg.global_batch, costing=costing)
     if cfg.calibrate is None and cfg.device == "auto" and preset == "cpu":
         try:
-            search.use_cluster(_calibrated(cfg, folder, config, cluster, example, costing, loss_fn))
+            search.use_cluster(job_nodes(_calibrated(cfg, folder, config, cluster, example, costing, loss_fn), world))
             priced_on = f"{n} x cpu calibrated on the job's ranks"
         except CalibrationError as e:  # every rank fits the same (all-reduced) timings: all fall back together
             log.warning("calibration on the job's ranks failed (%s): the layouts are priced on the %r preset; give "
                         "--device cpu to skip calibration, or --calibrate FILE (pipecut calibrate)", e, preset)
     plan = _agreed(search, search.run(LayoutSpace(**space)))
     return plan, priced_on
+
+
+def job_nodes(cluster: Cluster, world: int) -> Cluster:
+    """``cluster`` with the job's node size: the processes torchrun started on this host
+    (``LOCAL_WORLD_SIZE``, else all ``world`` of them), where a tp group may sit.
+
+    Only the node size changes, and only for a job of several processes; a preset's or a measured
+    host's devices price their links as before.
+
+    Example:
+        >>> job_nodes(Cluster.uniform(4, "cpu"), 4).devices[0].node_size
+        4
+    """
+    if world <= 1:
+        return cluster
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    size = int(local) if local.isdigit() and int(local) > 0 else world
+    if all(d.node_size == size for d in cluster.devices):
+        return cluster
+    return dataclasses.replace(cluster, devices=tuple(dataclasses.replace(d, node_size=size) for d in cluster.devices))
 
 
 def _calibrated(cfg: TrainConfig, folder: HFFolder, config: Any, cluster: Cluster, example: Any,
@@ -325,7 +365,7 @@ def _agreed(search: LayoutSearch, plan: Plan) -> Plan:
         return plan
     assert plan.layout is not None  # internal invariant: the search's plans carry their layout
     lay = plan.layout
-    mine = Option(lay.dp, lay.pp, lay.schedule, lay.microbatch_size, lay.zero, lay.global_batch)
+    mine = Option(lay.dp, lay.pp, lay.schedule, lay.microbatch_size, lay.zero, lay.global_batch, lay.tp)
     box: list[Option] = [mine]
     dist.broadcast_object_list(box, src=0)
     if box[0] == mine:
@@ -337,19 +377,21 @@ def _agreed(search: LayoutSearch, plan: Plan) -> Plan:
 # -- plans from files ----------------------------------------------------------------------------
 
 
-def _check_world(plan: Plan, dp: int, pp: int, world: int, source: str) -> None:
-    """Refuse a plan the job's processes cannot run: another ``dp x pp``, or replicas in one process."""
+def _check_world(plan: Plan, dp: int, pp: int, tp: int, world: int, source: str) -> None:
+    """Refuse a plan the job's processes cannot run: another ``dp x pp x tp``, or replicas (or tp) in one process."""
+    n = dp * pp * tp
+    shape = f"{dp} replicas of a {pp}-rank pipeline" + (f" of {tp} processes per rank" if tp > 1 else "")
     if world == 1:
-        if dp > 1:
+        if dp > 1 or tp > 1:
             raise PlanWorldError(
-                f"{source} runs {dp} replicas of a {pp}-rank pipeline ({dp * pp} processes), and this is one "
-                f"process: launch it with torchrun --nproc-per-node {dp * pp} -m pipecut train ..."
+                f"{source} runs {shape} ({n} processes), and this is one process: launch it with torchrun "
+                f"--nproc-per-node {n} -m pipecut train ..."
             )
         return
-    if dp * pp != world:
-        need = (f"{dp * pp} processes ({dp} replicas of {pp} pipeline ranks)" if plan.layout is not None
-                else f"a multiple of its {pp} pipeline ranks")
-        launch = f"torchrun --nproc-per-node {dp * pp}" if plan.layout is not None else f"a multiple of {pp} processes"
+    if n != world:
+        need = (f"{n} processes ({shape})" if plan.layout is not None
+                else f"a multiple of its {pp} pipeline ranks" + (f" x {tp} tp processes" if tp > 1 else ""))
+        launch = f"torchrun --nproc-per-node {n}" if plan.layout is not None else f"a multiple of {pp * tp} processes"
         raise PlanWorldError(
             f"{source} runs on {need}, and the job has {world}: launch {launch}, or make a plan for {world} "
             f"devices: pipecut plan MODEL --devices {world} --global-batch B --json plan.json"

@@ -39,7 +39,7 @@ from partitioner.options import Costing, Cut
 from partitioner.plan.plan import Plan
 from pipecut.folder import HFFolder, max_positions
 from pipecut.train import checkpoints, finite, layout_choice, metrics_log, report, runfolder
-from pipecut.train.config import TrainConfig, TrainConfigError, read_toml, resolve, to_toml
+from pipecut.train.config import TrainConfig, TrainConfigError, check_tp_options, read_toml, resolve, to_toml
 from pipecut.train.data import EVAL, TRAIN, TokenData, open_tokens
 from pipecut.train.export import export_final
 from pipecut.train.lr import lr_at
@@ -93,7 +93,7 @@ def layout(cfg: TrainConfig, world: int, rank: int) -> Layout:
 
     Raises:
         TrainConfigError: ``dp * pp * tp`` is not the world size, the batch does not divide, or
-            ``tp > 1`` with an option it does not run with yet (``--zero fsdp``, ``--precision fp16``).
+            ``tp > 1`` with an option it does not run with yet (``--zero fsdp``).
 
     Example:
         >>> cfg = TrainConfig(model="m", data="d", out="o", global_batch=8, micro_batch_size=2, dp=2)
@@ -102,7 +102,7 @@ def layout(cfg: TrainConfig, world: int, rank: int) -> Layout:
         >>> layout(dataclasses.replace(cfg, tp=2), world=8, rank=5)  # rank (d * pp + r) * tp + t
         Layout(pp=2, dp=2, m=2, rank=5, dp_rank=1, tp=2)
     """
-    pp, dp, b, tp = cfg.pp, cfg.dp, cfg.micro_batch_size or 1, cfg.tp
+    pp, dp, b, tp = cfg.pp, cfg.dp, cfg.micro_batch_size or 1, cfg.tp or 1
     _check_tp(cfg, world)
     pp, dp = world_split(world // tp, pp, dp)
     if world == 1 and dp != 1:
@@ -136,7 +136,7 @@ def layout(cfg: TrainConfig, world: int, rank: int) -> Layout:
 
 def _check_tp(cfg: TrainConfig, world: int) -> None:
     """Refuse ``--tp`` where the job cannot run it: too few processes, or an option tp does not compose with."""
-    tp = cfg.tp
+    tp = cfg.tp or 1
     if tp == 1:
         return
     if world % tp:
@@ -145,16 +145,7 @@ def _check_tp(cfg: TrainConfig, world: int) -> None:
             f"--tp {tp} splits each pipeline rank's stages over {tp} processes, and the job has {world}: launch "
             f"dp x pp x tp processes, e.g. torchrun --nproc-per-node {need} -m pipecut train ... --tp {tp}"
         )
-    if cfg.zero == "fsdp":
-        raise TrainConfigError(
-            f"--zero fsdp with --tp {tp}: FSDP2 over tensor-parallel stages (2-D sharding) is not wired yet; "
-            "use --zero zero1 or none with --tp, or --tp 1 with --zero fsdp"
-        )
-    if cfg.precision == "fp16":
-        raise TrainConfigError(
-            f"--precision fp16 with --tp {tp}: the loss scaler's inf/NaN check is not reduced over the tp "
-            "processes yet; use --precision bf16 (no loss scaling) or fp32"
-        )
+    check_tp_options(cfg)
 
 
 def train(

@@ -13,8 +13,8 @@ before any of that, which other options tensor parallelism does not compose with
 run instead.
 
 Example:
-    >>> refuse_unsupported(1, engine="fsdp", precision="fp16")  # tp 1: anything goes
-    >>> refuse_unsupported(2, engine="replicate", precision="bf16")
+    >>> refuse_unsupported(1, engine="fsdp")  # tp 1: anything goes
+    >>> refuse_unsupported(2, engine="replicate")
 """
 
 from __future__ import annotations
@@ -45,13 +45,12 @@ class TensorParallelOptionError(TensorParallelError):
     names both and what to run instead."""
 
 
-def refuse_unsupported(tp: int, *, engine: str, precision: str) -> None:
+def refuse_unsupported(tp: int, *, engine: str) -> None:
     """Refuse, on every rank alike and before any weight is touched, what ``tp > 1`` does not run yet.
 
     Args:
         tp: tensor-parallel ranks per stage.
         engine: ``DataParallel.engine``.
-        precision: the mixed-precision policy's name.
 
     Raises:
         TensorParallelOptionError: naming the option, the tp size and the way out.
@@ -63,11 +62,6 @@ def refuse_unsupported(tp: int, *, engine: str, precision: str) -> None:
             f"TensorParallel(size={tp}) with DataParallel(engine='fsdp'): FSDP2 over tp-sharded stages (2-D "
             "sharding) is not wired yet; use engine='replicate' (optionally shard_optimizer=True for ZeRO-1) "
             "with tensor parallelism, or tp=1 with FSDP")
-    if precision == "fp16":
-        raise TensorParallelOptionError(
-            f"TensorParallel(size={tp}) with precision='fp16': the loss scaler's inf/NaN check is not reduced "
-            "over the tp shards yet, so tp ranks could disagree on skipping a step; use precision='bf16' "
-            "(no loss scaling) or 'fp32'")
 
 
 def split_stages(

@@ -23,6 +23,9 @@ DCP stores them as tensors and nothing in a pipecut checkpoint needs pickle.
 Anything else is refused with :class:`UnsafeFileError` naming the file and the class; nothing
 of it is imported or called. A truncated or damaged file is a :class:`CorruptFileError` naming
 the file and the entry, checked before any destination is written where sizes tell.
+
+Every save and load here also shows DCP a packed tensor-parallel weight as the parts it is
+(:func:`packed_in_parts`), which DCP cannot tell from its ``DTensor`` placement alone.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ from runtime.state.weight_errors import CheckpointError, CorruptFileError, Unsaf
 
 __all__ = [
     "SafeLoadPlanner", "SafeReader", "from_record", "load", "read_metadata", "record_slot", "save",
-    "refuse_packed", "single_process_quiet", "to_record",
+    "packed_in_parts", "single_process_quiet", "to_record",
 ]
 
 log = logging.getLogger(__name__)
@@ -280,7 +283,6 @@ def load(state: dict[str, Any], directory: str | os.PathLike[str], *, collective
         CorruptFileError: a file is missing, truncated or damaged.
         CheckpointError: DCP failed otherwise (the message carries its first failure).
     """
-    refuse_packed(state, f"a load from {directory}", collective=collective)
     reader = SafeReader(directory)
     if collective:  # every rank checks every file, so that all raise the same error or none
         reader.check_files()
@@ -289,7 +291,7 @@ def load(state: dict[str, Any], directory: str | os.PathLike[str], *, collective
         reader.check_files({k for k in reader.read_metadata().state_dict_metadata
                             if k in wanted or any(p in wanted for p in _prefixes(k))})
     try:
-        with single_process_quiet():
+        with single_process_quiet(), packed_in_parts(state, f"a load from {directory}", collective=collective):
             _dcp_load(state, checkpoint_id=str(directory), storage_reader=reader,
                       planner=SafeLoadPlanner(), no_dist=not collective)
     except CheckpointException as e:
@@ -305,45 +307,91 @@ def save(state: dict[str, Any], directory: str | os.PathLike[str], *, collective
     Raises:
         CheckpointError: DCP failed on some rank (the message names the rank and its error).
     """
-    refuse_packed(state, f"a save to {directory}", collective=collective)
     # Looked up at each call, so that tests can replace dcp.save (untyped: it is re-exported).
     dcp: Any = importlib.import_module("torch.distributed.checkpoint")
 
     try:
-        with single_process_quiet():
+        with single_process_quiet(), packed_in_parts(state, f"a save to {directory}", collective=collective):
             dcp.save(state, checkpoint_id=str(directory), no_dist=not collective)
     except CheckpointException as e:
         raise _typed(e, f"torch.distributed.checkpoint could not save to {directory}",
                      "check that the folder is writable and the disk has room") from e
 
 
-def refuse_packed(state: dict[str, Any], what: str, *, collective: bool) -> None:
-    """Refuse a DCP save or load of a packed tensor-parallel weight, on every rank alike.
+@contextmanager
+def packed_in_parts(state: dict[str, Any], what: str, *, collective: bool) -> Iterator[None]:
+    """Show DCP each packed tensor-parallel weight of ``state`` as the parts it holds, for the
+    length of a save or a load.
 
-    A ``packed_colwise`` weight (GPT-2's ``c_attn``, ``runtime.parallel.tensor``) is a
-    ``_StridedShard`` ``DTensor``: each rank holds a slice of each of its parts, not one range,
-    and DCP describes a chunk by one offset and size (it finds them overlapping on save and would
-    read the wrong columns on load). ``collective``: the ranks tell each other what they found
-    (one small gather), so that all raise, or none does, before DCP's own collectives.
+    A ``packed_colwise`` weight (GPT-2's ``c_attn``, ``runtime.parallel.tensor``) is a ``DTensor``
+    placed ``_StridedShard(dim, split_factor=k)`` on the tp mesh: tp rank ``t`` holds, side by
+    side, its slice of each of the ``k`` parts (q, k, v). DCP describes a ``DTensor``'s local data
+    as one chunk at one offset, which is wrong for it (the ranks' chunks overlap on save; a load
+    would read the wrong columns). Inside this block each such entry is instead a ``DTensor``
+    whose local tensor is torch's ``LocalShardsWrapper`` over ``k`` views of the rank's local
+    tensor, each at its own offset of the whole (``j * P + t * P / tp`` along ``dim``, ``P =
+    shape[dim] / k``), the way DCP's ``_Checkpointable`` protocol takes several chunks per rank.
+    A save writes ``k`` chunks per rank, ``k * tp`` covering the whole once, under the weight's
+    own key and whole shape; a load reads into the views, that is into the rank's own tensor,
+    from whatever chunks overlap them (another tp's, or one whole tensor). So the checkpoint is
+    keyed and shaped as any other, and a plain tensor (tp 1, the plain model) reads it whole
+    through DCP's own resharding. The entries are put back on exit; no tensor is copied.
+
+    ``collective``: the ranks tell each other what they cannot store (one small gather), so that
+    all raise, or none does, before DCP's own collectives.
 
     Raises:
-        CheckpointError: naming the weight and what to do instead.
+        CheckpointError: a ``_StridedShard`` this cannot describe (on a mesh of more than one
+            dim, as FSDP2 x tp would make; or a dim not divisible by ``k * tp``), naming the
+            weight and what to do instead.
     """
-    mine = next((k for k, v in state.items()
-                 if any(hasattr(pl, "split_factor") for pl in getattr(v, "placements", ()))), None)
+    parts: dict[str, Any] = {}
+    problem: str | None = None
+    for key, value in state.items():
+        strided = [pl for pl in getattr(value, "placements", ()) if hasattr(pl, "split_factor")]
+        if not strided:
+            continue
+        dim, k = strided[0].dim, strided[0].split_factor
+        mesh = value.device_mesh
+        if mesh.ndim != 1 or value.shape[dim] % (k * mesh.size()):
+            problem = problem or (
+                f"{key!r} is a packed tensor-parallel weight placed {tuple(value.placements)} on a mesh of shape "
+                f"{tuple(mesh.shape)}, global shape {tuple(value.shape)}: only a 1-D tp mesh and a dim divisible "
+                f"by {k} parts x {mesh.size()} ranks can be stored as parts")
+            continue
+        parts[key] = _as_parts(value, dim, k)
     if collective:
         import torch.distributed as dist
 
         found: list[str | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(found, mine)
-        mine = next((k for k in found if k is not None), None)
-    if mine is not None:
+        dist.all_gather_object(found, problem)
+        problem = next((p for p in found if p is not None), None)
+    if problem is not None:
         raise CheckpointError(
-            f"{what}: {mine!r} is a packed tensor-parallel weight (packed_colwise: each tp rank holds a slice "
-            "of each of its parts, a _StridedShard DTensor), which torch.distributed.checkpoint cannot store or "
-            "read; export_safetensors writes it whole. To checkpoint, train with tp=1, or with a tp plan that "
-            "keeps the packed layer whole (GPT-2: TensorParallel(plan={'h.*.mlp.c_fc': 'colwise', "
-            "'h.*.mlp.c_proj': 'rowwise'}))")
+            f"{what}: {problem}. export_safetensors writes it whole; to checkpoint, run tensor parallelism "
+            "on a 1-D tp mesh (no FSDP2 over it), or keep the packed layer whole (drop its pattern from "
+            "TensorParallel(plan=...))")
+    kept = {key: state[key] for key in parts}
+    state.update(parts)
+    try:
+        yield
+    finally:
+        state.update(kept)
+
+
+def _as_parts(value: Any, dim: int, k: int) -> Any:
+    """``value`` (a packed ``DTensor``) with its local tensor as ``k`` views at their global offsets."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
+
+    mesh = value.device_mesh
+    tp, t = mesh.size(), mesh.get_local_rank()
+    width = value.shape[dim] // (k * tp)  # of one part, on one rank
+    local = value.to_local()
+    views = [local.narrow(dim, j * width, width) for j in range(k)]
+    offsets = [tuple((j * tp + t) * width if d == dim else 0 for d in range(value.dim())) for j in range(k)]
+    return DTensor.from_local(LocalShardsWrapper(views, offsets), mesh, value.placements, run_check=False,
+                              shape=value.shape, stride=value.stride())
 
 
 def _dcp_load(state: dict[str, Any], **kwargs: Any) -> None:

@@ -29,6 +29,19 @@ def write_llama(directory: Path, *, weights: bool = True, tokenizer: bool = True
     return directory
 
 
+def write_gpt2(directory: Path) -> Path:
+    """A 2-layer GPT-2 folder (q, k and v packed in c_attn, its embedding tied to the LM head; dropout 0,
+    so that a tensor-parallel run computes what the plain model does) and a small BPE tokenizer."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=1)
+    torch.manual_seed(1)
+    GPT2LMHeadModel(config).save_pretrained(directory)
+    write_tokenizer(directory)
+    return directory
+
+
 def write_tokenizer(directory: Path) -> None:
     """A word-piece BPE trained here on TEXT (no hub), saved as a fast tokenizer."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
@@ -43,6 +56,11 @@ def write_tokenizer(directory: Path) -> None:
 @pytest.fixture(scope="session")
 def llama_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_llama(tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="session")
+def gpt2_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_gpt2(tmp_path_factory.mktemp("gpt2"))
 
 
 @pytest.fixture(scope="session")

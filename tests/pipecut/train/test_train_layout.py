@@ -41,14 +41,20 @@ def test_manual_is_the_default_and_fills_in_the_flags_defaults(tmp_path: Path) -
 def test_the_layout_keys_given_constrain_the_search() -> None:
     auto = TrainConfig(**REQUIRED, layout="auto", global_batch=16)
     assert search_space(auto, world=4) == {
-        "dp_sizes": None, "schedules": None, "microbatch_sizes": None, "zero": ("none", "zero1"),
-        "tp_sizes": (1,)}  # --layout auto does not apply a plan's tp yet
+        "dp_sizes": None, "pp_sizes": None, "tp_sizes": None, "schedules": None, "microbatch_sizes": None,
+        "zero": ("none", "zero1")}  # tp too: the sizes the model and the job's node take
     given = dataclasses.replace(auto, pp=4, schedule="zbv", micro_batch_size=2, zero="none")
     assert search_space(given, world=8) == {
-        "dp_sizes": (2,), "schedules": ("zbv",), "microbatch_sizes": (2,), "zero": ("none",), "tp_sizes": (1,)}
+        "dp_sizes": None, "pp_sizes": (4,), "tp_sizes": None, "schedules": ("zbv",), "microbatch_sizes": (2,),
+        "zero": ("none",)}  # dp x tp = 2: dp 2, or tp 2
     assert search_space(dataclasses.replace(auto, dp=2, schedule="auto"), world=4)["schedules"] is None
-    # In one process: one replica over --pp ranks.
-    assert search_space(dataclasses.replace(auto, pp=2), world=1)["dp_sizes"] == (1,)
+    assert search_space(dataclasses.replace(auto, dp=1, tp=2), world=4)["tp_sizes"] == (2,)
+    # What tp does not run with yet keeps the search at tp 1.
+    assert search_space(dataclasses.replace(auto, precision="fp16"), world=4)["tp_sizes"] is None
+    assert search_space(dataclasses.replace(auto, dp=2, zero="fsdp"), world=4)["tp_sizes"] == (1,)
+    # In one process: one replica over --pp ranks, no tp.
+    one = search_space(dataclasses.replace(auto, pp=2), world=1)
+    assert (one["dp_sizes"], one["tp_sizes"]) == ((1,), (1,))
 
 
 @pytest.mark.parametrize(
@@ -63,12 +69,30 @@ def test_the_layout_keys_given_constrain_the_search() -> None:
         ({"layout": "auto", "dp": 2}, 1, "--dp 2 needs 2 processes"),
         ({"layout": "auto", "pp": 3}, 4, "the job has 4 processes, which is not dp x pp"),
         ({"layout": "auto", "dp": 2, "pp": 3}, 4, "the job has 4 processes, which is not dp x pp"),
+        ({"layout": "auto", "dp": 2, "pp": 2, "tp": 2}, 4, "with dp 2, pp 2, tp 2: the job has 4 processes"),
+        ({"layout": "auto", "tp": 3}, 4, "which is not dp x pp x tp"),
+        ({"layout": "auto", "tp": 2}, 1, "--tp 2 needs 2 processes"),
+        ({"layout": "auto", "tp": 2, "zero": "fsdp"}, 4, "--zero fsdp with --tp 2: .*--zero zero1"),
     ],
 )
 def test_conflicting_settings_are_refused_with_the_flags_named(flags: dict[str, object], world: int,
                                                                 message: str) -> None:
     with pytest.raises(TrainConfigError, match=message):
         search_space(resolve(REQUIRED, flags), world=world)
+
+
+def test_the_jobs_node_is_its_processes_on_this_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipecut.train.layout_choice import job_nodes
+
+    cpu = Cluster.uniform(8, "cpu")
+    assert cpu.devices[0].node_size == 0  # a preset without nodes: the planner would search tp 1 only
+    assert job_nodes(cpu, 1) is cpu
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert {d.node_size for d in job_nodes(cpu, 8).devices} == {8}  # one host: every process
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun: 4 processes on each of 2 hosts
+    nodes = job_nodes(Cluster.uniform(8, "H100-80GB"), 8)
+    assert {d.node_size for d in nodes.devices} == {4}
+    assert nodes.link_bandwidth == Cluster.uniform(8, "H100-80GB").link_bandwidth
 
 
 def test_zero_by_hand_needs_replicas() -> None:
@@ -135,6 +159,25 @@ def test_a_saved_plan_for_another_world_or_job_is_refused_with_what_differs(save
     plain = dataclasses.replace(saved, layout=None, layouts=())
     with pytest.raises(PlanWorldError, match=f"a multiple of its {lay.pp} pipeline ranks, and the job has 3"):
         resolved(_cfg(), plain, 3)
+    # ... times --tp's processes per rank.
+    with pytest.raises(PlanWorldError, match=f"a multiple of its {lay.pp} pipeline ranks x 2 tp processes"):
+        resolved(_cfg(tp=2), plain, 2 * lay.pp + 1)
+    rows = 2 * plain.microbatches * (plain.microbatch_size or 1)  # 2 replicas' micro-batches
+    assert resolved(_cfg(tp=2, global_batch=rows), plain, 4 * lay.pp).dp == 2
+
+
+def test_a_saved_plan_with_tp_fills_in_its_tp(saved: Plan) -> None:
+    lay = saved.layout
+    assert lay is not None and lay.tp == 1
+    # dp x pp x tp = 4, no replicas to shard over
+    split = dataclasses.replace(saved, layout=dataclasses.replace(lay, dp=1, tp=lay.dp, zero="none"))
+    cfg = resolved(_cfg(), split, 4)
+    assert (cfg.dp, cfg.pp, cfg.tp) == (1, lay.pp, lay.dp)
+    assert layout(cfg, 4, 3).tp == lay.dp
+    with pytest.raises(TrainPlanError, match=rf"--tp 1 \(the plan's: {lay.dp}\)"):
+        resolved(_cfg(tp=1), split, 4)
+    with pytest.raises(PlanWorldError, match=rf"of {lay.dp} processes per rank \(4 processes\), and this is one"):
+        resolved(_cfg(), split, 1)
 
 
 def test_a_saved_plan_binds_to_its_model_and_refuses_another(saved: Plan, llama_folder: Path,

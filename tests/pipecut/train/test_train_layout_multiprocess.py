@@ -5,7 +5,11 @@ The 4-process job trains 4 sequences of 16 tokens a step on the tiny Llama, for 
 chooses two replicas of a 2-rank pipeline with ZeRO-1. Every rank runs three commands one after
 the other: ``--layout auto`` to step 2, the same command to step 4 (it resumes the recorded layout),
 and ``--plan`` with the test's own plan to step 4 uninterrupted; the same plan, the same steps, so
-the same weights bit for bit.
+the same weights bit for bit. Then ``--layout auto --tp 2`` (the search kept to tp 2: dp x pp = 2
+ranks, each 2 processes wide; the planner picks 2 replicas of one rank) to step 2, and ``--plan``
+with the plan it recorded, in another folder: the plan's tp is applied both times, so the two runs
+are the same bit for bit, and both are the 2-replica run's steps within the round-off of the
+row-parallel sums.
 """
 
 from __future__ import annotations
@@ -60,16 +64,18 @@ def planned(llama_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> tup
 def runs(planned: tuple[Plan, Path], llama_folder: Path, token_file: Path,
          tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("runs")
-    auto, saved = root / "auto", root / "saved"
+    auto, saved, split, replayed = root / "auto", root / "saved", root / "split", root / "replayed"
     argvs = [
         _flags(llama_folder, token_file, auto, "--layout", "auto", "--device", "cpu", "--steps", "2"),
         _flags(llama_folder, token_file, auto, "--layout", "auto", "--device", "cpu", "--steps", "4"),
         _flags(llama_folder, token_file, saved, "--plan", str(planned[1]), "--steps", "4"),
+        _flags(llama_folder, token_file, split, "--layout", "auto", "--tp", "2", "--device", "cpu", "--steps", "2"),
+        _flags(llama_folder, token_file, replayed, "--plan", str(split / "plan.json"), "--steps", "2"),
     ]
     # Every command exits 0; only rank 0 prints (spawn sets no RANK: the process group says who leads).
-    got = spawn(_commands, 4, argvs, timeout=400)
-    assert got == [[(0, rank == 0)] * 3 for rank in range(4)], got
-    return {"auto": auto, "saved": saved}
+    got = spawn(_commands, 4, argvs, timeout=500)
+    assert got == [[(0, rank == 0)] * 5 for rank in range(4)], got
+    return {"auto": auto, "saved": saved, "split": split, "replayed": replayed}
 
 
 def test_layout_auto_trains_the_planners_layout(planned: tuple[Plan, Path], runs: dict[str, Path]) -> None:
@@ -96,6 +102,21 @@ def test_a_resumed_auto_run_equals_the_saved_plan_run_uninterrupted(runs: dict[s
     a, b = final_weights(runs["auto"]), final_weights(runs["saved"])
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert [m["loss"] for m in metrics(runs["auto"])] == [m["loss"] for m in metrics(runs["saved"])]
+
+
+def test_layout_auto_and_a_plan_apply_the_plans_tp(runs: dict[str, Path]) -> None:
+    lay = Plan.load(runs["split"] / "plan.json").layout
+    assert lay is not None and lay.tp == 2 and lay.dp * lay.pp == 2  # --tp 2 of 4 processes
+    recorded = read_toml(runs["split"] / "config.toml")
+    assert (recorded["dp"], recorded["pp"], recorded["tp"]) == (lay.dp, lay.pp, 2)
+    assert f"layout dp{lay.dp} x pp{lay.pp} x tp2" in (runs["split"] / "config.toml").read_text()
+    assert read_toml(runs["replayed"] / "config.toml")["tp"] == 2
+    a, b = final_weights(runs["split"]), final_weights(runs["replayed"])
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # The same 2 steps on the same batches as the 2 replicas of the auto run, up to the round-off of
+    # the row-parallel sums (two halves, then an all-reduce).
+    torch.testing.assert_close([m["loss"] for m in metrics(runs["split"])],
+                               [m["loss"] for m in metrics(runs["auto"])][:2], rtol=2e-5, atol=0)
 
 
 def _calibrated(rank: int, world: int, argv: list[str]) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """`pipecut train` as a job of several processes over gloo: torchrun 2 x 1, 2 x 2 stopped and rerun, and
-2 pipeline ranks x tp 2.
+2 pipeline ranks x tp 2 (a Llama; a GPT-2, its packed c_attn checkpointed as its parts, resumed).
 
 The 2 x 1 run uses the real ``torchrun`` binary (``--standalone``: a local rendezvous on a free
 port); the 2 x 2 run starts its 4 ranks with ``runtime.transport.launch.spawn`` and calls the
@@ -123,3 +123,66 @@ def test_pp_2_by_tp_2_saves_sharded_checkpoints_and_exports_whole_weights(
                                rtol=2e-5, atol=0)
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=2e-5, atol=2e-6, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def _gpt2_run_and_rerun(rank: int, world: int, argv: list[str], out: str) -> dict[str, object]:
+    """Run ``argv`` to the end without its step-4 checkpoint (the run dies after step 4, before it
+    is written), then rerun it: the rerun resumes from step 2. The steps each run took and the first
+    one's metrics; its final/ is copied to ``out``'s sibling ``first``."""
+    from pipecut.cli import main
+    from runtime.trainer import PipelineTrainer
+
+    real_step, real_save = PipelineTrainer.step, PipelineTrainer.save
+    steps: list[int] = []
+
+    def counted(self: PipelineTrainer, *args: object, **kwargs: object) -> torch.Tensor:
+        steps[-1] += 1
+        return real_step(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    def withheld(self: PipelineTrainer, directory: object) -> Path:
+        if self.step_count == 4:  # every rank alike: no collective is left waiting
+            return Path(str(directory))
+        return real_save(self, directory)  # type: ignore[arg-type]
+
+    PipelineTrainer.step, PipelineTrainer.save = counted, withheld  # type: ignore[method-assign]
+    try:
+        steps.append(0)
+        assert main(argv) == 0
+        first = metrics(Path(out))
+        if rank == 0:  # before the rerun: its export needs every rank, rank 0 included, to get there
+            shutil.copytree(Path(out) / "final", Path(out).parent / "first" / "final")
+        PipelineTrainer.save = real_save  # type: ignore[method-assign]
+        steps.append(0)
+        assert main(argv) == 0
+    finally:
+        PipelineTrainer.step, PipelineTrainer.save = real_step, real_save  # type: ignore[method-assign]
+    return {"steps": steps, "metrics": first}
+
+
+def test_gpt2_pp_2_by_tp_2_checkpoints_its_packed_attention_and_resumes_bitwise(
+    gpt2_folder: Path, token_file: Path, tmp_path: Path
+) -> None:
+    from torch.distributed.checkpoint import FileSystemReader
+    from transformers import GPT2LMHeadModel
+
+    out = tmp_path / "run"
+    argv = ["train", *_flags(gpt2_folder, token_file, out), "--pp", "2", "--tp", "2"]
+    runs = spawn(_gpt2_run_and_rerun, 4, argv, str(out), timeout=420)
+    assert [r["steps"] for r in runs] == [[4, 2]] * 4  # the rerun took steps 3 and 4 only
+    first = runs[0]
+    # The same losses, bit for bit, as the run that went through (steps 1 and 2 are its own record).
+    assert [(m["step"], m["loss"]) for m in metrics(out)] == [(m["step"], m["loss"]) for m in first["metrics"]]
+    assert [m["step"] for m in metrics(out)] == [1, 2, 3, 4]
+    final, went_through = final_weights(out), final_weights(tmp_path / "first")
+    assert final.keys() == went_through.keys() and all(torch.equal(final[k], went_through[k]) for k in final)
+    # The packed q, k and v weight in the checkpoint: its 3 parts' halves, one chunk each.
+    meta = FileSystemReader(str(out / "checkpoints" / "step-2")).read_metadata()
+    assert len(meta.state_dict_metadata["model.transformer.h.0.attn.c_attn.weight"].chunks) == 6
+    # final/: the folder's own keys, whole, read by from_pretrained.
+    with safe_open(str(gpt2_folder / "model.safetensors"), framework="pt") as f:
+        assert final.keys() == set(f.keys())
+    model, info = GPT2LMHeadModel.from_pretrained(out / "final", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    for k, v in model.state_dict().items():
+        if k in final:
+            torch.testing.assert_close(v, final[k], rtol=0, atol=0, msg=lambda m, k=k: f"{k}: {m}")

@@ -68,13 +68,11 @@ def test_tp_takes_a_share_of_the_world_and_refuses_what_it_cannot_run_with() -> 
         (TrainConfig(**REQUIRED, pp=2, tp=4), 6, r"--tp 4 .* the job has 6"),
         (TrainConfig(**REQUIRED, pp=3, tp=2), 8, r"the job has 8 processes, which is not dp x pp x tp"),
         (TrainConfig(**REQUIRED, dp=2, tp=2, zero="fsdp"), 4, r"--zero fsdp with --tp 2: .*--zero zero1"),
-        (TrainConfig(**REQUIRED, pp=2, tp=2, precision="fp16"), 4, r"--precision fp16 with --tp 2: .*bf16"),
     ]:
         with pytest.raises(TrainConfigError, match=words):
             layout(cfg, world, 0)
-    for mode, words in [({"layout": "auto"}, "--layout auto"), ({"plan": "p.json"}, "--plan p.json")]:
-        with pytest.raises(TrainConfigError, match=f"--tp 2 with {words}: a plan.s layout is trained as dp x pp"):
-            resolve(REQUIRED, {"tp": 2, **mode})
+    # --tp is a layout key: with --layout auto or --plan it constrains the layout (test_train_layout.py).
+    assert resolve(REQUIRED, {"tp": 2, "layout": "auto"}).tp == 2
     with pytest.raises(TrainConfigError, match="tp must be at least 1, got 0"):
         resolve(REQUIRED, {"tp": 0})
 

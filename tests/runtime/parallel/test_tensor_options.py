@@ -36,10 +36,9 @@ def test_tensor_parallelism_in_one_process_is_refused_with_the_launch_command() 
 
 @pytest.mark.parametrize(("opts", "words"), [
     ({"engine": "fsdp"}, r"DataParallel\(engine='fsdp'.*2-D.*engine='replicate'"),
-    ({"precision": "fp16"}, r"precision='fp16'.*'bf16'"),
 ])
 def test_what_does_not_compose_with_tp_yet_is_refused_naming_both(opts: dict[str, object], words: str) -> None:
-    kw = {"engine": "replicate", "precision": "fp32", **opts}
+    kw = {"engine": "replicate", **opts}
     refuse_unsupported(1, **kw)  # type: ignore[arg-type]  # tp 1: nothing to refuse
     with pytest.raises(TensorParallelOptionError, match=r"TensorParallel\(size=2\) with " + words):
         refuse_unsupported(2, **kw)  # type: ignore[arg-type]

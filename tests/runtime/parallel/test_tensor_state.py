@@ -1,9 +1,10 @@
-"""State under tensor parallelism, on 4 gloo processes (a Llama, 2 pp x tp 2, as test_tensor_trainer's):
-a DCP checkpoint saved after a step holds each split weight as its two shards and each whole one
+"""State under tensor parallelism, on 4 gloo processes (a Llama and a GPT-2, 2 pp x tp 2, as
+test_tensor_trainer's; GPT-2's c_attn packed, its embedding tied): a DCP checkpoint saved after a
+step holds each split weight as its two shards (a packed one as its 3 parts' 6), each whole one
 once; a fresh trainer of the same layout loads it and continues bitwise as the saved one does; it
 loads exactly into 2 dp x 2 pp (tp 1) and into the plain model; the safetensors export is the
-whole weights (``from_pretrained`` reads it); ``Init(weights=...)`` reads each rank's shard only,
-from the export and from the DCP checkpoint."""
+whole weights (``from_pretrained`` reads it); ``Init(weights=...)`` gives each rank its shard
+(its slice of each part), from the DCP checkpoint and from the export (which it reads in part)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from runtime.transport.launch import spawn
-from tests.runtime.parallel.test_tensor_trainer import _batch, _llama, _loss
+from tests.runtime.parallel.test_tensor_trainer import _FAMILIES, _batch, _loss
 from tests.runtime.parity import TOL
 
 EXACT = {"rtol": 0.0, "atol": 0.0}
@@ -25,14 +26,15 @@ def _opt(ps: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1, eps=1e-5, foreach=True)
 
 
-def _trainer(tp: int, dp: int = 1, weights: Path | None = None) -> Any:
+def _trainer(family: str, tp: int, dp: int = 1, weights: Any = None) -> Any:
     from partitioner import partition
     from runtime.options import DataParallel, Init
     from runtime.trainer import PipelineTrainer
 
-    model = _llama()
+    build, block = _FAMILIES[family]
+    model = build()
     x, _ = _batch(torch.Generator().manual_seed(5))
-    plan = partition(model, (x[:2],), 2, microbatches=4, schedule="1f1b", split_points=["model.layers.2"])
+    plan = partition(model, (x[:2],), 2, microbatches=4, schedule="1f1b", split_points=[block.format(2)])
     return PipelineTrainer(plan, _loss, _opt, schedule="1f1b", transport="dist", tensor_parallel=tp,
                            data_parallel=DataParallel(size=dp), init=Init(weights=weights))
 
@@ -50,16 +52,24 @@ def _everything(mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {n: t for part in parts for n, t in part.items()}
 
 
+def _mine(whole: torch.Tensor, placement: Any, t: int) -> torch.Tensor:
+    """Tp rank ``t``'s part of ``whole``: its chunk; a packed weight's (``_StridedShard``) chunk of each part."""
+    if placement.is_replicate():
+        return whole
+    k = getattr(placement, "split_factor", 1)
+    return torch.cat([part.chunk(2, placement.dim)[t] for part in whole.chunk(k, placement.dim)], placement.dim)
+
+
 def _shards_equal(trainer: Any, whole: dict[str, torch.Tensor]) -> int:
-    """Each parameter of ``trainer`` (tp 2) is exactly its rank's chunk of ``whole``'s; returns their bytes."""
+    """Each parameter of ``trainer`` (tp 2) is exactly its rank's part of ``whole``'s; returns their bytes."""
     from torch.distributed.tensor import DTensor
 
     nbytes = 0
     for n, p in trainer.named_parameters():
         assert isinstance(p, DTensor), n
         (placement,) = p.placements
-        part = whole[n].chunk(2, placement.dim)[trainer.mesh.tp_rank] if placement.is_shard() else whole[n]
-        torch.testing.assert_close(p.to_local(), part, **EXACT, msg=lambda m, n=n: f"{n}: {m}")
+        torch.testing.assert_close(p.to_local(), _mine(whole[n], placement, trainer.mesh.tp_rank), **EXACT,
+                                   msg=lambda m, n=n: f"{n}: {m}")
         nbytes += p.to_local().numel() * p.to_local().element_size()
     return nbytes
 
@@ -70,8 +80,9 @@ def _spoil(trainer: Any) -> None:
             p.zero_()
 
 
-def _worker(rank: int, world: int, folder: str) -> dict[str, Any]:
+def _case(family: str, rank: int, folder: Path) -> dict[str, Any]:
     import torch.distributed as dist
+    import transformers as T
     from torch.distributed.tensor import DTensor
 
     from runtime.state.checkpoint import load_model
@@ -79,10 +90,10 @@ def _worker(rank: int, world: int, folder: str) -> dict[str, Any]:
     from runtime.state.weights import Weights
 
     started, out = time.perf_counter(), {}
-    ckpt, hf = Path(folder) / "ckpt", Path(folder) / "hf"
+    ckpt, hf = folder / family / "ckpt", folder / family / "hf"
     gen = torch.Generator().manual_seed(6)
     batches = [_batch(gen) for _ in range(3)]
-    a = _trainer(tp=2)
+    a = _trainer(family, tp=2)
     a.step(*batches[0], max_norm=0.5)
     a.save(ckpt)
     a.export_safetensors(hf)  # the split weights gathered, written by tp rank 0 of each stage
@@ -90,29 +101,37 @@ def _worker(rank: int, world: int, folder: str) -> dict[str, Any]:
         a.plan.model.config.save_pretrained(hf)
     saved = _everything({n: _whole(p.detach()) for n, p in a.named_parameters()})
     moments = _everything({n: _whole(a.optimizer.state[p]["exp_avg"]) for n, p in a.named_parameters()})
-    split = {n for n, p in a.named_parameters() if any(pl.is_shard() for pl in p.placements)}
+    # name -> parts per rank: 1 for a Shard, k for a packed weight (_StridedShard); whole ones absent
+    split = {n: getattr(p.placements[0], "split_factor", 1) for n, p in a.named_parameters()
+             if not p.placements[0].is_replicate()}
+    packed = {n: p.to_local().numel() * p.to_local().element_size()  # its bytes on this rank
+              for n, p in a.named_parameters() if split.get(n, 1) > 1}
     want = [float(a.step(*b, max_norm=0.5)) for b in batches[1:]]
     after = {n: _whole(p.detach()) for n, p in a.named_parameters()}
 
-    # The checkpoint: each split weight (and its moments) in two chunks, each whole one in one.
+    # The checkpoint: each split weight (and its moments) in two chunks (a packed one: its k parts'
+    # 2 k), each whole one in one.
     meta = read_metadata(ckpt)
-    for n in split:
+    for n, k in split.items():
         for key in (f"model.{n}", f"optim.state.{n}.exp_avg"):
-            assert len(meta.state_dict_metadata[key].chunks) == 2, key
-    for n in set(dict(a.named_parameters())) - split:
+            assert len(meta.state_dict_metadata[key].chunks) == 2 * k, key
+    for n in set(dict(a.named_parameters())) - set(split):
         assert len(meta.state_dict_metadata[f"model.{n}"].chunks) == 1, n
-    out["split"] = len(split)
+    out["split"], out["packed"] = len(split), len(packed)
 
-    # Init(weights=export) under tp: each rank read its shard of the split weights, nothing more.
-    b = _trainer(tp=2, weights=hf)
+    # Init(weights=<the DCP checkpoint>) under tp: DCP reads each rank's part (its optimizer entries
+    # are not weights: strict=False).
+    b = _trainer(family, tp=2, weights=Weights(ckpt, strict=False))
     local_bytes = _shards_equal(b, saved)
+    _spoil(b)  # from the export: each rank reads its shard of the split weights (a packed one whole)
     report = b.load_weights(hf)
-    whole_bytes = sum(saved[n].numel() * saved[n].element_size() for n, _ in b.named_parameters())
-    assert report.bytes_read == local_bytes < whole_bytes, (report.bytes_read, local_bytes, whole_bytes)
-    out["bytes"] = (report.bytes_read, whole_bytes)
-    _spoil(b)  # weights= from the DCP checkpoint: DCP reads each shard
-    b.load_weights(Weights(ckpt, strict=False))  # its optimizer entries are not weights
     _shards_equal(b, saved)
+    whole_bytes = sum(saved[n].numel() * saved[n].element_size() for n, _ in b.named_parameters())
+    # A packed weight's part is not one range: safetensors may read it whole (2 x its part) for it.
+    extra = sum(packed.values())
+    assert local_bytes <= report.bytes_read <= local_bytes + extra < whole_bytes, (report.bytes_read, extra)
+    assert report.bytes_read == local_bytes or packed
+    out["bytes"] = (report.bytes_read, whole_bytes)
 
     # Resume: the same layout, its weights spoiled first, continues bitwise.
     _spoil(b)
@@ -126,7 +145,7 @@ def _worker(rank: int, world: int, folder: str) -> dict[str, Any]:
     del a, b
 
     # Another layout, tp 1 (2 replicas x 2 pipeline ranks): the same values, whole.
-    c = _trainer(tp=1, dp=2)
+    c = _trainer(family, tp=1, dp=2)
     c.load(ckpt)
     for n, p in c.named_parameters():
         assert not isinstance(p, DTensor), n
@@ -138,11 +157,9 @@ def _worker(rank: int, world: int, folder: str) -> dict[str, Any]:
     out["checked"] = len(saved)
 
     if rank == 0:  # the plain model, from the checkpoint and from the export
-        import transformers as T
-
-        plain = _llama()
+        plain = _FAMILIES[family][0]()
         load_model(plain, ckpt)
-        pretrained = T.LlamaForCausalLM.from_pretrained(hf)
+        pretrained = getattr(T, type(plain).__name__).from_pretrained(hf)
         for model in (plain, pretrained):
             for n, p in model.named_parameters():
                 torch.testing.assert_close(p.detach(), saved[n], **EXACT, msg=lambda m, n=n: f"{n}: {m}")
@@ -151,13 +168,22 @@ def _worker(rank: int, world: int, folder: str) -> dict[str, Any]:
     return out
 
 
+def _worker(rank: int, world: int, folder: str) -> dict[str, Any]:
+    return {family: _case(family, rank, Path(folder)) for family in ("llama", "gpt2")}
+
+
 @pytest.mark.multiprocess
 def test_tp_checkpoints_resume_bitwise_reshard_to_tp_1_and_export_whole(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
-    runs = spawn(_worker, 4, str(tmp_path), timeout=420)
+    runs = spawn(_worker, 4, str(tmp_path), timeout=600)
     for r in runs:
-        # Each rank's stage: 2 blocks of 7 split weights; the model: 4 blocks of 9 tensors, embedding,
-        # norm and head. Each rank read its stage's shards (and whole weights): under 60% of the whole.
-        assert r["split"] == 14 and r["checked"] == 4 * 9 + 3
-        read, whole = r["bytes"]
+        # Llama: each rank's stage 2 blocks of 7 split weights; the model 4 blocks of 9 tensors,
+        # embedding, norm and head. Each rank read its stage's shards (and whole weights): under 60%.
+        llama = r["llama"]
+        assert llama["split"] == 14 and llama["packed"] == 0 and llama["checked"] == 4 * 9 + 3
+        read, whole = llama["bytes"]
         assert read < 0.6 * whole, (read, whole)
+        # GPT-2: 2 blocks of 6 split weights (c_attn's weight and bias packed); the model 4 blocks of
+        # 12 tensors, wte and wpe, ln_f's 2, and the tied copy (lm_head.weight on the first stage).
+        gpt2 = r["gpt2"]
+        assert gpt2["split"] == 12 and gpt2["packed"] == 4 and gpt2["checked"] == 4 * 12 + 5

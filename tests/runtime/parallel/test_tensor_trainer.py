@@ -139,10 +139,10 @@ def _accumulated(model: nn.Module, x: torch.Tensor, y: torch.Tensor, dtype: torc
     return total, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _bf16_case() -> dict[str, float]:
-    """Under bf16 autocast, tp 2 x pp 2 against the plain model under the same autocast and
-    micro-batches, and that plain model against fp32: how far each is (loss, worst relative error
-    of a gradient)."""
+def _autocast_case(precision: str = "bf16") -> dict[str, float]:
+    """Under bf16 (or fp16, loss-scaled) autocast, tp 2 x pp 2 against the plain model under the same
+    autocast and micro-batches, and that plain model against fp32: how far each is (loss, worst
+    relative error of a gradient)."""
     from torch.distributed.tensor import DTensor
 
     from partitioner import partition
@@ -152,9 +152,10 @@ def _bf16_case() -> dict[str, float]:
     ref = copy.deepcopy(model)
     x, y = _batch(torch.Generator().manual_seed(5))
     plan = partition(model, (x[:2],), 2, microbatches=4, schedule="1f1b", split_points=["model.layers.2"])
-    trainer = PipelineTrainer(plan, _loss, schedule="1f1b", transport="dist", tensor_parallel=2, precision="bf16")
+    trainer = PipelineTrainer(plan, _loss, schedule="1f1b", transport="dist", tensor_parallel=2, precision=precision)
     loss = float(trainer.forward_backward(x, y))
-    bf16_loss, bf16 = _accumulated(ref, x, y, torch.bfloat16)
+    assert not trainer.last_found_inf
+    bf16_loss, bf16 = _accumulated(ref, x, y, torch.bfloat16 if precision == "bf16" else torch.float16)
     fp32_loss, fp32 = _accumulated(ref, x, y, torch.float32)
     tp_err = plain_err = 0.0
     for n, prm in trainer.named_parameters():
@@ -164,6 +165,26 @@ def _bf16_case() -> dict[str, float]:
         plain_err = max(plain_err, float((bf16[n] - fp32[n]).abs().max() / fp32[n].abs().max()))
     return {"tp_loss": abs(loss - float(bf16_loss)), "plain_loss": abs(float(bf16_loss) - float(fp32_loss)),
             "tp_err": tp_err, "plain_err": plain_err}
+
+
+def _found_inf_check() -> list[bool]:
+    """fp16's inf/NaN flag on 4 ranks as 2 stages x tp 2, an inf in one tp rank's shard only (rank
+    0's): reduced over the stages and the tp group, every rank finds it (the pipeline group alone
+    would leave ranks 1 and 3 taking the step that 0 and 2 skip)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from runtime.precision import LossScaler
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    prm = nn.Parameter(torch.ones(4))
+    prm.grad = torch.ones(4)
+    if dist.get_rank() == 0:
+        prm.grad[1] = float("inf")
+    scaler = LossScaler()
+    flags = [scaler.unscale_([prm], distributed=True, group=mesh["pp"].get_group(), tp_group=tp)
+             for tp in (None, mesh["tp"].get_group())]
+    return flags
 
 
 def _clip_check() -> dict[str, float]:
@@ -195,7 +216,8 @@ def _clip_check() -> dict[str, float]:
 def _worker(rank: int, world: int, cases: list[tuple[str, str, int, dict[str, Any]]], extra: bool) -> dict[str, Any]:
     out: dict[str, Any] = {key: _case(schedule, stages, **opts) for key, schedule, stages, opts in cases}
     if extra:
-        out["bf16"], out["clip"] = _bf16_case(), _clip_check()
+        out["bf16"], out["fp16"], out["clip"] = _autocast_case("bf16"), _autocast_case("fp16"), _clip_check()
+        out["found_inf"] = _found_inf_check()
     return out
 
 
@@ -251,6 +273,21 @@ def test_bf16_under_tp_is_as_close_to_the_plain_bf16_model_as_bf16_is_to_fp32(ru
     for r in runs:
         got = r["bf16"]
         assert got["tp_loss"] < got["plain_loss"] and got["tp_err"] < 2 * got["plain_err"], got
+
+
+def test_fp16_under_tp_is_as_close_to_the_plain_fp16_model_as_fp16_is_to_fp32(runs: list[dict[str, Any]]) -> None:
+    # Loss-scaled (the scale a power of two: scaling and unscaling are exact), no step skipped.
+    # fp16 keeps 3 more mantissa bits than bf16: measured, the worst relative gradient error 0.0042
+    # and 0.0062 against the plain fp16 model (whose own against fp32: 0.0035 and 0.0065), the loss
+    # 5.7e-6 away (the plain fp16 model's from fp32: 2.9e-6; a wrong term would be of order 1).
+    for r in runs:
+        got = r["fp16"]
+        assert got["tp_loss"] < 2e-5 and got["tp_err"] < 2 * got["plain_err"], got
+
+
+def test_fp16s_inf_flag_is_reduced_over_the_tp_group(runs: list[dict[str, Any]]) -> None:
+    # Per rank: the flag over the pipeline group alone, then over it and the tp group.
+    assert [r["found_inf"] for r in runs] == [[True, True], [False, True], [True, True], [False, True]]
 
 
 @pytest.mark.multiprocess

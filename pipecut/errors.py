@@ -90,6 +90,8 @@ from runtime.generate.errors import GenerateOptionError as GenerateOptionError
 from runtime.parallel.fsdp import FSDPOptionError as FSDPOptionError
 from runtime.parallel.tensor import TensorParallelError as TensorParallelError
 from runtime.parallel.tensor_stages import TensorParallelOptionError as TensorParallelOptionError
+from runtime.parallel.vocab import VocabLossError as VocabLossError
+from runtime.parallel.vocab import VocabParallelError as VocabParallelError
 from runtime.precision import AutocastConflictError as AutocastConflictError
 from runtime.precision import PrecisionError as PrecisionError
 from runtime.state.checkpoint import CheckpointDtypeError as CheckpointDtypeError

@@ -204,6 +204,8 @@ class TensorParallel:
         2
         >>> TensorParallel(size=2, plan={"layers.*.mlp.up_proj": "colwise"}).patterns()
         {'layers.*.mlp.up_proj': 'colwise'}
+        >>> TensorParallel(size=2, vocab=True).vocab
+        True
     """
 
     size: int = 1
@@ -214,10 +216,20 @@ class TensorParallel:
     (``runtime.parallel.tensor.plan_for``); ``None``: the model's Hugging Face
     ``config.base_model_tp_plan``, or pipecut's own for its model type (GPT-2). Kept as a tuple of pairs."""
 
+    vocab: bool = False
+    """Split the token embedding and the LM head over the vocabulary too (``runtime.parallel.vocab``):
+    each tp rank holds ``V / tp`` of their rows, the last stage's logits stay sharded over the classes
+    and ``loss_fn`` runs under torch's ``loss_parallel`` (``F.cross_entropy`` on the sharded logits).
+    Found through the model's ``get_input_embeddings()`` / ``get_output_embeddings()``. Off (and at
+    ``size=1``): both stay whole on every tp rank."""
+
     def __post_init__(self) -> None:
         if type(self.size) is not int or self.size < 1:
             raise TrainerOptionError(f"TensorParallel(size={self.size!r}): the size must be an int >= 1 (tp ranks "
                                      "per stage), e.g. TensorParallel(size=2)")
+        if type(self.vocab) is not bool:
+            raise TrainerOptionError(f"TensorParallel(vocab={self.vocab!r}): vocab is True (embedding and LM head "
+                                     "split over the vocabulary) or False (kept whole)")
         if isinstance(self.plan, Mapping):  # frozen means hashable: no dict inside
             object.__setattr__(self, "plan", tuple(self.plan.items()))
 

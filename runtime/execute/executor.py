@@ -36,6 +36,7 @@ the order of receives per pair of ranks is unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -64,6 +65,7 @@ from runtime.execute.records import StepState as StepState
 from runtime.execute.split_backward import backward_input, backward_weight
 from runtime.execute.wgrad_fusion import fused_params
 from runtime.execute.wiring import dtype_of, message_values, model_output, on_wire, wire
+from runtime.parallel.vocab import VocabLossError, plain_loss, sharded_loss, vocab_head, whole_outputs
 from runtime.precision import MixedPrecision
 from runtime.transport.p2p import Key, TensorMeta, Transport, TransportTimeout
 
@@ -139,6 +141,9 @@ class Executor:
         self.record = record
         self._waited = 0.0  # seconds the current action spent in receives
         self._wiring = {s: wire(self.ios, s) for s in self.stages}
+        # Stages returning logits split over the vocabulary (runtime.parallel.vocab): their forward,
+        # loss and backward run under loss_parallel; predict gathers their logits whole.
+        self._vocab = frozenset(s for s, st in self.stages.items() if vocab_head(st.module))
         on_the_wire = dict(wire_dtypes or {})
         self._metas = {
             (a, b): [TensorMeta(v.shape, on_the_wire.get(v.name) or dtype_of(v.dtype))
@@ -310,7 +315,8 @@ class Executor:
                 del state.stash[(s, mb)]
                 state.held[s] -= 1
         elif kind == "W":
-            self._weights(state.stash.pop((s, mb)))
+            with self._sharded_loss(s):
+                self._weights(state.stash.pop((s, mb)))
             state.held[s] -= 1
         else:
             raise ActionError(f"unknown action kind {kind!r} (known: F, B, I, W)")
@@ -363,7 +369,9 @@ class Executor:
             else:
                 args.append(received[name])
         replay = None
-        with self.precision.autocast(stage.device):
+        # A vocabulary-split head's stage runs under loss_parallel too: a loss the model computes
+        # itself (given labels) then splits as loss_fn's does, and its backward matches.
+        with self.precision.autocast(stage.device), self._sharded_loss(s):
             if train and s in self.recompute:  # the replay re-enters this autocast state
                 outputs, replay = forward_without_graph(stage.module, args, stage.device)
             elif torch.is_grad_enabled() == train:
@@ -378,7 +386,8 @@ class Executor:
         st = Stash(args, outputs if replay is None else (), replay=replay)
         if s == self.p - 1:
             if not train:
-                result.outputs[mb] = tuple(decode_value(v, t) for v, t in zip(stage.io.outputs, outputs))
+                whole = whole_outputs(outputs) if s in self._vocab else outputs
+                result.outputs[mb] = tuple(decode_value(v, t) for v, t in zip(stage.io.outputs, whole))
             elif self.loss_fn is not None:
                 st.target, st.scale = _to_device(target, stage.device), scale
                 # Without a graph the loss is only the value reported; the replay differentiates it.
@@ -417,7 +426,10 @@ class Executor:
         where = f"rank {self.rank}, stage {s}, micro-batch {mb}"
         try:
             with torch.enable_grad():  # a step run under no_grad still trains
-                loss = self.loss_fn(out, target)
+                loss = (plain_loss(self.loss_fn, out, target, where) if s in self._vocab
+                        else self.loss_fn(out, target))
+        except VocabLossError:
+            raise
         except Exception as e:
             detail = (f"loss_fn was called per micro-batch as loss_fn(output={describe_value(out)}, "
                       f"target={describe_value(target)}); the target's micro-batch must fit the output's")
@@ -448,7 +460,8 @@ class Executor:
     ) -> None:
         stage = self.stages[s]
         if st.replay is not None:
-            self._replay(s, mb, st)
+            with self._sharded_loss(s):
+                self._replay(s, mb, st)
         roots: list[torch.Tensor] = []
         grads: list[torch.Tensor | None] = []
         if s == self.p - 1:
@@ -468,17 +481,28 @@ class Executor:
                     grads.append(acc[v.name])
         inputs = [a for a in st.args if isinstance(a, torch.Tensor) and a.requires_grad]
         if roots:
-            if split:
-                params, fused = _autograd_params(stage.module)
-                in_grads, st.pending_w = backward_input(roots, grads, inputs, params, fused)
-                for a, ig in zip(inputs, in_grads):
-                    if ig is not None:
-                        a.grad = ig
-            else:
-                torch.autograd.backward(roots, grads)
+            with self._sharded_loss(s):
+                self._autograd(stage.module, roots, grads, inputs, st, split=split)
         self._send_input_grads(s, mb, st)
         # W needs none of these: what it reads is in the pending weight work (and the graph).
         st.args, st.outputs, st.loss, st.target = [], (), None, None
+
+    def _sharded_loss(self, s: int) -> Any:
+        """The context of stage ``s``'s forward, loss and backward: ``loss_parallel`` where its logits
+        are split over the vocabulary."""
+        return sharded_loss() if s in self._vocab else contextlib.nullcontext()
+
+    def _autograd(self, module: nn.Module, roots: list[torch.Tensor], grads: list[torch.Tensor | None],
+                  inputs: list[torch.Tensor], st: Stash, *, split: bool) -> None:
+        """Backward from ``roots``: whole, or the input gradients now and the weights' work kept for ``W``."""
+        if split:
+            params, fused = _autograd_params(module)
+            in_grads, st.pending_w = backward_input(roots, grads, inputs, params, fused)
+            for a, ig in zip(inputs, in_grads):
+                if ig is not None:
+                    a.grad = ig
+        else:
+            torch.autograd.backward(roots, grads)
 
     def _weights(self, st: Stash) -> None:
         if st.pending_w is not None:

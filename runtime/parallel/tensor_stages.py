@@ -33,6 +33,7 @@ from runtime.parallel.tensor import (
     parallelize_stage,
     plan_for,
 )
+from runtime.parallel.vocab import parallelize_vocab, vocab_names
 
 __all__ = ["TensorParallelOptionError", "split_stages", "refuse_unsupported"]
 
@@ -65,14 +66,16 @@ def refuse_unsupported(tp: int, *, engine: str) -> None:
 
 def split_stages(
     stages: Mapping[int, nn.Module], patterns: Mapping[str, str] | None, model: nn.Module, tp_mesh: Any,
-    tied: Collection[str] = (),
+    tied: Collection[str] = (), *, vocab_last: int | None = None,
 ) -> dict[int, TensorParallelLayout]:
     """Split each of this process's ``stages`` over its tp group, in place (``parallelize_stage``).
 
     A weight tied between stages (GPT-2's embedding and LM head) stays whole, a ``Replicate``
     ``DTensor`` like the other whole weights: rank ``t`` of each stage holding it keeps a copy, and
     ``runtime.parallel.tied`` sums the copies' gradients between the ranks ``t`` of those stages.
-    Two stages of this process reading one weight read one parameter, as before the split.
+    Two stages of this process reading one weight read one parameter, as before the split. With
+    ``vocab_last`` the embedding and the LM head are split by vocabulary rows instead
+    (``runtime.parallel.vocab``): a tied one then holds rank ``t``'s rows on both stages.
 
     Args:
         stages: stage index -> this process's materialised stage module (a ``GraphModule``).
@@ -82,6 +85,8 @@ def split_stages(
         model: the model the plan is bound to (for its config).
         tp_mesh: this process's tp group as a 1-D ``DeviceMesh`` (``PipelineMesh.tp_mesh``).
         tied: the names of weights tied between stages (``StagedModel.shared_params``).
+        vocab_last: with ``TensorParallel(vocab=True)``, the model's last stage (the only one whose LM
+            head may be split); ``None``: the embedding and the LM head stay whole.
 
     Returns:
         Stage index -> what was sharded there (a stage with no planned weight is left whole).
@@ -89,7 +94,8 @@ def split_stages(
     Raises:
         TensorParallelError: no plan (a model without a Hugging Face tp plan, none derived and none
             given), a style not implemented, a tied weight in the plan, or a stage that cannot be
-            split (see ``parallelize_stage``).
+            split (see ``parallelize_stage``); ``VocabParallelError`` (a subclass) where the vocabulary
+            cannot be split (see ``parallelize_vocab``).
     """
     if patterns is None:
         config = getattr(model, "config", None)
@@ -97,6 +103,8 @@ def split_stages(
         patterns = config_patterns(config, owner)
     out: dict[int, TensorParallelLayout] = {}
     swapped: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # one Replicate parameter a whole weight
+    rows: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # one Shard(0) parameter a vocabulary weight
+    vocab = vocab_names(model) if vocab_last is not None else frozenset()
     for s, module in sorted(stages.items()):
         if not isinstance(module, fx.GraphModule):
             raise TensorParallelError(f"stage {s} is a {type(module).__name__}, not a traced graph: tensor "
@@ -108,6 +116,8 @@ def split_stages(
                 f"stage {s}: {shared[0]!r} is tied between stages and in the tp plan ({plan[shared[0]]}): a tied "
                 "weight stays whole on every tp rank; drop its pattern from TensorParallel(plan=...)")
         out[s] = parallelize_stage(module, plan, tp_mesh)
+        if vocab:
+            parallelize_vocab(module, vocab, tp_mesh, last=s == vocab_last, shared=rows)
         _replicate_whole(s, module, tp_mesh, swapped)
         log.info("stage %d: %d weights split over tp=%d", s, len(out[s].sharded), out[s].tp)
     if not any(lay.sharded for lay in out.values()):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -52,10 +53,13 @@ def _batch(gen: torch.Generator, rows: int = 8) -> tuple[torch.Tensor, torch.Ten
 
 
 def _case(
-    schedule: str, stages: int, dp: int = 1, zero1: bool = False, layers: int = 4, family: str = "llama", **opts: Any
+    schedule: str, stages: int, dp: int = 1, zero1: bool = False, layers: int = 4, family: str = "llama",
+    vocab: bool = False, eps: float = 1e-5, probe: Callable[..., Any] | None = None, **opts: Any
 ) -> dict[str, Any]:
-    """One trainer of this rank (tp 2, ``dp`` replicas) of a ``family`` model against the plain model
-    on the global batch: forward_backward, then 3 clipped AdamW steps."""
+    """One trainer of this rank (tp 2, ``dp`` replicas; ``vocab``: embedding and LM head split over
+    the vocabulary) of a ``family`` model against the plain model on the global batch:
+    forward_backward, then 3 clipped AdamW steps; then ``probe(trainer, plain model)``, if given,
+    whose result is returned under ``"probe"``."""
     from torch.distributed.tensor import DTensor
 
     from partitioner import partition
@@ -75,9 +79,9 @@ def _case(
     # defaults to the per-tensor loop). Adam divides by sqrt(v): a gradient near 0 turns the
     # round-off of the row-parallel sums (split in two, then all-reduced) into a visible step;
     # eps=1e-5 bounds that amplification to TOL (1e-6 left one element of 1,024 at 3e-6).
-    opt = lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1, eps=1e-5, foreach=True)  # noqa: E731
+    opt = lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1, eps=eps, foreach=True)  # noqa: E731
     trainer = PipelineTrainer(plan, _loss, opt, schedule=schedule, transport="dist",
-                              tensor_parallel=TensorParallel(size=2),
+                              tensor_parallel=TensorParallel(size=2, vocab=vocab),
                               data_parallel=DataParallel(size=dp, shard_optimizer=zero1), **opts)
     loss = trainer.forward_backward(*trainer.local_batch(x, y))
     ref.zero_grad()
@@ -117,8 +121,9 @@ def _case(
     return {"sharded": sharded, "checked": len(list(trainer.named_parameters())), "norms": norms,
             "whole_left": [n for n in sharded if not planned[n].is_meta],
             "names": [n for n, _ in trainer.named_parameters()],
+            "local": {n: (tuple(p.to_local().shape), str(p.placements[0])) for n, p in trainer.named_parameters()},
             "tp_rank": trainer.mesh.tp_rank, "pp_rank": trainer.mesh.pp_rank, "dp_rank": trainer.mesh.dp_rank,
-            "stages": sorted(trainer.stages),
+            "stages": sorted(trainer.stages), "probe": probe(trainer, ref) if probe is not None else None,
             "seconds": time.perf_counter() - started}
 
 

@@ -11,11 +11,11 @@ micro-batch, ``m`` micro-batches per replica, ``B`` the global batch (``B = dp *
   sharding for ``--global-batch``. The layout keys given (``--dp``, ``--pp``, ``--tp``,
   ``--schedule``, ``--micro-batch-size``, ``--zero``) constrain the search instead of being
   refused, so a run's ``OUT/config.toml``, which records the chosen values, searches exactly its
-  own layout again. A tp group must sit inside one node: the job's node is the processes torchrun
-  started on this host (``LOCAL_WORLD_SIZE``; all of them without torchrun), so tp is searched
+  own layout again. A tp group must sit inside one node: on GPUs the job's node is the processes
+  torchrun started on this host (``LOCAL_WORLD_SIZE``, else the preset's 8), and tp is searched
   over the divisors of that count which the model's heads and split sizes take
-  (``partitioner.tensor.sizes``); not with ``--zero fsdp``, which the runtime does not run under
-  tp yet.
+  (``partitioner.tensor.sizes``); on CPU processes only with ``--tp`` (:func:`job_nodes` says
+  why); not with ``--zero fsdp``, which the runtime does not run under tp yet.
   The devices are priced as ``--calibrate FILE`` measured them, else as the ``--device`` preset;
   when the device is this machine's CPU (``--device auto`` without CUDA), every rank first times
   the model with real weights (``runtime.overheads.calibrate_job``, collective).
@@ -306,23 +306,30 @@ def _search(cfg: TrainConfig, folder: HFFolder, config: Any, world: int, preset:
 
 
 def job_nodes(cluster: Cluster, world: int) -> Cluster:
-    """``cluster`` with the job's node size: the processes torchrun started on this host
-    (``LOCAL_WORLD_SIZE``, else all ``world`` of them), where a tp group may sit.
+    """``cluster`` with the job's node size, where a tp group may sit: the processes torchrun
+    started on this host (``LOCAL_WORLD_SIZE``) instead of the preset's typical node (8 GPUs).
 
-    Only the node size changes, and only for a job of several processes; a preset's or a measured
-    host's devices price their links as before.
+    Only devices that name a node size change: CPU processes (the ``cpu`` preset, a measured host:
+    node size 0) keep searching tp only when ``--tp`` asks for it, because on a CPU host the tp
+    all-reduces of processes sharing cores cost far more than the cost model says
+    (``benchmarks/layout.py --tp 1,2``: docs/tensor-parallel.md, *Measured*). Without torchrun, or
+    in one process, ``cluster`` as it is.
 
     Example:
-        >>> job_nodes(Cluster.uniform(4, "cpu"), 4).devices[0].node_size
+        >>> import os
+        >>> os.environ["LOCAL_WORLD_SIZE"] = "4"
+        >>> job_nodes(Cluster.uniform(8, "H100-80GB"), 8).devices[0].node_size
         4
+        >>> job_nodes(Cluster.uniform(8, "cpu"), 8).devices[0].node_size
+        0
+        >>> del os.environ["LOCAL_WORLD_SIZE"]
     """
-    if world <= 1:
-        return cluster
     local = os.environ.get("LOCAL_WORLD_SIZE", "")
-    size = int(local) if local.isdigit() and int(local) > 0 else world
-    if all(d.node_size == size for d in cluster.devices):
+    if world <= 1 or not local.isdigit() or int(local) < 1:
         return cluster
-    return dataclasses.replace(cluster, devices=tuple(dataclasses.replace(d, node_size=size) for d in cluster.devices))
+    size = int(local)
+    devices = tuple(dataclasses.replace(d, node_size=size) if d.node_size > 0 else d for d in cluster.devices)
+    return cluster if devices == cluster.devices else dataclasses.replace(cluster, devices=devices)
 
 
 def _calibrated(cfg: TrainConfig, folder: HFFolder, config: Any, cluster: Cluster, example: Any,

@@ -84,15 +84,16 @@ def test_conflicting_settings_are_refused_with_the_flags_named(flags: dict[str, 
 def test_the_jobs_node_is_its_processes_on_this_host(monkeypatch: pytest.MonkeyPatch) -> None:
     from pipecut.train.layout_choice import job_nodes
 
-    cpu = Cluster.uniform(8, "cpu")
-    assert cpu.devices[0].node_size == 0  # a preset without nodes: the planner would search tp 1 only
-    assert job_nodes(cpu, 1) is cpu
+    cpu, gpu = Cluster.uniform(8, "cpu"), Cluster.uniform(8, "H100-80GB")
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    assert {d.node_size for d in job_nodes(cpu, 8).devices} == {8}  # one host: every process
+    assert job_nodes(cpu, 8) is cpu and job_nodes(gpu, 8) is gpu  # no torchrun: the preset's node (8 GPUs)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun: 4 processes on each of 2 hosts
-    nodes = job_nodes(Cluster.uniform(8, "H100-80GB"), 8)
+    nodes = job_nodes(gpu, 8)
     assert {d.node_size for d in nodes.devices} == {4}
-    assert nodes.link_bandwidth == Cluster.uniform(8, "H100-80GB").link_bandwidth
+    assert nodes.link_bandwidth == gpu.link_bandwidth
+    assert job_nodes(gpu, 1) is gpu
+    # CPU processes name no node: tp is searched there only when --tp asks (the planner's rule).
+    assert job_nodes(cpu, 8) is cpu and cpu.devices[0].node_size == 0
 
 
 def test_zero_by_hand_needs_replicas() -> None:

@@ -38,7 +38,7 @@ import torch
 from torch import fx, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from runtime.parallel.tensor import TensorParallelIn, TensorParallelOut
+from runtime.parallel.tensor import TensorParallelIn, TensorParallelOut, _free
 from runtime.parallel.tensor_rules import TensorParallelError, op_name
 
 __all__ = [
@@ -363,13 +363,3 @@ def whole_outputs(outputs: Any) -> Any:
     from torch.distributed.tensor import DTensor
 
     return tuple(o.full_tensor() if isinstance(o, DTensor) else o for o in outputs)
-
-
-def _free(gm: nn.Module, path: str) -> str:
-    """``path``, or ``path`` + ``_1``, ``_2``... where a module is already installed there."""
-    taken = dict(gm.named_modules())
-    out, k = path, 0
-    while out in taken:
-        k += 1
-        out = f"{path}_{k}"
-    return out

@@ -33,6 +33,7 @@ from runtime.execute.microbatch import microbatch_count
 from runtime.execute.recompute import RecomputeOption, stages_to_recompute
 from runtime.execute.records import StageRuntime, stage_runtimes
 from runtime.options import TrainerOptions, apply_layout
+from runtime.parallel.clipping import local_shard
 from runtime.parallel.data_parallel import PipelineMesh, Replicas, job_mesh, one_process_mesh
 from runtime.parallel.fsdp import FSDPReplicas, check_fsdp_plan
 from runtime.parallel.tensor import TensorParallelLayout
@@ -227,8 +228,8 @@ def assemble(plan: Plan, run: Run) -> Assembly:
                                vocab_last=run.num_stages - 1 if tp.vocab else None)
         # A split weight is a new tensor (the rank's shard); a whole one a DTensor over the same storage,
         # which stays. The planned model's tensors of the split ones go to meta, as FSDP's do.
-        live = {_storage(p) for module in mine.values() for p in module.parameters()}
-        released = release_whole_copies([model, gm], [p for p in before if _storage(p) not in live])
+        live = {local_shard(p).untyped_storage().data_ptr() for module in mine.values() for p in module.parameters()}
+        released = release_whole_copies([model, gm], [p for p in before if p.untyped_storage().data_ptr() not in live])
         del before
         plan.refresh_binding()
         log.info("rank %d: tp split stages %s; %.1f MiB of whole weights released", rank, sorted(mine),
@@ -273,9 +274,3 @@ def assemble(plan: Plan, run: Run) -> Assembly:
             timeout=ex.timeout,
         )
     return Assembly(placement, stages, ios, tied, replicas, layouts)
-
-
-def _storage(t: torch.Tensor) -> int:
-    """Where a tensor's (a ``DTensor``'s local tensor's) bytes are."""
-    local = t.to_local() if hasattr(t, "to_local") else t
-    return int(local.untyped_storage().data_ptr())

@@ -296,7 +296,7 @@ def _search(cfg: TrainConfig, folder: HFFolder, config: Any, world: int, preset:
                           global_batch=cfg.global_batch, costing=costing)
     if cfg.calibrate is None and cfg.device == "auto" and preset == "cpu":
         try:
-            search.use_cluster(job_nodes(_calibrated(cfg, folder, config, cluster, example, costing, loss_fn), world))
+            search.use_cluster(_calibrated(cfg, folder, config, cluster, example, costing, loss_fn))
             priced_on = f"{n} x cpu calibrated on the job's ranks"
         except CalibrationError as e:  # every rank fits the same (all-reduced) timings: all fall back together
             log.warning("calibration on the job's ranks failed (%s): the layouts are priced on the %r preset; give "

@@ -1,5 +1,6 @@
 """Shared test fixtures: every test starts from the same RNG state, on one thread; tests marked
-``long`` run only in the long profile (``PIPECUT_FUZZ=long``, ``tests/profiles.py``)."""
+``long`` run only in the long profile (``PIPECUT_FUZZ=long``, ``tests/profiles.py``); with
+``PIPECUT_TEST_BUDGET`` set, a default-profile test that takes longer fails the run."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 import profiles
+from profiles import pytest_runtest_logreport, pytest_sessionfinish, pytest_terminal_summary  # noqa: F401 (hooks)
 
 
 @pytest.fixture(autouse=True)

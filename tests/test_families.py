@@ -34,8 +34,8 @@ from families import (
     reference,
 )
 from partitioner import Plan
+from rank_pool import spawn
 from runtime import PipelineTrainer
-from runtime.transport.launch import spawn
 
 STAGES = (2, 4)
 SCHEDULES = ("1f1b", "zbh1")

@@ -21,7 +21,7 @@ from test_generate_cli import PROMPTS
 
 from conftest import write_llama
 from pipecut.cli import EXIT_ERROR, main
-from runtime.transport.launch import spawn
+from rank_pool import spawn
 
 pytestmark = pytest.mark.multiprocess
 

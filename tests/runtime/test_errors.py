@@ -17,9 +17,10 @@ from torch import nn
 
 from partitioner import InputError, InputShapeError, partition
 from partitioner.zoo import MLPChain
+from rank_pool import spawn as pool_spawn
 from runtime import LossError, PipelineTrainer, StageError
 from runtime.errors import failing_node
-from runtime.transport.launch import LaunchError, spawn
+from runtime.transport.launch import LaunchError, spawn  # the tests of spawn itself
 
 CPU = torch.device("cpu")
 
@@ -284,7 +285,7 @@ def _failing_rank(rank: int, world: int, where: str) -> dict[str, str]:
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(("where", "culprit"), [("loss", 1), ("forward", 0)])
 def test_over_gloo_the_failing_rank_is_named_by_its_peer(where: str, culprit: int) -> None:
-    results = spawn(_failing_rank, 2, where, timeout=120)
+    results = pool_spawn(_failing_rank, 2, where, timeout=120)
     own, peer = results[culprit], results[1 - culprit]
     assert own["type"] == "StageError", own
     assert own["message"].startswith(f"rank {culprit}, stage {culprit}, action {culprit}F")

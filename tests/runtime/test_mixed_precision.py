@@ -281,7 +281,7 @@ def _precisions_rank(rank: int, world: int, precisions: list[str]) -> dict[str, 
 @pytest.fixture(scope="module")
 def over_gloo() -> list[dict[str, dict[str, Any]]]:
     """Each rank's results for every precision of ``GLOO_PRECISIONS``, from one spawn of 2 processes."""
-    from runtime.transport.launch import spawn
+    from rank_pool import spawn
 
     return spawn(_precisions_rank, 2, GLOO_PRECISIONS, timeout=360)
 

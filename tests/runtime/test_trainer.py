@@ -28,9 +28,9 @@ from parity import (
 from partitioner import partition
 from partitioner.schedule.registry import get_schedule
 from partitioner.schedule.validation import peak_inflight
+from rank_pool import LaunchError, spawn
 from runtime.errors import StageError, TrainerStateError
 from runtime.trainer import MicrobatchError, PipelineTrainer, split_microbatches
-from runtime.transport.launch import LaunchError, spawn
 
 MODELS = ["mlp", "gpt2", "skip"]
 SCHEDULES = ["gpipe", "1f1b"]

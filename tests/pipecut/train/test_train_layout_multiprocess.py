@@ -24,7 +24,7 @@ from test_train import final_weights, metrics
 from partitioner import Cluster, Plan, plan_layout
 from pipecut.folder import HFFolder
 from pipecut.train.config import read_toml
-from runtime.transport.launch import spawn
+from rank_pool import spawn
 
 pytestmark = pytest.mark.multiprocess
 

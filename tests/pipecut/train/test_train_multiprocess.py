@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 from test_train import final_weights, metrics
 
-from runtime.transport.launch import spawn
+from rank_pool import spawn
 
 pytestmark = pytest.mark.multiprocess
 

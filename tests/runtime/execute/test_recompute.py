@@ -12,10 +12,10 @@ from torch import nn
 from parity import TOL, case, check_grads, make_trainer, plan_once, reference_grads, stages_for
 from partitioner import partition
 from partitioner.search import LayoutSearch
+from rank_pool import spawn
 from runtime.execute.recompute import RecomputeOptionError
 from runtime.execute.saved_memory import SavedBytes
 from runtime.trainer import PipelineTrainer
-from runtime.transport.launch import spawn
 
 
 def _parity(name: str, schedule: str, transport: str = "local", recompute: Any = True, *,

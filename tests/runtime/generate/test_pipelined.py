@@ -12,8 +12,8 @@ from gen_workers import EXAMPLE, NEW, SAMPLING, families_over_gloo, generate_ove
 
 from partitioner import partition
 from profiles import in_profile
+from rank_pool import spawn
 from runtime.generate import GenerateOptionError, Generator, Sampling, left_pad, rank_spans, split_groups
-from runtime.transport.launch import spawn
 
 transformers = pytest.importorskip("transformers")
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from parity import TOL, case, make_trainer, reference_grads
-from runtime.transport.launch import spawn
+from rank_pool import spawn
 
 
 def _clip_case(

@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from partitioner.search import LayoutSearch
+from rank_pool import spawn
 from runtime.execute.accumulation import add_back, set_aside
 from runtime.parallel.data_parallel import GradAverager
-from runtime.transport.launch import spawn
 from runtime.transport.placement import PlacementError
 from tests.runtime.parity import (
     TOL,

@@ -16,8 +16,8 @@ import torch
 
 from partitioner.search import LayoutSearch
 from profiles import in_profile
+from rank_pool import spawn
 from runtime.options import DataParallel
-from runtime.transport.launch import spawn
 from tests.runtime.parity import (
     TOL,
     _fresh,

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from partitioner import Cluster, plan_layout
+from rank_pool import spawn
 from runtime import PipelineTrainer
-from runtime.transport.launch import spawn
 from runtime.transport.placement import PlacementError
 
 

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 
+from rank_pool import spawn
 from runtime.parallel.tensor import TensorParallelError, config_patterns, plan_for, plan_from_config
-from runtime.transport.launch import spawn
 from tests.runtime.parity import TOL
 
 LLAMA_PLAN = {

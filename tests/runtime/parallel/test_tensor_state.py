@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from runtime.transport.launch import spawn
+from rank_pool import spawn
 from tests.runtime.parallel.test_tensor_trainer import _FAMILIES, _batch, _loss
 from tests.runtime.parity import TOL
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from profiles import in_profile
-from runtime.transport.launch import spawn
+from rank_pool import spawn
 from tests.runtime.parity import TOL
 
 

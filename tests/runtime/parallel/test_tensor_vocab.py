@@ -15,10 +15,10 @@ import torch
 from torch import fx, nn
 
 from profiles import in_profile
+from rank_pool import spawn
 from runtime.errors import TrainerOptionError
 from runtime.options import TensorParallel
 from runtime.parallel.vocab import VocabParallelError, parallelize_vocab, vocab_names, vocab_rows
-from runtime.transport.launch import spawn
 from tests.runtime.parallel.test_tensor_trainer import _batch, _case
 from tests.runtime.parity import TOL
 

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from partitioner import partition
+from rank_pool import spawn
 from runtime.trainer import PipelineTrainer
-from runtime.transport.launch import spawn
 
 TIMEOUT = 5.0
 

@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from partitioner import partition
+from rank_pool import spawn
 from runtime import PipelineTrainer
 from runtime.state.checkpoint import CheckpointError, load_model
-from runtime.transport.launch import spawn
 
 STEPS = 3
 

@@ -21,12 +21,12 @@ from torch import nn
 
 from partitioner import partition
 from partitioner.zoo import MLPChain
+from rank_pool import spawn
 from runtime import PipelineTrainer
 from runtime.state.checkpoint import CheckpointError, CheckpointShapeError
 from runtime.state.integrity import MANIFEST
 from runtime.state.safe_dcp import read_metadata
 from runtime.state.weight_errors import CorruptFileError
-from runtime.transport.launch import spawn
 
 WIDTHS = (8, 16, 16, 16, 4)
 OTHER = (8, 24, 24, 24, 4)  # another model: the same names, other shapes

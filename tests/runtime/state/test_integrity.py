@@ -24,9 +24,9 @@ from torch import nn
 
 from partitioner import partition
 from partitioner.zoo import MLPChain
+from rank_pool import spawn
 from runtime import PipelineTrainer
 from runtime.state.weight_errors import CorruptFileError
-from runtime.transport.launch import spawn
 
 MANIFEST = "pipecut-manifest.json"
 

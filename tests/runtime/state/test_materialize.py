@@ -205,7 +205,7 @@ def _train_meta_twice(rank: int, world: int, weights: str) -> tuple[dict[str, ob
 def over_gloo(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[dict[str, object], dict[str, object]]]:
     """Each of 2 gloo ranks' ``_train_meta``, initialised and then loaded from a sharded checkpoint:
     one spawn for both (starting the processes costs more than the steps)."""
-    from runtime.transport.launch import spawn
+    from rank_pool import spawn
 
     source = _checkpoint_of_a_twin(tmp_path_factory.mktemp("twin"))
     return spawn(_train_meta_twice, 2, source, timeout=360)

@@ -237,7 +237,7 @@ def _damaged_on_one_rank(rank: int, world: int, directory: str) -> dict[str, str
 
 @pytest.mark.multiprocess
 def test_a_damaged_file_is_raised_on_every_rank(tmp_path: Path) -> None:
-    from runtime.transport.launch import spawn
+    from rank_pool import spawn
 
     got = spawn(_damaged_on_one_rank, 2, str(tmp_path / "ckpt"), timeout=300)
     assert got[0] == got[1] and got[0]["file"].endswith("__1_0.distcp") and got[0]["key"]

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from partitioner.schedule.generators import forward_only
+from rank_pool import spawn
 from runtime.errors import RankDisagreementError
 from runtime.transport.agreement import disagreement, step_facts
-from runtime.transport.launch import spawn
 from tests.runtime.parity import case, make_trainer
 
 

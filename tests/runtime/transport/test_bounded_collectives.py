@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from parity import case, make_trainer
-from runtime.transport.launch import LaunchError, spawn
+from rank_pool import LaunchError, spawn
 
 TIMEOUT = 2.0  # the trainer's timeout
 STALL = 10.0  # how long the stalled rank would sleep before entering the collective

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from fake_work import FailingWork
+from rank_pool import LaunchError, spawn
 from runtime.errors import InconsistentScheduleError
 from runtime.transport import p2p
-from runtime.transport.launch import LaunchError, spawn
 from runtime.transport.p2p import DistTransport, Key, LocalTransport, PeerFailed, TensorMeta, TransportTimeout
 
 CPU = torch.device("cpu")

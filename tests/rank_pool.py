@@ -1,0 +1,252 @@
+"""Many cases, one spawn: a pool of gloo ranks started once per test process, sent cases by name.
+
+Starting processes and importing torch, transformers and pipecut in each of them is the slow part
+of a multi-process test (10-20 s per spawn on 2 cores); the case itself is often a second. PyTorch's
+own distributed tests amortise it the same way (``MultiProcessTestCase``, ``DTensorTestBase``).
+
+:func:`spawn` has the signature of :func:`runtime.transport.launch.spawn` and the same contract --
+``fn(rank, world, *args)`` on ``world`` ranks in a fresh gloo process group (file rendezvous), each
+rank's result back in rank order, a rank's failure raised as :class:`LaunchError` with its traceback
+-- but the processes outlive the call. Each case gets a process group of its own (a fresh
+rendezvous file), and each rank puts back what a case may have changed in the process: environment,
+working directory, signal handlers, the root logger, grad mode, default dtype, thread count, RNG
+seeds. A case in which a rank dies or does not finish in time takes the pool down with it (a rank
+may be stuck in a collective), and the next case starts a fresh one, so no case inherits a broken
+peer; a case in which every rank returned or raised leaves the pool as it was.
+
+What the pool cannot give a case is a process of its own, so these keep the plain spawn: a case
+that measures the process's peak memory (VmHWM), kills or exits a rank on purpose, or checks what
+a spawn itself reports.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import gc
+import logging
+import os
+import pickle
+import queue as queue_mod
+import random
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from runtime.transport.launch import LaunchError
+from runtime.transport.launch import spawn as fresh_spawn
+
+__all__ = ["RankPool", "spawn", "shared_pool", "LaunchError"]
+
+# What a rank imports before its first case, so that no case pays for it (best effort: an import
+# that fails here fails again, with its message, in the case that needs it).
+_WARM = ("torch.distributed", "transformers", "partitioner", "runtime", "pipecut")
+_GRACE = 10.0  # seconds the other ranks get to report after one has failed
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class RankPool:
+    """Up to ``size`` worker processes that run ``fn(rank, world, *args)`` cases over gloo.
+
+    Example:
+        >>> pool = RankPool(size=2)
+        >>> pool.run(_ranks_and_world, 2)  # doctest: +SKIP
+        [(0, 2), (1, 2)]
+        >>> pool.close()
+    """
+
+    def __init__(self, size: int = 4, *, warm: tuple[str, ...] = _WARM) -> None:
+        self.size = size
+        self.warm = warm  # modules each rank imports before its first case
+        self.starts = 0  # how many times the workers were started (a failed case restarts them)
+        self._ctx = mp.get_context("spawn")
+        self._tmp = tempfile.mkdtemp(prefix="pipecut-pool-")
+        self._procs: list[Any] = []
+        self._inboxes: list[Any] = []
+        self._outbox: Any = None
+        self._cases = 0
+
+    def run(
+        self, fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300.0, threads: int = 1
+    ) -> list[Any]:
+        """``fn(rank, world, *args)`` on ranks ``0..world-1``; each rank's result, in rank order.
+
+        Raises:
+            LaunchError: a rank raised or died (its traceback in the message), or the case took
+                longer than ``timeout`` seconds; the pool is restarted before the next case.
+        """
+        if world > self.size:
+            raise ValueError(f"a case of {world} ranks does not fit a pool of {self.size}: "
+                             f"use runtime.transport.launch.spawn for it")
+        payload = pickle.dumps((fn, args))  # here, so that an unpicklable case fails in the test
+        self._start(world)
+        self._cases += 1
+        case = self._cases
+        init = "file://" + os.path.join(self._tmp, f"case-{case}")
+        for rank in range(world):
+            self._inboxes[rank].put((case, list(sys.path), payload, rank, world, init, timeout, threads))
+        results: dict[int, Any] = {}
+        errors: dict[int, str] = {}  # insertion order is arrival order: the first is the cause
+        deadline = time.monotonic() + timeout
+        try:
+            while len(results) + len(errors) < world:
+                now = time.monotonic()
+                if now > deadline:
+                    break
+                if not self._outbox.empty():
+                    got_case, rank, ok, body = self._outbox.get()
+                    if got_case == case:
+                        (results if ok else errors)[rank] = body
+                        if not ok:
+                            deadline = min(deadline, now + _GRACE)
+                    continue
+                for rank in range(world):
+                    code = self._procs[rank].exitcode
+                    if code is not None and rank not in results and rank not in errors:
+                        time.sleep(0.2)  # a last message may still be in flight
+                        if self._outbox.empty():
+                            errors[rank] = (f"process exited with code {code}" if code else
+                                            "process exited (code 0) without reporting a result")
+                            deadline = min(deadline, time.monotonic() + _GRACE)
+                time.sleep(0.005)
+        except BaseException:
+            self.close()  # interrupted: the ranks may be anywhere in the case
+            raise
+        if len(results) + len(errors) < world or not all(p.is_alive() for p in self._procs):
+            self.close()  # a rank is stuck in the case or gone: the next case gets fresh ranks
+        if errors:
+            first = next(iter(errors))
+            raise LaunchError(
+                f"rank(s) {sorted(errors)} of {world} failed; rank {first} failed first:\n{errors[first]}"
+            )
+        if len(results) < world:
+            raise LaunchError(f"{world} ranks did not finish within {timeout:.0f} s "
+                              f"(finished: {sorted(results)}, failed: {sorted(errors)})")
+        return [results[r] for r in range(world)]
+
+    def close(self) -> None:
+        """Stop every worker (the next :meth:`run` starts them again)."""
+        for inbox in self._inboxes:
+            with contextlib.suppress(OSError, ValueError):
+                inbox.put(None)
+        for proc in self._procs:
+            proc.join(timeout=2)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for inbox in self._inboxes:
+            inbox.close()
+            inbox.cancel_join_thread()
+        self._procs, self._inboxes, self._outbox = [], [], None
+
+    def remove(self) -> None:
+        """:meth:`close`, and delete the rendezvous folder."""
+        self.close()
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def _start(self, world: int) -> None:
+        alive = bool(self._procs) and all(p.is_alive() for p in self._procs)
+        if not alive:
+            self.close()
+            self._outbox = self._ctx.SimpleQueue()
+            self.starts += 1
+        while len(self._procs) < world:
+            inbox = self._ctx.Queue()
+            proc = self._ctx.Process(target=_serve, args=(inbox, self._outbox, os.getpid(), self.warm),
+                                     daemon=True)
+            proc.start()
+            self._procs.append(proc)
+            self._inboxes.append(inbox)
+
+
+def _serve(inbox: Any, outbox: Any, parent: int, warm: tuple[str, ...]) -> None:
+    """A worker: take cases from ``inbox`` until ``None`` (or the parent is gone), one at a time."""
+    for name in warm:
+        with contextlib.suppress(Exception):
+            __import__(name)
+    import torch.distributed as dist
+
+    environ, cwd = dict(os.environ), os.getcwd()
+    handlers = {s: signal.getsignal(s) for s in _SIGNALS}
+    root = logging.getLogger()
+    root_state = (list(root.handlers), root.level)
+    while True:
+        try:
+            task = inbox.get(timeout=5)
+        except queue_mod.Empty:
+            if os.getppid() != parent:  # the test process died without closing the pool
+                return
+            continue
+        if task is None:
+            return
+        case, path, payload, rank, world, init, timeout, threads = task
+        sys.path[:] = path
+        torch.set_num_threads(threads)
+        torch.manual_seed(0)
+        random.seed(0)
+        joined, reply = False, None
+        try:
+            fn, args = pickle.loads(payload)
+            dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                                    timeout=timedelta(seconds=timeout))
+            joined = True
+            reply = (case, rank, True, fn(rank, world, *args))
+        except BaseException:  # every failure goes to the parent, which owns the message
+            # Reported before the group is destroyed: destroying it fails the peers' waits, and
+            # the parent must hear of this rank's error first.
+            outbox.put((case, rank, False, traceback.format_exc()))
+        finally:
+            if joined and dist.is_initialized():
+                dist.destroy_process_group()
+            os.environ.clear()
+            os.environ.update(environ)
+            os.chdir(cwd)
+            for s, h in handlers.items():
+                signal.signal(s, h)
+            root.handlers[:], root.level = root_state[0], root_state[1]
+            torch.set_grad_enabled(True)
+            torch.set_default_dtype(torch.float32)
+            gc.collect()
+        if reply is None:
+            continue
+        try:
+            outbox.put(reply)
+        except Exception:
+            outbox.put((case, rank, False, traceback.format_exc()))
+
+
+def _ranks_and_world(rank: int, world: int) -> tuple[int, int]:
+    return rank, world
+
+
+_POOL: RankPool | None = None
+
+
+def shared_pool() -> RankPool:
+    """This test process's pool of 4 ranks, started at its first case and stopped at exit."""
+    global _POOL
+    if _POOL is None:
+        _POOL = RankPool(size=4)
+        atexit.register(_POOL.remove)
+    return _POOL
+
+
+def spawn(
+    fn: Callable[..., Any], nprocs: int, *args: Any, backend: str = "gloo", timeout: float = 300.0,
+    threads: int = 1,
+) -> list[Any]:
+    """:func:`runtime.transport.launch.spawn` on the shared pool's ranks (a world larger than the
+    pool, or a backend other than gloo, gets a fresh spawn)."""
+    pool = shared_pool()
+    if backend != "gloo" or nprocs > pool.size:
+        return fresh_spawn(fn, nprocs, *args, backend=backend, timeout=timeout, threads=threads)
+    return pool.run(fn, nprocs, *args, timeout=timeout, threads=threads)

@@ -1,0 +1,92 @@
+"""The shared pool of gloo ranks (tests/rank_pool.py): results in rank order, a process group per
+case, the process put back as found between cases, and a failed case raised and followed by a
+fresh pool, as a fresh spawn would be."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from rank_pool import LaunchError, RankPool
+
+
+def _sum_of_ranks(rank: int, world: int, scale: int) -> dict[str, Any]:
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    return {"rank": rank, "world": dist.get_world_size(), "sum": int(t.item()) * scale, "pid": os.getpid()}
+
+
+def _leave_a_mess(rank: int, world: int) -> None:
+    # Everything a case may change in its process, changed.
+    os.environ["PIPECUT_POOL_MESS"] = "1"
+    os.chdir("/")
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.getLogger().addHandler(logging.NullHandler())
+    logging.getLogger().setLevel(logging.DEBUG)
+    torch.set_grad_enabled(False)
+    torch.set_default_dtype(torch.float64)
+    torch.set_num_threads(2)
+
+
+def _what_a_case_finds(rank: int, world: int) -> dict[str, Any]:
+    root = logging.getLogger()
+    return {"env": os.environ.get("PIPECUT_POOL_MESS"), "cwd": os.getcwd(),
+            "sigterm": signal.getsignal(signal.SIGTERM) == signal.SIG_IGN,
+            "handlers": len(root.handlers), "level": root.level, "grad": torch.is_grad_enabled(),
+            "dtype": str(torch.get_default_dtype()), "threads": torch.get_num_threads(),
+            "draw": torch.rand(1).item(), "pid": os.getpid()}
+
+
+def _rank_1_raises(rank: int, world: int) -> int:
+    if rank == 1:
+        raise RuntimeError("rank 1 was told to fail")
+    dist.barrier()  # rank 0 waits for a peer that never comes: the pool must not wait out the timeout
+    return rank
+
+
+def _exit_quietly_on_rank1(rank: int, world: int) -> int:
+    if rank == 1:
+        os._exit(0)  # ends the process without reporting a result or an error
+    return rank
+
+
+@pytest.mark.multiprocess
+def test_one_pool_runs_many_cases_each_in_a_group_of_its_own() -> None:
+    pool = RankPool(size=2, warm=())  # torch only: the cases need nothing else
+    try:
+        one = pool.run(_sum_of_ranks, 1, 10)
+        two = pool.run(_sum_of_ranks, 2, 1)
+        first = pool.run(_what_a_case_finds, 2)
+        pool.run(_leave_a_mess, 2)
+        after = pool.run(_what_a_case_finds, 2)
+        with pytest.raises(LaunchError, match=r"of 2 failed; rank 1 failed first:(.|\n)*rank 1 was told to fail"):
+            pool.run(_rank_1_raises, 2, timeout=60)
+        again = pool.run(_sum_of_ranks, 2, 1)
+        with pytest.raises(LaunchError, match=r"rank\(s\) \[1\] of 2 failed; rank 1 failed first:\n"
+                                              r"process exited \(code 0\) without reporting a result"):
+            pool.run(_exit_quietly_on_rank1, 2, timeout=60)
+        fresh = pool.run(_sum_of_ranks, 2, 1)
+    finally:
+        pool.remove()
+    assert [(r["rank"], r["world"], r["sum"]) for r in one] == [(0, 1, 0)]
+    assert [(r["rank"], r["world"], r["sum"]) for r in two] == [(0, 2, 1), (1, 2, 1)]
+    assert two[0]["pid"] == one[0]["pid"]  # the same process: a second rank was added beside it
+    assert after == first  # the mess is cleared, and every case starts from the same seed
+    assert first[0]["env"] is None and not first[0]["sigterm"] and first[0]["grad"]
+    assert first[0]["dtype"] == "torch.float32" and first[0]["threads"] == 1
+    assert {r["pid"] for r in fresh}.isdisjoint(r["pid"] for r in two) and pool.starts == 2  # a dead rank: new ones
+    assert [r["pid"] for r in again] == [r["pid"] for r in two]  # every rank reported
+
+
+def test_a_case_larger_than_the_pool_is_refused_before_anything_starts() -> None:
+    pool = RankPool(size=2)
+    with pytest.raises(ValueError, match="3 ranks does not fit a pool of 2"):
+        pool.run(_sum_of_ranks, 3, 1)
+    assert pool.starts == 0
+    pool.remove()

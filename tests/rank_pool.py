@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import gc
 import logging
 import os
@@ -35,7 +36,8 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Hashable
 from datetime import timedelta
 from typing import Any
 
@@ -45,7 +47,7 @@ import torch.multiprocessing as mp
 from runtime.transport.launch import LaunchError
 from runtime.transport.launch import spawn as fresh_spawn
 
-__all__ = ["RankPool", "spawn", "shared_pool", "LaunchError"]
+__all__ = ["RankPool", "spawn", "shared_pool", "per_case", "LaunchError"]
 
 # What a rank imports before its first case, so that no case pays for it (best effort: an import
 # that fails here fails again, with its message, in the case that needs it).
@@ -215,6 +217,7 @@ def _serve(inbox: Any, outbox: Any, parent: int, warm: tuple[str, ...]) -> None:
             root.handlers[:], root.level = root_state[0], root_state[1]
             torch.set_grad_enabled(True)
             torch.set_default_dtype(torch.float32)
+            _forget_distributed_caches()
             gc.collect()
         if reply is None:
             continue
@@ -226,6 +229,25 @@ def _serve(inbox: Any, outbox: Any, parent: int, warm: tuple[str, ...]) -> None:
 
 def _ranks_and_world(rank: int, world: int) -> tuple[int, int]:
     return rank, world
+
+
+def _forget_distributed_caches() -> None:
+    """Clear torch.distributed's memoised functions (DTensor's sharding propagation, the
+    redistribution planner, ...): they key on a DeviceMesh by its shape and names, so a later case's
+    mesh of the same shape would be handed a result holding the last case's mesh, whose process
+    groups are gone ("Could not resolve the process group registered under the name 19")."""
+    with warnings.catch_warnings():  # looking at a deprecated name (dist.reduce_op) warns
+        warnings.simplefilter("ignore")
+        for name, module in list(sys.modules.items()):
+            if module is None or not name.startswith("torch.distributed"):
+                continue
+            for value in list(vars(module).values()):
+                for owner in (value, *(vars(value).values() if isinstance(value, type) else ())):
+                    if isinstance(owner, functools._lru_cache_wrapper):
+                        owner.cache_clear()
+    from torch.distributed.tensor import DTensor
+
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()  # a per-thread cache
 
 
 _POOL: RankPool | None = None
@@ -250,3 +272,29 @@ def spawn(
     if backend != "gloo" or nprocs > pool.size:
         return fresh_spawn(fn, nprocs, *args, backend=backend, timeout=timeout, threads=threads)
     return pool.run(fn, nprocs, *args, timeout=timeout, threads=threads)
+
+
+def per_case(
+    fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300.0
+) -> Callable[[Hashable], list[Any]]:
+    """A matrix's cases, each run on the shared pool when a test first asks for it.
+
+    ``per_case(fn, world, *args)(key)`` runs ``fn(rank, world, key, *args)`` on ``world`` ranks
+    once per ``key`` and remembers each rank's results, or the :class:`LaunchError` (raised again
+    to every test that asks for that key, without a second run). A module-scoped fixture returns
+    one, so that every test pays for its own case only and the processes are started once.
+    """
+    done: dict[Hashable, list[Any] | LaunchError] = {}
+
+    def run(key: Hashable) -> list[Any]:
+        if key not in done:
+            try:
+                done[key] = spawn(fn, world, key, *args, timeout=timeout)
+            except LaunchError as e:
+                done[key] = e
+        got = done[key]
+        if isinstance(got, LaunchError):
+            raise got
+        return got
+
+    return run

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +15,7 @@ import pytest
 import torch
 
 from partitioner.search import LayoutSearch
-from profiles import in_profile
-from rank_pool import spawn
+from rank_pool import per_case
 from runtime.options import DataParallel
 from tests.runtime.parity import (
     TOL,
@@ -326,36 +325,25 @@ def _refusals(ranks: int) -> dict[str, str]:
     return out
 
 
-def _worker(rank: int, world: int, runs: dict[str, tuple[str, str, dict[str, Any]]], tmp: str) -> dict[str, Any]:
-    import time
+def _part(rank: int, world: int, key: str, tmp: str) -> Any:
+    """One part of the file's matrix on this rank: a run of ``_RUNS``/``_CUT_RUNS``, a feature of
+    ``COMBINED``, or one of the checks named below (each a test's own case on the module's pool)."""
     import traceback
 
-    out: dict[str, Any] = {}
-    for label, (name, schedule, opts) in runs.items():
-        t0 = time.perf_counter()
-        try:
-            where = str(Path(tmp) / label.replace("/", "-")) if label in _SAVED else None
-            out[label] = _fsdp_case(name, schedule, 2, world // 2, where, **opts)
-        except Exception as e:  # reported by the test, with the label
-            out[label] = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
-        out[label]["seconds"] = time.perf_counter() - t0
-    for label, (name, schedule, opts, dtype) in COMBINED.items():
-        try:
-            worst, gathered = _combined(name, schedule, opts, dtype, world // 2)
-            out[label] = {"worst": worst, "gathered": gathered}
-        except Exception as e:
-            out[label] = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
-    out["refused"] = _refusals(world // 2)
+    ranks = world // 2
     try:
-        out["peak_gathered"] = _peak_gathered(world // 2)
-    except Exception as e:
-        out["peak_gathered"] = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
-    try:
-        out["accumulated"] = _accumulated(world // 2)
-    except Exception as e:
-        out["accumulated"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
-    out["reset before a forward"] = _reset_before_a_forward(world // 2)
-    return out
+        if key in _RUNS or key in _CUT_RUNS:
+            name, schedule, opts = {**_RUNS, **_CUT_RUNS}[key]
+            where = str(Path(tmp) / key.replace("/", "-")) if key in _SAVED else None
+            return _fsdp_case(name, schedule, 2, ranks, where, **opts)
+        if key in COMBINED:
+            name, schedule, opts, dtype = COMBINED[key]
+            worst, gathered = _combined(name, schedule, opts, dtype, ranks)
+            return {"worst": worst, "gathered": gathered}
+        return {"refused": _refusals, "peak gathered": _peak_gathered, "accumulated": _accumulated,
+                "reset before a forward": _reset_before_a_forward}[key](ranks)
+    except Exception as e:  # reported by the test, with the label
+        return {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
 
 
 def _peak_gathered(ranks: int) -> dict[str, Any]:
@@ -401,20 +389,20 @@ _SAVED = ("gpt2/1f1b",)  # runs that save a checkpoint and load it three ways
 
 
 @pytest.fixture(scope="module")
-def sharded(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    """Each rank's results of every run in ``_RUNS`` and ``_CUT_RUNS`` (those of the profile),
-    ``COMBINED`` and the refusals: one spawn for the file (starting 4 processes and importing torch
-    cost more than a run)."""
+def sharded(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], list[Any]]:
+    """Each rank's result of one part of the file's matrix (``_part``), run when a test first asks
+    for it on the test process's pool of 4 ranks (started once: processes and imports cost more
+    than a run)."""
     tmp = tmp_path_factory.mktemp("fsdp")
     for label in _SAVED:
         (tmp / label.replace("/", "-")).mkdir()
-    return spawn(_worker, 4, in_profile({**_RUNS, **_CUT_RUNS}, _LONG_RUNS), str(tmp), timeout=900)
+    return per_case(_part, 4, str(tmp), timeout=600)
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("label", _params(_RUNS))
-def test_fsdp_over_two_replicas_equals_the_plain_model(sharded: list[dict[str, Any]], label: str) -> None:
-    results = [r[label] for r in sharded]
+def test_fsdp_over_two_replicas_equals_the_plain_model(sharded: Callable[[str], list[Any]], label: str) -> None:
+    results = sharded(label)
     for r in results:
         assert "error" not in r, r.get("error")
     assert [(r["dp_rank"], r["pp_rank"]) for r in results] == [(0, 0), (0, 1), (1, 0), (1, 1)]
@@ -427,27 +415,28 @@ def test_fsdp_over_two_replicas_equals_the_plain_model(sharded: list[dict[str, A
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("label", list(COMBINED))
-def test_fsdp_with_recomputation_and_mixed_precision(sharded: list[dict[str, Any]], label: str) -> None:
+def test_fsdp_with_recomputation_and_mixed_precision(sharded: Callable[[str], list[Any]], label: str) -> None:
     # Autocast (bf16, fp16 with loss scaling) and recomputation run inside the stage's forward and
     # backward, which FSDP gathers around: the gathered gradients equal the plain model's under
     # the same autocast over the same micro-batches (round-off only).
-    for r in sharded:
-        assert "error" not in r[label], r[label].get("error")
+    for r in sharded(label):
+        assert "error" not in r, r.get("error")
         if label.endswith("gathered"):  # weights gathered in bf16: round-off of bf16 weights
-            assert r[label]["gathered"] == ["torch.bfloat16"] and r[label]["worst"] < 5e-2, r[label]
+            assert r["gathered"] == ["torch.bfloat16"] and r["worst"] < 5e-2, r
         else:
-            assert r[label]["gathered"] == ["torch.float32"] and r[label]["worst"] < 1e-5, r[label]
+            assert r["gathered"] == ["torch.float32"] and r["worst"] < 1e-5, r
 
 
 @pytest.mark.multiprocess
 def test_fsdp_refuses_a_tied_weight_within_a_rank_a_stray_optimizer_and_reusing_its_model(
-    sharded: list[dict[str, Any]]
+    sharded: Callable[[str], list[Any]]
 ) -> None:
-    for r in sharded:
-        zbv, opt = r["refused"]["zbv"], r["refused"]["optimizer"]
+    for r in sharded("refused"):
+        assert "error" not in r, r.get("error")
+        zbv, opt = r["zbv"], r["optimizer"]
         assert zbv.startswith("FSDPOptionError") and "'model.lm_head.weight'" in zbv and "1f1b" in zbv, zbv
         assert opt.startswith("FSDPOptionError") and "lambda params" in opt, opt
-        again = r["refused"]["again"]  # not silently initialised afresh
+        again = r["again"]  # not silently initialised afresh
         assert again.startswith("MaterializeError") and "engine='fsdp'" in again and "Init(weights=" in again, again
 
 
@@ -461,15 +450,16 @@ def test_engine_options_are_checked() -> None:
 
 
 @pytest.mark.multiprocess
-def test_an_fsdp_checkpoint_loads_unsharded_sharded_and_resumes_exactly(sharded: list[dict[str, Any]]) -> None:
+def test_an_fsdp_checkpoint_loads_unsharded_sharded_and_resumes_exactly(sharded: Callable[[str], list[Any]]) -> None:
     # A safetensors export gathers the shards and loads back per stage as weights=.
     # DCP writes each rank's shards; the plain model, a new FSDP trainer and the home-made
     # engine's trainer read every weight and Adam moment back, and the new FSDP trainer's next
     # step equals the saved one's bit for bit.
-    for rank, r in enumerate(sharded):
+    for rank, r in enumerate(sharded("gpt2/1f1b")):
+        assert "error" not in r, r.get("error")
         want = ["weights"] + (["plain model"] if rank == 0 else []) + [
             "replicate 1f1b", "fsdp interleaved", "fsdp 1f1b", "resumed"]
-        assert r["gpt2/1f1b"]["checkpoint"] == want
+        assert r["checkpoint"] == want
 
 
 def _reset_before_a_forward(ranks: int) -> str:
@@ -486,16 +476,16 @@ def _reset_before_a_forward(ranks: int) -> str:
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("label", list(_CUT_RUNS))
-def test_fsdp_trains_a_block_the_cut_splits_exactly(sharded: list[dict[str, Any]], label: str) -> None:
+def test_fsdp_trains_a_block_the_cut_splits_exactly(sharded: Callable[[str], list[Any]], label: str) -> None:
     # The plan cuts inside block h.1 (as node granularity may): each stage shards the part of the
     # block it holds as a unit of its own, or, holding none of its weights (the tail: a residual
     # add), computes that part in its own unit. Loss, every gradient, clipped AdamW steps and the
     # weights after them equal the plain model's (checked in _fsdp_case), kept gathered or not.
-    for r in sharded:
-        assert "error" not in r[label], r[label].get("error")
-        for got, want in r[label]["norms"]:
+    for r in sharded(label):
+        assert "error" not in r, r.get("error")
+        for got, want in r["norms"]:
             assert got == pytest.approx(want, rel=1e-5), label
-    held = {r[label]["pp_rank"]: r[label]["blocks_here"] for r in sharded}
+    held = {r["pp_rank"]: r["blocks_here"] for r in sharded(label)}
     if label.endswith("mid-h.1"):
         assert held == {0: 2, 1: 1}  # h.0 and the first half of h.1; the second half of h.1
     else:
@@ -503,30 +493,29 @@ def test_fsdp_trains_a_block_the_cut_splits_exactly(sharded: list[dict[str, Any]
 
 
 @pytest.mark.multiprocess
-def test_reshard_after_forward_false_gathers_each_unit_once_per_step(sharded: list[dict[str, Any]]) -> None:
+def test_reshard_after_forward_false_gathers_each_unit_once_per_step(sharded: Callable[[str], list[Any]]) -> None:
     # Each block of a stage is its own FSDP unit (runtime.parallel.blocks), the rest of the stage
     # one more. ZeRO-3 gathers a block again for backward after each forward freed it; kept
     # gathered, each unit is gathered at its first forward and freed after its last backward.
-    for r in sharded:
-        kept, zero3 = r["gpt2/1f1b/gathered"], r["gpt2/1f1b"]
+    for kept, zero3 in zip(sharded("gpt2/1f1b/gathered"), sharded("gpt2/1f1b")):
+        assert "error" not in kept and "error" not in zero3, (kept.get("error"), zero3.get("error"))
         assert kept["stages_here"] == 1 and kept["blocks_here"] >= 1  # GPT-2's blocks are outlined
         assert kept["gathers"] == kept["units_here"] == kept["blocks_here"] + 1
         assert zero3["gathers"] >= 4 * zero3["blocks_here"]  # a block per micro-batch's backward (m = 4)
 
 
 @pytest.mark.multiprocess
-def test_fsdp_accumulates_gradients_over_two_calls(sharded: list[dict[str, Any]]) -> None:
-    for r in sharded:
-        assert isinstance(r["accumulated"], float), r["accumulated"]
-        assert r["accumulated"] < 1e-5
+def test_fsdp_accumulates_gradients_over_two_calls(sharded: Callable[[str], list[Any]]) -> None:
+    for r in sharded("accumulated"):
+        assert isinstance(r, float), r
+        assert r < 1e-5
 
 
 @pytest.mark.multiprocess
-def test_a_rank_holds_its_stage_unit_and_two_blocks_gathered_at_most(sharded: list[dict[str, Any]]) -> None:
+def test_a_rank_holds_its_stage_unit_and_two_blocks_gathered_at_most(sharded: Callable[[str], list[Any]]) -> None:
     # Each block is its own FSDP unit: under 1F1B a rank gathers the block computing and the next,
     # beside its stage's own unit (embeddings, final norm, head), never the whole stage at once.
-    for r in sharded:
-        got = r["peak_gathered"]
+    for got in sharded("peak gathered"):
         assert "error" not in got, got.get("error")
         units = dict(got["units"])
         root = units.pop("")
@@ -537,8 +526,8 @@ def test_a_rank_holds_its_stage_unit_and_two_blocks_gathered_at_most(sharded: li
 
 
 @pytest.mark.multiprocess
-def test_fsdp_resets_after_a_step_that_failed_before_any_forward(sharded: list[dict[str, Any]]) -> None:
+def test_fsdp_resets_after_a_step_that_failed_before_any_forward(sharded: Callable[[str], list[Any]]) -> None:
     # FSDP's step state exists once a forward has run through the stage (its lazy init): a reset
     # before that raised "'FSDPCommContext' object has no attribute 'all_gather_state'" in
     # place of the step's own error.
-    assert [r["reset before a forward"] for r in sharded] == [""] * 4
+    assert sharded("reset before a forward") == [""] * 4

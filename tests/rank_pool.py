@@ -47,7 +47,7 @@ import torch.multiprocessing as mp
 from runtime.transport.launch import LaunchError
 from runtime.transport.launch import spawn as fresh_spawn
 
-__all__ = ["RankPool", "spawn", "shared_pool", "per_case", "LaunchError"]
+__all__ = ["RankPool", "spawn", "shared_pool", "Cases", "per_case", "LaunchError"]
 
 # What a rank imports before its first case, so that no case pays for it (best effort: an import
 # that fails here fails again, with its message, in the case that needs it).
@@ -274,27 +274,37 @@ def spawn(
     return pool.run(fn, nprocs, *args, timeout=timeout, threads=threads)
 
 
-def per_case(
-    fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300.0
-) -> Callable[[Hashable], list[Any]]:
+class Cases:
     """A matrix's cases, each run on the shared pool when a test first asks for it.
 
-    ``per_case(fn, world, *args)(key)`` runs ``fn(rank, world, key, *args)`` on ``world`` ranks
-    once per ``key`` and remembers each rank's results, or the :class:`LaunchError` (raised again
-    to every test that asks for that key, without a second run). A module-scoped fixture returns
-    one, so that every test pays for its own case only and the processes are started once.
+    ``Cases(fn, world, *args)(key)`` runs ``fn(rank, world, key, *args)`` on ``world`` ranks once
+    per ``key`` and remembers each rank's result, or the :class:`LaunchError` (raised again to every
+    test that asks for that key, without a second run). A module-scoped fixture returns one, so
+    that every test pays for its own cases only and the processes are started once per test
+    process. ``cases.ranks(keys)`` gives, per rank, a dict of those keys' results.
     """
-    done: dict[Hashable, list[Any] | LaunchError] = {}
 
-    def run(key: Hashable) -> list[Any]:
-        if key not in done:
+    def __init__(self, fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300.0) -> None:
+        self.fn, self.world, self.args, self.timeout = fn, world, args, timeout
+        self._done: dict[Hashable, list[Any] | LaunchError] = {}
+
+    def __call__(self, key: Hashable) -> list[Any]:
+        if key not in self._done:
             try:
-                done[key] = spawn(fn, world, key, *args, timeout=timeout)
+                self._done[key] = spawn(self.fn, self.world, key, *self.args, timeout=self.timeout)
             except LaunchError as e:
-                done[key] = e
-        got = done[key]
+                self._done[key] = e
+        got = self._done[key]
         if isinstance(got, LaunchError):
             raise got
         return got
 
-    return run
+    def ranks(self, keys: list[Hashable]) -> list[dict[Hashable, Any]]:
+        """Per rank, ``{key: that rank's result}`` for each of ``keys``."""
+        runs = {key: self(key) for key in keys}
+        return [{key: runs[key][rank] for key in keys} for rank in range(self.world)]
+
+
+def per_case(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300.0) -> Cases:
+    """:class:`Cases` of ``fn`` on ``world`` ranks."""
+    return Cases(fn, world, *args, timeout=timeout)

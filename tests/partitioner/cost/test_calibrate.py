@@ -241,6 +241,7 @@ def test_a_missing_cluster_file_is_file_not_found(tmp_path: Path) -> None:
 
 
 def test_two_gloo_processes_measure_links_and_collectives() -> None:
+    before = set(multiprocessing.active_children())  # the test process's own (its rank pool's, say)
     t0 = time.perf_counter()
     cluster = Cluster.measure(2, probe=Probe.tiny(), timeout=60)
     assert time.perf_counter() - t0 < 30
@@ -248,13 +249,14 @@ def test_two_gloo_processes_measure_links_and_collectives() -> None:
     assert cluster.link_bandwidth[0] > 1e6 and cluster.link_latency[0] >= 0
     assert cluster.collective_bandwidth is not None and cluster.collective_bandwidth > 1e6
     assert cluster.collective_latency is not None and cluster.collective_latency >= 0
-    assert multiprocessing.active_children() == []
+    assert set(multiprocessing.active_children()) <= before
 
 
 def test_a_measurement_past_its_timeout_is_stopped_and_says_so() -> None:
+    before = set(multiprocessing.active_children())  # the test process's own (its rank pool's, say)
     with pytest.raises(CalibrationError, match="did not finish within 1 s"):
         measure(2, probe=Probe(), timeout=1.0)
-    assert multiprocessing.active_children() == []  # every process was killed and reaped
+    assert set(multiprocessing.active_children()) <= before  # every process it started was killed and reaped
 
 
 def test_measure_refuses_what_it_cannot_measure() -> None:

@@ -24,7 +24,7 @@ from test_train import final_weights, metrics
 from partitioner import Cluster, Plan, plan_layout
 from pipecut.folder import HFFolder
 from pipecut.train.config import read_toml
-from rank_pool import spawn
+from rank_pool import Cases, spawn
 
 pytestmark = pytest.mark.multiprocess
 
@@ -60,25 +60,43 @@ def planned(llama_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> tup
     return plan, path
 
 
+def _group(rank: int, world: int, key: str, groups: dict[str, list[list[str]]]) -> list[tuple[int, bool]]:
+    return _commands(rank, world, groups[key])
+
+
+class _Runs:
+    """The run folders, each group of commands run on 4 ranks of the pool when a test first needs it:
+    ``auto`` (2 steps of --layout auto, then resumed to 4), ``saved`` (4 steps of the planner's plan
+    from a file), ``split`` (--layout auto --tp 2, then --plan of the plan that run recorded)."""
+
+    def __init__(self, root: Path, groups: dict[str, list[list[str]]]) -> None:
+        self.root, self.cases = root, Cases(_group, 4, groups, timeout=400)
+        self.groups = groups
+
+    def __getitem__(self, name: str) -> Path:
+        group = {"auto": "auto", "saved": "saved", "split": "split", "replayed": "split"}[name]
+        got = self.cases(group)
+        # Every command exits 0; only rank 0 prints (spawn sets no RANK: the process group says who leads).
+        assert got == [[(0, rank == 0)] * len(self.groups[group]) for rank in range(4)], got
+        return self.root / name
+
+
 @pytest.fixture(scope="module")
 def runs(planned: tuple[Plan, Path], llama_folder: Path, token_file: Path,
-         tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+         tmp_path_factory: pytest.TempPathFactory) -> _Runs:
     root = tmp_path_factory.mktemp("runs")
     auto, saved, split, replayed = root / "auto", root / "saved", root / "split", root / "replayed"
-    argvs = [
-        _flags(llama_folder, token_file, auto, "--layout", "auto", "--device", "cpu", "--steps", "2"),
-        _flags(llama_folder, token_file, auto, "--layout", "auto", "--device", "cpu", "--steps", "4"),
-        _flags(llama_folder, token_file, saved, "--plan", str(planned[1]), "--steps", "4"),
-        _flags(llama_folder, token_file, split, "--layout", "auto", "--tp", "2", "--device", "cpu", "--steps", "2"),
-        _flags(llama_folder, token_file, replayed, "--plan", str(split / "plan.json"), "--steps", "2"),
-    ]
-    # Every command exits 0; only rank 0 prints (spawn sets no RANK: the process group says who leads).
-    got = spawn(_commands, 4, argvs, timeout=500)
-    assert got == [[(0, rank == 0)] * 5 for rank in range(4)], got
-    return {"auto": auto, "saved": saved, "split": split, "replayed": replayed}
+    return _Runs(root, {
+        "auto": [_flags(llama_folder, token_file, auto, "--layout", "auto", "--device", "cpu", "--steps", "2"),
+                 _flags(llama_folder, token_file, auto, "--layout", "auto", "--device", "cpu", "--steps", "4")],
+        "saved": [_flags(llama_folder, token_file, saved, "--plan", str(planned[1]), "--steps", "4")],
+        "split": [_flags(llama_folder, token_file, split, "--layout", "auto", "--tp", "2", "--device", "cpu",
+                         "--steps", "2"),
+                  _flags(llama_folder, token_file, replayed, "--plan", str(split / "plan.json"), "--steps", "2")],
+    })
 
 
-def test_layout_auto_trains_the_planners_layout(planned: tuple[Plan, Path], runs: dict[str, Path]) -> None:
+def test_layout_auto_trains_the_planners_layout(planned: tuple[Plan, Path], runs: _Runs) -> None:
     want = planned[0].layout
     assert want is not None and want.dp > 1 and want.zero == "zero1"  # replicas and sharding exercised
     got = Plan.load(runs["auto"] / "plan.json").layout
@@ -96,7 +114,7 @@ def test_layout_auto_trains_the_planners_layout(planned: tuple[Plan, Path], runs
     assert all(m["predicted_step_s"] == pytest.approx(want.step_time) for m in lines)
 
 
-def test_a_resumed_auto_run_equals_the_saved_plan_run_uninterrupted(runs: dict[str, Path],
+def test_a_resumed_auto_run_equals_the_saved_plan_run_uninterrupted(runs: _Runs,
                                                                     planned: tuple[Plan, Path]) -> None:
     assert Plan.load(runs["saved"] / "plan.json").layout == planned[0].layout
     a, b = final_weights(runs["auto"]), final_weights(runs["saved"])
@@ -104,7 +122,7 @@ def test_a_resumed_auto_run_equals_the_saved_plan_run_uninterrupted(runs: dict[s
     assert [m["loss"] for m in metrics(runs["auto"])] == [m["loss"] for m in metrics(runs["saved"])]
 
 
-def test_layout_auto_and_a_plan_apply_the_plans_tp(runs: dict[str, Path]) -> None:
+def test_layout_auto_and_a_plan_apply_the_plans_tp(runs: _Runs) -> None:
     lay = Plan.load(runs["split"] / "plan.json").layout
     assert lay is not None and lay.tp == 2 and lay.dp * lay.pp == 2  # --tp 2 of 4 processes
     recorded = read_toml(runs["split"] / "config.toml")

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from partitioner.search import LayoutSearch
-from rank_pool import spawn
+from rank_pool import Cases, spawn
 from runtime.execute.accumulation import add_back, set_aside
 from runtime.parallel.data_parallel import GradAverager
 from runtime.transport.placement import PlacementError
@@ -109,7 +109,7 @@ def _dp_case(name: str, schedule: str, dp: int, pp: int, tmp: str | None, overla
     return out
 
 
-# Every data-parallel run of this file, in one spawn of 4 processes (2 replicas x 2 stages):
+# Every data-parallel run of this file, each on 4 ranks of the pool (2 replicas x 2 stages):
 # label: (model, schedule, all-reduce overlapped with the drain, optimizer state sharded, writes
 # a checkpoint, an export and a trace into its own folder).
 _RUNS: dict[str, tuple[str, str, bool, bool, bool]] = {
@@ -125,37 +125,42 @@ def _folder(tmp: Path, label: str) -> Path:
     return tmp / label.replace("/", "-").replace(" ", "-")
 
 
-def _dp_worker(rank: int, world: int, runs: dict[str, tuple[str, str, bool, bool, bool]], tmp: str) -> dict[str, Any]:
-    out = {}
-    searches: dict[tuple[str, int], LayoutSearch] = {}  # GPT-2 traced once for every run here
-    for label, (name, schedule, overlap, shard, files) in runs.items():
-        where = str(_folder(Path(tmp), label)) if files else None
-        out[label] = _dp_case(name, schedule, 2, world // 2, where, overlap, shard, searches=searches)
-    try:
-        make_trainer(case("mlp", 2), 2, "1f1b", transport="dist", data_parallel=3)
-        out["refused"] = ""
-    except PlacementError as e:
-        out["refused"] = str(e)
-    out["combined"] = _combined_worker(rank, world, searches)
-    return out
+_SEARCHES: dict[tuple[str, int], LayoutSearch] = {}  # GPT-2 traced once per part, for each run in it
+
+
+def _dp_part(rank: int, world: int, key: str, tmp: str) -> Any:
+    """One part of the file's matrix on this rank: a run of ``_RUNS``, the refusal, or
+    ``_combined_worker``'s runs (each asked for by the tests that check it)."""
+    _SEARCHES.clear()  # a part is a process group of its own: nothing of the last one's trainers is kept
+    if key in _RUNS:
+        name, schedule, overlap, shard, files = _RUNS[key]
+        where = str(_folder(Path(tmp), key)) if files else None
+        return _dp_case(name, schedule, 2, world // 2, where, overlap, shard, searches=_SEARCHES)
+    if key == "refused":
+        try:
+            make_trainer(case("mlp", 2), 2, "1f1b", transport="dist", data_parallel=3)
+            return ""
+        except PlacementError as e:
+            return str(e)
+    assert key == "combined", key
+    return _combined_worker(rank, world, _SEARCHES)
 
 
 @pytest.fixture(scope="module")
-def replicas(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], Path]:
-    """Each rank's results of every run in ``_RUNS`` and of ``_combined_worker``, and the folder the
-    runs wrote into: one spawn for the file (starting 4 processes and importing torch cost more than a run)."""
+def replicas(tmp_path_factory: pytest.TempPathFactory) -> tuple[Cases, Path]:
+    """The file's runs (``_dp_part``), each run on 4 ranks of the test process's pool when a test
+    first asks for it, and the folder the runs write into."""
     tmp = tmp_path_factory.mktemp("dp")
     for label, (*_, files) in _RUNS.items():
         if files:
             _folder(tmp, label).mkdir()
-    return spawn(_dp_worker, 4, _RUNS, str(tmp), timeout=900), tmp
+    return Cases(_dp_part, 4, str(tmp), timeout=600), tmp
 
 
 @pytest.mark.multiprocess
-def test_two_replicas_of_a_two_rank_pipeline_equal_the_plain_model(
-    replicas: tuple[list[dict[str, Any]], Path]
-) -> None:
-    results, tmp = replicas
+def test_two_replicas_of_a_two_rank_pipeline_equal_the_plain_model(replicas: tuple[Cases, Path]) -> None:
+    cases, tmp = replicas
+    results = cases.ranks(["gpt2/1f1b", *_REPLICATED, "refused"])
     assert [(r["gpt2/1f1b"]["dp_rank"], r["gpt2/1f1b"]["pp_rank"]) for r in results] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert _REPLICATED == ["gpt2/gpipe", "gpt2/1f1b", "gpt2/zbh1", "mlp/1f1b"]
     for key in _REPLICATED:
@@ -179,20 +184,17 @@ def test_two_replicas_of_a_two_rank_pipeline_equal_the_plain_model(
 
 
 @pytest.mark.multiprocess
-def test_all_reduce_after_the_step_gives_the_same_gradients(replicas: tuple[list[dict[str, Any]], Path]) -> None:
-    results, tmp = replicas
-    assert len({round(r["after the step/gpt2/1f1b"]["loss"], 6) for r in results}) == 1
+def test_all_reduce_after_the_step_gives_the_same_gradients(replicas: tuple[Cases, Path]) -> None:
+    cases, tmp = replicas
+    assert len({round(r["loss"], 6) for r in cases("after the step/gpt2/1f1b")}) == 1
     assert (_folder(tmp, "after the step/gpt2/1f1b") / "ckpt" / ".metadata").is_file()
 
 
 @pytest.mark.multiprocess
-def test_sharded_optimizer_state_steps_exactly_and_halves_the_state(
-    replicas: tuple[list[dict[str, Any]], Path]
-) -> None:
+def test_sharded_optimizer_state_steps_exactly_and_halves_the_state(replicas: tuple[Cases, Path]) -> None:
     # ZeRO-style: the two replicas' ranks of each stage split its parameters; each keeps the
     # momentum of its share, the gradients of its share, and broadcasts its new values.
-    results, _ = replicas
-    r = [res["sharded/gpt2/zbh1"] for res in results]
+    r = replicas[0]("sharded/gpt2/zbh1")
     for pp in (0, 1):  # ranks pp and 2 + pp hold the same stages
         a, b = r[pp], r[2 + pp]
         assert a["params"] == b["params"] and a["state"] + b["state"] == a["params"]
@@ -280,12 +282,12 @@ def _combined_worker(
 
 @pytest.mark.multiprocess
 def test_data_parallel_with_recomputation_sharding_and_mixed_precision(
-    replicas: tuple[list[dict[str, Any]], Path]
+    replicas: tuple[Cases, Path]
 ) -> None:
     # ZB-V and interleaved (two stages per rank) with recomputation, sharded optimizer state, bf16
     # and fp16 with loss scaling: each rank's kept gradients equal the plain model's (under the
     # same autocast, over the same micro-batches) on the global batch. In the shared spawn.
-    results = [r["combined"] for r in replicas[0]]
+    results = replicas[0]("combined")
     assert len(results) == 4
     for errors in results:
         assert errors[0] < 1e-5  # fp32

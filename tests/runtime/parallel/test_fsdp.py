@@ -28,8 +28,8 @@ from tests.runtime.parity import (
     reference_grads,
 )
 
-# GPT-2 traced once per process (torch.export, ~0.6 s a trace) and planned from that for every case
-# whose trainer is the only one alive (``parity.plan_once``); the trainers a checkpoint is loaded
+# GPT-2 traced once per part of the matrix (torch.export, ~0.6 s a trace) and planned from that for every
+# case whose trainer is the only one alive (``parity.plan_once``); the trainers a checkpoint is loaded
 # into, built beside the saving one, partition anew and hold their own tensors.
 _SEARCHES: dict[tuple[str, int], LayoutSearch] = {}
 
@@ -331,6 +331,9 @@ def _part(rank: int, world: int, key: str, tmp: str) -> Any:
     import traceback
 
     ranks = world // 2
+    # A part is a process group of its own: the traced model the last part's FSDP trainer wrapped
+    # holds that group's mesh in its modules' FSDP state, so each part traces anew (~0.6 s).
+    _SEARCHES.clear()
     try:
         if key in _RUNS or key in _CUT_RUNS:
             name, schedule, opts = {**_RUNS, **_CUT_RUNS}[key]

@@ -232,10 +232,11 @@ def _ranks_and_world(rank: int, world: int) -> tuple[int, int]:
 
 
 def _forget_distributed_caches() -> None:
-    """Clear torch.distributed's memoised functions (DTensor's sharding propagation, the
-    redistribution planner, ...): they key on a DeviceMesh by its shape and names, so a later case's
-    mesh of the same shape would be handed a result holding the last case's mesh, whose process
-    groups are gone ("Could not resolve the process group registered under the name 19")."""
+    """Clear torch.distributed's memoised results (DTensor's sharding propagation, in Python and in
+    its C++ dispatch, the redistribution planner, ...): they key on a DeviceMesh by its shape and
+    names, so a later case's mesh of the same shape would be handed a result holding the last
+    case's mesh, whose process groups are gone ("Could not resolve the process group registered
+    under the name 19")."""
     with warnings.catch_warnings():  # looking at a deprecated name (dist.reduce_op) warns
         warnings.simplefilter("ignore")
         for name, module in list(sys.modules.items()):
@@ -248,6 +249,9 @@ def _forget_distributed_caches() -> None:
     from torch.distributed.tensor import DTensor
 
     DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()  # a per-thread cache
+    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_native is not None:  # the C++ dispatch's own cache (torch 2.10 and later)
+        clear_native()
 
 
 _POOL: RankPool | None = None

@@ -77,14 +77,14 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-# This checkout's packages first (an editable install may point at another one), and _common.
+# This checkout's packages first (an editable install may point at another one), and lib/.
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
-from _common import load_before, run_env, step_times, write_result  # noqa: E402
+from lib.common import load_before, run_env, spread_ms, step_times, times_ms, write_result  # noqa: E402
 from partitioner import partition  # noqa: E402
 from partitioner.schedule.registry import stages_per_rank  # noqa: E402
 from partitioner.zoo import MLPChain, gpt2  # noqa: E402
@@ -306,12 +306,10 @@ def _summary(times: dict[str, list[float]], cfg: dict[str, Any]) -> dict[str, di
     out: dict[str, dict[str, Any]] = {}
     for name, ts in times.items():
         dp, pp, overlap, schedule = CONFIGS[name]
-        q = statistics.quantiles(ts, n=4) if len(ts) >= 2 else [ts[0]] * 3
         med = statistics.median(ts)
         out[name] = {"dp": dp, "pp": pp, "overlap_grad_reduce": overlap, "schedule": schedule,
                      "microbatches_per_replica": cfg["batch"] // (dp * cfg["micro_batch"]),
-                     "median_ms": med * 1e3, "p25_ms": q[0] * 1e3, "p75_ms": q[2] * 1e3, "min_ms": min(ts) * 1e3,
-                     "n": len(ts), "steps_per_s": 1.0 / med, "samples_per_s": cfg["batch"] / med,
+                     **spread_ms(ts), "steps_per_s": 1.0 / med, "samples_per_s": cfg["batch"] / med,
                      "tokens_per_s": cfg["batch"] * _tokens(cfg) / med}
     base = out.get(BASELINE)
     for row in out.values():
@@ -449,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
         "param_bytes_per_rank": param_bytes,
         "checks": {f"rank {r}": c for r, c in enumerate(checks)},
         "phases_s": {f"rank {r}": res["phases_s"] for r, res in enumerate(ranks)},
-        "times_ms": {k: [round(t * 1e3, 3) for t in v] for k, v in times.items()},
+        "times_ms": times_ms(times),
     }
     write_result(args.out, result)
     return 0

@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from _common import load_before, run_env, step_times, write_result
+from lib.common import load_before, run_env, spread_ms, step_times, times_ms, write_result
 from partitioner import partition
 from partitioner.zoo import MLPChain
 from runtime.options import Execution
@@ -230,12 +230,7 @@ def _check(
 
 
 def _summary(times: dict[str, list[float]]) -> dict[str, dict[str, float]]:
-    out = {}
-    for name, ts in times.items():
-        q = statistics.quantiles(ts, n=4) if len(ts) >= 2 else [ts[0]] * 3
-        out[name] = {"median_ms": statistics.median(ts) * 1e3, "p25_ms": q[0] * 1e3, "p75_ms": q[2] * 1e3,
-                     "min_ms": min(ts) * 1e3, "n": len(ts)}
-    return out
+    return {name: spread_ms(ts) for name, ts in times.items()}
 
 
 def _ratios(med: dict[str, float]) -> dict[str, float]:
@@ -330,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         "ratios": ratios,
         "paired_ratios": paired,
         "checks": {f"rank {r}": res["checks"] for r, res in enumerate(ranks)},
-        "times_ms": {k: [round(t * 1e3, 3) for t in v] for k, v in times.items()},
+        "times_ms": times_ms(times),
     }
     write_result(args.out, result)
     return 0

@@ -1,18 +1,20 @@
-"""What the benchmark scripts share: the git state a result was measured at, and list arguments."""
+"""What the benchmark scripts share: the git state a result was measured at, list arguments, step-time statistics."""
 
 from __future__ import annotations
 
 import json
 import os
 import platform
+import statistics
 import subprocess
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def git_state(paths: tuple[str, ...] = ("partitioner", "runtime", "pipecut")) -> dict[str, Any]:
@@ -79,3 +81,20 @@ def step_times(per_rank: list[dict[str, list[tuple[float, float]]]]) -> dict[str
         rounds = zip(*(spans[name] for spans in per_rank))
         out[name] = [max(e for _, e in r) - min(s for s, _ in r) for r in rounds]
     return out
+
+
+def quartiles(ts: Sequence[float]) -> list[float]:
+    """The 25th, 50th and 75th percentiles of one configuration's step times (one time is all three)."""
+    return statistics.quantiles(ts, n=4) if len(ts) >= 2 else [ts[0]] * 3
+
+
+def spread_ms(ts: Sequence[float]) -> dict[str, float]:
+    """Median, quartiles and minimum of step times in seconds, as milliseconds, and their count."""
+    q = quartiles(ts)
+    return {"median_ms": statistics.median(ts) * 1e3, "p25_ms": q[0] * 1e3, "p75_ms": q[2] * 1e3,
+            "min_ms": min(ts) * 1e3, "n": len(ts)}
+
+
+def times_ms(times: Mapping[str, Sequence[float]]) -> dict[str, list[float]]:
+    """Every round's step time per configuration, in milliseconds to the microsecond, for the result file."""
+    return {k: [round(t * 1e3, 3) for t in v] for k, v in times.items()}

@@ -1,4 +1,4 @@
-"""The layout benchmark's statistics on plain data (benchmarks/_layout_stats.py), and its --quick run end to
+"""The layout benchmark's statistics on plain data (benchmarks/lib/layout_stats.py), and its --quick run end to
 end on 4 gloo processes."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _load(name: str, as_name: str) -> ModuleType:
-    """``benchmarks/NAME.py`` imported as a module (a script folder, not a package)."""
+    """``benchmarks/NAME.py`` (``lib/NAME`` for a helper) imported as a module (a script folder, not a package)."""
     spec = importlib.util.spec_from_file_location(as_name, ROOT / "benchmarks" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -38,8 +38,8 @@ def bench() -> ModuleType:
 
 @pytest.fixture(scope="module")
 def stats() -> ModuleType:
-    """``benchmarks/_layout_stats.py``: the pure statistics."""
-    return _load("_layout_stats", "_bench_layout_stats")
+    """``benchmarks/lib/layout_stats.py``: the pure statistics."""
+    return _load("lib/layout_stats", "_bench_layout_stats")
 
 
 def test_ranks_average_ties(stats: ModuleType) -> None:

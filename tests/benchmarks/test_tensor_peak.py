@@ -1,4 +1,4 @@
-"""benchmarks/_tensor_peak.py counts CPU tensor bytes exactly: known tensors give known peaks."""
+"""benchmarks/lib/tensor_peak.py counts CPU tensor bytes exactly: known tensors give known peaks."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ MIB = 2**20
 
 @pytest.fixture(scope="module")
 def tp() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("_bench_tensor_peak", ROOT / "benchmarks" / "_tensor_peak.py")
+    spec = importlib.util.spec_from_file_location("_bench_tensor_peak", ROOT / "benchmarks" / "lib" / "tensor_peak.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up by name

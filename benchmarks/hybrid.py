@@ -84,7 +84,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
-from lib.common import load_before, run_env, spread_ms, step_times, times_ms, write_result  # noqa: E402
+from lib.common import load_before, ratio_table, run_env, spread_ms, step_times, times_ms, write_result  # noqa: E402
 from partitioner import partition  # noqa: E402
 from partitioner.schedule.registry import stages_per_rank  # noqa: E402
 from partitioner.zoo import MLPChain, gpt2  # noqa: E402
@@ -370,12 +370,7 @@ def _print(cfg: dict[str, Any], summary: dict[str, dict[str, Any]], ratios: dict
                       "-" if row.get("predicted_vs_b") is None else f"{row['predicted_vs_b']:.3f}",
                       " / ".join(f"{v:.2f}" for v in mib),
                       " / ".join(f"{v:.2f}" for v in sorted({b / 2**20 for b in param_bytes[name]})))
-    rt = Table(title="ratios of medians, and medians of same-round ratios (> 1: the first named is faster)",
-               title_justify="left")
-    rt.add_column("ratio")
-    rt.add_column("value", justify="right")
-    for name, v in ratios.items():
-        rt.add_row(name, f"{v:.3f}")
+    rt = ratio_table("ratios of medians, and medians of same-round ratios (> 1: the first named is faster)", ratios)
     console = Console(width=160)
     console.print(table)
     console.print(rt)

@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lib.common import load_before, run_env, spread_ms, step_times, times_ms, write_result
+from lib.common import load_before, ratio_table, run_env, spread_ms, step_times, times_ms, write_result
 from partitioner import partition
 from partitioner.zoo import MLPChain
 from runtime.options import Execution
@@ -279,11 +279,7 @@ def _print(cfg: dict[str, Any], summary: dict[str, dict[str, float]], ratios: di
         table.add_column(col, justify="left" if col == "configuration" else "right")
     for name, row in summary.items():
         table.add_row(name, *(f"{row[k]:.2f}" for k in ("median_ms", "p25_ms", "p75_ms", "min_ms")))
-    rt = Table(title="ratios of medians (> 1: the first named is faster)", title_justify="left")
-    rt.add_column("ratio")
-    rt.add_column("value", justify="right")
-    for name, v in ratios.items():
-        rt.add_row(name, f"{v:.3f}")
+    rt = ratio_table("ratios of medians (> 1: the first named is faster)", ratios)
     console = Console()
     console.print(table)
     console.print(rt)

@@ -98,3 +98,15 @@ def spread_ms(ts: Sequence[float]) -> dict[str, float]:
 def times_ms(times: Mapping[str, Sequence[float]]) -> dict[str, list[float]]:
     """Every round's step time per configuration, in milliseconds to the microsecond, for the result file."""
     return {k: [round(t * 1e3, 3) for t in v] for k, v in times.items()}
+
+
+def ratio_table(title: str, ratios: Mapping[str, float]) -> Any:
+    """The ratios a timing benchmark prints under its table: a rich ``Table`` of name and value (3 decimals)."""
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    table.add_column("ratio")
+    table.add_column("value", justify="right")
+    for name, v in ratios.items():
+        table.add_row(name, f"{v:.3f}")
+    return table

@@ -38,6 +38,7 @@ from partitioner.plan.predict import prediction, simulate_stages
 from partitioner.plan.units import fmt_bytes, fmt_count, fmt_time
 from pipecut.train import checkpoints
 from pipecut.train.config import TrainConfig
+from runtime.metrics import format_metrics
 
 __all__ = [
     "LOG_FILE", "TENSORBOARD_DIR", "RunFacts", "RankPlan", "StartReport", "start_report", "count_parameters",
@@ -239,6 +240,15 @@ def start_report(cfg: TrainConfig, plan: Plan, facts: RunFacts) -> StartReport:
 
 # -- the step lines -------------------------------------------------------------------------------
 
+_STEP_LINE: tuple[tuple[str, Callable[[Any], str]], ...] = (
+    ("loss", "loss {:.4f}".format),
+    ("lr", "lr {:.2e}".format),
+    ("grad_norm", "grad_norm {:.3g}".format),
+    ("tokens_per_s", lambda v: f"{fmt_count(v)} tok/s"),
+    ("step_time_s", lambda v: f"{1e3 * v:.1f} ms/step"),
+    ("eval_loss", "eval_loss {:.4f}".format),
+)
+
 
 def step_text(line: Mapping[str, Any], *, steps: int, eta_s: float | None) -> str:
     """One step's metrics line (``metrics.jsonl``'s) as plain text; the values it lacks are left out.
@@ -247,19 +257,7 @@ def step_text(line: Mapping[str, Any], *, steps: int, eta_s: float | None) -> st
         >>> step_text({"step": 3, "loss": 4.1, "grad_norm": 0.75, "eval_loss": 4.2}, steps=10, eta_s=75)
         'step 3/10  loss 4.1000  grad_norm 0.75  eval_loss 4.2000  eta 1m15s'
     """
-    parts = [f"step {line['step']}/{steps}"]
-    if line.get("loss") is not None:
-        parts.append(f"loss {line['loss']:.4f}")
-    if line.get("lr") is not None:
-        parts.append(f"lr {line['lr']:.2e}")
-    if line.get("grad_norm") is not None:
-        parts.append(f"grad_norm {line['grad_norm']:.3g}")
-    if line.get("tokens_per_s") is not None:
-        parts.append(f"{fmt_count(line['tokens_per_s'])} tok/s")
-    if line.get("step_time_s") is not None:
-        parts.append(f"{1e3 * line['step_time_s']:.1f} ms/step")
-    if line.get("eval_loss") is not None:
-        parts.append(f"eval_loss {line['eval_loss']:.4f}")
+    parts = [f"step {line['step']}/{steps}", *format_metrics(line, _STEP_LINE)]
     if eta_s is not None:
         parts.append(f"eta {_duration(eta_s)}")
     return "  ".join(parts)

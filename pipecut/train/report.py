@@ -83,17 +83,11 @@ class RankPlan:
     capacity: float
 
 
-@dataclass(frozen=True)
-class StartReport:
-    """Everything the start-up block says, as data (``lines()`` writes it)."""
+@dataclass(frozen=True, kw_only=True)
+class StartReport(RunFacts):
+    """Everything the start-up block says, as data (``lines()`` writes it): the run's facts and these."""
 
     model: str
-    model_class: str
-    params: int
-    trainable: int
-    dp: int
-    pp: int
-    world: int
     ranks: tuple[RankPlan, ...]
     schedule: str
     """The schedule that runs (what ``auto`` resolved to)."""
@@ -117,14 +111,11 @@ class StartReport:
     """The fullest rank's predicted peak bytes."""
     capacity: float
     steps: int
-    resumed_from: int
     log_every: int
     checkpoint_every: int
     keep: int
     paths: tuple[tuple[str, Path], ...]
     """Where the run's files go, by what they are: out, checkpoints, metrics, log, final, tensorboard."""
-    tp: int = 1
-    """Processes per pipeline rank (tensor parallelism)."""
 
     @property
     def tokens_per_step(self) -> int:
@@ -223,8 +214,7 @@ def start_report(cfg: TrainConfig, plan: Plan, facts: RunFacts) -> StartReport:
     if cfg.tensorboard:
         paths.append(("tensorboard", out / TENSORBOARD_DIR))
     return StartReport(
-        model=cfg.model, model_class=facts.model_class, params=facts.params, trainable=facts.trainable,
-        dp=facts.dp, pp=facts.pp, world=facts.world, ranks=tuple(ranks), schedule=plan.schedule,
+        **vars(facts), model=cfg.model, ranks=tuple(ranks), schedule=plan.schedule,
         schedule_asked=cfg.schedule or plan.schedule, choice=plan.choice, microbatches=plan.microbatches,
         microbatch_size=plan.microbatch_size or cfg.micro_batch_size or 1, global_batch=cfg.global_batch,
         seq_len=cfg.seq_len, precision=plan.precision,
@@ -233,8 +223,8 @@ def start_report(cfg: TrainConfig, plan: Plan, facts: RunFacts) -> StartReport:
         bubble=lay.bubble if lay is not None else pred.bubble,
         memory=lay.memory if lay is not None else pred.memory,
         capacity=lay.capacity if lay is not None else min(r.capacity for r in ranks),
-        steps=cfg.steps, resumed_from=facts.resumed_from, log_every=cfg.log_interval,
-        checkpoint_every=cfg.checkpoint_every, keep=cfg.keep, paths=tuple(paths), tp=facts.tp,
+        steps=cfg.steps, log_every=cfg.log_interval, checkpoint_every=cfg.checkpoint_every, keep=cfg.keep,
+        paths=tuple(paths),
     )
 
 

@@ -6,12 +6,14 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,3 +34,20 @@ def run_script(name: str, argv: Sequence[str], *, timeout: float) -> subprocess.
     thread per process (``OMP_NUM_THREADS=1``)."""
     return subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), *argv], capture_output=True,
                           text=True, timeout=timeout, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def read_result(name: str, argv: Sequence[str], out: Path) -> dict[str, Any]:
+    """The result ``benchmarks/<name>.py ARGV`` wrote to ``out``, checked to name its benchmark and the
+    command that ran it."""
+    data: dict[str, Any] = json.loads(out.read_text())
+    assert data["benchmark"] == name
+    assert data["command"] == f"python benchmarks/{name}.py " + " ".join(argv)
+    return data
+
+
+def run_result(name: str, argv: Sequence[str], out: Path, *, timeout: float) -> dict[str, Any]:
+    """:func:`run_script`, which must succeed (else the tail of its stderr says why), and the result it
+    wrote to ``out`` (:func:`read_result`)."""
+    run = run_script(name, argv, timeout=timeout)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return read_result(name, argv, out)

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from bench_script import load_script, run_script
+from bench_script import load_script, read_result, run_script
 
 pytest.importorskip("transformers")  # both scripts plan a GPT-2
 
@@ -35,9 +35,7 @@ def test_partition_quality_quick(quality: ModuleType, tmp_path: Path) -> None:
     out = tmp_path / "pq.json"
     argv = ["--quick", "--stages", "2,4", "--repeat", "1", "--out", str(out)]
     assert quality.main(argv) == 0
-    data = json.loads(out.read_text())
-    assert data["benchmark"] == "partition_quality"
-    assert data["command"] == "python benchmarks/partition_quality.py " + " ".join(argv)
+    data = read_result("partition_quality", argv, out)
     assert {"config", "env", "models", "results", "checks"} <= data.keys()
     assert data["config"]["stages"] == [2, 4]
     assert [m["model"] for m in data["models"]] == ["mlp", "gpt2", "resnet", "unet"]
@@ -82,9 +80,7 @@ def test_plan_scale_small_gpt2(scale: ModuleType, tmp_path: Path) -> None:
     out = tmp_path / "ps.json"
     argv = ["--quick", "--n-layer", "4", "--out", str(out)]
     assert scale.main(argv) == 0
-    data = json.loads(out.read_text())
-    assert data["benchmark"] == "plan_scale"
-    assert data["command"] == "python benchmarks/plan_scale.py " + " ".join(argv)
+    data = read_result("plan_scale", argv, out)
     cfg = data["config"]
     assert (cfg["n_layer"], cfg["n_embd"], cfg["devices"], cfg["microbatches"]) == (4, 256, 4, 4)
     assert {"build_s", "trace_s", "cost_s", "partition_call_s", "script_s"} <= data["times_s"].keys()

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from bench_script import load_script, run_script
+from bench_script import load_script, run_result
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -17,11 +16,7 @@ def test_hybrid_quick(tmp_path: Path) -> None:
     # A subprocess, as users run it: its spawned ranks re-import the script as __main__.
     out = tmp_path / "hybrid.json"
     argv = ["--quick", "--timeout", "300", "--out", str(out)]
-    run = run_script("hybrid", argv, timeout=400)
-    assert run.returncode == 0, run.stderr[-3000:]
-    data = json.loads(out.read_text())
-    assert data["benchmark"] == "hybrid"
-    assert data["command"] == "python benchmarks/hybrid.py " + " ".join(argv)
+    data = run_result("hybrid", argv, out, timeout=400)
     res = data["results"]
     want = {"a: 2 dp x 2 pp": (2, 2, 4), "b: 1 dp x 4 pp": (1, 4, 8), "c: 4 dp x 1 pp": (4, 1, 2),
             "d: 2 dp x 2 pp, all-reduce after": (2, 2, 4), "e: 2 dp x 2 pp interleaved": (2, 2, 4),

@@ -11,7 +11,7 @@ from types import ModuleType
 
 import pytest
 
-from bench_script import load_script, run_script
+from bench_script import load_script, run_result
 
 pytest.importorskip("transformers")  # the benchmark trains a GPT-2
 
@@ -143,11 +143,7 @@ def test_layout_quick(bench: ModuleType, stats: ModuleType, tmp_path: Path, flag
     out = tmp_path / "layout.json"
     argv = ["--quick", *flags, "--timeout", "400", "--out", str(out)]
     calibrated = "--cli-calibrate" in flags
-    run = run_script("layout", argv, timeout=900)
-    assert run.returncode == 0, run.stderr[-3000:]
-    data = json.loads(out.read_text())
-    assert data["benchmark"] == "layout"
-    assert data["command"] == "python benchmarks/layout.py " + " ".join(argv)
+    data = run_result("layout", argv, out, timeout=900)
     rows = data["layouts"]
     assert {r["name"] for r in rows} == want
     for r in rows:

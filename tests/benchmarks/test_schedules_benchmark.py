@@ -8,7 +8,7 @@ from types import ModuleType
 
 import pytest
 
-from bench_script import load_script
+from bench_script import load_script, read_result
 from runtime.execute.executor import ActionRecord
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,9 +43,7 @@ def test_schedules_benchmark_quick(bench: ModuleType, tmp_path: Path) -> None:
     traces = tmp_path / "traces"
     argv = ["--quick", "--skip-real", "--transports", "local", "--out", str(out), "--traces", str(traces)]
     assert bench.main(argv) == 0
-    data = json.loads(out.read_text())
-    assert data["benchmark"] == "schedules"
-    assert data["command"] == "python benchmarks/schedules.py " + " ".join(argv)
+    data = read_result("schedules", argv, out)
     assert {"config", "env", "fixed", "zero_bubble_vs_1f1b", "real_model", "traces", "sys_argv"} <= data.keys()
     assert data["real_model"] is None
     assert data["config"]["p"] == 2 and data["config"]["ms"] == [4]

@@ -84,7 +84,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
-from lib.common import load_before, ratio_table, run_env, spread_ms, step_times, times_ms, write_result  # noqa: E402
+from lib.common import gpt2_size_args, load_before, ratio_table, run_env, spread_ms, step_times, times_ms, write_result  # noqa: E402
 from partitioner import partition  # noqa: E402
 from partitioner.schedule.registry import stages_per_rank  # noqa: E402
 from partitioner.zoo import MLPChain, gpt2  # noqa: E402
@@ -382,11 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=4, help="untimed rounds first")
     ap.add_argument("--model", choices=("gpt2", "mlp"), default="gpt2",
                     help="partitioner.zoo's gpt2, or an MLPChain of n-layer x Linear(n-embd, n-embd)")
-    ap.add_argument("--n-layer", type=int, default=4)
-    ap.add_argument("--n-embd", type=int, default=256)
-    ap.add_argument("--n-head", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=2048)
-    ap.add_argument("--seq", type=int, default=64)
+    gpt2_size_args(ap, n_layer=4, n_embd=256, n_head=4, vocab=2048, seq=64)
     ap.add_argument("--batch", type=int, default=32, help="global batch (sequences), the same in every configuration")
     ap.add_argument("--micro-batch", type=int, default=2, help="rows per micro-batch, the same everywhere")
     ap.add_argument("--only", default="", help="configuration letters to run besides b, e.g. 'ad'")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -31,6 +32,20 @@ def git_state(paths: tuple[str, ...] = ("partitioner", "runtime", "pipecut")) ->
 def int_list(text: str) -> list[int]:
     """``'4,8,16' -> [4, 8, 16]`` for comma-separated command-line values."""
     return [int(x) for x in text.split(",") if x.strip()]
+
+
+def gpt2_size_args(ap: argparse.ArgumentParser, *, n_layer: int, n_embd: int, n_head: int, vocab: int, seq: int,
+                   n_positions: int | None = None, seq_help: str | None = None) -> None:
+    """The options of a script that builds ``partitioner.zoo.gpt2``'s sizes, with the script's defaults:
+    ``--n-layer``, ``--n-embd``, ``--n-head``, ``--n-positions`` (where ``n_positions`` is given), ``--vocab``
+    and ``--seq``."""
+    ap.add_argument("--n-layer", type=int, default=n_layer)
+    ap.add_argument("--n-embd", type=int, default=n_embd)
+    ap.add_argument("--n-head", type=int, default=n_head)
+    if n_positions is not None:
+        ap.add_argument("--n-positions", type=int, default=n_positions)
+    ap.add_argument("--vocab", type=int, default=vocab)
+    ap.add_argument("--seq", type=int, default=seq, help=seq_help)
 
 
 def load_before(what: str) -> tuple[float, float, float]:

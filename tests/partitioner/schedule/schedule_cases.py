@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,13 @@ def error_of(schedule: Schedule) -> ScheduleError:
     with pytest.raises(ScheduleError) as info:
         validate(schedule)
     return info.value
+
+
+def refuses(error: type[Exception], build: Callable[[], object], match: str) -> None:
+    """``build()`` raises ``error``, a ``ValueError`` too, with a message that matches ``match``."""
+    with pytest.raises(error, match=match) as info:
+        build()
+    assert isinstance(info.value, ValueError)
 
 
 # -- an independent model of what an executor does -------------------------------------------

@@ -41,7 +41,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-from _common import load_before, run_env, step_times, write_result  # noqa: E402
+from lib.common import load_before, run_env, step_times, write_result  # noqa: E402
 from partitioner import Cluster, partition  # noqa: E402
 from partitioner.cost import calibrate  # noqa: E402
 from partitioner.cost.gemms import model_gemms  # noqa: E402

@@ -47,13 +47,13 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-# This checkout's packages first (an editable install may point at another one), and _common.
+# This checkout's packages first (an editable install may point at another one), and lib/.
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from _common import load_before, run_env, write_result  # noqa: E402
+from lib.common import load_before, run_env, write_result  # noqa: E402
 from partitioner import Cluster, partition  # noqa: E402
 from partitioner.plan.plan import Plan  # noqa: E402
 from partitioner.zoo import MLPChain, gpt2  # noqa: E402

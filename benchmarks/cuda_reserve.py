@@ -45,7 +45,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import cuda_memory  # noqa: E402
-from _common import load_before, run_env, write_result  # noqa: E402
+from lib.common import load_before, run_env, write_result  # noqa: E402
 
 __all__ = ["main"]
 

@@ -53,7 +53,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from _common import int_list, load_before, proc_status, run_env, write_result
+from lib.common import int_list, load_before, proc_status, run_env, write_result
 from partitioner import Costing, Inference, partition
 from runtime.generate import Generator
 from runtime.transport.launch import spawn

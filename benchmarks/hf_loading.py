@@ -32,7 +32,7 @@ trainer's call of ``load_weights`` is wrapped, and around it, per rank:
   ``malloc_trim``): *RSS over stage* is the VmHWM after the load minus that RSS (heap, file pages
   mapped while read, glibc's slack; the profiler's own buffers too);
 * *tensor peak over stage*: the highest bytes live in torch's CPU allocator counted from the same
-  moment (``benchmarks/_tensor_peak.py``, every op recorded so the peak's blocks can be named),
+  moment (``benchmarks/lib/tensor_peak.py``, every op recorded so the peak's blocks can be named),
   safetensors' whole-file mappings left out (c10 reports each ``safe_open`` as an allocation of the
   file's size; their pages, the ones read, are in the RSS figure) and counted apart
   (``mapped_files_peak_bytes``);
@@ -84,14 +84,14 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-# This checkout's packages first (an editable install may point at another one), and _common.
+# This checkout's packages first (an editable install may point at another one), and lib/.
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 import torch  # noqa: E402
 
-from _common import int_list, load_before, run_env, write_result  # noqa: E402
-from _common import proc_status as _status  # noqa: E402
-from _tensor_peak import TensorTrace  # noqa: E402
+from lib.common import int_list, load_before, run_env, write_result  # noqa: E402
+from lib.common import proc_status as _status  # noqa: E402
+from lib.tensor_peak import TensorTrace  # noqa: E402
 
 __all__ = ["FULL", "QUICK", "SLACK", "Config", "main", "run"]
 
@@ -321,7 +321,7 @@ def _from_pretrained(rank: int, world: int, cfg: Config, folder: str, file_sizes
     """The whole model as a user loads it without pipecut: ``from_pretrained``, measured the same way.
 
     transformers 5 reads tensors on a pool of worker threads by default (``threads``), whose
-    allocations the tensor count does not see (``benchmarks/_tensor_peak.py``): its RSS is the
+    allocations the tensor count does not see (``benchmarks/lib/tensor_peak.py``): its RSS is the
     figure then. ``HF_DEACTIVATE_ASYNC_LOAD=1`` loads on this thread, where every block is counted.
     """
     from transformers import MixtralForCausalLM

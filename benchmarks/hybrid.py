@@ -77,14 +77,14 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-# This checkout's packages first (an editable install may point at another one), and _common.
+# This checkout's packages first (an editable install may point at another one), and lib/.
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
-from _common import load_before, run_env, step_times, write_result  # noqa: E402
+from lib.common import gpt2_size_args, load_before, ratio_table, run_env, spread_ms, step_times, times_ms, write_result  # noqa: E402
 from partitioner import partition  # noqa: E402
 from partitioner.schedule.registry import stages_per_rank  # noqa: E402
 from partitioner.zoo import MLPChain, gpt2  # noqa: E402
@@ -306,12 +306,10 @@ def _summary(times: dict[str, list[float]], cfg: dict[str, Any]) -> dict[str, di
     out: dict[str, dict[str, Any]] = {}
     for name, ts in times.items():
         dp, pp, overlap, schedule = CONFIGS[name]
-        q = statistics.quantiles(ts, n=4) if len(ts) >= 2 else [ts[0]] * 3
         med = statistics.median(ts)
         out[name] = {"dp": dp, "pp": pp, "overlap_grad_reduce": overlap, "schedule": schedule,
                      "microbatches_per_replica": cfg["batch"] // (dp * cfg["micro_batch"]),
-                     "median_ms": med * 1e3, "p25_ms": q[0] * 1e3, "p75_ms": q[2] * 1e3, "min_ms": min(ts) * 1e3,
-                     "n": len(ts), "steps_per_s": 1.0 / med, "samples_per_s": cfg["batch"] / med,
+                     **spread_ms(ts), "steps_per_s": 1.0 / med, "samples_per_s": cfg["batch"] / med,
                      "tokens_per_s": cfg["batch"] * _tokens(cfg) / med}
     base = out.get(BASELINE)
     for row in out.values():
@@ -372,12 +370,7 @@ def _print(cfg: dict[str, Any], summary: dict[str, dict[str, Any]], ratios: dict
                       "-" if row.get("predicted_vs_b") is None else f"{row['predicted_vs_b']:.3f}",
                       " / ".join(f"{v:.2f}" for v in mib),
                       " / ".join(f"{v:.2f}" for v in sorted({b / 2**20 for b in param_bytes[name]})))
-    rt = Table(title="ratios of medians, and medians of same-round ratios (> 1: the first named is faster)",
-               title_justify="left")
-    rt.add_column("ratio")
-    rt.add_column("value", justify="right")
-    for name, v in ratios.items():
-        rt.add_row(name, f"{v:.3f}")
+    rt = ratio_table("ratios of medians, and medians of same-round ratios (> 1: the first named is faster)", ratios)
     console = Console(width=160)
     console.print(table)
     console.print(rt)
@@ -389,11 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=4, help="untimed rounds first")
     ap.add_argument("--model", choices=("gpt2", "mlp"), default="gpt2",
                     help="partitioner.zoo's gpt2, or an MLPChain of n-layer x Linear(n-embd, n-embd)")
-    ap.add_argument("--n-layer", type=int, default=4)
-    ap.add_argument("--n-embd", type=int, default=256)
-    ap.add_argument("--n-head", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=2048)
-    ap.add_argument("--seq", type=int, default=64)
+    gpt2_size_args(ap, n_layer=4, n_embd=256, n_head=4, vocab=2048, seq=64)
     ap.add_argument("--batch", type=int, default=32, help="global batch (sequences), the same in every configuration")
     ap.add_argument("--micro-batch", type=int, default=2, help="rows per micro-batch, the same everywhere")
     ap.add_argument("--only", default="", help="configuration letters to run besides b, e.g. 'ad'")
@@ -449,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
         "param_bytes_per_rank": param_bytes,
         "checks": {f"rank {r}": c for r, c in enumerate(checks)},
         "phases_s": {f"rank {r}": res["phases_s"] for r, res in enumerate(ranks)},
-        "times_ms": {k: [round(t * 1e3, 3) for t in v] for k, v in times.items()},
+        "times_ms": times_ms(times),
     }
     write_result(args.out, result)
     return 0

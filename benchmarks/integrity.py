@@ -34,9 +34,10 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the helpers in lib/
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's packages first
 
-from benchmarks._common import load_before, run_env, write_result
+from lib.common import load_before, run_env, write_result
 from runtime.state.integrity import digest_files, verify_manifest, write_manifest
 
 GIB = 1 << 30

@@ -59,7 +59,7 @@ of the measured best, the median ``|predicted / measured - 1|`` at most 0.15, an
 correlation of predicted and measured step times at least 0.8. With ``--tp``, each tp size's rows on
 their own too (``summary.by_tp``: their median error, median ``pred / meas``, Spearman, measured
 and predicted best), and the tp all-reduce the planner prices beside gloo's, timed on the job's
-own tp groups (``tp_allreduce``, ``benchmarks/_tp_allreduce.py``).
+own tp groups (``tp_allreduce``, ``benchmarks/lib/tp_allreduce.py``).
 """
 
 from __future__ import annotations
@@ -80,18 +80,18 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-# This checkout's packages first (an editable install may point at another one), and _common.
+# This checkout's packages first (an editable install may point at another one), and lib/.
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
-from _common import int_list, load_before, run_env, step_times, write_result  # noqa: E402
-from _layout_stats import CHOICE_WITHIN, MEDIAN_ERROR_AT_MOST, SPEARMAN_AT_LEAST, errors, ranks, targets  # noqa: E402
-from _tp_allreduce import activation_bytes, measure, priced  # noqa: E402
 from layout_model import CONFIGS, calibrate_with_cli, factory_for  # noqa: E402
 from layout_model import build as build_model  # noqa: E402
+from lib.common import int_list, load_before, quartiles, run_env, step_times, times_ms, write_result  # noqa: E402
+from lib.layout_stats import CHOICE_WITHIN, MEDIAN_ERROR_AT_MOST, SPEARMAN_AT_LEAST, errors, ranks, targets  # noqa: E402
+from lib.tp_allreduce import activation_bytes, measure, priced  # noqa: E402
 from partitioner import Cluster, LayoutSearch, LayoutSpace, Plan  # noqa: E402
 from partitioner.plan.layout import Option  # noqa: E402
 from partitioner.schedule.registry import TRAINING_SCHEDULES, stages_per_rank  # noqa: E402
@@ -386,7 +386,7 @@ def _rows(todo: list[Layout], predicted: dict[str, float], times: dict[str, list
     rows = []
     for lay in todo:
         ts = times[lay.name]
-        q = statistics.quantiles(ts, n=4) if len(ts) >= 2 else [ts[0]] * 3
+        q = quartiles(ts)
         meas = measured[lay.name]
         rows.append({**asdict(lay), "name": lay.name, "stages": lay.stages, "predicted_s": predicted[lay.name],
                      "measured_s": meas, "p25_s": q[0], "p75_s": q[2], "n": len(ts),
@@ -575,7 +575,7 @@ def main(argv: list[str] | None = None) -> int:
         "phases_s": {f"rank {r}": res["phases_s"] for r, res in enumerate(ranks_out)},
         "build_s_rank0": {k: {"plan": round(a, 3), "trainer": round(b, 3)}
                           for k, (a, b) in ranks_out[0]["build_s"].items()},
-        "times_ms": {k: [round(t * 1e3, 3) for t in v] for k, v in times.items()},
+        "times_ms": times_ms(times),
     }
     write_result(args.out, result)
     return 0

@@ -37,7 +37,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-from _common import int_list, load_before, run_env, write_result  # noqa: E402
+from lib.common import int_list, load_before, run_env, write_result  # noqa: E402
 
 MEGATRON = {"devices": 1536, "layout": "tensor 8 x pipeline 16 x data 12 (interleaved)",
             "tflops_per_gpu": 153, "of_peak_with_recompute": 0.49, "mfu_6PT": round(0.49 * 3 / 4, 3)}

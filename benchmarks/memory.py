@@ -16,7 +16,7 @@ of free memory and 7 GB of disk; writes ``benchmarks/results/memory.json``)::
 ``--engines`` measures something else, each rank's peak under each data-parallel engine on one
 layout (2 dp x 2 pp, GPT-2, AdamW: replicated, ZeRO-1, FSDP2 resharding after forward and kept
 gathered, and FSDP2 with the whole stage weights it leaves alive dropped) beside the planner's
-prediction: ``benchmarks/_memory_engines.py`` says how. ``--tp`` runs tensor parallelism against it
+prediction: ``benchmarks/lib/memory_engines.py`` says how. ``--tp`` runs tensor parallelism against it
 at the same pp instead: ``replicate`` (2 dp x 2 pp, tp 1) and ``tp 2`` (1 dp x 2 pp x 2 tp), per rank
 its peak, tensor peak, prediction and step time side by side. ``--only`` names the engines to run
 (``;``-separated); ``--mmap-threshold`` fixes glibc's mmap threshold in the ranks
@@ -79,16 +79,16 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-# This checkout's packages first (an editable install may point at another one), and _common.
+# This checkout's packages first (an editable install may point at another one), and lib/.
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
-from _common import git_state, load_before, run_env, write_result  # noqa: E402
-from _common import proc_status as _status  # noqa: E402
-from _memory_engines import DP_ENGINES, ENGINES, FULL, QUICK, QUICK_ENGINES, TP_ENGINES, print_table, run_all  # noqa: E402
+from lib.common import git_state, load_before, run_env, write_result  # noqa: E402
+from lib.common import proc_status as _status  # noqa: E402
+from lib.memory_engines import DP_ENGINES, ENGINES, FULL, QUICK, QUICK_ENGINES, TP_ENGINES, print_table, run_all  # noqa: E402
 from partitioner import partition  # noqa: E402
 from partitioner.plan.plan import Plan  # noqa: E402
 from runtime import Execution, Init, PipelineTrainer  # noqa: E402
@@ -531,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _engines(args: argparse.Namespace, cli: list[str]) -> int:
-    """``--engines``: run ``benchmarks/_memory_engines.py``'s configurations, print, write the JSON."""
+    """``--engines``: run ``benchmarks/lib/memory_engines.py``'s configurations, print, write the JSON."""
     names = TP_ENGINES if args.tp else QUICK_ENGINES if args.quick else DP_ENGINES
     if args.only is not None:
         names = tuple(n.strip() for n in args.only.split(";") if n.strip())

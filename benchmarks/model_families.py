@@ -39,8 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 sys.path.append(str(ROOT / "tests"))
 
-from _common import git_state  # noqa: E402
 from families import FAMILIES, ROWS, SEED, TOL, loss_fn, make_plan, reference  # noqa: E402
+from lib.common import git_state  # noqa: E402
 from runtime import Execution, PipelineTrainer  # noqa: E402
 
 SCHEDULES = ("1f1b", "zbh1")

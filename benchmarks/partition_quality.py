@@ -55,8 +55,8 @@ from rich.console import Console
 from rich.table import Table
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling _common module
-from _common import git_state, int_list
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the helpers in lib/
+from lib.common import git_state, int_list
 from partitioner import Cluster, partition
 from partitioner import algorithms as alg
 from partitioner.cost.costs import cost_graph

@@ -45,8 +45,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling _common module
-from _common import git_state, int_list
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the helpers in lib/
+from lib.common import git_state, gpt2_size_args, int_list
 from partitioner import Cluster, partition
 from partitioner import algorithms as alg
 from partitioner.cost.costs import cost_graph
@@ -114,12 +114,8 @@ def _cut(g: Any, units: list[Any], cluster: Cluster, held: tuple[int, ...], nume
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--n-layer", type=int, default=96)
-    ap.add_argument("--n-embd", type=int, default=12288)
-    ap.add_argument("--n-head", type=int, default=96)
-    ap.add_argument("--n-positions", type=int, default=2048)
-    ap.add_argument("--vocab", type=int, default=50257)
-    ap.add_argument("--seq", type=int, default=2048, help="tokens per sequence")
+    gpt2_size_args(ap, n_layer=96, n_embd=12288, n_head=96, n_positions=2048, vocab=50257, seq=2048,
+                   seq_help="tokens per sequence")
     ap.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
     ap.add_argument("--devices", type=int, default=64, help="one pipeline stage per device")
     ap.add_argument("--device", default="A100-80GB", help="device preset (e.g. A100-80GB, H100-80GB)")

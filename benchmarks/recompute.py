@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-# This checkout's packages first (an editable install may point at another one), and _common.
+# This checkout's packages first (an editable install may point at another one), and lib/.
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 import torch  # noqa: E402
@@ -42,7 +42,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 from torch import nn  # noqa: E402
 
-from _common import git_state  # noqa: E402
+from lib.common import git_state  # noqa: E402
 from partitioner import partition  # noqa: E402
 from partitioner.plan.render import fmt_bytes, fmt_time  # noqa: E402
 from partitioner.zoo import gpt2  # noqa: E402

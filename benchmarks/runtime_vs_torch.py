@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from _common import load_before, run_env, step_times, write_result
+from lib.common import load_before, ratio_table, run_env, spread_ms, step_times, times_ms, write_result
 from partitioner import partition
 from partitioner.zoo import MLPChain
 from runtime.options import Execution
@@ -230,12 +230,7 @@ def _check(
 
 
 def _summary(times: dict[str, list[float]]) -> dict[str, dict[str, float]]:
-    out = {}
-    for name, ts in times.items():
-        q = statistics.quantiles(ts, n=4) if len(ts) >= 2 else [ts[0]] * 3
-        out[name] = {"median_ms": statistics.median(ts) * 1e3, "p25_ms": q[0] * 1e3, "p75_ms": q[2] * 1e3,
-                     "min_ms": min(ts) * 1e3, "n": len(ts)}
-    return out
+    return {name: spread_ms(ts) for name, ts in times.items()}
 
 
 def _ratios(med: dict[str, float]) -> dict[str, float]:
@@ -284,11 +279,7 @@ def _print(cfg: dict[str, Any], summary: dict[str, dict[str, float]], ratios: di
         table.add_column(col, justify="left" if col == "configuration" else "right")
     for name, row in summary.items():
         table.add_row(name, *(f"{row[k]:.2f}" for k in ("median_ms", "p25_ms", "p75_ms", "min_ms")))
-    rt = Table(title="ratios of medians (> 1: the first named is faster)", title_justify="left")
-    rt.add_column("ratio")
-    rt.add_column("value", justify="right")
-    for name, v in ratios.items():
-        rt.add_row(name, f"{v:.3f}")
+    rt = ratio_table("ratios of medians (> 1: the first named is faster)", ratios)
     console = Console()
     console.print(table)
     console.print(rt)
@@ -330,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         "ratios": ratios,
         "paired_ratios": paired,
         "checks": {f"rank {r}": res["checks"] for r, res in enumerate(ranks)},
-        "times_ms": {k: [round(t * 1e3, 3) for t in v] for k, v in times.items()},
+        "times_ms": times_ms(times),
     }
     write_result(args.out, result)
     return 0

@@ -33,7 +33,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-from _common import git_state, int_list, load_before, write_result  # noqa: E402
+from lib.common import git_state, int_list, load_before, write_result  # noqa: E402
 
 STEPS = ("build", "unit_run", "validate", "peak_inflight", "comm_plan", "simulate", "timeline")
 

@@ -10,7 +10,7 @@ them over 4 gloo processes, ~1 for the GPT-2 over 2 gloo processes)::
 
 Legend: ``p`` ranks, ``m`` micro-batches, ``v`` stages (chunks) per rank, ``S = p v`` stages.
 
-**Fixed costs.** Each stage is one ``SleepBlock`` (``_fixed_cost.py``): ``y = sleep_F(x) +
+**Fixed costs.** Each stage is one ``SleepBlock`` (``lib/fixed_cost.py``): ``y = sleep_F(x) +
 sleep_W(bias)``, where ``sleep_F`` is an autograd Function whose forward sleeps ``F`` and whose
 backward sleeps ``B_in`` and passes the gradient through, and ``sleep_W`` is one whose backward
 sleeps ``W`` (the bias's gradient). ``time.sleep`` releases the GIL and takes the same time
@@ -78,10 +78,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling _common and _fixed_cost modules
-from _common import git_state
-from _fixed_cost import ROWS, WIDTH, SleepBlock, calibrate
-from _schedules_report import print_report, save_traces
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the helpers in lib/
+from lib.common import git_state
+from lib.fixed_cost import ROWS, WIDTH, SleepBlock, calibrate
+from lib.schedules_report import print_report, save_traces
 from partitioner import Cluster, Plan, partition
 from partitioner.errors import PipecutError
 from partitioner.schedule.registry import get_schedule, stages_per_rank
@@ -97,7 +97,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1", "zbv")
 ZERO_BUBBLE = ("zbh1", "zbv")
 
 
-# -- stages of fixed cost (the blocks: _fixed_cost.py) -------------------------------------------
+# -- stages of fixed cost (the blocks: lib/fixed_cost.py) -------------------------------------------
 
 
 def _fixed_trainer(schedule: str, p: int, m: int, cost_s: float, transport: str) -> PipelineTrainer:

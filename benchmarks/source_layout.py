@@ -34,8 +34,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
 
-from _common import git_state, write_result  # noqa: E402
 from layout_graph import Layout, room_of  # noqa: E402
+from lib.common import git_state, write_result  # noqa: E402
 
 LONG_FUNCTION = 80
 

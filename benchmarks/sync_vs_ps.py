@@ -32,13 +32,14 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _folder in (ROOT / "benchmarks", ROOT):  # the helpers in lib/, and this checkout's packages
+    if str(_folder) not in sys.path:
+        sys.path.insert(0, str(_folder))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from benchmarks._common import git_state, int_list  # noqa: E402
+from lib.common import git_state, int_list  # noqa: E402
 from runtime.transport.launch import spawn  # noqa: E402
 
 

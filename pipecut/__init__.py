@@ -23,7 +23,7 @@ from __future__ import annotations
 import partitioner as partitioner
 import runtime as runtime
 from partitioner import *  # noqa: F403  (the public API, listed in partitioner.__all__)
-from pipecut.folder_generator import FolderGenerator, load_generator
+from pipecut.generate import FolderGenerator, load_generator
 from runtime import *  # noqa: F403  (the public API, listed in runtime.__all__)
 
 __version__ = "0.1.0"  # the distribution's version (pyproject.toml's, checked by tests/pipecut/test_cli.py)

@@ -57,9 +57,9 @@ from partitioner.schedule.errors import UnknownScheduleError as UnknownScheduleE
 from pipecut.folder import FolderError as FolderError
 from pipecut.folder import RemoteCodeError as RemoteCodeError
 from pipecut.folder import UnsupportedModelError as UnsupportedModelError
-from pipecut.folder_generator import NoTokenizerError as NoTokenizerError
-from pipecut.generate_job import GenerateJobError as GenerateJobError
-from pipecut.prompts import PromptsError as PromptsError
+from pipecut.generate.folder_generator import NoTokenizerError as NoTokenizerError
+from pipecut.generate.job import GenerateJobError as GenerateJobError
+from pipecut.generate.prompts import PromptsError as PromptsError
 from pipecut.train.config import TrainConfigError as TrainConfigError
 from pipecut.train.data import DataError as DataError
 from pipecut.train.finite import NonFiniteLossError as NonFiniteLossError

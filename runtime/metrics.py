@@ -23,14 +23,14 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["step_metrics", "batch_counts", "TrainingProgress"]
+__all__ = ["step_metrics", "batch_counts", "TrainingProgress", "format_metrics"]
 
 
 def batch_counts(inputs: Sequence[Any], replicas: int = 1) -> tuple[int, int | None]:
@@ -144,19 +144,30 @@ class TrainingProgress:
         self._progress.refresh()
 
 
+def format_metrics(
+    metrics: Mapping[str, Any], formats: Sequence[tuple[str, Callable[[Any], str]]]
+) -> list[str]:
+    """Each metric named in ``formats`` that ``metrics`` holds (not ``None``), formatted, in ``formats``' order.
+
+    Example:
+        >>> format_metrics({"loss": 2.5, "lr": None}, [("loss", "loss {:.4f}".format), ("lr", "lr {:.2e}".format)])
+        ['loss 2.5000']
+    """
+    return [fmt(metrics[key]) for key, fmt in formats if metrics.get(key) is not None]
+
+
+_SHOWN: tuple[tuple[str, Callable[[Any], str]], ...] = (
+    ("loss", "loss {:.4f}".format),
+    ("tokens_per_s", lambda v: f"{v / 1e3:.1f}k tok/s"),
+    ("samples_per_s", "{:.1f} samples/s".format),
+    ("step_time_s", lambda v: f"{1e3 * v:.1f} ms/step"),
+    ("bubble", lambda v: f"bubble {100 * v:.0f}%"),
+    ("grad_norm", "|g| {:.3g}".format),
+)
+
+
 def describe(metrics: Mapping[str, Any]) -> str:
     """One line of a step's metrics, e.g. ``loss 2.3010  12.0k tok/s  85.1 ms/step  bubble 21%``."""
-    parts = []
-    if metrics.get("loss") is not None:
-        parts.append(f"loss {metrics['loss']:.4f}")
-    if metrics.get("tokens_per_s") is not None:
-        parts.append(f"{metrics['tokens_per_s'] / 1e3:.1f}k tok/s")
-    elif metrics.get("samples_per_s") is not None:
-        parts.append(f"{metrics['samples_per_s']:.1f} samples/s")
-    if metrics.get("step_time_s") is not None:
-        parts.append(f"{1e3 * metrics['step_time_s']:.1f} ms/step")
-    if metrics.get("bubble") is not None:
-        parts.append(f"bubble {100 * metrics['bubble']:.0f}%")
-    if metrics.get("grad_norm") is not None:
-        parts.append(f"|g| {metrics['grad_norm']:.3g}")
-    return "  ".join(parts)
+    if metrics.get("tokens_per_s") is not None:  # samples/s only where tokens are not counted
+        metrics = {**metrics, "samples_per_s": None}
+    return "  ".join(format_metrics(metrics, _SHOWN))

@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import math
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import MISSING, dataclass, fields
-from typing import Any
+from typing import Any, ClassVar
 
 from partitioner.cost.devices import DeviceSpec
 from partitioner.cost.precision import PRECISIONS
@@ -133,36 +133,52 @@ class Maybe(Spec):
 
 
 @dataclass(frozen=True)
-class ListOf(Spec):
-    """A JSON array whose every item ``item`` takes (checked as ``path[i]``); a tuple too, as
-    ``Plan.to_dict`` returns before it is written as JSON."""
+class _Each(Spec):
+    """A JSON container whose every entry ``item`` takes (entry ``label`` checked as ``path[label]``)."""
 
     item: Spec
+    _types: ClassVar[tuple[type, ...]]
+    _what: ClassVar[str]
+    """What :meth:`allowed` says before the item's own ``allowed``."""
+
+    @staticmethod
+    def _entries(value: Any) -> Iterable[tuple[object, Any]]:
+        """``(label, entry)`` of each entry of ``value``."""
+        raise NotImplementedError
 
     def check(self, value: Any, path: str, where: str) -> None:
-        if not isinstance(value, list | tuple):
+        if not isinstance(value, self._types):
             raise self._fail(value, path, where)
-        for i, x in enumerate(value):
-            self.item.check(x, f"{path}[{i}]", where)
+        for label, x in self._entries(value):
+            self.item.check(x, f"{path}[{label}]", where)
 
     def allowed(self) -> str:
-        return f"a list, each item {self.item.allowed()}"
+        return f"{self._what} {self.item.allowed()}"
 
 
 @dataclass(frozen=True)
-class MapOf(Spec):
+class ListOf(_Each):
+    """A JSON array whose every item ``item`` takes (checked as ``path[i]``); a tuple too, as
+    ``Plan.to_dict`` returns before it is written as JSON."""
+
+    _types = (list, tuple)
+    _what = "a list, each item"
+
+    @staticmethod
+    def _entries(value: Any) -> Iterable[tuple[object, Any]]:
+        return enumerate(value)
+
+
+@dataclass(frozen=True)
+class MapOf(_Each):
     """A JSON object of any string keys, each value taken by ``item`` (checked as ``path['key']``)."""
 
-    item: Spec
+    _types = (dict,)
+    _what = "an object, each value"
 
-    def check(self, value: Any, path: str, where: str) -> None:
-        if not isinstance(value, dict):
-            raise self._fail(value, path, where)
-        for k, x in value.items():
-            self.item.check(x, f"{path}[{k!r}]", where)
-
-    def allowed(self) -> str:
-        return f"an object, each value {self.item.allowed()}"
+    @staticmethod
+    def _entries(value: Any) -> Iterable[tuple[object, Any]]:
+        return ((repr(k), x) for k, x in value.items())
 
 
 @dataclass(frozen=True)

@@ -18,10 +18,11 @@ from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from itertools import chain
+from typing import Any, Protocol
 
 from partitioner.schedule.errors import ScheduleFormatError
 
-__all__ = ["Action", "KIND_CODE", "Kind", "Key", "Numbered", "dependencies", "dependency_keys", "number"]
+__all__ = ["Action", "ActionLike", "KIND_CODE", "Kind", "Key", "Numbered", "dependencies", "dependency_keys", "number"]
 
 
 class Kind(str, Enum):
@@ -47,6 +48,19 @@ _ACTION_RE = re.compile(r"(0|[1-9][0-9]*)([FBIW])(0|[1-9][0-9]*)")
 Key = tuple[int, str, int]
 """An action as ``(stage, letter, mb)``, e.g. ``(1, 'F', 3)``: what the linear-time passes over a
 schedule (``index``, ``validation``, ``comm``) hash instead of :class:`Action` objects."""
+
+
+class ActionLike(Protocol):
+    """What the executor reads from a schedule action (read-only, as ``Action``'s fields are)."""
+
+    @property
+    def stage(self) -> int: ...
+
+    @property
+    def kind(self) -> Any: ...
+
+    @property
+    def mb(self) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)  # slots: a schedule holds up to MAX_ACTIONS of them

@@ -22,7 +22,18 @@ F, B, I, W = Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEI
 
 
 @dataclass(frozen=True)
-class Send:
+class _Transfer:
+    """A hand-over of action ``{stage}{kind}{mb}``'s output between rank ``peer`` and this rank's ``to_stage``."""
+
+    peer: int
+    stage: int
+    kind: Kind
+    mb: int
+    to_stage: int
+
+
+@dataclass(frozen=True)
+class Send(_Transfer):
     """Post the output of this rank's action ``{stage}{kind}{mb}`` for stage ``to_stage`` on rank ``peer``.
 
     ``F`` outputs activations (``to_stage > stage``); ``B`` and ``I`` output the gradients of
@@ -30,25 +41,13 @@ class Send:
     ``Key(stage, to_stage, 'act' if kind is F else 'grad', mb)``.
     """
 
-    peer: int
-    stage: int
-    kind: Kind
-    mb: int
-    to_stage: int
-
     def __str__(self) -> str:
         return f"send {self.stage}{self.kind.value}{self.mb} to stage {self.to_stage} on rank {self.peer}"
 
 
 @dataclass(frozen=True)
-class Recv:
+class Recv(_Transfer):
     """Wait for the output of action ``{stage}{kind}{mb}`` of rank ``peer``, for local stage ``to_stage``."""
-
-    peer: int
-    stage: int
-    kind: Kind
-    mb: int
-    to_stage: int
 
     def __str__(self) -> str:
         return f"recv {self.stage}{self.kind.value}{self.mb} for stage {self.to_stage} from rank {self.peer}"

@@ -19,7 +19,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Protocol
 
-from partitioner.schedule.actions import Action, Kind
+from partitioner.schedule.actions import Action, ActionLike, Kind
 from partitioner.schedule.errors import MissingDependencyError, TimelineError
 
 __all__ = [
@@ -282,17 +282,11 @@ def _message_order(msg: Message) -> tuple[float, float, int, int, int]:
 # -- measured runs ------------------------------------------------------------------------------
 
 
-class RecordLike(Protocol):
+class RecordLike(ActionLike, Protocol):
     """What :func:`from_records` reads: ``runtime.execute.executor.ActionRecord`` has these fields."""
 
     @property
     def rank(self) -> int: ...
-    @property
-    def stage(self) -> int: ...
-    @property
-    def kind(self) -> Any: ...
-    @property
-    def mb(self) -> int: ...
     @property
     def start(self) -> float: ...
     @property

@@ -38,6 +38,7 @@ from partitioner.plan.predict import prediction, simulate_stages
 from partitioner.plan.units import fmt_bytes, fmt_count, fmt_time
 from pipecut.train import checkpoints
 from pipecut.train.config import TrainConfig
+from runtime.metrics import format_metrics
 
 __all__ = [
     "LOG_FILE", "TENSORBOARD_DIR", "RunFacts", "RankPlan", "StartReport", "start_report", "count_parameters",
@@ -82,17 +83,11 @@ class RankPlan:
     capacity: float
 
 
-@dataclass(frozen=True)
-class StartReport:
-    """Everything the start-up block says, as data (``lines()`` writes it)."""
+@dataclass(frozen=True, kw_only=True)
+class StartReport(RunFacts):
+    """Everything the start-up block says, as data (``lines()`` writes it): the run's facts and these."""
 
     model: str
-    model_class: str
-    params: int
-    trainable: int
-    dp: int
-    pp: int
-    world: int
     ranks: tuple[RankPlan, ...]
     schedule: str
     """The schedule that runs (what ``auto`` resolved to)."""
@@ -116,14 +111,11 @@ class StartReport:
     """The fullest rank's predicted peak bytes."""
     capacity: float
     steps: int
-    resumed_from: int
     log_every: int
     checkpoint_every: int
     keep: int
     paths: tuple[tuple[str, Path], ...]
     """Where the run's files go, by what they are: out, checkpoints, metrics, log, final, tensorboard."""
-    tp: int = 1
-    """Processes per pipeline rank (tensor parallelism)."""
 
     @property
     def tokens_per_step(self) -> int:
@@ -222,8 +214,7 @@ def start_report(cfg: TrainConfig, plan: Plan, facts: RunFacts) -> StartReport:
     if cfg.tensorboard:
         paths.append(("tensorboard", out / TENSORBOARD_DIR))
     return StartReport(
-        model=cfg.model, model_class=facts.model_class, params=facts.params, trainable=facts.trainable,
-        dp=facts.dp, pp=facts.pp, world=facts.world, ranks=tuple(ranks), schedule=plan.schedule,
+        **vars(facts), model=cfg.model, ranks=tuple(ranks), schedule=plan.schedule,
         schedule_asked=cfg.schedule or plan.schedule, choice=plan.choice, microbatches=plan.microbatches,
         microbatch_size=plan.microbatch_size or cfg.micro_batch_size or 1, global_batch=cfg.global_batch,
         seq_len=cfg.seq_len, precision=plan.precision,
@@ -232,12 +223,21 @@ def start_report(cfg: TrainConfig, plan: Plan, facts: RunFacts) -> StartReport:
         bubble=lay.bubble if lay is not None else pred.bubble,
         memory=lay.memory if lay is not None else pred.memory,
         capacity=lay.capacity if lay is not None else min(r.capacity for r in ranks),
-        steps=cfg.steps, resumed_from=facts.resumed_from, log_every=cfg.log_interval,
-        checkpoint_every=cfg.checkpoint_every, keep=cfg.keep, paths=tuple(paths), tp=facts.tp,
+        steps=cfg.steps, log_every=cfg.log_interval, checkpoint_every=cfg.checkpoint_every, keep=cfg.keep,
+        paths=tuple(paths),
     )
 
 
 # -- the step lines -------------------------------------------------------------------------------
+
+_STEP_LINE: tuple[tuple[str, Callable[[Any], str]], ...] = (
+    ("loss", "loss {:.4f}".format),
+    ("lr", "lr {:.2e}".format),
+    ("grad_norm", "grad_norm {:.3g}".format),
+    ("tokens_per_s", lambda v: f"{fmt_count(v)} tok/s"),
+    ("step_time_s", lambda v: f"{1e3 * v:.1f} ms/step"),
+    ("eval_loss", "eval_loss {:.4f}".format),
+)
 
 
 def step_text(line: Mapping[str, Any], *, steps: int, eta_s: float | None) -> str:
@@ -247,19 +247,7 @@ def step_text(line: Mapping[str, Any], *, steps: int, eta_s: float | None) -> st
         >>> step_text({"step": 3, "loss": 4.1, "grad_norm": 0.75, "eval_loss": 4.2}, steps=10, eta_s=75)
         'step 3/10  loss 4.1000  grad_norm 0.75  eval_loss 4.2000  eta 1m15s'
     """
-    parts = [f"step {line['step']}/{steps}"]
-    if line.get("loss") is not None:
-        parts.append(f"loss {line['loss']:.4f}")
-    if line.get("lr") is not None:
-        parts.append(f"lr {line['lr']:.2e}")
-    if line.get("grad_norm") is not None:
-        parts.append(f"grad_norm {line['grad_norm']:.3g}")
-    if line.get("tokens_per_s") is not None:
-        parts.append(f"{fmt_count(line['tokens_per_s'])} tok/s")
-    if line.get("step_time_s") is not None:
-        parts.append(f"{1e3 * line['step_time_s']:.1f} ms/step")
-    if line.get("eval_loss") is not None:
-        parts.append(f"eval_loss {line['eval_loss']:.4f}")
+    parts = [f"step {line['step']}/{steps}", *format_metrics(line, _STEP_LINE)]
     if eta_s is not None:
         parts.append(f"eta {_duration(eta_s)}")
     return "  ".join(parts)

@@ -10,31 +10,19 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
 
 from partitioner.plan.split import StagedModel, StageIO
+from partitioner.schedule.actions import ActionLike as ActionLike
 from runtime.execute.recompute import Replay
 from runtime.execute.split_backward import PendingWeights
 from runtime.execute.wgrad_fusion import fuse_weight_grad_accumulation
 from runtime.transport.p2p import Key, TensorMeta
 
 __all__ = ["ActionLike", "StageRuntime", "stage_runtimes", "ActionRecord", "RunResult", "Stash", "StepState"]
-
-
-class ActionLike(Protocol):
-    """What the executor reads from a schedule action (read-only, as ``Action``'s fields are)."""
-
-    @property
-    def stage(self) -> int: ...
-
-    @property
-    def kind(self) -> Any: ...
-
-    @property
-    def mb(self) -> int: ...
 
 
 @dataclass

@@ -38,7 +38,7 @@ Example:
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from torch import fx, nn
 
@@ -116,13 +116,13 @@ def _outline(gm: fx.GraphModule, key: str, body: list[fx.Node], attrs: list[fx.N
     """Replace ``body`` (and the ``attrs`` it reads) by a call of a graph module at ``key``; whether
     the block at ``key`` is now called as a module (``False``: left in the stage's graph)."""
     inside = set(body) | set(attrs)
-    if not _holds(gm, key):
+    if not _finds(gm.get_submodule, key):
         return False  # a cut left this stage a part of the block without its weights: nothing to shard
     if any(u not in inside for a in attrs for u in a.users):
         return False  # a parameter of the block is read outside it (tied): leave the block in place
     if any(n.op == "call_module" and n.target == key for n in body):
         return True  # the block is called as a module already: its hooks run as they are
-    mine = {id(gm.get_parameter(str(a.target))) for a in attrs if _is_param(gm, str(a.target))}
+    mine = {id(gm.get_parameter(str(a.target))) for a in attrs if _finds(gm.get_parameter, str(a.target))}
     others = {id(p) for name, p in gm.named_parameters(remove_duplicate=False)
               if not name.startswith(key + ".")}
     if mine & others:
@@ -156,18 +156,10 @@ def _outline(gm: fx.GraphModule, key: str, body: list[fx.Node], attrs: list[fx.N
     return True
 
 
-def _holds(gm: fx.GraphModule, key: str) -> bool:
-    """Whether the stage has a module at ``key``: it holds a weight (or layer) of that block."""
+def _finds(get: Callable[[str], object], name: str) -> bool:
+    """Whether ``get(name)`` (``gm.get_submodule``, ``gm.get_parameter``) finds what ``name`` names."""
     try:
-        gm.get_submodule(key)
-    except AttributeError:
-        return False
-    return True
-
-
-def _is_param(gm: fx.GraphModule, target: str) -> bool:
-    try:
-        gm.get_parameter(target)
+        get(name)
     except AttributeError:
         return False
     return True

@@ -40,7 +40,7 @@ import logging
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -297,26 +297,29 @@ class _Reduce(torch.autograd.Function):
         return grad, None
 
 
-class TensorParallelIn(nn.Module):
+class _GroupCall(nn.Module):
+    """A module a rewritten stage graph calls to apply ``function`` over the tp ``group``."""
+
+    function: ClassVar[type[torch.autograd.Function]]
+
+    def __init__(self, group: Any) -> None:
+        super().__init__()
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.function.apply(x, self.group)  # type: ignore[no-any-return]
+
+
+class TensorParallelIn(_GroupCall):
     """Called by a rewritten stage graph before its column-parallel layers (see :class:`_Enter`)."""
 
-    def __init__(self, group: Any) -> None:
-        super().__init__()
-        self.group = group
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Enter.apply(x, self.group)  # type: ignore[no-untyped-call,no-any-return]
+    function = _Enter
 
 
-class TensorParallelOut(nn.Module):
+class TensorParallelOut(_GroupCall):
     """Called by a rewritten stage graph after a row-parallel layer (see :class:`_Reduce`)."""
 
-    def __init__(self, group: Any) -> None:
-        super().__init__()
-        self.group = group
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Reduce.apply(x, self.group)  # type: ignore[no-untyped-call,no-any-return]
+    function = _Reduce
 
 
 class _Heads(torch.autograd.Function):

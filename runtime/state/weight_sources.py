@@ -269,13 +269,47 @@ def _read_index(index: Path) -> dict[str, str]:
     return {k: str(folder / v) for k, v in weight_map.items()}
 
 
-class _SafetensorsSource(Source):
-    """One safetensors file or shards: key -> file from the index (or the one header)."""
+class _FileMapSource(Source):
+    """A checkpoint whose every key is in one of its files (``_map``: key -> file)."""
 
     def __init__(self, path: Path, weight_map: dict[str, str], kind: str) -> None:
         super().__init__(path)
         self.kind = kind
         self._map = weight_map
+
+    def keys(self) -> Sequence[str]:
+        return list(self._map)
+
+    def file_of(self, key: str) -> str:
+        return self._map[key]
+
+    def info(self, keys: Iterable[str]) -> dict[str, TensorInfo]:
+        return {key: self._info(key, self._map[key]) for key in keys}
+
+    @abstractmethod
+    def _info(self, key: str, file: str) -> TensorInfo:
+        """``key``'s shape and dtype, read from ``file`` (the one the map names)."""
+
+    def _stale(self, key: str, file: str) -> WeightsSourceError:
+        return WeightsSourceError(
+            f"the index {self.path} puts key {key!r} in {file}, which does not hold it; the "
+            "index is stale: re-export the checkpoint",
+            source=str(self.path),
+        )
+
+    def _by_file(self, plan: Mapping[str, Sequence[torch.Tensor]]) -> list[tuple[str, list[str]]]:
+        """The planned keys grouped by the file holding them, files and keys sorted."""
+        by_file: dict[str, list[str]] = {}
+        for key in sorted(plan):
+            by_file.setdefault(self._map[key], []).append(key)
+        return sorted(by_file.items())
+
+
+class _SafetensorsSource(_FileMapSource):
+    """One safetensors file or shards: key -> file from the index (or the one header)."""
+
+    def __init__(self, path: Path, weight_map: dict[str, str], kind: str) -> None:
+        super().__init__(path, weight_map, kind)
         self._handles: dict[str, Any] = {}
 
     @classmethod
@@ -300,38 +334,21 @@ class _SafetensorsSource(Source):
             self.touched.append(file)
         return self._handles[file]
 
-    def keys(self) -> Sequence[str]:
-        return list(self._map)
-
-    def file_of(self, key: str) -> str:
-        return self._map[key]
-
-    def info(self, keys: Iterable[str]) -> dict[str, TensorInfo]:
-        out: dict[str, TensorInfo] = {}
-        for key in keys:
-            file = self._map[key]
-            handle = self._open(file)
-            try:
-                sl = handle.get_slice(key)
-            except Exception as e:
-                raise WeightsSourceError(
-                    f"the index {self.path} puts key {key!r} in {file}, which does not hold it; the "
-                    "index is stale: re-export the checkpoint",
-                    source=str(self.path),
-                ) from e
-            code = sl.get_dtype()
-            dtype = getattr(torch, _ST_DTYPES.get(code, ""), code)
-            out[key] = TensorInfo(tuple(sl.get_shape()), dtype, (file,))
-        return out
+    def _info(self, key: str, file: str) -> TensorInfo:
+        handle = self._open(file)
+        try:
+            sl = handle.get_slice(key)
+        except Exception as e:
+            raise self._stale(key, file) from e
+        code = sl.get_dtype()
+        dtype = getattr(torch, _ST_DTYPES.get(code, ""), code)
+        return TensorInfo(tuple(sl.get_shape()), dtype, (file,))
 
     def read(self, plan: Mapping[str, Sequence[torch.Tensor]], done: Done) -> int:
         nbytes = 0
-        by_file: dict[str, list[str]] = {}
-        for key in sorted(plan):
-            by_file.setdefault(self._map[key], []).append(key)
         # File by file, each through a handle of its own that is closed once its keys are copied:
         # pages read through a mapping count in the process's RSS for as long as it is mapped.
-        for file, keys in sorted(by_file.items()):
+        for file, keys in self._by_file(plan):
             self._open(file)  # the header, and the error for a missing or broken shard
             with safe_open(file, framework="pt") as handle:
                 for key in keys:
@@ -358,7 +375,7 @@ class _SafetensorsSource(Source):
         return nbytes
 
 
-class _TorchSource(Source):
+class _TorchSource(_FileMapSource):
     """``torch.save`` state dicts: one file, or shards with ``pytorch_model.bin.index.json``.
 
     A file is opened when one of its keys is first asked about, memory-mapped where its format
@@ -367,9 +384,7 @@ class _TorchSource(Source):
     """
 
     def __init__(self, path: Path, weight_map: dict[str, str], kind: str) -> None:
-        super().__init__(path)
-        self.kind = kind
-        self._map = weight_map
+        super().__init__(path, weight_map, kind)
         self._loaded: dict[str, dict[str, torch.Tensor]] = {}
 
     @classmethod
@@ -391,32 +406,15 @@ class _TorchSource(Source):
                 self.touched.append(file)
         return self._loaded[file]
 
-    def keys(self) -> Sequence[str]:
-        return list(self._map)
-
-    def file_of(self, key: str) -> str:
-        return self._map[key]
-
-    def info(self, keys: Iterable[str]) -> dict[str, TensorInfo]:
-        out: dict[str, TensorInfo] = {}
-        for key in keys:
-            file = self._map[key]
-            tensor = self._load(file).get(key)
-            if tensor is None:
-                raise WeightsSourceError(
-                    f"the index {self.path} puts key {key!r} in {file}, which does not hold it; the "
-                    "index is stale: re-export the checkpoint",
-                    source=str(self.path),
-                )
-            out[key] = TensorInfo(tuple(tensor.shape), tensor.dtype, (file,))
-        return out
+    def _info(self, key: str, file: str) -> TensorInfo:
+        tensor = self._load(file).get(key)
+        if tensor is None:
+            raise self._stale(key, file)
+        return TensorInfo(tuple(tensor.shape), tensor.dtype, (file,))
 
     def read(self, plan: Mapping[str, Sequence[torch.Tensor]], done: Done) -> int:
         nbytes = 0
-        by_file: dict[str, list[str]] = {}
-        for key in sorted(plan):
-            by_file.setdefault(self._map[key], []).append(key)
-        for file, keys in sorted(by_file.items()):
+        for file, keys in self._by_file(plan):
             tensors = self._load(file)
             for key in keys:
                 tensor = tensors[key]

@@ -484,8 +484,10 @@ def _error(
     kind: str, problems: list[WeightProblem], where: str, mapping: PrefixMap, also: str, source: str,
 ) -> WeightsError:
     n = len(problems)
+    error: type[WeightsError]
     if kind == "missing":
-        return MissingWeightsError(
+        error = MissingWeightsError
+        text = (
             f"{n} of this rank's weights are missing from {where}; name mapping: {mapping}:\n{listing(problems)}\n"
             "Fix: load the checkpoint made for this model (same config: layer count, names); if the "
             "names differ by a prefix pass prefix= (e.g. prefix='model.' for CausalLMLogits(model) and a "
@@ -494,34 +496,35 @@ def _error(
             "line (pipecut train --model FOLDER), the folder's weights do not match its config.json and "
             "transformers knows no conversion for them: check they belong to that config, or load the folder "
             "with transformers' AutoModelForCausalLM.from_pretrained and save_pretrained it into a new folder "
-            "to train from." + also,
-            source=source, problems=problems,
+            "to train from."
         )
-    if kind == "unexpected":
-        return UnexpectedWeightsError(
+    elif kind == "unexpected":
+        error = UnexpectedWeightsError
+        text = (
             f"{n} keys of {where} map to no name of the model; name mapping: {mapping}:\n{listing(problems)}\n"
             "Fix: if they are buffers the model recomputes or does not save (rotary_emb.inv_freq, "
             "attention masks, position ids) or state of something else (optimizer), pass strict=False "
             "to skip them; otherwise the checkpoint is of another model (compare configs), names= lacks "
-            "some of the model's names, or the names need prefix=." + also,
-            source=source, problems=problems,
+            "some of the model's names, or the names need prefix=."
         )
-    if kind == "shape":
-        return WeightShapeError(
+    elif kind == "shape":
+        error = WeightShapeError
+        text = (
             f"{n} weight(s) have another shape in {where}:\n{listing(problems)}\n"
             "Fix: build the model from the checkpoint's config (sizes such as hidden size, vocabulary, "
-            "heads or intermediate size differ), or load the checkpoint of this configuration." + also,
-            source=source, problems=problems,
+            "heads or intermediate size differ), or load the checkpoint of this configuration."
         )
-    dtypes = sorted({p.found for p in problems})
-    unknown = [d for d in dtypes if not d.startswith("torch.")]
-    unknown_note = f" torch has no dtype for {', '.join(unknown)}, so those cannot be converted." if unknown else ""
-    return WeightDtypeError(
-        f"{n} weight(s) have another dtype in {where}:\n{listing(problems)}\n"
-        f"Fix: pass cast=True to convert while copying, or build the model in the checkpoint's dtype "
-        f"({', '.join(dtypes)}; e.g. model.to(dtype) before partitioning).{unknown_note}" + also,
-        source=source, problems=problems,
-    )
+    else:
+        dtypes = sorted({p.found for p in problems})
+        unknown = [d for d in dtypes if not d.startswith("torch.")]
+        unknown_note = f" torch has no dtype for {', '.join(unknown)}, so those cannot be converted." if unknown else ""
+        error = WeightDtypeError
+        text = (
+            f"{n} weight(s) have another dtype in {where}:\n{listing(problems)}\n"
+            f"Fix: pass cast=True to convert while copying, or build the model in the checkpoint's dtype "
+            f"({', '.join(dtypes)}; e.g. model.to(dtype) before partitioning).{unknown_note}"
+        )
+    return error(text + also, source=source, problems=problems)
 
 
 # Elements per piece when NaN and infinities are counted: temporaries of ~9 bytes each (the mask, its

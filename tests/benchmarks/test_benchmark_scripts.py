@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import os
 import shlex
 import subprocess
 import sys
@@ -16,38 +14,28 @@ from typing import Any
 import pytest
 import torch
 
+from bench_script import load_script, read_result, run_script
+
 pytest.importorskip("transformers")  # both scripts plan a GPT-2
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _load(name: str) -> ModuleType:
-    """Import ``benchmarks/<name>.py`` (a script folder, not a package)."""
-    spec = importlib.util.spec_from_file_location(f"_bench_{name}", ROOT / "benchmarks" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # a dataclass looks its module up by name as it is made
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def quality() -> ModuleType:
-    return _load("partition_quality")
+    return load_script("partition_quality")
 
 
 @pytest.fixture(scope="module")
 def scale() -> ModuleType:
-    return _load("plan_scale")
+    return load_script("plan_scale")
 
 
 def test_partition_quality_quick(quality: ModuleType, tmp_path: Path) -> None:
     out = tmp_path / "pq.json"
     argv = ["--quick", "--stages", "2,4", "--repeat", "1", "--out", str(out)]
     assert quality.main(argv) == 0
-    data = json.loads(out.read_text())
-    assert data["benchmark"] == "partition_quality"
-    assert data["command"] == "python benchmarks/partition_quality.py " + " ".join(argv)
+    data = read_result("partition_quality", argv, out)
     assert {"config", "env", "models", "results", "checks"} <= data.keys()
     assert data["config"]["stages"] == [2, 4]
     assert [m["model"] for m in data["models"]] == ["mlp", "gpt2", "resnet", "unet"]
@@ -92,9 +80,7 @@ def test_plan_scale_small_gpt2(scale: ModuleType, tmp_path: Path) -> None:
     out = tmp_path / "ps.json"
     argv = ["--quick", "--n-layer", "4", "--out", str(out)]
     assert scale.main(argv) == 0
-    data = json.loads(out.read_text())
-    assert data["benchmark"] == "plan_scale"
-    assert data["command"] == "python benchmarks/plan_scale.py " + " ".join(argv)
+    data = read_result("plan_scale", argv, out)
     cfg = data["config"]
     assert (cfg["n_layer"], cfg["n_embd"], cfg["devices"], cfg["microbatches"]) == (4, 256, 4, 4)
     assert {"build_s", "trace_s", "cost_s", "partition_call_s", "script_s"} <= data["times_s"].keys()
@@ -117,7 +103,7 @@ def test_plan_scale_small_gpt2(scale: ModuleType, tmp_path: Path) -> None:
 
 
 def test_model_families_quick(tmp_path: Path) -> None:
-    families = _load("model_families")
+    families = load_script("model_families")
     out = tmp_path / "mf.json"
     assert families.main(["--families", "gpt_neox,bert", "--stages", "2", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
@@ -135,8 +121,7 @@ def test_memory_quick(tmp_path: Path) -> None:
     out = tmp_path / "memory.json"
     argv = ["--ranks", "2", "--layers", "4", "--width", "4096", "--shard-mib", "64",
             "--tmpdir", str(tmp_path), "--out", str(out)]
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "memory.py"), *argv], capture_output=True,
-                         text=True, timeout=600, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    run = run_script("memory", argv, timeout=600)
     # A model this small misses the size targets (an idle process outweighs it): 1 is a verdict, not a crash.
     assert run.returncode in (0, 1), run.stderr[-3000:]
     data = json.loads(out.read_text())
@@ -168,8 +153,7 @@ def test_memory_engines_quick(tmp_path: Path, only: list[str]) -> None:
     # --engines: each rank's peak under each data-parallel engine on 2 dp x 2 pp (a tiny GPT-2).
     out = tmp_path / "memory_fsdp.json"
     argv = ["--engines", "--quick", *only, "--mmap-threshold", "131072", "--out", str(out)]
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "memory.py"), *argv], capture_output=True,
-                         text=True, timeout=600, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    run = run_script("memory", argv, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["meta"]["benchmark"] == "memory_engines"
@@ -221,7 +205,7 @@ def test_memory_engines_quick(tmp_path: Path, only: list[str]) -> None:
 
 
 def test_memory_engines_only_refuses_unknown_names(capsys: pytest.CaptureFixture[str]) -> None:
-    memory = _load("memory")
+    memory = load_script("memory")
     assert memory.main(["--engines", "--only", "fsdp;no such engine"]) == 2  # before anything is spawned
     assert "no such engine" in capsys.readouterr().err
 
@@ -276,7 +260,7 @@ def _check_cuda_memory(data: dict[str, Any], argv: list[str], *, measured: bool)
     pytest.param([], marks=[pytest.mark.long, pytest.mark.slow]),
 ], ids=["gpt2-p2-1f1b-bf16", "mlp-fp32", "quick"])
 def test_cuda_memory_quick_on_cpu(tmp_path: Path, axes: list[str]) -> None:
-    cm = _load("cuda_memory")
+    cm = load_script("cuda_memory")
     out = tmp_path / "cm.json"
     argv = ["--quick", "--device", "cpu", *axes, "--out", str(out)]
     assert cm.main(argv) == 0
@@ -288,7 +272,7 @@ def test_cuda_memory_quick_on_cpu(tmp_path: Path, axes: list[str]) -> None:
 
 
 def test_cuda_memory_refuses_an_unknown_axis_value(capsys: pytest.CaptureFixture[str]) -> None:
-    assert _load("cuda_memory").main(["--quick", "--device", "cpu", "--stages", "1,3"]) == 2
+    assert load_script("cuda_memory").main(["--quick", "--device", "cpu", "--stages", "1,3"]) == 2
     assert "--stages '1,3': choose from 1, 2" in capsys.readouterr().err
 
 
@@ -296,7 +280,7 @@ def test_cuda_memory_refuses_an_unknown_axis_value(capsys: pytest.CaptureFixture
 def test_cuda_memory_quick_on_cuda(tmp_path: Path) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    cm = _load("cuda_memory")
+    cm = load_script("cuda_memory")
     out = tmp_path / "cm.json"
     argv = ["--quick", "--out", str(out)]
     assert cm.main(argv) == 0
@@ -306,14 +290,14 @@ def test_cuda_memory_quick_on_cuda(tmp_path: Path) -> None:
 def test_cuda_memory_refuses_without_cuda(capsys: pytest.CaptureFixture[str]) -> None:
     if torch.cuda.is_available():
         pytest.skip("CUDA is here")
-    assert _load("cuda_memory").main(["--quick", "--out", "/nonexistent/cm.json"]) == 2
+    assert load_script("cuda_memory").main(["--quick", "--out", "/nonexistent/cm.json"]) == 2
     assert "CUDA is not available" in capsys.readouterr().err
 
 
 def test_cuda_reserve_refuses_without_cuda(capsys: pytest.CaptureFixture[str]) -> None:
     if torch.cuda.is_available():
         pytest.skip("CUDA is here")
-    assert _load("cuda_reserve").main(["--quick", "--out", "/nonexistent/cr.json"]) == 2
+    assert load_script("cuda_reserve").main(["--quick", "--out", "/nonexistent/cr.json"]) == 2
     assert "CUDA is not available" in capsys.readouterr().err
 
 
@@ -323,7 +307,7 @@ def test_cuda_reserve_quick_on_cuda(tmp_path: Path) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     out = tmp_path / "cr.json"
-    assert _load("cuda_reserve").main(["--quick", "--out", str(out)]) == 0
+    assert load_script("cuda_reserve").main(["--quick", "--out", str(out)]) == 0
     got = json.loads(out.read_text())["results"]
     assert got["context_bytes"] > 0 and got["allocator_slack_bytes"] >= 0
     assert got["needed_reserve_bytes"] < got["capacity_bytes"] / 4

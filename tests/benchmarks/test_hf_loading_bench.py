@@ -4,14 +4,13 @@ on one process's load of a Mixtral layer."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
+
+from bench_script import load_script, run_script
 
 pytest.importorskip("transformers")
 
@@ -20,13 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    import importlib.util
 
-    spec = importlib.util.spec_from_file_location("_bench_hf_loading", ROOT / "benchmarks" / "hf_loading.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # a dataclass looks its module up by name as it is made
-    spec.loader.exec_module(module)
+    module = load_script("hf_loading")
     return module
 
 
@@ -74,8 +68,7 @@ def test_hf_loading_quick(tmp_path: Path, modes: list[str]) -> None:
     # A subprocess, as users run it: its spawned ranks re-import the script as __main__.
     out = tmp_path / "hf_loading.json"
     argv = ["--quick", *modes, "--out", str(out)]
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "hf_loading.py"), *argv], capture_output=True,
-                         text=True, timeout=600, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    run = run_script("hf_loading", argv, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     data = json.loads(out.read_text())
     meta = data["meta"]

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from bench_script import load_script, run_result
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -18,12 +16,7 @@ def test_hybrid_quick(tmp_path: Path) -> None:
     # A subprocess, as users run it: its spawned ranks re-import the script as __main__.
     out = tmp_path / "hybrid.json"
     argv = ["--quick", "--timeout", "300", "--out", str(out)]
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "hybrid.py"), *argv], capture_output=True,
-                         text=True, timeout=400, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert run.returncode == 0, run.stderr[-3000:]
-    data = json.loads(out.read_text())
-    assert data["benchmark"] == "hybrid"
-    assert data["command"] == "python benchmarks/hybrid.py " + " ".join(argv)
+    data = run_result("hybrid", argv, out, timeout=400)
     res = data["results"]
     want = {"a: 2 dp x 2 pp": (2, 2, 4), "b: 1 dp x 4 pp": (1, 4, 8), "c: 4 dp x 1 pp": (4, 1, 2),
             "d: 2 dp x 2 pp, all-reduce after": (2, 2, 4), "e: 2 dp x 2 pp interleaved": (2, 2, 4),
@@ -63,12 +56,8 @@ def test_hybrid_predict_prices_each_configuration_as_it_runs() -> None:
     # --predict: the layout search prices every configuration it can (those whose exchange waits
     # for the whole pipeline are not), FSDP with its gathers. On the preset unfitted: fitting to
     # this tiny model's ~1 ms steps failed on a loaded CI machine (the larger size timed faster).
-    import importlib.util
 
-    spec = importlib.util.spec_from_file_location("hybrid_bench", ROOT / "benchmarks" / "hybrid.py")
-    assert spec is not None and spec.loader is not None
-    hybrid = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(hybrid)
+    hybrid = load_script("hybrid", "hybrid_bench")
     cfg = {"model": "mlp", "n_layer": 4, "n_embd": 32, "n_head": 2, "vocab": 64, "seq": 8, "batch": 16,
            "micro_batch": 2}
     pred = hybrid.predicted(cfg, list(hybrid.CONFIGS), fit=False)

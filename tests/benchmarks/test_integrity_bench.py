@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
+
+from bench_script import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_quick_run_measures_every_row(tmp_path: Path) -> None:
-    spec = importlib.util.spec_from_file_location("_bench_integrity", ROOT / "benchmarks" / "integrity.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    module = load_script("integrity")
     out = tmp_path / "integrity.json"
     module.main(["--quick", "--out", str(out)])
     result = json.loads(out.read_text())

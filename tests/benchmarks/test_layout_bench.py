@@ -1,45 +1,33 @@
-"""The layout benchmark's statistics on plain data (benchmarks/_layout_stats.py), and its --quick run end to
+"""The layout benchmark's statistics on plain data (benchmarks/lib/layout_stats.py), and its --quick run end to
 end on 4 gloo processes."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import os
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+
+from bench_script import load_script, run_result
 
 pytest.importorskip("transformers")  # the benchmark trains a GPT-2
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _load(name: str, as_name: str) -> ModuleType:
-    """``benchmarks/NAME.py`` imported as a module (a script folder, not a package)."""
-    spec = importlib.util.spec_from_file_location(as_name, ROOT / "benchmarks" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # @dataclass looks its module up there
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
     """``benchmarks/layout.py``."""
-    return _load("layout", "_bench_layout")
+    return load_script("layout", "_bench_layout")
 
 
 @pytest.fixture(scope="module")
 def stats() -> ModuleType:
-    """``benchmarks/_layout_stats.py``: the pure statistics."""
-    return _load("_layout_stats", "_bench_layout_stats")
+    """``benchmarks/lib/layout_stats.py``: the pure statistics."""
+    return load_script("lib/layout_stats", "_bench_layout_stats")
 
 
 def test_ranks_average_ties(stats: ModuleType) -> None:
@@ -155,12 +143,7 @@ def test_layout_quick(bench: ModuleType, stats: ModuleType, tmp_path: Path, flag
     out = tmp_path / "layout.json"
     argv = ["--quick", *flags, "--timeout", "400", "--out", str(out)]
     calibrated = "--cli-calibrate" in flags
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "layout.py"), *argv], capture_output=True,
-                         text=True, timeout=900, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert run.returncode == 0, run.stderr[-3000:]
-    data = json.loads(out.read_text())
-    assert data["benchmark"] == "layout"
-    assert data["command"] == "python benchmarks/layout.py " + " ".join(argv)
+    data = run_result("layout", argv, out, timeout=900)
     rows = data["layouts"]
     assert {r["name"] for r in rows} == want
     for r in rows:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+
+from bench_script import load_script
 
 pytest.importorskip("transformers")  # it plans a GPT-2
 
@@ -14,10 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_recompute_benchmark_quick(tmp_path: Path) -> None:
-    spec = importlib.util.spec_from_file_location("_bench_recompute", ROOT / "benchmarks" / "recompute.py")
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("recompute")
     out = tmp_path / "rc.json"
     args = ["--layers", "2", "--width", "32", "--heads", "2", "--vocab", "64", "--seq", "16", "--repeat", "1",
             "--out", str(out)]

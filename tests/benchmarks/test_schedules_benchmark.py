@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
+from bench_script import load_script, read_result
 from runtime.execute.executor import ActionRecord
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -16,10 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("_bench_schedules", ROOT / "benchmarks" / "schedules.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("schedules")
     return module
 
 
@@ -46,9 +43,7 @@ def test_schedules_benchmark_quick(bench: ModuleType, tmp_path: Path) -> None:
     traces = tmp_path / "traces"
     argv = ["--quick", "--skip-real", "--transports", "local", "--out", str(out), "--traces", str(traces)]
     assert bench.main(argv) == 0
-    data = json.loads(out.read_text())
-    assert data["benchmark"] == "schedules"
-    assert data["command"] == "python benchmarks/schedules.py " + " ".join(argv)
+    data = read_result("schedules", argv, out)
     assert {"config", "env", "fixed", "zero_bubble_vs_1f1b", "real_model", "traces", "sys_argv"} <= data.keys()
     assert data["real_model"] is None
     assert data["config"]["p"] == 2 and data["config"]["ms"] == [4]

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
+
+from bench_script import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_split_backward_benchmark_quick(tmp_path: Path) -> None:
-    spec = importlib.util.spec_from_file_location("_bench_split_backward", ROOT / "benchmarks" / "split_backward.py")
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("split_backward")
     out = tmp_path / "sb.json"
     args = ["--layers", "2", "--width", "32", "--rows", "8", "--repeat", "3", "--warmup", "1", "--out", str(out)]
     assert bench.main(args) == 0

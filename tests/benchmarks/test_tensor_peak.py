@@ -1,14 +1,14 @@
-"""benchmarks/_tensor_peak.py counts CPU tensor bytes exactly: known tensors give known peaks."""
+"""benchmarks/lib/tensor_peak.py counts CPU tensor bytes exactly: known tensors give known peaks."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
+
+from bench_script import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 MIB = 2**20
@@ -16,11 +16,7 @@ MIB = 2**20
 
 @pytest.fixture(scope="module")
 def tp() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("_bench_tensor_peak", ROOT / "benchmarks" / "_tensor_peak.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
+    module = load_script("lib/tensor_peak", "_bench_tensor_peak")
     return module
 
 

@@ -214,7 +214,7 @@ def test_train_with_a_dead_peer_exits_2_with_one_line(
 ) -> None:
     # What a surviving rank of `pipecut train` meets when a peer is killed (runtime.transport.liveness;
     # the multi-process case is tests/runtime/transport/test_bounded_collectives.py).
-    from pipecut import cli
+    from pipecut.cli import command as cli
     from runtime.transport.p2p import PeerGone
 
     line = ("rank 0: rank 1 (process 4242 on host) is gone (its process exited), so the broadcast of the loss "

@@ -68,7 +68,7 @@ def test_folders_that_are_not_causal_lms_are_refused_by_train_and_plan(
         raise AssertionError("planned a model the door should have refused")
 
     monkeypatch.setattr("pipecut.train.loop.partition", no_planning)
-    monkeypatch.setattr("pipecut.cli.partition", no_planning)
+    monkeypatch.setattr("pipecut.cli.command.partition", no_planning)
     train = ["train", "--model", str(folder), "--data", str(token_file), "--out", str(tmp_path / "run"),
              "--seq-len", "16"]
     plan = ["plan", str(folder), "--stages", "2", "--device", "cpu", "--seq-len", "16"]

@@ -11,7 +11,7 @@ import torch
 
 from conftest import write_llama
 from pipecut.cli import EXIT_ERROR, main
-from pipecut.prompts import PromptsError, read_prompts
+from pipecut.generate.prompts import PromptsError, read_prompts
 from test_readme import readme_block
 
 NEW = 8

@@ -94,7 +94,7 @@ def test_missing_or_misplaced_sizes_are_refused(llama_folder: Path, capsys: pyte
 
 
 def test_pipecut_generate_plans_its_batch_and_length_for_generation(llama_folder: Path) -> None:
-    from pipecut.folder_generator import build_generator, open_generation_folder
+    from pipecut.generate.folder_generator import build_generator, open_generation_folder
 
     opened = open_generation_folder(llama_folder)
     # What pipecut generate passes: --batch-size 3, the longest prompt (8 tokens) + --max-new-tokens 4.

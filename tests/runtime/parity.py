@@ -97,6 +97,15 @@ def make_trainer(
     return PipelineTrainer(plan, c["loss"], optimizer, schedule=schedule, transport=transport, **kw)
 
 
+def step_failure(trainer: PipelineTrainer, x: torch.Tensor, y: torch.Tensor) -> dict[str, str]:
+    """What ``trainer.forward_backward(x, y)`` raised, as ``{"type", "message"}`` (both ``""`` when it ran)."""
+    try:
+        trainer.forward_backward(x, y)
+    except Exception as e:
+        return {"type": type(e).__name__, "message": str(e)}
+    return {"type": "", "message": ""}
+
+
 def reference(
     model: nn.Module, loss_fn: Callable[..., torch.Tensor],
     x: tuple[torch.Tensor, ...] | Mapping[str, torch.Tensor], y: torch.Tensor,

@@ -266,7 +266,7 @@ def test_nan_loss_is_returned_by_default_and_refused_with_check_finite() -> None
 def _failing_rank(rank: int, world: int, where: str) -> dict[str, str]:
     """Rank ``rank`` of a 2-stage step that fails in rank 1's loss (an MLP given targets of the
     wrong width) or in rank 0's forward (a GPT-2 given a token id beyond its vocabulary)."""
-    from parity import case, make_trainer
+    from parity import case, make_trainer, step_failure
 
     c = case("gpt2" if where == "forward" else "mlp", world)
     trainer = make_trainer(c, world, "1f1b", transport="dist", timeout=60)
@@ -275,11 +275,7 @@ def _failing_rank(rank: int, world: int, where: str) -> dict[str, str]:
         x[5, 3] = 500
     else:
         y = y[:, :3]
-    try:
-        trainer.forward_backward(x, y)
-    except Exception as e:
-        return {"type": type(e).__name__, "message": str(e)}
-    return {"type": "", "message": ""}
+    return step_failure(trainer, x, y)
 
 
 @pytest.mark.multiprocess

@@ -21,15 +21,7 @@ from parity import TOL, check_grads, reference
 from partitioner import partition
 from partitioner.errors import ReentrantCheckpointError
 from runtime import PipelineTrainer
-
-
-class _Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 16)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(torch.tanh(self.fc1(x)))
+from tiny_modules import ResidualMLP
 
 
 class _Checkpointed(nn.Module):
@@ -37,7 +29,7 @@ class _Checkpointed(nn.Module):
 
     def __init__(self, reentrant: bool = False) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(_Block() for _ in range(6))
+        self.blocks = nn.ModuleList(ResidualMLP(16, 32, torch.tanh) for _ in range(6))
         self.head = nn.Linear(16, 4)
         self.reentrant = reentrant
 
@@ -90,7 +82,7 @@ def test_recompute_off_keeps_activations_and_says_how_to_ask(caplog: pytest.LogC
 
 
 def test_a_model_without_checkpoints_recomputes_nothing() -> None:
-    model = nn.Sequential(*(_Block() for _ in range(3)))
+    model = nn.Sequential(*(ResidualMLP(16, 32, torch.tanh) for _ in range(3)))
     plan = partition(model, (torch.randn(2, 16),), 3, microbatches=4)
     assert plan.traced.checkpointed == ()
     assert not any(st.recompute for st in plan.stages)

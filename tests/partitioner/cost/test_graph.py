@@ -10,6 +10,7 @@ from partitioner import Cluster, partition
 from partitioner.cost.costs import cost_graph
 from partitioner.cost.graph import build_graph, group_units, layer_depth, module_range, to_problem
 from partitioner.tracing.trace import trace
+from tiny_modules import TiedLM
 
 
 class Gated(nn.Module):
@@ -55,18 +56,7 @@ def test_every_method_builds_runnable_stages_around_lists(method: str) -> None:
 
 
 def test_tied_weight_is_charged_on_both_ends() -> None:
-    class Tied(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.emb = nn.Embedding(1000, 16)
-            self.mid = nn.Linear(16, 16)
-            self.head = nn.Linear(16, 1000, bias=False)
-            self.head.weight = self.emb.weight
-
-        def forward(self, ids: torch.Tensor) -> torch.Tensor:
-            return self.head(self.mid(self.emb(ids)))
-
-    model = Tied()
+    model = TiedLM(1000, 16)
     _, _, problem = _problem(model, torch.randint(0, 1000, (2, 3)), 2)
     per_copy = 1000 * 16 * 16.0
     charged = [s for s in problem.state_bytes if s >= per_copy]

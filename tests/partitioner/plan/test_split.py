@@ -13,6 +13,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from partitioner.errors import InputCountError, PartitionError, PipecutError, StageIndexError
 from partitioner.plan.split import StagedModel, split_graph
+from tiny_modules import TiedLM
 
 
 class SkipNet(nn.Module):
@@ -34,18 +35,6 @@ class SkipNet(nn.Module):
         h2 = torch.tanh(self.c(h1)) + h0 * self.scale  # h0 skips stage 1
         out = self.d(h2).reshape(n, -1) + y
         return out, h1.sum(dim=1)
-
-
-class Tied(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(32, 8)
-        self.mid = nn.Linear(8, 8)
-        self.head = nn.Linear(8, 32, bias=False)
-        self.head.weight = self.emb.weight
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.relu(self.mid(self.emb(ids))))
 
 
 def _traced(model: nn.Module, *inputs: torch.Tensor) -> fx.GraphModule:
@@ -101,7 +90,7 @@ def test_skip_goes_straight_to_its_consumer() -> None:
 
 
 def test_tied_parameters_are_listed_and_names_cover_the_model() -> None:
-    model = Tied()
+    model = TiedLM(32, 8)
     gm = fx.symbolic_trace(model)
     staged = split_graph(
         gm,

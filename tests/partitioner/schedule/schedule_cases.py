@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import random
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from partitioner.schedule.actions import Action, Kind
@@ -46,6 +47,13 @@ def error_of(schedule: Schedule) -> ScheduleError:
     with pytest.raises(ScheduleError) as info:
         validate(schedule)
     return info.value
+
+
+def refuses(error: type[Exception], build: Callable[[], object], match: str) -> None:
+    """``build()`` raises ``error``, a ``ValueError`` too, with a message that matches ``match``."""
+    with pytest.raises(error, match=match) as info:
+        build()
+    assert isinstance(info.value, ValueError)
 
 
 # -- an independent model of what an executor does -------------------------------------------
@@ -227,6 +235,12 @@ actions = st.builds(
     Action, st.integers(0, 10**6), st.sampled_from(list(Kind)), st.integers(0, 10**6)
 )
 quick = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def over_valid_schedules(test: Callable[[Schedule, random.Random], None]) -> Callable[..., None]:
+    """``test(schedule, rnd)`` run, under :data:`quick`, over :func:`valid_schedules`, each with a seeded
+    ``random.Random`` to vary it with."""
+    return quick(given(valid_schedules(), st.randoms(use_true_random=False))(test))
 
 
 def makespan(schedule: Schedule, cost: dict[Kind, int] | None = None) -> int:

@@ -9,8 +9,6 @@ from __future__ import annotations
 import random
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
 from partitioner.schedule.actions import Action, Kind
 from partitioner.schedule.comm import Recv, comm_plan, grouped_program_finishes
@@ -24,11 +22,10 @@ from schedule_cases import (
     GRID,
     TRAINING,
     chain,
-    quick,
+    over_valid_schedules,
     run_buffered,
     run_rendezvous,
     sched,
-    valid_schedules,
 )
 
 # -- the comm plan ---------------------------------------------------------------------------
@@ -100,8 +97,7 @@ def test_comm_plan_skips_stages_on_the_same_rank() -> None:
         comm_plan(sched("0B0 0F0"))
 
 
-@quick
-@given(valid_schedules(), st.randoms(use_true_random=False))
+@over_valid_schedules
 def test_random_valid_schedules_run_under_the_comm_model(
     schedule: Schedule, rnd: random.Random
 ) -> None:

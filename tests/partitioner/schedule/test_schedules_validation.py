@@ -28,11 +28,11 @@ from schedule_cases import (
     chain,
     deadlocks,
     error_of,
+    over_valid_schedules,
     quick,
     run_buffered,
     sched,
     tuples,
-    valid_schedules,
 )
 
 # -- the grid ----------------------------------------------------------------------------------
@@ -206,8 +206,7 @@ def test_validate_catches(schedule: Schedule, match: str | None) -> None:
     assert isinstance(info.value, ValueError) and "step" in str(info.value)
 
 
-@quick
-@given(valid_schedules(), st.randoms(use_true_random=False))
+@over_valid_schedules
 def test_validate_agrees_with_an_independent_deadlock_check(
     schedule: Schedule, rnd: random.Random
 ) -> None:
@@ -249,8 +248,7 @@ def _mutated(schedule: Schedule, rnd: random.Random) -> Schedule:
     return Schedule(tuples(rows), schedule.stage_to_rank, m, schedule.forward_only)
 
 
-@quick
-@given(valid_schedules(), st.randoms(use_true_random=False))
+@over_valid_schedules
 def test_the_whole_list_check_agrees_with_the_action_by_action_checks(
     schedule: Schedule, rnd: random.Random
 ) -> None:

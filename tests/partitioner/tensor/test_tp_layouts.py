@@ -15,6 +15,7 @@ from partitioner.cost.devices import DeviceSpec
 from partitioner.errors import PartitionOptionError
 from partitioner.plan.layout import Option, layout_space
 from partitioner.search import LayoutSearch
+from tiny_modules import ResidualMLP
 
 
 def test_the_space_spends_dp_x_pp_x_tp_devices() -> None:
@@ -103,15 +104,7 @@ def test_a_tp_layout_survives_the_plan_file(big_block: tuple[nn.Module, torch.Te
 
 
 def test_a_model_without_a_config_searches_tp_only_when_told() -> None:
-    class Block(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.up, self.down = nn.Linear(32, 128), nn.Linear(128, 32)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return x + self.down(torch.relu(self.up(x)))
-
-    model = nn.Sequential(*[Block() for _ in range(4)])
+    model = nn.Sequential(*[ResidualMLP(32, 128) for _ in range(4)])
     found = LayoutSearch(model, (torch.randn(1, 32),), cluster=Cluster.uniform(8, "A100-80GB"), global_batch=8,
                          costing=Costing(precision="bf16"))
     assert {o.tp for o in found.space()} == {1}  # no heads known

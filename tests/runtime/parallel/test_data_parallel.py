@@ -26,6 +26,7 @@ from tests.runtime.parity import (
     make_trainer,
     plan_once,
     reference_grads,
+    step_failure,
 )
 
 SCHEDULES = ["gpipe", "1f1b", "zbh1"]
@@ -301,11 +302,7 @@ def _one_replica_fails(rank: int, world: int) -> dict[str, str]:
     x, y = trainer.local_batch(x, y)
     if rank == 3:  # replica 1's last stage: targets of the wrong width fail in its loss
         y = y[:, :3]
-    try:
-        trainer.forward_backward(x, y)
-    except Exception as e:
-        return {"type": type(e).__name__, "message": str(e)}
-    return {"type": "", "message": ""}
+    return step_failure(trainer, x, y)
 
 
 @pytest.mark.multiprocess

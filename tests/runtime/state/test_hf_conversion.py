@@ -61,13 +61,17 @@ def _record_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return read
 
 
-@pytest.mark.parametrize("stream", [True, False], ids=["experts-to-slices", "materialised"])
-def test_a_stage_loads_what_from_pretrained_makes(
-    stream: bool, mixtral: tuple[Path, dict[str, torch.Tensor], list[str]], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    folder, want, names = mixtral
-    if not stream:
+@pytest.fixture(params=[True, False], ids=["experts-to-slices", "materialised"])
+def experts_to_slices(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Whether experts are copied into their slices as read (else each group is materialised whole first)."""
+    if not request.param:
         monkeypatch.setattr(hf_conversion, "_merged_slices", lambda group, wanted: None)
+    return bool(request.param)
+
+
+@pytest.mark.usefixtures("experts_to_slices")
+def test_a_stage_loads_what_from_pretrained_makes(mixtral: tuple[Path, dict[str, torch.Tensor], list[str]]) -> None:
+    folder, want, names = mixtral
     into = _layer1(want)
     report = load_weights(folder, into, names=names, model=_meta(_mixtral_config()))
     assert "model.layers.1.mlp.experts.gate_up_proj" in into and report.converted > 0
@@ -180,14 +184,12 @@ def test_export_names_are_the_ones_save_pretrained_writes(
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("stream", [True, False], ids=["experts-to-slices", "materialised"])
+@pytest.mark.usefixtures("experts_to_slices")
 def test_a_stage_on_the_gpu_loads_what_from_pretrained_makes(
-    stream: bool, mixtral: tuple[Path, dict[str, torch.Tensor], list[str]], monkeypatch: pytest.MonkeyPatch
+    mixtral: tuple[Path, dict[str, torch.Tensor], list[str]],
 ) -> None:
     """Experts copied from the host into their slices of CUDA destinations, in bf16 (``cast``)."""
     folder, want, names = mixtral
-    if not stream:
-        monkeypatch.setattr(hf_conversion, "_merged_slices", lambda group, wanted: None)
     into = {n: torch.zeros_like(t, device="cuda", dtype=torch.bfloat16) for n, t in _layer1(want).items()}
     load_weights(folder, into, names=names, model=_meta(_mixtral_config()), cast=True)
     for n, t in into.items():

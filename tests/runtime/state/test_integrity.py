@@ -75,6 +75,22 @@ def trained() -> tuple[PipelineTrainer, dict[str, torch.Tensor]]:
     return trainer, _params(trainer)
 
 
+@pytest.fixture
+def ckpt(trained: Any, tmp_path: Path) -> Path:
+    """``trained``'s checkpoint, saved in the test's folder."""
+    path = tmp_path / "ckpt"
+    trained[0].save(path)
+    return path
+
+
+@pytest.fixture
+def final(trained: Any, tmp_path: Path) -> Path:
+    """``trained``'s weights, exported in the test's folder."""
+    path = tmp_path / "final"
+    trained[0].export_safetensors(path)
+    return path
+
+
 # -- atomic overwrite --------------------------------------------------------------------------
 
 
@@ -116,11 +132,9 @@ def test_a_checkpoint_overwrite_cut_between_its_renames_keeps_a_loadable_copy(
 
 
 def test_an_export_overwrite_cut_between_its_renames_keeps_a_loadable_copy(
-    trained: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    trained: Any, final: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    trainer, weights = trained
-    final = tmp_path / "final"
-    trainer.export_safetensors(final)
+    _, weights = trained
     other = _trainer(seed=7)
     with monkeypatch.context() as m:
         _cut_commit(m, ".final.partial")
@@ -154,10 +168,7 @@ def _tensor_offset(path: Path, key: str) -> int:
     return 8 + n + int(header[key]["data_offsets"][0])
 
 
-def test_a_flipped_byte_in_a_distcp_file_is_named(trained: Any, tmp_path: Path) -> None:
-    trainer, _ = trained
-    ckpt = tmp_path / "ckpt"
-    trainer.save(ckpt)
+def test_a_flipped_byte_in_a_distcp_file_is_named(ckpt: Path) -> None:
     distcp = max(ckpt.glob("*.distcp"), key=lambda p: p.stat().st_size)
     _flip(distcp, distcp.stat().st_size // 2)
     with pytest.raises(CorruptFileError, match=re.escape(distcp.name)) as err:  # main: loads silently
@@ -173,10 +184,7 @@ def test_a_flipped_byte_in_a_distcp_file_is_named(trained: Any, tmp_path: Path) 
         load_model(MLPChain((16, 32, 32, 8)), ckpt)
 
 
-def test_a_flipped_byte_in_an_exported_shard_names_file_and_tensor(trained: Any, tmp_path: Path) -> None:
-    trainer, _ = trained
-    final = tmp_path / "final"
-    trainer.export_safetensors(final)
+def test_a_flipped_byte_in_an_exported_shard_names_file_and_tensor(final: Path) -> None:
     shard = final / "model-00001-of-00001.safetensors"
     key = sorted(json.loads((final / "model.safetensors.index.json").read_text())["weight_map"])[-1]
     _flip(shard, _tensor_offset(shard, key))
@@ -186,11 +194,9 @@ def test_a_flipped_byte_in_an_exported_shard_names_file_and_tensor(trained: Any,
 
 
 def test_a_checkpoint_without_a_manifest_loads_with_a_warning(
-    trained: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    trained: Any, ckpt: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    trainer, weights = trained
-    ckpt = tmp_path / "ckpt"
-    trainer.save(ckpt)
+    _, weights = trained
     (ckpt / MANIFEST).unlink(missing_ok=True)  # as older pipecut versions wrote it
     fresh = _trainer(seed=9)
     with caplog.at_level(logging.WARNING):

@@ -1,18 +1,21 @@
-"""What the benchmark scripts share: the git state a result was measured at, and list arguments."""
+"""What the benchmark scripts share: the git state a result was measured at, list arguments, step-time statistics."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def git_state(paths: tuple[str, ...] = ("partitioner", "runtime", "pipecut")) -> dict[str, Any]:
@@ -29,6 +32,20 @@ def git_state(paths: tuple[str, ...] = ("partitioner", "runtime", "pipecut")) ->
 def int_list(text: str) -> list[int]:
     """``'4,8,16' -> [4, 8, 16]`` for comma-separated command-line values."""
     return [int(x) for x in text.split(",") if x.strip()]
+
+
+def gpt2_size_args(ap: argparse.ArgumentParser, *, n_layer: int, n_embd: int, n_head: int, vocab: int, seq: int,
+                   n_positions: int | None = None, seq_help: str | None = None) -> None:
+    """The options of a script that builds ``partitioner.zoo.gpt2``'s sizes, with the script's defaults:
+    ``--n-layer``, ``--n-embd``, ``--n-head``, ``--n-positions`` (where ``n_positions`` is given), ``--vocab``
+    and ``--seq``."""
+    ap.add_argument("--n-layer", type=int, default=n_layer)
+    ap.add_argument("--n-embd", type=int, default=n_embd)
+    ap.add_argument("--n-head", type=int, default=n_head)
+    if n_positions is not None:
+        ap.add_argument("--n-positions", type=int, default=n_positions)
+    ap.add_argument("--vocab", type=int, default=vocab)
+    ap.add_argument("--seq", type=int, default=seq, help=seq_help)
 
 
 def load_before(what: str) -> tuple[float, float, float]:
@@ -79,3 +96,32 @@ def step_times(per_rank: list[dict[str, list[tuple[float, float]]]]) -> dict[str
         rounds = zip(*(spans[name] for spans in per_rank))
         out[name] = [max(e for _, e in r) - min(s for s, _ in r) for r in rounds]
     return out
+
+
+def quartiles(ts: Sequence[float]) -> list[float]:
+    """The 25th, 50th and 75th percentiles of one configuration's step times (one time is all three)."""
+    return statistics.quantiles(ts, n=4) if len(ts) >= 2 else [ts[0]] * 3
+
+
+def spread_ms(ts: Sequence[float]) -> dict[str, float]:
+    """Median, quartiles and minimum of step times in seconds, as milliseconds, and their count."""
+    q = quartiles(ts)
+    return {"median_ms": statistics.median(ts) * 1e3, "p25_ms": q[0] * 1e3, "p75_ms": q[2] * 1e3,
+            "min_ms": min(ts) * 1e3, "n": len(ts)}
+
+
+def times_ms(times: Mapping[str, Sequence[float]]) -> dict[str, list[float]]:
+    """Every round's step time per configuration, in milliseconds to the microsecond, for the result file."""
+    return {k: [round(t * 1e3, 3) for t in v] for k, v in times.items()}
+
+
+def ratio_table(title: str, ratios: Mapping[str, float]) -> Any:
+    """The ratios a timing benchmark prints under its table: a rich ``Table`` of name and value (3 decimals)."""
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    table.add_column("ratio")
+    table.add_column("value", justify="right")
+    for name, v in ratios.items():
+        table.add_row(name, f"{v:.3f}")
+    return table

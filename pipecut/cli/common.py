@@ -1,6 +1,6 @@
 """What the ``pipecut`` subcommands share: the console they print to, their count arguments, and a
-Hugging Face folder's model as ``plan`` and ``calibrate`` take it (``pipecut.cli``,
-``pipecut.cli_calibrate``)."""
+Hugging Face folder's model as ``plan`` and ``calibrate`` take it (``pipecut.cli.command``,
+``pipecut.cli.calibrate``)."""
 
 from __future__ import annotations
 

@@ -3,13 +3,13 @@ of prompts; completions come out as JSON lines (docs/generate.md, "pipecut gener
 
 Legend: ``p`` stages (``--pp``), ``d`` replicas (``--dp``), ``B`` prompts in a batch, ``n`` new tokens.
 
-The folder is opened and the generator built by :mod:`pipecut.folder_generator` (the same door
+The folder is opened and the generator built by :mod:`pipecut.generate.folder_generator` (the same door
 checks as ``pipecut train``; the model on meta, planned with :func:`~partitioner.api.partition`,
 each stage made real and loaded alone). In one process the stages run one after another
 (measured faster there than a thread per stage: docs/generate.md). Under torchrun each of the
 ``d x p`` processes plans the same cut and builds and loads only its own stage; the replicas split
 each batch; global rank 0 alone writes the completions, the progress and the summary
-(:mod:`pipecut.generate_job`: the layout, the ranks' checks, one-line errors).
+(:mod:`pipecut.generate.job`: the layout, the ranks' checks, one-line errors).
 
 Examples::
 
@@ -35,9 +35,18 @@ from rich.console import Console
 
 from partitioner.errors import CliArgumentError
 from pipecut.folder import FolderError
-from pipecut.folder_generator import GenerationFolder, build_generator, open_generation_folder
-from pipecut.generate_job import Job, job_layout, one_line_errors, together
-from pipecut.prompts import Prompt, PromptsError, read_prompts
+from pipecut.generate import (
+    GenerationFolder,
+    Job,
+    Prompt,
+    PromptsError,
+    build_generator,
+    job_layout,
+    one_line_errors,
+    open_generation_folder,
+    read_prompts,
+    together,
+)
 from runtime.generate import Sampling
 
 __all__ = ["add_generate_parser", "generate_command"]

@@ -56,9 +56,9 @@ from partitioner.plan.render import fmt_bytes, fmt_time, render_text
 from partitioner.schedule.registry import TRAINING_SCHEDULES
 from partitioner.search import plan_layout
 from partitioner.zoo import MODELS, load_model
-from pipecut.cli_calibrate import add_calibrate_parser, calibrate_command, calibrated
-from pipecut.cli_common import folder_model, make_console, positive_count, positive_count_or_auto
-from pipecut.cli_generate import add_generate_parser, generate_command
+from pipecut.cli.calibrate import add_calibrate_parser, calibrate_command, calibrated
+from pipecut.cli.common import folder_model, make_console, positive_count, positive_count_or_auto
+from pipecut.cli.generate import add_generate_parser, generate_command
 from pipecut.folder import is_hf_folder, max_positions
 
 __all__ = ["main", "build_parser", "version", "EXIT_ERROR", "EXIT_OVER_CAPACITY"]

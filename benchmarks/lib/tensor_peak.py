@@ -32,7 +32,7 @@ Only ``record_function`` ranges (``RecordScope.USER_SCOPE``) are recorded unless
 ``torch.profiler.profile`` has no way to leave out the events of every aten op, and those add
 time and buffers (the allocations are reported all the same: c10 reports them to an enabled
 profiler whatever the scopes). Even so the profiler's buffers, malloc'd as a step runs, change
-glibc's heap and so the RSS measured beside it: see ``benchmarks/_memory_engines.py``.
+glibc's heap and so the RSS measured beside it: see ``benchmarks/lib/memory_engines.py``.
 
     >>> with TensorTrace() as trace:
     ...     with trace.span("step"):

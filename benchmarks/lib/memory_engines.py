@@ -41,7 +41,7 @@ moment, the baseline; the trainer is built and takes ``--steps`` AdamW steps. Re
   FSDP's trainer puts the whole tensors it sharded on meta, ``release_whole_copies``);
 * ``tensor peak``: the highest count of bytes live in PyTorch's CPU allocator during a step (the
   CPU analogue of ``torch.cuda.max_memory_allocated``), counted from the same baseline as the RSS
-  peak by replaying the profiler's memory events (``benchmarks/_tensor_peak.py``), so blind to
+  peak by replaying the profiler's memory events (``benchmarks/lib/tensor_peak.py``), so blind to
   glibc: the training state live as the step starts (``tensors at step start``, also counted)
   plus what the step allocates above it, which is what the planner prices. At the highest step
   peak, the live blocks grouped by the ``record_function`` ranges they were allocated under
@@ -73,8 +73,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from _common import proc_status as _status
-from _tensor_peak import TensorTrace
+from lib.common import proc_status as _status
+from lib.tensor_peak import TensorTrace
 from partitioner import Cluster
 from partitioner.plan.layout import Option
 from partitioner.search import LayoutSearch

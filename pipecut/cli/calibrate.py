@@ -22,7 +22,7 @@ from partitioner.cost.probes import Probe
 from partitioner.errors import CliArgumentError
 from partitioner.plan.render import fmt_bytes, fmt_time
 from partitioner.zoo import load_model
-from pipecut.cli_common import folder_model, make_console, positive_count
+from pipecut.cli.common import folder_model, make_console, positive_count
 from pipecut.folder import is_hf_folder
 
 __all__ = ["add_calibrate_parser", "calibrate_command", "calibrated"]

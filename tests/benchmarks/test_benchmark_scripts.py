@@ -175,7 +175,7 @@ def test_memory_quick(tmp_path: Path, width: int, shard_mib: int) -> None:
         assert r["estimate"]["memory_bytes"] > 0 and r["times_s"]["load"] > 0 and r["times_s"]["step"] > 0
         assert r["peak_bytes"] == r["rss"]["after_step"]["VmHWM"] >= r["rss"]["after_load"]["VmHWM"]
         assert r["whole_model_rank_bytes"] > 0
-        if width >= 4096:  # 2 MiB a rank: an idle process with a process group outweighs it, and the whole
+        if width >= 4096:  # at 512 a rank's 2 MiB of stages weigh less than what its process group adds
             assert r["peak_bytes"] < r["whole_model_rank_bytes"]
     assert not list(tmp_path.glob("pipecut-memory-*")), "the checkpoint was not removed"
 

@@ -19,6 +19,7 @@ from bench_script import load_script, read_result, run_script
 pytest.importorskip("transformers")  # both scripts plan a GPT-2
 
 ROOT = Path(__file__).resolve().parents[2]
+MODELS_QUICK = ("mlp", "gpt2", "resnet", "unet")  # partition_quality.py --quick's models, in its order
 
 
 @pytest.fixture(scope="module")
@@ -31,19 +32,26 @@ def scale() -> ModuleType:
     return load_script("plan_scale")
 
 
-def test_partition_quality_quick(quality: ModuleType, tmp_path: Path) -> None:
+# The script's path is the same for every model (trace and cost once, cut per stage count, one
+# partition() call): the default profile runs it on the tiny MLP chain and the tiny U-Net (whose
+# skips cross every boundary), the long one on --quick's four models (GPT-2's trace, twice, is
+# most of that run's time).
+@pytest.mark.parametrize("models", [["mlp", "unet"], pytest.param(list(MODELS_QUICK), marks=pytest.mark.long)],
+                         ids=["mlp-unet", "quick"])
+def test_partition_quality_quick(quality: ModuleType, tmp_path: Path, models: list[str]) -> None:
     out = tmp_path / "pq.json"
-    argv = ["--quick", "--stages", "2,4", "--repeat", "1", "--out", str(out)]
+    chosen = ["--models", ",".join(models)] if models != list(MODELS_QUICK) else []
+    argv = ["--quick", *chosen, "--stages", "2,4", "--repeat", "1", "--out", str(out)]
     assert quality.main(argv) == 0
     data = read_result("partition_quality", argv, out)
     assert {"config", "env", "models", "results", "checks"} <= data.keys()
     assert data["config"]["stages"] == [2, 4]
-    assert [m["model"] for m in data["models"]] == ["mlp", "gpt2", "resnet", "unet"]
+    assert [m["model"] for m in data["models"]] == models
     for info in data["models"]:
         assert {"trace_s", "cost_s", "partition_call_s", "nodes", "units", "params"} <= info.keys()
         assert info["partition_call_stages"] == 2
     rows = data["results"]
-    assert len(rows) == 4 * 2 * len(quality.METHODS)
+    assert len(rows) == len(models) * 2 * len(quality.METHODS)
     for r in rows:
         assert {"bottleneck_s", "lower_bound_s", "ratio_to_lower_bound", "ratio_to_exact", "bytes_cut",
                 "planning_s", "fits_memory", "splits"} <= r.keys()
@@ -76,13 +84,16 @@ def test_partition_quality_raises_when_exact_loses(quality: ModuleType) -> None:
     quality._check_and_relate(results)
 
 
-def test_plan_scale_small_gpt2(scale: ModuleType, tmp_path: Path) -> None:
+# --quick's 2-layer toy in the default profile (a GPT-2's trace, run twice, is the time: it grows
+# with the layers); 4 layers, as many blocks as devices, in the long one.
+@pytest.mark.parametrize("n_layer", [2, pytest.param(4, marks=pytest.mark.long)], ids=["quick", "4-layers"])
+def test_plan_scale_small_gpt2(scale: ModuleType, tmp_path: Path, n_layer: int) -> None:
     out = tmp_path / "ps.json"
-    argv = ["--quick", "--n-layer", "4", "--out", str(out)]
+    argv = ["--quick", *(["--n-layer", str(n_layer)] if n_layer != 2 else []), "--out", str(out)]
     assert scale.main(argv) == 0
     data = read_result("plan_scale", argv, out)
     cfg = data["config"]
-    assert (cfg["n_layer"], cfg["n_embd"], cfg["devices"], cfg["microbatches"]) == (4, 256, 4, 4)
+    assert (cfg["n_layer"], cfg["n_embd"], cfg["devices"], cfg["microbatches"]) == (n_layer, 256, 4, 4)
     assert {"build_s", "trace_s", "cost_s", "partition_call_s", "script_s"} <= data["times_s"].keys()
     assert data["rss_gib"]["peak_gib"] > 0
     assert set(data["cuts"]) == {"node", "module"}
@@ -102,24 +113,34 @@ def test_plan_scale_small_gpt2(scale: ModuleType, tmp_path: Path) -> None:
     assert data["memory_model"]["inflight_per_stage"] == [4, 3, 2, 1]
 
 
-def test_model_families_quick(tmp_path: Path) -> None:
+# One family runs the script's path (plan, one step of each schedule against the plain model); a
+# decoder and an encoder side by side in the long profile. tests/test_families.py checks every
+# family's gradients (bert's among them) in the default profile.
+@pytest.mark.parametrize("names", [["gpt_neox"], pytest.param(["gpt_neox", "bert"], marks=pytest.mark.long)],
+                         ids=["gpt_neox", "gpt_neox-bert"])
+def test_model_families_quick(tmp_path: Path, names: list[str]) -> None:
     families = load_script("model_families")
     out = tmp_path / "mf.json"
-    assert families.main(["--families", "gpt_neox,bert", "--stages", "2", "--out", str(out)]) == 0
+    assert families.main(["--families", ",".join(names), "--stages", "2", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["meta"]["benchmark"] == "model_families"
     rows = data["results"]
-    assert [(r["family"], r["stages"]) for r in rows] == [("gpt_neox", 2), ("bert", 2)]
+    assert [(r["family"], r["stages"]) for r in rows] == [(n, 2) for n in names]
     for r in rows:
         assert r["ok"] and r["grad_mode_kept"] and r["ratio"] >= 1.0
         assert all(r[s]["ok"] and r[s]["grad_rel_diff"] < 1e-4 for s in families.SCHEDULES)
 
 
+# The default run: 4 layers of 512 (a MiB each, one per 1 MiB shard), where fresh processes'
+# start-up is the time; the long profile's, 4 layers of 4096 (64 MiB each), where a rank's peak is
+# its stages and not an idle process, so it also stays under the whole model's.
 @pytest.mark.multiprocess
-def test_memory_quick(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("width", "shard_mib"), [(512, 1), pytest.param(4096, 64, marks=pytest.mark.long)],
+                         ids=["width-512", "width-4096"])
+def test_memory_quick(tmp_path: Path, width: int, shard_mib: int) -> None:
     # A subprocess, as users run it: its spawned processes re-import the script as __main__.
     out = tmp_path / "memory.json"
-    argv = ["--ranks", "2", "--layers", "4", "--width", "4096", "--shard-mib", "64",
+    argv = ["--ranks", "2", "--layers", "4", "--width", str(width), "--shard-mib", str(shard_mib),
             "--tmpdir", str(tmp_path), "--out", str(out)]
     run = run_script("memory", argv, timeout=600)
     # A model this small misses the size targets (an idle process outweighs it): 1 is a verdict, not a crash.
@@ -138,17 +159,27 @@ def test_memory_quick(tmp_path: Path) -> None:
         assert r["param_bytes"] == data["model"]["bytes"] // 2 == r["grad_bytes"]
         assert r["estimate"]["memory_bytes"] > 0 and r["times_s"]["load"] > 0 and r["times_s"]["step"] > 0
         assert r["peak_bytes"] == r["rss"]["after_step"]["VmHWM"] >= r["rss"]["after_load"]["VmHWM"]
-        assert r["peak_bytes"] < r["whole_model_rank_bytes"]
+        assert r["whole_model_rank_bytes"] > 0
+        if width >= 4096:  # at 512 a rank's 2 MiB of stages weigh less than what its process group adds
+            assert r["peak_bytes"] < r["whole_model_rank_bytes"]
     assert not list(tmp_path.glob("pipecut-memory-*")), "the checkpoint was not removed"
 
 
-# --engines --quick spawns 4 fresh processes per engine. The default profile runs the two it compares
-# (replicated, FSDP) and tensor parallelism at the same pp (tp 2: 1 dp x 2 pp x 2 tp, --tp's pair
-# with replicate); ZeRO-1's sharded optimizer state is checked by tests/runtime/parallel/
-# test_data_parallel.py, and here beside them in the long profile (--quick's three engines).
+# --engines --quick spawns 4 fresh processes per engine, each rank tracing the tiny GPT-2 to plan
+# it (most of a spawn's time: one spawn is the smallest run of this path). The default profile runs
+# two engines, each in a test of its own: FSDP, the engine the benchmark is about (its sharded
+# state, the whole gradient before its reduce-scatter, the gathered units it is priced with), and
+# tensor parallelism at the same pp (tp 2: 1 dp x 2 pp x 2 tp); each is checked against its own
+# whole parameter count. Replicate (what the others are compared with) runs beside them in the long
+# profile, as does --quick's three engines (ZeRO-1's sharded optimizer state: also checked by
+# tests/runtime/parallel/test_data_parallel.py).
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("only", [["--only", "replicate;fsdp;tp 2"], pytest.param([], marks=pytest.mark.long)],
-                         ids=["replicate-fsdp-tp", "quick"])
+@pytest.mark.parametrize("only", [
+    ["--only", "fsdp"],
+    ["--only", "tp 2"],
+    pytest.param(["--only", "replicate;fsdp;tp 2"], marks=pytest.mark.long),
+    pytest.param([], marks=pytest.mark.long),
+], ids=["fsdp", "tp", "replicate-fsdp-tp", "quick"])
 def test_memory_engines_quick(tmp_path: Path, only: list[str]) -> None:
     # --engines: each rank's peak under each data-parallel engine on 2 dp x 2 pp (a tiny GPT-2).
     out = tmp_path / "memory_fsdp.json"
@@ -159,10 +190,10 @@ def test_memory_engines_quick(tmp_path: Path, only: list[str]) -> None:
     assert data["meta"]["benchmark"] == "memory_engines"
     assert data["meta"]["command"] == shlex.join(["python", "benchmarks/memory.py", *argv])  # --only's ; quoted
     ranks = data["ranks"]
-    engines = ["replicate", "fsdp", "tp 2"] if only else ["replicate", "replicate + ZeRO-1", "fsdp"]  # --quick: 3
+    engines = only[1].split(";") if only else ["replicate", "replicate + ZeRO-1", "fsdp"]  # --quick: 3
     assert list(ranks) == engines
     assert data["config"]["malloc_mmap_threshold"] == data["meta"]["env"]["MALLOC_MMAP_THRESHOLD_"] == "131072"
-    whole = ranks["replicate"]
+    whole = ranks.get("replicate")
     tp = ranks.pop("tp 2", None)
     if tp is not None:  # 1 dp x 2 pp x 2 tp: ranks 0, 1 run stage 0 and 2, 3 stage 1, each holding its shards
         assert data["config"]["engines"]["tp 2"] == {"data_parallel": {}, "plan_cut_for": "none", "priced_as": "none",
@@ -177,9 +208,9 @@ def test_memory_engines_quick(tmp_path: Path, only: list[str]) -> None:
         assert "median_step_s" in data["summary"]["tp 2"]
     for name, rows in ranks.items():
         assert [r["rank"] for r in rows] == [0, 1, 2, 3], name
-        for r, w in zip(rows, whole):
-            assert r["stages"] == w["stages"] and r["peak_bytes"] > 0 and r["predicted_bytes"] > 0
-            assert r["param_numel_whole"] == w["param_numel_whole"] and len(set(r["losses"])) > 1
+        assert sorted(s for r in rows for s in r["stages"]) == [0, 0, 1, 1], name  # 2 dp x 2 pp
+        for r in rows:
+            assert r["peak_bytes"] > 0 and r["predicted_bytes"] > 0 and len(set(r["losses"])) > 1
             assert all(math.isfinite(v) for v in r["losses"])
             assert r["malloc_mmap_threshold"] == "131072", name  # the spawned ranks inherited it
             # Tensors: the state live as a step starts, then what the step allocates above it.
@@ -189,19 +220,28 @@ def test_memory_engines_quick(tmp_path: Path, only: list[str]) -> None:
             assert r["tensor_live_at_peak"] and r["tensor_live_at_peak"][0]["bytes"] > 0, name
             # FSDP's gathered units are reserved on every rank beside its stage's memory; nothing otherwise.
             assert (r["predicted_gathered_bytes"] > 0) == (name == "fsdp"), name
+            whole_bytes = 4 * r["param_numel_whole"]  # fp32: the stage's weights whole
             if name.startswith("fsdp"):  # the shards at rest: half of each stage's weights (no padding here)
-                assert r["param_bytes"] * 2 == w["param_bytes"] == r["whole_grad_bytes_before_reduce"], name
-                assert r["optimizer_bytes"] * 2 == w["optimizer_bytes"], name
+                assert r["param_bytes"] * 2 == whole_bytes == r["whole_grad_bytes_before_reduce"], name
+                assert r["optimizer_bytes"] == 2 * r["param_bytes"], name  # AdamW's two moments, sharded
             else:
-                assert r["param_bytes"] == w["param_bytes"] and r["whole_grad_bytes_before_reduce"] is None
-    for r, w in zip(ranks.get("replicate + ZeRO-1", []), whole):
+                assert r["param_bytes"] == whole_bytes and r["whole_grad_bytes_before_reduce"] is None, name
+                if name == "replicate":
+                    assert r["optimizer_bytes"] == 2 * r["param_bytes"], name
+    for name, rows in ranks.items():  # beside replicate, when it ran: the same stages, the same model
+        for r, w in zip(rows, whole or []):
+            assert r["stages"] == w["stages"] and r["param_numel_whole"] == w["param_numel_whole"], name
+    for r, w in zip(ranks.get("replicate + ZeRO-1", []), whole or []):
         assert r["optimizer_bytes"] < w["optimizer_bytes"] == 2 * w["param_bytes"]  # AdamW's two moments
     # No engine keeps a whole copy of its weights beside its own (FSDP's shards included).
     assert all(r["stray_param_bytes"] == 0 for rows in ranks.values() for r in rows)
     s = data["summary"]
-    assert s["fsdp"]["param_bytes_vs_replicate"] == [0.5] * 4
-    assert {"max_peak_bytes", "max_predicted_bytes", "measured_over_predicted", "max_tensor_peak_bytes",
-            "tensor_peak_over_predicted", "median_step_s"} <= s["fsdp"].keys()
+    for name in ranks:
+        assert {"max_peak_bytes", "max_predicted_bytes", "measured_over_predicted", "max_tensor_peak_bytes",
+                "tensor_peak_over_predicted", "median_step_s"} <= s[name].keys(), name
+        assert ("param_bytes_vs_replicate" in s[name]) == (whole is not None), name
+    if whole is not None and "fsdp" in ranks:
+        assert s["fsdp"]["param_bytes_vs_replicate"] == [0.5] * 4
 
 
 def test_memory_engines_only_refuses_unknown_names(capsys: pytest.CaptureFixture[str]) -> None:

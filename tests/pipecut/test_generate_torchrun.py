@@ -109,40 +109,6 @@ def test_two_ranks_write_what_one_process_writes(
     _summary(done.stderr, records)
 
 
-def test_two_replicas_of_two_ranks_sample_what_one_process_samples(
-    folder: Path, prompts: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    alone = _one_process(capsys, _flags(folder, prompts, *SAMPLED))
-    out = tmp_path / "completions.jsonl"
-    ranks = spawn(generate, 4, _flags(folder, prompts, *SAMPLED, "--pp", "2", "--dp", "2", "--out", str(out)),
-                  timeout=300)
-    assert [(code, stdout) for code, stdout, _ in ranks] == [(0, "")] * 4  # with --out, nothing on any stdout
-    records = _records(out.read_text())
-    assert records == alone
-    stderr = "".join(err for _, _, err in ranks)  # what torchrun would show: every rank's stderr
-    assert "2 stages x 2 replicas on 4 processes, sampling" in stderr
-    _summary(stderr, records)
-
-
-@pytest.mark.long
-def test_two_replicas_of_two_ranks_sample_what_one_process_samples_under_torchrun(
-    folder: Path, prompts: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    out = tmp_path / "completions.jsonl"
-    job = _torchrun(4, _flags(folder, prompts, *SAMPLED, "--pp", "2", "--dp", "2", "--out", str(out)))
-    try:
-        alone = _one_process(capsys, _flags(folder, prompts, *SAMPLED))
-    except BaseException:
-        job.kill()
-        raise
-    done = _finished(job)
-    assert done.stdout.strip() == ""  # with --out, nothing on stdout, from any rank
-    records = _records(out.read_text())
-    assert records == alone
-    assert "2 stages x 2 replicas on 4 processes, sampling" in done.stderr
-    _summary(done.stderr, records)
-
-
 @pytest.fixture(scope="module")
 def broken(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A checkpoint of two shards, the head alone in the second: rank 1 alone reads it, and it is cut short."""
@@ -197,6 +163,41 @@ def test_any_ranks_failure_ends_every_rank_with_one_line_generating(failures: Ca
     assert "rank 1: RuntimeError: injected failure in rank 1's stage" in _error_line(results, 1)
     line = _error_line(results, 0)
     assert line.startswith("pipecut: error: rank 0: ") and "rank 1" in line  # the peer that failed, named
+
+
+# After the failure cases: the pool's first 2 ranks are started by then.
+def test_two_replicas_of_two_ranks_sample_what_one_process_samples(
+    folder: Path, prompts: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    alone = _one_process(capsys, _flags(folder, prompts, *SAMPLED))
+    out = tmp_path / "completions.jsonl"
+    ranks = spawn(generate, 4, _flags(folder, prompts, *SAMPLED, "--pp", "2", "--dp", "2", "--out", str(out)),
+                  timeout=600)
+    assert [(code, stdout) for code, stdout, _ in ranks] == [(0, "")] * 4  # with --out, nothing on any stdout
+    records = _records(out.read_text())
+    assert records == alone
+    stderr = "".join(err for _, _, err in ranks)  # what torchrun would show: every rank's stderr
+    assert "2 stages x 2 replicas on 4 processes, sampling" in stderr
+    _summary(stderr, records)
+
+
+@pytest.mark.long
+def test_two_replicas_of_two_ranks_sample_what_one_process_samples_under_torchrun(
+    folder: Path, prompts: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "completions.jsonl"
+    job = _torchrun(4, _flags(folder, prompts, *SAMPLED, "--pp", "2", "--dp", "2", "--out", str(out)))
+    try:
+        alone = _one_process(capsys, _flags(folder, prompts, *SAMPLED))
+    except BaseException:
+        job.kill()
+        raise
+    done = _finished(job)
+    assert done.stdout.strip() == ""  # with --out, nothing on stdout, from any rank
+    records = _records(out.read_text())
+    assert records == alone
+    assert "2 stages x 2 replicas on 4 processes, sampling" in done.stderr
+    _summary(done.stderr, records)
 
 
 def test_one_process_refuses_replicas_with_the_command_to_launch(

@@ -1,4 +1,4 @@
-"""What each gloo process of the ``pipecut generate`` failure tests runs (module-level, so ``spawn`` can pickle it)."""
+"""What each gloo process of the ``pipecut generate`` job tests runs (module-level, so the pool can pickle it)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import io
 from typing import Any
 
 from pipecut.cli import main
+
+__all__ = ["generate", "failure"]
 
 
 def _main(argv: list[str]) -> tuple[int, str, str]:
@@ -17,12 +19,21 @@ def _main(argv: list[str]) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
-def failures(rank: int, world: int, good: list[str], broken: list[str]) -> dict[str, Any]:
-    """On a 2-rank job: a layout that is not the world's, a checkpoint only rank 1 fails to load, then
-    rank 1 failing in the middle of generating (last: this rank's process then leaves the job)."""
+def generate(rank: int, world: int, argv: list[str]) -> tuple[int, str, str]:
+    """``pipecut generate argv`` on this rank of the job, as torchrun would start it."""
+    return _main(argv)
+
+
+def failure(rank: int, world: int, case: str, good: list[str], broken: list[str]) -> tuple[int, str, str]:
+    """One failure of a 2-rank job: ``'layout'``, a layout that is not the world's; ``'loading'``, a
+    checkpoint only rank 1 fails to load; ``'generating'``, rank 1 failing in the middle of generating."""
     from runtime.generate.stage import StageRunner
 
-    got: dict[str, Any] = {"layout": _main([*good, "--pp", "3", "--dp", "1"]), "loading": _main(broken)}
+    if case == "layout":
+        return _main([*good, "--pp", "3", "--dp", "1"])
+    if case == "loading":
+        return _main(broken)
+    assert case == "generating", case
     real = StageRunner.__call__
     calls = [0]
 
@@ -34,7 +45,6 @@ def failures(rank: int, world: int, good: list[str], broken: list[str]) -> dict[
 
     StageRunner.__call__ = failing  # type: ignore[method-assign]
     try:
-        got["generating"] = _main(good)
+        return _main(good)
     finally:
         StageRunner.__call__ = real  # type: ignore[method-assign]
-    return got

@@ -2,22 +2,28 @@
 
 Every dropout is zeroed (``families.zero_dropout``) and the model is in eval mode, so ``model.generate``
 and the generator run the same arithmetic. ``transformers`` is imported only when a model is built.
+:func:`planned` traces each family once per stage count per process (the test process, and each
+rank of the pool, which runs many cases).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from families import zero_dropout
 
-__all__ = ["CASES", "VOCAB", "PROMPTS", "build"]
+if TYPE_CHECKING:
+    from partitioner import Plan
+
+__all__ = ["CASES", "VOCAB", "PROMPTS", "EXAMPLE", "build", "planned"]
 
 VOCAB = 96
 # Ragged prompts, longer than the sliding windows below (4), of tokens above the special ids.
 PROMPTS = [[5, 17, 33, 8, 91, 40, 12], [60, 3, 77], [9, 9, 21, 54, 30]]
+EXAMPLE = (torch.zeros(1, 8, dtype=torch.long),)  # what the plans are traced with
 _LM = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
            intermediate_size=64, head_dim=8, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
            eos_token_id=2)
@@ -48,3 +54,18 @@ def build(name: str, seed: int = 0) -> nn.Module:
     cfg = zero_dropout(getattr(transformers, config_class)(**kwargs))
     torch.manual_seed(seed)
     return getattr(transformers, model_class)(cfg).eval()  # type: ignore[no-any-return]
+
+
+_PLANNED: dict[tuple[str, int], tuple[nn.Module, Plan]] = {}
+
+
+def planned(name: str, p: int) -> tuple[nn.Module, Plan]:
+    """Family ``name``'s model (seed 0) and its plan on ``p`` stages, traced once per process:
+    tracing (torch.export) is most of a generation test's time, and a generator leaves the plan
+    and the model as they were. A test that hooks the plan's modules partitions its own."""
+    from partitioner import partition
+
+    if (name, p) not in _PLANNED:
+        model = next((m for (n, _), (m, _) in _PLANNED.items() if n == name), None) or build(name)
+        _PLANNED[name, p] = (model, partition(model, EXAMPLE, p))
+    return _PLANNED[name, p]

@@ -1,5 +1,9 @@
 """Pipelined decoding: ranks as threads and as gloo processes, several groups of ragged prompts in flight, the
-same tokens as ``model.generate`` (greedy) and as one process (seeded sampling); the groups really overlap."""
+same tokens as ``model.generate`` (greedy) and as one process (seeded sampling); the groups really overlap.
+
+Each family is traced once per stage count in this process and in each rank of the pool
+(``gen_cases.planned``), so a test pays only for the plans no earlier test made; the gloo matrices
+run one case per test on the pool (``rank_pool.Cases``)."""
 
 from __future__ import annotations
 
@@ -7,12 +11,10 @@ from typing import Any
 
 import pytest
 import torch
-from gen_cases import PROMPTS, build
-from gen_workers import EXAMPLE, NEW, SAMPLING, families_over_gloo, generate_over_gloo
+from gen_cases import PROMPTS, build, planned
+from gen_workers import NEW, SAMPLING, family_over_gloo, generate_over_gloo
 
-from partitioner import partition
-from profiles import in_profile
-from rank_pool import spawn
+from rank_pool import Cases
 from runtime.generate import GenerateOptionError, Generator, Sampling, left_pad, rank_spans, split_groups
 
 transformers = pytest.importorskip("transformers")
@@ -33,7 +35,7 @@ def test_groups_and_ranks_are_dealt_in_contiguous_runs() -> None:
     assert split_groups(1, 3) == [range(1)]
     with pytest.raises(GenerateOptionError, match="groups must be an int >= 1, got 0"):
         split_groups(3, 0)
-    spans = Generator(partition(build("llama"), EXAMPLE, 4)).spans
+    spans = Generator(planned("llama", 4)[1]).spans
     assert [[s.index for s in run] for run in rank_spans(spans, 2)] == [[0, 1], [2, 3]]
     with pytest.raises(GenerateOptionError, match="4 stages cannot be dealt to 3 pipeline ranks"):
         rank_spans(spans, 3)
@@ -42,23 +44,29 @@ def test_groups_and_ranks_are_dealt_in_contiguous_runs() -> None:
 @pytest.mark.parametrize("name", ["llama", "gemma2"])
 def test_threads_give_generates_greedy_tokens_whatever_the_group_count(name: str) -> None:
     want = _reference(name)
-    gen = Generator(partition(build(name), EXAMPLE, 2), transport="threads")
+    plan = planned(name, 2)[1]
+    gen = Generator(plan, transport="threads")
     for groups in (None, 1, 3, 6):
         got = gen.generate(MANY, max_new_tokens=NEW, eos_token_id=2, pad_token_id=0, groups=groups)
         assert torch.equal(got.sequences, want), (groups, got.sequences.tolist(), want.tolist())
-    # 4 stages on 2 thread ranks (each rank runs 2 stages), and all in this thread with groups taking turns.
-    four = Generator(partition(build(name), EXAMPLE, 4), transport="threads", pp=2)
-    assert torch.equal(four.generate(MANY, max_new_tokens=NEW, eos_token_id=2, pad_token_id=0, groups=2).sequences,
-                       want)
-    one = Generator(partition(build(name), EXAMPLE, 2), transport="sequential")
+    # All in this thread, with groups taking turns.
+    one = Generator(plan, transport="sequential")
     assert torch.equal(one.generate(MANY, max_new_tokens=NEW, eos_token_id=2, pad_token_id=0, groups=4).sequences,
                        want)
 
 
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_four_stages_on_two_thread_ranks_give_generates_greedy_tokens(name: str) -> None:
+    # Each rank runs 2 stages, 2 groups in flight.
+    four = Generator(planned(name, 4)[1], transport="threads", pp=2)
+    assert torch.equal(four.generate(MANY, max_new_tokens=NEW, eos_token_id=2, pad_token_id=0, groups=2).sequences,
+                       _reference(name))
+
+
 def test_stops_and_logits_per_group_are_the_sequential_ones() -> None:
-    model = build("llama")
-    plain = Generator(partition(model, EXAMPLE, 2))
-    threads = Generator(partition(model, EXAMPLE, 2), transport="threads")
+    plan = planned("llama", 2)[1]
+    plain = Generator(plan)
+    threads = Generator(plan, transport="threads")
     free = plain.generate(MANY, max_new_tokens=NEW, eos_token_id=[], pad_token_id=0)
     eos = free.tokens[0][1]  # sequence 0 (group 0) stops at its second token
     limits = [1, 4, 0, 6, 2, 3]
@@ -78,19 +86,18 @@ def test_stops_and_logits_per_group_are_the_sequential_ones() -> None:
 
 
 def test_sampled_tokens_are_the_same_across_transports_groups_and_stage_counts() -> None:
-    model = build("gemma2")
     sampling = Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=3)
-    want = Generator(partition(model, EXAMPLE, 2)).generate(MANY, max_new_tokens=NEW, eos_token_id=[],
-                                                            sampling=sampling).tokens
+    want = Generator(planned("gemma2", 2)[1]).generate(MANY, max_new_tokens=NEW, eos_token_id=[],
+                                                       sampling=sampling).tokens
     for p, groups in ((2, 2), (2, 6), (4, 3)):
-        gen = Generator(partition(model, EXAMPLE, p), transport="threads")
+        gen = Generator(planned("gemma2", p)[1], transport="threads")
         assert gen.generate(MANY, max_new_tokens=NEW, eos_token_id=[], sampling=sampling, groups=groups).tokens == want
 
 
 def test_the_first_rank_starts_the_next_group_before_the_last_rank_returns_a_group() -> None:
     """The order each rank ran its steps in (not their timing): with groups in flight rank 0 runs group g + 1's
     step while group g's is on rank 1; with one group, the ranks take turns."""
-    gen = Generator(partition(build("llama"), EXAMPLE, 2), transport="threads")
+    gen = Generator(planned("llama", 2)[1], transport="threads")
     out = gen.generate(MANY, max_new_tokens=4, eos_token_id=[], pad_token_id=0, groups=2)
     per_rank = {r: [(s.group, s.step) for s in out.timeline if s.rank == r] for r in (0, 1)}
     # Each rank takes the groups in turn: group 1's step k comes before group 0's step k + 1 on both ranks.
@@ -104,52 +111,17 @@ def test_the_first_rank_starts_the_next_group_before_the_last_rank_returns_a_gro
 
 
 def test_bad_transport_options_say_what_to_do() -> None:
-    plan = partition(build("llama"), EXAMPLE, 2)
+    plan = planned("llama", 2)[1]
     with pytest.raises(GenerateOptionError, match="transport must be 'auto', 'sequential', 'threads' or 'dist'"):
         Generator(plan, transport="local")
     with pytest.raises(GenerateOptionError, match="dp=2 needs transport='dist'"):
         Generator(plan, transport="threads", dp=2)
 
 
-def _overlaps(timeline: list[Any]) -> int:
-    """How many steps rank 1 ran on some group while rank 0 was running a step of another group."""
-    ones, zeros = [s for s in timeline if s[0] == 1], [s for s in timeline if s[0] == 0]
-    return sum(1 for x in ones for y in zeros if y[1] != x[1] and y[3] < x[4] and x[3] < y[4])
-
-
-@pytest.mark.multiprocess
-def test_two_gloo_processes_give_generates_tokens_with_groups_in_flight() -> None:
-    results = spawn(generate_over_gloo, 2, MANY, 1, timeout=300)
-    for name in ("llama", "gemma2"):
-        want = _reference(name)
-        for r in (0, 1):
-            assert results[r][name][0] == want.tolist(), (name, r)
-        # Rank 1 ran some group's step while rank 0 ran another group's: both processes busy at once.
-        timeline = results[0][name][1] + results[1][name][1]
-        assert {s[0] for s in results[1][name][1]} == {1}
-        assert _overlaps(timeline) > 0, timeline
-    one = Generator(partition(build("llama"), EXAMPLE, 2)).generate(MANY, max_new_tokens=NEW, eos_token_id=[],
-                                                                    sampling=SAMPLING)
-    assert results[0]["sampled"] == results[1]["sampled"] == one.tokens
-
-
-@pytest.mark.multiprocess
-@pytest.mark.slow
-def test_data_parallel_replicas_split_the_prompts() -> None:
-    results = spawn(generate_over_gloo, 4, MANY, 2, timeout=400)  # 2 replicas x 2 pipeline ranks
-    want = _reference("llama")
-    for r in range(4):
-        assert results[r]["llama"][0] == want.tolist(), r
-    # Replica 1's ranks (world ranks 2, 3) ran rows 3-5 only: its groups are numbered from 0 in its own pipeline.
-    assert {s[0] for s in results[3]["llama"][1]} == {1}
-    steps0 = results[0]["llama"][1]
-    assert {s[1] for s in steps0} == {0, 1, 2}
-
-
 def test_groups_that_end_give_their_place_to_the_next_continuous_batching() -> None:
     want = _reference("llama")
-    model = build("llama")
-    gen = Generator(partition(model, EXAMPLE, 2), transport="threads")
+    plan = planned("llama", 2)[1]
+    gen = Generator(plan, transport="threads")
     got = gen.generate(MANY, max_new_tokens=NEW, eos_token_id=2, pad_token_id=0, groups=2, group_size=2)
     assert torch.equal(got.sequences, want)
     # Three groups of two, two in flight: the third starts only once one of the first two has ended everywhere.
@@ -158,7 +130,7 @@ def test_groups_that_end_give_their_place_to_the_next_continuous_batching() -> N
     first_of_third = min(s.start for s in got.timeline if s.group == 2)
     assert first_of_third >= min(last.values()), (first_of_third, last)
     # One group at a time in one thread, and seeded samples, give the same tokens too.
-    one = Generator(partition(model, EXAMPLE, 2), transport="sequential")
+    one = Generator(plan, transport="sequential")
     assert torch.equal(one.generate(MANY, max_new_tokens=NEW, eos_token_id=2, pad_token_id=0, group_size=4).sequences,
                        want)
     sampling = Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=3)
@@ -169,9 +141,10 @@ def test_groups_that_end_give_their_place_to_the_next_continuous_batching() -> N
         gen.generate(MANY, max_new_tokens=NEW, group_size=0)
 
 
-def test_a_sequence_that_stops_leaves_its_group_and_every_stages_cache() -> None:
-    model = build("qwen2")
-    gen = Generator(partition(model, EXAMPLE, 2))
+# llama by default (its plan is made already); qwen2 (biased projections) in the long profile.
+@pytest.mark.parametrize("name", ["llama", pytest.param("qwen2", marks=pytest.mark.long)])
+def test_a_sequence_that_stops_leaves_its_group_and_every_stages_cache(name: str) -> None:
+    gen = Generator(planned(name, 2)[1])
     limits = [1, 4, 0, 6, 2, 3]
     out = gen.generate(MANY, max_new_tokens=limits, eos_token_id=[], pad_token_id=0)
     assert [len(t) for t in out.tokens] == limits
@@ -187,30 +160,79 @@ def test_a_sequence_that_stops_leaves_its_group_and_every_stages_cache() -> None
     assert list(out.tokens) == [t[:n] for t, n in zip(full.tokens, limits)]
 
 
-# Every family over gloo, on 2 and on 4 processes (a stage each): greedy as generate, groups in flight and rolling
-# groups (continuous batching); seeded samples as one process. The long profile runs the rest of each matrix.
-FAMILIES = ("llama", "qwen2", "mistral", "gemma2", "gpt2", "phi3", "mixtral", "qwen2_moe")
-_GLOO_CASES = {
-    2: in_profile(dict.fromkeys(FAMILIES), {"llama", "qwen2", "gemma2", "gpt2", "phi3", "mixtral"}),
-    4: in_profile(dict.fromkeys(FAMILIES), {"llama", "qwen2", "mistral", "gemma2", "phi3", "qwen2_moe"}),
-}
+def _overlaps(timeline: list[Any]) -> int:
+    """How many steps rank 1 ran on some group while rank 0 was running a step of another group."""
+    ones, zeros = [s for s in timeline if s[0] == 1], [s for s in timeline if s[0] == 0]
+    return sum(1 for x in ones for y in zeros if y[1] != x[1] and y[3] < x[4] and x[3] < y[4])
+
+
+@pytest.fixture(scope="module")
+def pipelines() -> dict[int, Cases]:
+    """2-stage pipelines over gloo, keyed by (what, dp): 2 processes with dp=1, 4 with dp=2."""
+    return {1: Cases(generate_over_gloo, 2, MANY, timeout=300),
+            2: Cases(generate_over_gloo, 4, MANY, timeout=400)}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_two_gloo_processes_give_generates_tokens_with_groups_in_flight(name: str, pipelines: dict[int, Cases]) -> None:
+    results = pipelines[1]((name, 1))
+    want = _reference(name)
+    for r in (0, 1):
+        assert results[r][0] == want.tolist(), (name, r)
+    # Rank 1 ran some group's step while rank 0 ran another group's: both processes busy at once.
+    timeline = results[0][1] + results[1][1]
+    assert {s[0] for s in results[1][1]} == {1}
+    assert _overlaps(timeline) > 0, timeline
+
+
+@pytest.mark.multiprocess
+def test_two_gloo_processes_sample_what_one_process_samples(pipelines: dict[int, Cases]) -> None:
+    results = pipelines[1](("sampled", 1))
+    one = Generator(planned("llama", 2)[1]).generate(MANY, max_new_tokens=NEW, eos_token_id=[], sampling=SAMPLING)
+    assert results[0] == results[1] == one.tokens
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 4])
-def test_every_family_over_gloo_gives_generates_tokens(world: int) -> None:
-    names = list(_GLOO_CASES[world])
-    results = spawn(families_over_gloo, world, MANY, names, timeout=600)
-    for name in names:
-        want = _reference(name).tolist()
-        one = Generator(partition(build(name), EXAMPLE, 2)).generate(MANY, max_new_tokens=NEW, eos_token_id=[],
-                                                                     sampling=SAMPLING)
-        for r in range(world):
-            flight, rolling, sampled, groups = results[r][name]
-            assert flight == want and rolling == want, (name, world, r)
-            assert sampled == one.tokens, (name, world, r)
-            assert groups == [0, 1, 2], (name, r)  # the six prompts as three groups of two, two in flight
+def test_data_parallel_replicas_split_the_prompts(pipelines: dict[int, Cases]) -> None:
+    results = pipelines[2](("llama", 2))  # 2 replicas x 2 pipeline ranks
+    want = _reference("llama")
+    for r in range(4):
+        assert results[r][0] == want.tolist(), r
+    # Replica 1's ranks (world ranks 2, 3) ran rows 3-5 only: its groups are numbered from 0 in its own pipeline.
+    assert {s[0] for s in results[3][1]} == {1}
+    steps0 = results[0][1]
+    assert {s[1] for s in steps0} == {0, 1, 2}
+
+
+# Every family over gloo, on 2 and on 4 processes (a stage each): greedy as generate, groups in flight and rolling
+# groups (continuous batching); seeded samples as one process. By default, one case per test: the families
+# over gloo above (llama, gemma2) and the sliding window (mistral) and mixture of experts (qwen2_moe) on 2
+# processes, gpt2 on 4 (its own attention and positions; a rank between two others). Every family runs in
+# threads by default (test_generator.py); the long profile runs the rest of this matrix.
+FAMILIES = ("llama", "qwen2", "mistral", "gemma2", "gpt2", "phi3", "mixtral", "qwen2_moe")
+_DEFAULT = {2: ("mistral", "qwen2_moe"), 4: ("gpt2",)}
+
+
+@pytest.fixture(scope="module")
+def families() -> dict[int, Cases]:
+    return {world: Cases(family_over_gloo, world, MANY, timeout=600) for world in (2, 4)}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("world, name", [
+    (w, n) if n in _DEFAULT[w] else pytest.param(w, n, marks=pytest.mark.long) for w in (2, 4) for n in FAMILIES])
+def test_every_family_over_gloo_gives_generates_tokens(world: int, name: str, families: dict[int, Cases]) -> None:
+    results = families[world](name)
+    want = _reference(name).tolist()
+    one = results[0]["one"]  # the same plan's samples from one process, on rank 0
+    for r in range(world):
+        got = results[r]
+        assert got["flight"] == want and got["rolling"] == want, (name, world, r)
+        assert got["sampled"] == one, (name, world, r)
+        assert got["groups"] == [0, 1, 2], (name, r)  # the six prompts as three groups of two, two in flight
 
 
 def test_a_chunked_prefill_too_fine_or_too_many_groups_is_refused() -> None:

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from gen_cases import CASES, PROMPTS, build
+from gen_cases import CASES, EXAMPLE, PROMPTS, build, planned
 
 from partitioner import partition
 from profiles import LONG
@@ -23,20 +23,6 @@ NEW = 6  # new tokens: prompts of 3-7 tokens grow past the sliding windows (4)
 # The families generated on 4 stages too by default (each of their stages holds one kind of layer
 # on 2 stages, a mixture of kinds on 4); the long profile runs every family on 4.
 _FOUR_STAGES = ("gemma2", "qwen2_mixed")
-EXAMPLE = (torch.zeros(1, 8, dtype=torch.long),)
-
-
-_PLANNED: dict[tuple[str, int], tuple[Any, Any]] = {}
-
-
-def _planned(name: str, p: int) -> tuple[Any, Any]:
-    """Family ``name``'s model (seed 0) and its plan on ``p`` stages, traced once per file: tracing
-    is most of a test's time, and a generator leaves the plan and the model as they were. A test
-    that hooks the plan's modules partitions its own."""
-    if (name, p) not in _PLANNED:
-        model = next((m for (n, _), (m, _) in _PLANNED.items() if n == name), None) or build(name)
-        _PLANNED[name, p] = (model, partition(model, EXAMPLE, p))
-    return _PLANNED[name, p]
 
 
 def _reference(model: Any, eos: int | list[int] = 2, new: int = NEW) -> Any:
@@ -59,9 +45,9 @@ def _positions_per_call(gen: Generator) -> list[list[int]]:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_greedy_tokens_are_generates_on_2_and_4_stages(name: str) -> None:
-    want = _reference(_planned(name, 2)[0])
+    want = _reference(planned(name, 2)[0])
     for p in (2, 4) if LONG or name in _FOUR_STAGES else (2,):
-        plan = _planned(name, p)[1]
+        plan = planned(name, p)[1]
         gen = Generator(plan)
         assert [len(s.layers) for s in gen.spans] == [4 // p] * p
         got = gen.generate(PROMPTS, max_new_tokens=NEW, eos_token_id=2, pad_token_id=0, output_logits=True)
@@ -97,7 +83,7 @@ def test_the_cache_is_used_each_decode_step_sends_one_position_per_sequence() ->
 
 
 def test_each_sequence_stops_at_its_eos_or_its_own_limit() -> None:
-    model, plan = _planned("llama", 2)
+    model, plan = planned("llama", 2)
     gen = Generator(plan)
     free = gen.generate(PROMPTS, max_new_tokens=NEW, eos_token_id=[], pad_token_id=0)
     eos = free.tokens[0][1]  # sequence 0's second token: it stops there (others may too, later or not)
@@ -115,10 +101,10 @@ def test_each_sequence_stops_at_its_eos_or_its_own_limit() -> None:
 
 def test_sampling_with_a_seed_gives_the_same_tokens_on_2_and_4_stages() -> None:
     sampling = Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=3)
-    runs = [Generator(_planned("gemma2", p)[1]).generate(PROMPTS, max_new_tokens=NEW, eos_token_id=[],
+    runs = [Generator(planned("gemma2", p)[1]).generate(PROMPTS, max_new_tokens=NEW, eos_token_id=[],
                                                              sampling=sampling) for p in (2, 4)]
     assert runs[0].tokens == runs[1].tokens
-    again = Generator(_planned("gemma2", 2)[1])
+    again = Generator(planned("gemma2", 2)[1])
     assert again.generate(PROMPTS, max_new_tokens=NEW, eos_token_id=[], sampling=sampling).tokens == runs[0].tokens
     other = again.generate(PROMPTS, max_new_tokens=NEW, eos_token_id=[], sampling=Sampling(0.8, 20, 0.9, seed=4))
     assert other.tokens != runs[0].tokens
@@ -143,7 +129,7 @@ def test_a_meta_model_is_built_and_loaded_per_stage(tmp_path: Path) -> None:
 
 
 def test_tensor_prompts_with_a_mask_and_bad_options() -> None:
-    gen = Generator(_planned("gpt2", 2)[1])
+    gen = Generator(planned("gpt2", 2)[1])
     ids, mask = left_pad(PROMPTS, pad_token_id=0)
     as_lists = gen.generate(PROMPTS, max_new_tokens=2, eos_token_id=[], pad_token_id=0)
     assert torch.equal(gen.generate(ids, attention_mask=mask, max_new_tokens=2, eos_token_id=[],
@@ -166,7 +152,7 @@ def test_bf16_reaches_every_rank_thread_whatever_the_transport() -> None:
     # autocast's state is per thread: a caller's torch.autocast must still reach the stage threads.
     from runtime.precision import AutocastConflictError, PrecisionError
 
-    plan = _planned("llama", 2)[1]
+    plan = planned("llama", 2)[1]
     run = dict(max_new_tokens=NEW, eos_token_id=[], output_logits=True, groups=1)
     sequential = Generator(plan, transport="sequential", precision="bf16").generate(PROMPTS, **run)
     threads = Generator(plan, transport="threads", precision="bf16").generate(PROMPTS, **run)
@@ -193,11 +179,11 @@ def test_bf16_reaches_every_rank_thread_whatever_the_transport() -> None:
 def test_a_prompt_in_pieces_gives_generates_tokens_and_logits(name: str) -> None:
     # A chunked prefill: the padded prompt (7 positions) enters in pieces of 3, 3 and 1; each stage
     # extends its cache piece by piece (sliding windows of 4 included), then decodes as before.
-    model = _planned(name, 2)[0]
+    model = planned(name, 2)[0]
     want = _reference(model)
     width = max(len(p) for p in PROMPTS)
     for p, transport, groups in ((2, "threads", 1), (2, "threads", 2), (4, "sequential", 2)):
-        gen = Generator(_planned(name, p)[1], transport=transport)
+        gen = Generator(planned(name, p)[1], transport=transport)
         got = gen.generate(PROMPTS, max_new_tokens=NEW, eos_token_id=2, pad_token_id=0, output_logits=True,
                            groups=groups, prefill_chunk=3)
         assert torch.equal(got.sequences, want.sequences), (p, groups, got.sequences.tolist())

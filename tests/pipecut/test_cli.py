@@ -20,9 +20,20 @@ def test_plan_command_prints_and_writes(tmp_path: Path, capsys: pytest.CaptureFi
     assert dot.read_text().startswith("digraph")
 
 
-def test_gpt2_tiny_by_name(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["plan", "gpt2-tiny", "--stages", "4"]) == 0
-    out = capsys.readouterr().out
+@pytest.fixture(scope="module")
+def gpt2_tiny_fp32() -> str:
+    """What `pipecut plan gpt2-tiny --stages 2` prints (tracing gpt2-tiny is most of a plan's time: done once)."""
+    import contextlib
+    import io
+
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(io.StringIO()) as out:
+        mp.delenv("COLUMNS", raising=False)  # as the tests' own autouse fixture does, which a module's runs before
+        assert main(["plan", "gpt2-tiny", "--stages", "2"]) == 0
+    return out.getvalue()
+
+
+def test_gpt2_tiny_by_name(gpt2_tiny_fp32: str) -> None:
+    out = gpt2_tiny_fp32
     assert "transformer.h" in out and "shared parameters" in out
 
 
@@ -93,11 +104,10 @@ def test_plan_command_recompute_flag(capsys: pytest.CaptureFixture[str]) -> None
     assert "activation recomputation" not in capsys.readouterr().out  # memory does not bind
 
 
-def test_plan_command_precision_flag(capsys: pytest.CaptureFixture[str]) -> None:
+def test_plan_command_precision_flag(gpt2_tiny_fp32: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "gpt2-tiny", "--stages", "2", "--precision", "bf16"]) == 0
     bf16 = capsys.readouterr().out
-    assert main(["plan", "gpt2-tiny", "--stages", "2"]) == 0
-    fp32 = capsys.readouterr().out
+    fp32 = gpt2_tiny_fp32
     # The plan's title (after the line naming this machine's device, the default) says the precision.
     bf16_title, fp32_title = (next(line for line in out.splitlines() if line.startswith("pipecut plan:"))
                               for out in (bf16, fp32))

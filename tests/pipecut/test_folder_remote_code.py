@@ -62,7 +62,8 @@ def _pipecut(args: list[str], tmp_path: Path, stdin: str) -> subprocess.Complete
                           timeout=240, cwd=tmp_path, env=env)
 
 
-@pytest.mark.parametrize("stdin", ["", "y\n"], ids=["no-input", "yes-on-stdin"])
+# A "y" on stdin is refused as no input is: one mechanism (nothing is asked), so no input is the long profile's.
+@pytest.mark.parametrize("stdin", [pytest.param("", marks=pytest.mark.long), "y\n"], ids=["no-input", "yes-on-stdin"])
 def test_a_folder_with_its_own_code_is_refused_and_none_of_it_runs(
     stdin: str, tmp_path: Path, token_file: Path
 ) -> None:

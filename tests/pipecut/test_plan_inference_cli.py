@@ -19,13 +19,29 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]
     return code, out, err
 
 
+# 4 sequences of 48 positions (prompt 16) on 2 cpu stages; --precision adds to it.
+_FOUR_OF_48 = ["--inference", "--batch", "4", "--max-len", "48", "--stages", "2", "--device", "cpu", "--seq-len", "16"]
+
+
+@pytest.fixture(scope="module")
+def fp32_plan(llama_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, str, Path]:
+    """`pipecut plan FOLDER _FOUR_OF_48 --json PATH` at 200 columns: its code, stdout, stderr and PATH (made once:
+    tracing the model is most of a plan's time)."""
+    import contextlib
+    import io
+
+    path = tmp_path_factory.mktemp("inference") / "plan.json"
+    out, err = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        mp.setenv("COLUMNS", "200")
+        code = main(["plan", str(llama_folder), *_FOUR_OF_48, "--json", str(path)])
+    return code, out.getvalue(), err.getvalue(), path
+
+
 def test_the_table_shows_what_each_stage_holds_and_the_summary_how_many_fit(
-    llama_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    fp32_plan: tuple[int, str, str, Path],
 ) -> None:
-    monkeypatch.setenv("COLUMNS", "200")
-    path = tmp_path / "plan.json"
-    code, out, err = _run(capsys, str(llama_folder), "--inference", "--batch", "4", "--max-len", "48", "--stages",
-                          "2", "--device", "cpu", "--seq-len", "16", "--json", str(path))
+    code, out, err, path = fp32_plan
     assert code == 0, err
     for column in ("weights", "KV cache", "working", "memory / usable", "sequences", "decode step"):
         assert column in out
@@ -39,14 +55,13 @@ def test_the_table_shows_what_each_stage_holds_and_the_summary_how_many_fit(
 
 
 def test_bf16_halves_the_cache_and_the_weights(
-    llama_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    fp32_plan: tuple[int, str, str, Path], llama_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
 ) -> None:
+    bf16 = tmp_path / "bf16.json"
+    code, _, err = _run(capsys, str(llama_folder), *_FOUR_OF_48, "--precision", "bf16", "--json", str(bf16))
+    assert code == 0, err
     sizes = {}
-    for precision in ("fp32", "bf16"):
-        path = tmp_path / f"{precision}.json"
-        code, _, err = _run(capsys, str(llama_folder), "--inference", "--batch", "2", "--max-len", "32", "--stages",
-                            "2", "--device", "cpu", "--precision", precision, "--json", str(path))
-        assert code == 0, err
+    for precision, path in (("fp32", fp32_plan[3]), ("bf16", bf16)):  # fp32: the default precision
         stages = json.loads(path.read_text())["stages"]
         sizes[precision] = (sum(st["kv_bytes"] for st in stages), sum(st["state_bytes"] for st in stages))
     assert sizes["bf16"][0] * 2 == sizes["fp32"][0] and sizes["bf16"][1] < 0.6 * sizes["fp32"][1]

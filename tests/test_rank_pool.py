@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from rank_pool import LaunchError, RankPool
+from test_errors import _exit_quietly_on_rank1, _raise_on_rank1  # what spawn's own tests run
 
 
 def _sum_of_ranks(rank: int, world: int, scale: int) -> dict[str, Any]:
@@ -43,19 +44,6 @@ def _what_a_case_finds(rank: int, world: int) -> dict[str, Any]:
             "draw": torch.rand(1).item(), "pid": os.getpid()}
 
 
-def _rank_1_raises(rank: int, world: int) -> int:
-    if rank == 1:
-        raise RuntimeError("rank 1 was told to fail")
-    dist.barrier()  # rank 0 waits for a peer that never comes: the pool must not wait out the timeout
-    return rank
-
-
-def _exit_quietly_on_rank1(rank: int, world: int) -> int:
-    if rank == 1:
-        os._exit(0)  # ends the process without reporting a result or an error
-    return rank
-
-
 @pytest.mark.multiprocess
 def test_one_pool_runs_many_cases_each_in_a_group_of_its_own() -> None:
     pool = RankPool(size=2, warm=())  # torch only: the cases need nothing else
@@ -65,8 +53,8 @@ def test_one_pool_runs_many_cases_each_in_a_group_of_its_own() -> None:
         first = pool.run(_what_a_case_finds, 2)
         pool.run(_leave_a_mess, 2)
         after = pool.run(_what_a_case_finds, 2)
-        with pytest.raises(LaunchError, match=r"of 2 failed; rank 1 failed first:(.|\n)*rank 1 was told to fail"):
-            pool.run(_rank_1_raises, 2, timeout=60)
+        with pytest.raises(LaunchError, match=r"of 2 failed; rank 1 failed first:(.|\n)*ValueError: rank 1 gives up"):
+            pool.run(_raise_on_rank1, 2, timeout=60)
         again = pool.run(_sum_of_ranks, 2, 1)
         with pytest.raises(LaunchError, match=r"rank\(s\) \[1\] of 2 failed; rank 1 failed first:\n"
                                               r"process exited \(code 0\) without reporting a result"):

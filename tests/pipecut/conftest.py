@@ -53,6 +53,19 @@ def write_tokenizer(directory: Path) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="<unk>").save_pretrained(directory)
 
 
+def write_lines(path: Path, lines: list[str]) -> Path:
+    """``lines`` written to ``path``, one per line (a prompts file, say)."""
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def generation_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Llama folder whose vocabulary is close to the tokenizer's (53 tokens), so that most new
+    tokens decode to text: what the generation commands are tried on."""
+    return write_llama(tmp_path_factory.mktemp("gen-llama"), vocab_size=64)
+
+
 @pytest.fixture(scope="session")
 def llama_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_llama(tmp_path_factory.mktemp("llama"))

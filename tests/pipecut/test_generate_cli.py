@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import write_llama
+from conftest import write_lines, write_llama
 from pipecut.cli import EXIT_ERROR, main
 from pipecut.generate.prompts import PromptsError, read_prompts
 from test_readme import readme_block
@@ -23,16 +23,13 @@ FIELDS = {"prompt", "completion", "prompt_tokens", "completion_tokens", "seconds
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # The model's vocabulary close to the tokenizer's (53 tokens), so most new tokens decode to text.
-    return write_llama(tmp_path_factory.mktemp("gen-llama"), vocab_size=64)
+def folder(generation_folder: Path) -> Path:
+    return generation_folder
 
 
 @pytest.fixture(scope="module")
 def prompts(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
-    path.write_text("\n".join(PROMPTS) + "\n")
-    return path
+    return write_lines(tmp_path_factory.mktemp("prompts") / "prompts.jsonl", PROMPTS)
 
 
 def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[list[dict[str, object]], str]:

@@ -20,7 +20,7 @@ import pytest
 from gen_cli_workers import failure, generate
 from test_generate_cli import PROMPTS
 
-from conftest import write_llama
+from conftest import write_lines
 from pipecut.cli import EXIT_ERROR, main
 from rank_pool import Cases, spawn
 
@@ -34,15 +34,13 @@ SAMPLED = ["--temperature", "1.3", "--top-k", "40", "--seed", "5"]
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_llama(tmp_path_factory.mktemp("torchrun-llama"), vocab_size=64)
+def folder(generation_folder: Path) -> Path:
+    return generation_folder
 
 
 @pytest.fixture(scope="module")
 def prompts(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("torchrun-prompts") / "prompts.jsonl"
-    path.write_text("\n".join(MORE) + "\n")
-    return path
+    return write_lines(tmp_path_factory.mktemp("torchrun-prompts") / "prompts.jsonl", MORE)
 
 
 def _flags(folder: Path, prompts: Path, *extra: str) -> list[str]:

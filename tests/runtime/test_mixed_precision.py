@@ -30,7 +30,9 @@ import pytest
 import torch
 from torch import nn
 
-from parity import case, make_trainer
+from parity import case, make_trainer, plan_once
+from partitioner.search import LayoutSearch
+from rank_pool import Cases
 from runtime.precision import LossScaler, MixedPrecision, PrecisionError, wire_dtypes
 from runtime.transport.p2p import LocalTransport, TensorMeta
 
@@ -38,6 +40,17 @@ from runtime.transport.p2p import LocalTransport, TensorMeta
 TIGHT = 1e-6
 CAST = 2e-2
 CAST_LOSS = 3e-4
+
+# GPT-2 traced once by this test process per stage count and planned from that trace for each test
+# (``parity.plan_once``; tracing is most of a test's time): each test's trainer is the only one alive.
+_SEARCHES: dict[tuple[str, int], LayoutSearch] = {}
+
+
+def _planned(name: str, stages: int, schedule: str) -> dict[str, Any]:
+    """Parity's case ``name`` on ``stages``; GPT-2's plan for ``schedule`` from this process's trace."""
+    c = case(name, stages)
+    plan_once(c, name, stages, schedule, _SEARCHES)
+    return c
 
 
 def _accumulated(
@@ -67,7 +80,7 @@ def _rel_err(trainer: Any, want: dict[str, torch.Tensor]) -> float:
 @pytest.mark.parametrize("name", ["mlp", "gpt2"])
 @pytest.mark.parametrize("schedule", ["1f1b", "zbh1", "gpipe"])
 def test_bf16_uncast_wire_equals_plain_autocast(name: str, schedule: str) -> None:
-    c = case(name, 2)
+    c = _planned(name, 2, schedule)
     ref = copy.deepcopy(c["model"])
     trainer = make_trainer(c, 2, schedule, precision=MixedPrecision("bf16", cast_activations=False))
     loss = trainer.forward_backward(c["x"], c["y"])
@@ -81,7 +94,7 @@ def test_bf16_uncast_wire_equals_plain_autocast(name: str, schedule: str) -> Non
 def test_two_stages_per_rank_under_autocast(schedule: str, precision: str) -> None:
     # Interleaved and ZB-V hand values between two stages of one rank in process: the wire dtype
     # applies there too, and GPT-2's tied embedding (stages 0 and 3) sums fp32 gradients.
-    c = case("gpt2", 4)
+    c = _planned("gpt2", 4, schedule)
     ref = copy.deepcopy(c["model"])
     trainer = make_trainer(c, 4, schedule, precision=MixedPrecision(precision, cast_activations=False))
     loss = trainer.forward_backward(c["x"], c["y"])
@@ -95,7 +108,7 @@ def test_two_stages_per_rank_under_autocast(schedule: str, precision: str) -> No
 @pytest.mark.parametrize("name", ["mlp", "gpt2"])
 @pytest.mark.parametrize("schedule", ["1f1b", "zbh1", "gpipe"])
 def test_bf16_cast_wire_within_stated_tolerance(name: str, schedule: str) -> None:
-    c = case(name, 2)
+    c = _planned(name, 2, schedule)
     ref = copy.deepcopy(c["model"])
     trainer = make_trainer(c, 2, schedule, precision="bf16")
     loss = trainer.forward_backward(c["x"], c["y"])
@@ -107,7 +120,7 @@ def test_bf16_cast_wire_within_stated_tolerance(name: str, schedule: str) -> Non
 def test_gpt2_cast_wire_is_not_the_uncast_one() -> None:
     """GPT-2's cut carries fp32 values (the residual stream): casting them is visible, so the
     tight test above would catch a wire that silently ignored the policy."""
-    c = case("gpt2", 2)
+    c = _planned("gpt2", 2, "1f1b")
     ref = copy.deepcopy(c["model"])
     trainer = make_trainer(c, 2, "1f1b", precision="bf16")
     trainer.forward_backward(c["x"], c["y"])
@@ -128,7 +141,7 @@ def test_floating_values_cross_stages_in_bf16(monkeypatch: pytest.MonkeyPatch) -
 
     monkeypatch.setattr(trainer_mod, "LocalTransport", _Recording)
     _Recording.sent = []
-    c = case("gpt2", 2)
+    c = _planned("gpt2", 2, "1f1b")
     trainer = make_trainer(c, 2, "1f1b", precision="bf16")
     trainer.forward_backward(c["x"], c["y"])
     floating = {dt for _, dt in _Recording.sent if dt.is_floating_point}
@@ -138,7 +151,7 @@ def test_floating_values_cross_stages_in_bf16(monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_wire_dtypes_follow_autocast_when_not_casting() -> None:
-    c = case("gpt2", 2)
+    c = _planned("gpt2", 2, "1f1b")
     plan = make_trainer(c, 2, "1f1b").plan
     keep = wire_dtypes(MixedPrecision("bf16", cast_activations=False), plan.io, plan.traced.gm,
                        plan.traced.example_inputs, "cpu")
@@ -151,7 +164,8 @@ def test_wire_dtypes_follow_autocast_when_not_casting() -> None:
 def test_wire_dtypes_run_the_graph_on_the_stages_device_whatever_the_trace_recorded() -> None:
     """The fake run under autocast happens on the stages' device; export's device constants
     (GPT-2's position ids) follow it there and are put back after (on a GPU it once mixed a CPU
-    ``arange`` with CUDA weights and failed). Emulated on the CPU with a trace that recorded ``meta``."""
+    ``arange`` with CUDA weights and failed). Emulated on the CPU with a trace that recorded ``meta``
+    (a trace of its own: the shared one's constants are not to be moved)."""
     from partitioner.tracing.trace import retarget_device
 
     plan = make_trainer(case("gpt2", 2), 2, "1f1b").plan
@@ -274,22 +288,16 @@ def _fp16_rank(rank: int, world: int, precision: str) -> dict[str, Any]:
 GLOO_PRECISIONS = ["bf16", "fp16"]
 
 
-def _precisions_rank(rank: int, world: int, precisions: list[str]) -> dict[str, dict[str, Any]]:
-    return {p: _fp16_rank(rank, world, p) for p in precisions}
-
-
 @pytest.fixture(scope="module")
-def over_gloo() -> list[dict[str, dict[str, Any]]]:
-    """Each rank's results for every precision of ``GLOO_PRECISIONS``, from one spawn of 2 processes."""
-    from rank_pool import spawn
-
-    return spawn(_precisions_rank, 2, GLOO_PRECISIONS, timeout=360)
+def over_gloo() -> Cases:
+    """Each precision of ``GLOO_PRECISIONS`` on 2 ranks of the pool, run when its test asks for it."""
+    return Cases(_fp16_rank, 2, timeout=300)
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("precision", GLOO_PRECISIONS)
-def test_mixed_precision_over_gloo_ranks(precision: str, over_gloo: list[dict[str, dict[str, Any]]]) -> None:
-    results = [r[precision] for r in over_gloo]
+def test_mixed_precision_over_gloo_ranks(precision: str, over_gloo: Cases) -> None:
+    results = over_gloo(precision)
     assert all(r["err"] < TIGHT for r in results), results
     if precision == "fp16":
         assert all(r["inf_skipped"] for r in results), results

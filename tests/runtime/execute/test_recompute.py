@@ -17,15 +17,25 @@ from runtime.execute.recompute import RecomputeOptionError
 from runtime.execute.saved_memory import SavedBytes
 from runtime.trainer import PipelineTrainer
 
+# GPT-2 traced once by this test process and planned from that trace for every schedule and test
+# (``parity.plan_once``; tracing is most of a case's time): each test's trainers are the only ones alive.
+_SEARCHES: dict[tuple[str, int], LayoutSearch] = {}
+
+
+def _gpt2_case(schedule: str, stages: int = 2) -> dict[str, Any]:
+    """Parity's GPT-2 case on ``stages``, planned for ``schedule`` from this process's one trace."""
+    c = case("gpt2", stages)
+    plan_once(c, "gpt2", stages, schedule, _SEARCHES)
+    return c
+
 
 def _parity(name: str, schedule: str, transport: str = "local", recompute: Any = True, *,
-            searches: dict[tuple[str, int], LayoutSearch] | None = None) -> dict[str, Any]:
+            searches: dict[tuple[str, int], LayoutSearch] = _SEARCHES) -> dict[str, Any]:
     """One forward-backward with recomputation equals the unpartitioned model's loss and gradients.
     ``searches``: GPT-2 traced once per process (``parity.plan_once``)."""
     S = stages_for(schedule, 2)
     c = case(name, S)
-    if searches is not None:
-        plan_once(c, name, S, schedule, searches)
+    plan_once(c, name, S, schedule, searches)
     ref = copy.deepcopy(c["model"])
     trainer = make_trainer(c, S, schedule, transport=transport, recompute=recompute)
     loss = trainer.forward_backward(c["x"], c["y"])
@@ -51,7 +61,7 @@ def test_some_stages_recompute(schedule: str, stages: Any) -> None:
 def test_recomputation_holds_only_inputs_between_forward_and_backward() -> None:
     """Under GPipe (every forward before any backward), autograd holds every micro-batch's
     activations at once; with recomputation only the stage being backpropagated holds any."""
-    c = case("gpt2", 2)
+    c = _gpt2_case("gpipe")
     peaks = {}
     for recompute in (False, True):
         trainer = make_trainer(c, 2, "gpipe", transport="sequential", recompute=recompute)
@@ -162,7 +172,7 @@ def test_recomputation_under_bf16_autocast_replays_the_same_numbers(schedule: st
     # pipeline's gradients are bitwise those of the one that kept its activations.
     grads = []
     for recompute in (False, True):
-        c = case("gpt2", 2)
+        c = _gpt2_case(schedule)
         trainer = make_trainer(c, 2, schedule, precision="bf16", recompute=recompute)
         loss = trainer.forward_backward(c["x"], c["y"])
         grads.append((loss, {n: p.grad.clone() for n, p in trainer.named_parameters()}))

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from rank_pool import spawn
+from rank_pool import Cases
 from runtime.parallel.tensor import TensorParallelError, config_patterns, plan_for, plan_from_config
 from tests.runtime.parity import TOL
 
@@ -146,11 +146,10 @@ def _parity(family: str, outline: bool, kv: int = 2) -> dict[str, Any]:
             "whole_grads": len(whole), "local": local, "sharded_whole": sharded_whole, "blocks": blocks}
 
 
-def _refusals() -> dict[str, str]:
-    """Each refusal's message, by case."""
+def _refusals(family: str) -> dict[str, str]:
+    """Each refusal's message, by case: a Llama's (``family`` 'llama') or a GPT-2's ('gpt2')."""
     import torch.distributed as dist
 
-    from partitioner.zoo import gpt2
     from runtime.parallel.tensor import parallelize_stage
 
     got: dict[str, str] = {}
@@ -161,6 +160,9 @@ def _refusals() -> dict[str, str]:
         except TensorParallelError as e:
             got[case] = str(e)
 
+    if family == "gpt2":
+        _gpt2_refusals(refused, got)
+        return got
     plan, cfg, _ = _stage("llama", heads=3, kv=3)  # 3 heads over tp=2
     (stage,) = plan.build_stages().stages
     refused("heads", stage, plan_from_config(cfg, [n for n, _ in stage.named_parameters()]))
@@ -175,6 +177,16 @@ def _refusals() -> dict[str, str]:
                                             dataclasses.replace(second, nodes=tuple(nodes[k:]))))
     head = cut.build_stages().stages[0]
     refused("cut", head, plan_from_config(cfg, [n for n, _ in head.named_parameters()]))
+    return got
+
+
+def _gpt2_refusals(refused: Any, got: dict[str, str]) -> None:
+    """GPT-2's refusals (packed weights, a tied weight in the plan), into ``got`` (``refused`` puts
+    parallelize_stage's there)."""
+    import torch.distributed as dist
+
+    from partitioner.zoo import gpt2
+
     model, (x,) = gpt2(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16, batch=2, seq=8)
     from partitioner import partition
 
@@ -196,7 +208,6 @@ def _refusals() -> dict[str, str]:
                      tied={"lm_head.weight"})
     except TensorParallelError as e:
         got["tied"] = str(e)
-    return got
 
 
 def _packed_state(rank: int, tmp: str) -> dict[str, Any]:
@@ -255,28 +266,33 @@ def _packed_state(rank: int, tmp: str) -> dict[str, Any]:
     return got
 
 
-def _worker(rank: int, world: int, tmp: str) -> dict[str, Any]:
-    return {"packed state": _packed_state(rank, tmp),
-            "llama": _parity("llama", outline=False), "llama outlined": _parity("llama", outline=True),
-            "qwen2 outlined": _parity("qwen2", outline=True), "gpt2": _parity("gpt2", outline=False),
-            "mixtral, experts whole": _parity("mixtral", outline=False),
-            "llama, 1 kv head": _parity("llama", outline=False, kv=1),
-            "refusals": _refusals()}
+# Each case of the file on 2 ranks of the pool, run when a test first asks for it: key -> the
+# function of the case and its arguments.
+_CASES: dict[str, tuple[Any, ...]] = {
+    "llama": (_parity, "llama", False), "llama outlined": (_parity, "llama", True),
+    "qwen2 outlined": (_parity, "qwen2", True), "gpt2": (_parity, "gpt2", False),
+    "mixtral, experts whole": (_parity, "mixtral", False), "llama, 1 kv head": (_parity, "llama", False, 1),
+    "llama refusals": (_refusals, "llama"), "gpt2 refusals": (_refusals, "gpt2"),
+}
+
+
+def _part(rank: int, world: int, key: str, tmp: str) -> Any:
+    if key == "packed state":
+        return _packed_state(rank, tmp)
+    fn, *args = _CASES[key]
+    return fn(*args)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Cases:
     pytest.importorskip("transformers")
-    return spawn(_worker, 2, str(tmp_path_factory.mktemp("tp")), timeout=420)
+    return Cases(_part, 2, str(tmp_path_factory.mktemp("tp")), timeout=300)
 
 
 @pytest.mark.parametrize("case", ["llama", "llama outlined", "qwen2 outlined", "gpt2", "mixtral, experts whole",
                                   "llama, 1 kv head"])
-def test_a_stage_over_tp_2_computes_the_unsharded_stage_with_two_all_reduces_a_block(
-    runs: list[dict[str, Any]], case: str
-) -> None:
-    for r in runs:
-        got = r[case]
+def test_a_stage_over_tp_2_computes_the_unsharded_stage_with_two_all_reduces_a_block(runs: Cases, case: str) -> None:
+    for got in runs(case):
         # 2 blocks: one all-reduce after each attention's o_proj and each MLP's down_proj forward,
         # one before each attention's q/k/v and each MLP's gate/up backward (the inputs' gradients).
         # (Mixtral with its experts whole: the attention's only. One kv head for 2 ranks: k and v
@@ -297,10 +313,13 @@ def test_a_stage_over_tp_2_computes_the_unsharded_stage_with_two_all_reduces_a_b
         assert got["blocks"] == ([] if "outlined" not in case else ["model.layers.0", "model.layers.1"])
 
 
-def test_what_tensor_parallelism_cannot_split_is_refused_with_the_fix(runs: list[dict[str, Any]]) -> None:
-    got = runs[0]["refusals"]
-    assert "splits a tp-split dim into 3 (heads?), not divisible by tp=2" in got["heads"]
-    assert "leaves the graph split over tp" in got["cut"] and "cut the pipeline between blocks" in got["cut"]
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_what_tensor_parallelism_cannot_split_is_refused_with_the_fix(runs: Cases, family: str) -> None:
+    got = runs(f"{family} refusals")[0]
+    if family == "llama":
+        assert "splits a tp-split dim into 3 (heads?), not divisible by tp=2" in got["heads"]
+        assert "leaves the graph split over tp" in got["cut"] and "cut the pipeline between blocks" in got["cut"]
+        return
     assert "splits the split dim 2" in got["packed as colwise"] and "'packed_colwise'" in got["packed as colwise"]
     assert "stage 0: 'lm_head.weight' is tied between stages and in the tp plan (colwise)" in got["tied"]
     assert "drop its pattern from TensorParallel(plan=...)" in got["tied"]
@@ -308,9 +327,8 @@ def test_what_tensor_parallelism_cannot_split_is_refused_with_the_fix(runs: list
             and "mark it 'colwise'" in got["not packed"])
 
 
-def test_a_packed_weight_loads_its_heads_of_each_part_and_checkpoints_as_its_parts(runs: list[dict[str, Any]]) -> None:
-    for r in runs:
-        got = r["packed state"]
+def test_a_packed_weight_loads_its_heads_of_each_part_and_checkpoints_as_its_parts(runs: Cases) -> None:
+    for got in runs("packed state"):
         # Each rank holds columns [16 r, 16 r + 16) of q, of k and of v: not one range of the whole.
         assert got["copied"] and got["safetensors"]
         # In DCP: 6 chunks of 16 columns, q's, k's and v's of each rank, read back whole and sliced.

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from rank_pool import spawn
+from rank_pool import Cases
 from tests.runtime.parallel.test_tensor_trainer import _FAMILIES, _batch, _loss
 from tests.runtime.parity import TOL
 
@@ -168,22 +168,28 @@ def _case(family: str, rank: int, folder: Path) -> dict[str, Any]:
     return out
 
 
-def _worker(rank: int, world: int, folder: str) -> dict[str, Any]:
-    return {family: _case(family, rank, Path(folder)) for family in ("llama", "gpt2")}
+def _part(rank: int, world: int, family: str, folder: str) -> dict[str, Any]:
+    return _case(family, rank, Path(folder))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Cases:
+    """Each family's case on 4 ranks of the pool, run when its test asks for it."""
+    pytest.importorskip("transformers")
+    return Cases(_part, 4, str(tmp_path_factory.mktemp("tp-state")), timeout=420)
 
 
 @pytest.mark.multiprocess
-def test_tp_checkpoints_resume_bitwise_reshard_to_tp_1_and_export_whole(tmp_path: Path) -> None:
-    pytest.importorskip("transformers")
-    runs = spawn(_worker, 4, str(tmp_path), timeout=600)
-    for r in runs:
-        # Llama: each rank's stage 2 blocks of 7 split weights; the model 4 blocks of 9 tensors,
-        # embedding, norm and head. Each rank read its stage's shards (and whole weights): under 60%.
-        llama = r["llama"]
-        assert llama["split"] == 14 and llama["packed"] == 0 and llama["checked"] == 4 * 9 + 3
-        read, whole = llama["bytes"]
-        assert read < 0.6 * whole, (read, whole)
-        # GPT-2: 2 blocks of 6 split weights (c_attn's weight and bias packed); the model 4 blocks of
-        # 12 tensors, wte and wpe, ln_f's 2, and the tied copy (lm_head.weight on the first stage).
-        gpt2 = r["gpt2"]
-        assert gpt2["split"] == 12 and gpt2["packed"] == 4 and gpt2["checked"] == 4 * 12 + 5
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_tp_checkpoints_resume_bitwise_reshard_to_tp_1_and_export_whole(runs: Cases, family: str) -> None:
+    for got in runs(family):
+        if family == "llama":
+            # Each rank's stage 2 blocks of 7 split weights; the model 4 blocks of 9 tensors,
+            # embedding, norm and head. Each rank read its stage's shards (and whole weights): under 60%.
+            assert got["split"] == 14 and got["packed"] == 0 and got["checked"] == 4 * 9 + 3
+            read, whole = got["bytes"]
+            assert read < 0.6 * whole, (read, whole)
+        else:
+            # 2 blocks of 6 split weights (c_attn's weight and bias packed); the model 4 blocks of
+            # 12 tensors, wte and wpe, ln_f's 2, and the tied copy (lm_head.weight on the first stage).
+            assert got["split"] == 12 and got["packed"] == 4 and got["checked"] == 4 * 12 + 5

@@ -14,8 +14,7 @@ import pytest
 import torch
 from torch import fx, nn
 
-from profiles import in_profile
-from rank_pool import spawn
+from rank_pool import Cases
 from runtime.errors import TrainerOptionError
 from runtime.options import TensorParallel
 from runtime.parallel.vocab import VocabParallelError, parallelize_vocab, vocab_names, vocab_rows
@@ -96,33 +95,36 @@ def _labels_case() -> dict[str, Any]:
     return {"gathers": gathers.ops}
 
 
-def _worker(rank: int, world: int, cases: dict[str, tuple[str, int, dict[str, Any]]]) -> dict[str, Any]:
-    torch.set_num_threads(1)
+# Each case of the file on 4 ranks of the pool, run when a test first asks for it: key -> the
+# schedule, the stages and _case's options (``"labels"``: _labels_case).
+_CASES: dict[str, tuple[str, int, dict[str, Any]]] = {
+    "llama": ("1f1b", 2, {"probe": _probe}), "gpt2": ("1f1b", 2, {"family": "gpt2"}),
+    "llama zbh1": ("zbh1", 2, {}), "gpt2 interleaved": ("interleaved", 4, {"family": "gpt2"}),
+    "llama recompute": ("1f1b", 2, {"recompute": True}), "labels": ("labels", 2, {}),
+}
+
+
+def _part(rank: int, world: int, key: str) -> dict[str, Any]:
+    schedule, stages, opts = _CASES[key]
     # eps 1e-4: the split head and loss sum the logits' classes in two halves; Adam's step near a
     # zero gradient moves by lr / eps times that round-off (eps 1e-5 left 1 element of 3,072 at 3e-6).
-    return {key: _labels_case() if schedule == "labels" else _case(schedule, stages, vocab=True, eps=1e-4, **opts)
-            for key, (schedule, stages, opts) in cases.items()}
+    return _labels_case() if schedule == "labels" else _case(schedule, stages, vocab=True, eps=1e-4, **opts)
 
 
 @pytest.fixture(scope="module")
-def runs() -> list[dict[str, Any]]:
+def runs() -> Cases:
     pytest.importorskip("transformers")
-    cases = {"llama": ("1f1b", 2, {"probe": _probe}), "gpt2": ("1f1b", 2, {"family": "gpt2"}),
-             "llama zbh1": ("zbh1", 2, {}), "gpt2 interleaved": ("interleaved", 4, {"family": "gpt2"}),
-             "llama recompute": ("1f1b", 2, {"recompute": True}), "labels": ("labels", 2, {})}
-    chosen = in_profile(cases, ["llama zbh1", "gpt2 interleaved", "llama recompute", "labels"])
-    return spawn(_worker, 4, chosen, timeout=540)
+    return Cases(_part, 4, timeout=420)
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("case", ["llama", "gpt2", pytest.param("llama zbh1", marks=pytest.mark.long),
                                   pytest.param("gpt2 interleaved", marks=pytest.mark.long),
                                   pytest.param("llama recompute", marks=pytest.mark.long)])
-def test_vocabulary_split_trains_as_the_plain_model(runs: list[dict[str, Any]], case: str) -> None:
+def test_vocabulary_split_trains_as_the_plain_model(runs: Cases, case: str) -> None:
     # _case asserted the loss, every gradient (shards gathered) and every parameter after 3 clipped
     # AdamW steps against the plain model on every rank; here, the vocabulary's weights' shards.
-    for rank, r in enumerate(runs):
-        got = r[case]
+    for rank, got in enumerate(runs(case)):
         first, last = got["stages"][0] == 0, got["stages"][-1] == (3 if case.endswith("interleaved") else 1)
         if case.startswith("gpt2"):  # tied: wte read by the first stage's embedding and the last's head
             vocab = {"lm_head.weight"} & set(got["names"]) if first else set()
@@ -138,15 +140,15 @@ def test_vocabulary_split_trains_as_the_plain_model(runs: list[dict[str, Any]], 
 
 @pytest.mark.multiprocess
 @pytest.mark.long
-def test_a_loss_the_model_computes_from_labels_runs_split_too(runs: list[dict[str, Any]]) -> None:
+def test_a_loss_the_model_computes_from_labels_runs_split_too(runs: Cases) -> None:
     # _labels_case asserted the loss and every gradient; and nothing gathered the logits.
-    assert all(r["labels"]["gathers"] == [] for r in runs), [r["labels"] for r in runs]
+    assert all(r["gathers"] == [] for r in runs("labels")), runs("labels")
 
 
 @pytest.mark.multiprocess
-def test_a_step_gathers_no_logits_and_predict_gives_them_whole(runs: list[dict[str, Any]]) -> None:
-    for rank, r in enumerate(runs):
-        got = r["llama"]["probe"]
+def test_a_step_gathers_no_logits_and_predict_gives_them_whole(runs: Cases) -> None:
+    for rank, r in enumerate(runs("llama")):
+        got = r["probe"]
         assert got["gathers"] == [], got["gathers"]  # no all-gather anywhere in the step
         last = rank >= 2
         # A micro-batch of 2 sequences of 8 tokens, this rank's 48 classes: the step's 4 forwards.

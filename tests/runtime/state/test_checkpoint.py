@@ -12,11 +12,17 @@ import torch
 from torch import nn
 
 from partitioner import partition
+from partitioner.search import LayoutSearch
 from rank_pool import spawn
 from runtime import PipelineTrainer
 from runtime.state.checkpoint import CheckpointError, load_model
+from tests.runtime.parity import plan_once
 
 STEPS = 3
+# GPT-2 traced once per process and stage count, planned from that trace for every schedule and
+# each trainer (``parity.plan_once``: tracing is most of a trainer's making). A trainer built after
+# another takes the traced model over, with its own fresh weights: the earlier one is not used again.
+_SEARCHES: dict[tuple[str, int], LayoutSearch] = {}
 
 
 def _case(name: str) -> tuple[nn.Module, torch.Tensor, Any]:
@@ -44,13 +50,16 @@ def _batch(name: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _trainer(name: str, stages: int, schedule: str = "1f1b", transport: str = "local", *,
-             fresh: bool = False) -> PipelineTrainer:
+             fresh: bool = False, searches: dict[tuple[str, int], LayoutSearch] = _SEARCHES) -> PipelineTrainer:
+    """A trainer of ``name`` on ``stages``; GPT-2's plan from ``searches``' one trace of it."""
     model, example, loss = _case(name)
     if fresh:  # other weights than the saved run's: a load must overwrite every one
         with torch.no_grad():
             for p in model.parameters():
                 p.normal_()
-    plan = partition(model, (example,), stages, microbatches=4, schedule=schedule)
+    c = {"model": model, "example": (example,), "x": _batch(name, 0)[0]}
+    plan_once(c, name, stages, schedule, searches)
+    plan = c["plan"] if "plan" in c else partition(model, (example,), stages, microbatches=4, schedule=schedule)
     return PipelineTrainer(
         plan, loss, lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1), schedule=schedule,
         transport=transport, timeout=60,
@@ -82,11 +91,12 @@ def _assert_bitwise(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor])
 
 
 def _first_half(rank: int, world: int, name: str, directory: str, transport: str) -> dict[str, Any]:
-    """6 uninterrupted steps; then a fresh trainer's 3 steps, saved."""
-    whole = _trainer(name, world if transport == "dist" else 2, transport=transport)
+    """6 uninterrupted steps; then a fresh trainer's 3 steps, saved (both planned from one trace)."""
+    searches: dict[tuple[str, int], LayoutSearch] = {}  # this case's own: a case is a process of its own
+    whole = _trainer(name, world if transport == "dist" else 2, transport=transport, searches=searches)
     losses = _run(whole, name, range(2 * STEPS))
     final = _params(whole)
-    part = _trainer(name, world if transport == "dist" else 2, transport=transport)
+    part = _trainer(name, world if transport == "dist" else 2, transport=transport, searches=searches)
     _run(part, name, range(STEPS))
     part.save(directory)
     return {"losses": losses, "params": _by_value(final)}
@@ -95,7 +105,7 @@ def _first_half(rank: int, world: int, name: str, directory: str, transport: str
 def _second_half(rank: int, world: int, name: str, directory: str, transport: str) -> dict[str, Any]:
     """In a new process: a trainer with other weights loads the checkpoint, 3 more steps."""
     torch.manual_seed(12345)  # another RNG state than the saving run's: the checkpoint restores it
-    trainer = _trainer(name, world if transport == "dist" else 2, transport=transport, fresh=True)
+    trainer = _trainer(name, world if transport == "dist" else 2, transport=transport, fresh=True, searches={})
     trainer.load(directory)
     assert trainer.step_count == STEPS
     losses = _run(trainer, name, range(STEPS, 2 * STEPS))

@@ -11,6 +11,7 @@ from torch import nn
 
 from partitioner import partition
 from partitioner.zoo import MLPChain
+from rank_pool import Cases
 from runtime.state.materialize import (
     MaterializeError,
     empty_weights,
@@ -197,25 +198,22 @@ def test_the_trainer_materialises_a_meta_model_and_trains_it_exactly() -> None:
     assert out["real"] == out["held"] and out["checked"]
 
 
-def _train_meta_twice(rank: int, world: int, weights: str) -> tuple[dict[str, object], dict[str, object]]:
-    return _train_meta(rank, world), _train_meta(rank, world, weights)
+def _train_meta_part(rank: int, world: int, key: str, weights: str) -> dict[str, object]:
+    """``_train_meta`` initialised (``key`` 'initialised') or loaded from ``weights`` ('loaded')."""
+    return _train_meta(rank, world, weights if key == "loaded" else None)
 
 
 @pytest.fixture(scope="module")
-def over_gloo(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[dict[str, object], dict[str, object]]]:
-    """Each of 2 gloo ranks' ``_train_meta``, initialised and then loaded from a sharded checkpoint:
-    one spawn for both (starting the processes costs more than the steps)."""
-    from rank_pool import spawn
-
+def over_gloo(tmp_path_factory: pytest.TempPathFactory) -> Cases:
+    """Each of 2 gloo ranks' ``_train_meta``, initialised or loaded from a sharded checkpoint: a case
+    each on the pool's ranks, run when a test asks for it."""
     source = _checkpoint_of_a_twin(tmp_path_factory.mktemp("twin"))
-    return spawn(_train_meta_twice, 2, source, timeout=360)
+    return Cases(_train_meta_part, 2, source, timeout=300)
 
 
 @pytest.mark.multiprocess
-def test_over_gloo_each_rank_allocates_only_its_own_stages(
-    over_gloo: list[tuple[dict[str, object], dict[str, object]]]
-) -> None:
-    results = [initialised for initialised, _ in over_gloo]
+def test_over_gloo_each_rank_allocates_only_its_own_stages(over_gloo: Cases) -> None:
+    results = over_gloo("initialised")
     for r in results:
         assert r["real"] == r["held"], "a rank allocated tensors of another rank's stage"
     both = set(results[0]["real"]) & set(results[1]["real"])
@@ -244,8 +242,8 @@ def test_the_trainer_loads_its_stages_from_a_sharded_checkpoint(
 ) -> None:
     if world == 1:
         out = _train_meta(0, 2, _checkpoint_of_a_twin(tmp_path))
-    else:  # rank 0 of the spawn the gloo test above shares
-        out = request.getfixturevalue("over_gloo")[0][1]
+    else:  # rank 0 of the pool's case
+        out = request.getfixturevalue("over_gloo")("loaded")[0]
     assert out["real"] == out["held"] and out["checked"]
 
 

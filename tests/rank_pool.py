@@ -9,8 +9,8 @@ own distributed tests amortise it the same way (``MultiProcessTestCase``, ``DTen
 rank's result back in rank order, a rank's failure raised as :class:`LaunchError` with its traceback
 -- but the processes outlive the call. Each case gets a process group of its own (a fresh
 rendezvous file), and each rank puts back what a case may have changed in the process: environment,
-working directory, signal handlers, the root logger, grad mode, default dtype, thread count, RNG
-seeds. A case in which a rank dies or does not finish in time takes the pool down with it (a rank
+working directory, signal handlers, the root logger, grad mode, default dtype, thread count, and
+fresh RNG seeds. A case in which a rank dies or does not finish in time takes the pool down with it (a rank
 may be stuck in a collective), and the next case starts a fresh one, so no case inherits a broken
 peer; a case in which every rank returned or raised leaves the pool as it was.
 
@@ -193,8 +193,8 @@ def _serve(inbox: Any, outbox: Any, parent: int, warm: tuple[str, ...]) -> None:
         case, path, payload, rank, world, init, timeout, threads = task
         sys.path[:] = path
         torch.set_num_threads(threads)
-        torch.manual_seed(0)
-        random.seed(0)
+        torch.seed()  # fresh, as a new process's generators are: a case seeds what it needs itself
+        random.seed()
         joined, reply = False, None
         try:
             fn, args = pickle.loads(payload)

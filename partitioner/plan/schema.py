@@ -143,8 +143,10 @@ class _Each(Spec):
 
     @staticmethod
     def _entries(value: Any) -> Iterable[tuple[object, Any]]:
-        """``(label, entry)`` of each entry of ``value``."""
-        raise NotImplementedError
+        """``(label, entry)`` of each entry of ``value``: an array's index, an object's key (repr)."""
+        if isinstance(value, dict):
+            return ((repr(k), x) for k, x in value.items())
+        return enumerate(value)
 
     def check(self, value: Any, path: str, where: str) -> None:
         if not isinstance(value, self._types):
@@ -164,10 +166,6 @@ class ListOf(_Each):
     _types = (list, tuple)
     _what = "a list, each item"
 
-    @staticmethod
-    def _entries(value: Any) -> Iterable[tuple[object, Any]]:
-        return enumerate(value)
-
 
 @dataclass(frozen=True)
 class MapOf(_Each):
@@ -175,10 +173,6 @@ class MapOf(_Each):
 
     _types = (dict,)
     _what = "an object, each value"
-
-    @staticmethod
-    def _entries(value: Any) -> Iterable[tuple[object, Any]]:
-        return ((repr(k), x) for k, x in value.items())
 
 
 @dataclass(frozen=True)

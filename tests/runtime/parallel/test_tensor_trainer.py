@@ -54,7 +54,7 @@ def _batch(gen: torch.Generator, rows: int = 8) -> tuple[torch.Tensor, torch.Ten
 
 def _case(
     schedule: str, stages: int, dp: int = 1, zero1: bool = False, layers: int = 4, family: str = "llama",
-    vocab: bool = False, eps: float = 1e-5, probe: Callable[..., Any] | None = None, **opts: Any
+    vocab: bool = False, eps: float = 1e-4, probe: Callable[..., Any] | None = None, **opts: Any
 ) -> dict[str, Any]:
     """One trainer of this rank (tp 2, ``dp`` replicas; ``vocab``: embedding and LM head split over
     the vocabulary) of a ``family`` model against the plain model on the global batch:
@@ -78,7 +78,9 @@ def _case(
     # foreach=True: one multi-tensor update over DTensor shards and whole tensors together (CPU
     # defaults to the per-tensor loop). Adam divides by sqrt(v): a gradient near 0 turns the
     # round-off of the row-parallel sums (split in two, then all-reduced) into a visible step;
-    # eps=1e-5 bounds that amplification to TOL (1e-6 left one element of 1,024 at 3e-6).
+    # eps=1e-4 bounds that amplification to TOL (with transformers 5.24's Llama init, 1e-5 left one
+    # element of the 3,072 of embed_tokens at 3e-6, as 1e-6 had one of 1,024 before; the vocab cases
+    # use 1e-4 too).
     opt = lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1, eps=eps, foreach=True)  # noqa: E731
     trainer = PipelineTrainer(plan, _loss, opt, schedule=schedule, transport="dist",
                               tensor_parallel=TensorParallel(size=2, vocab=vocab),
@@ -307,7 +309,7 @@ def _check_dp(runs: list[dict[str, Any]], pp: int) -> None:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.long  # fails, as 2 tp x 2 pp's Llama cases do at e3664af: one AdamW element 3e-6 off (TOL 2e-6)
+@pytest.mark.long  # the 1-stage layouts beside 2 tp x 2 pp's: the long profile's
 @pytest.mark.parametrize("case", ["dp, 1 stage", "zero1, 1 stage"])
 def test_2_dp_x_2_tp_replicated_and_zero1_train_as_the_plain_model(runs: Cases, case: str) -> None:
     _check_dp(runs(case), pp=1)

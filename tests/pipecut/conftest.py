@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -57,6 +58,16 @@ def write_lines(path: Path, lines: list[str]) -> Path:
     """``lines`` written to ``path``, one per line (a prompts file, say)."""
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def prompts_fixture(lines: list[str], folder: str) -> Any:
+    """A module-scoped fixture: ``lines`` as ``prompts.jsonl`` in a fresh folder named ``folder``."""
+
+    @pytest.fixture(scope="module")
+    def prompts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+        return write_lines(tmp_path_factory.mktemp(folder) / "prompts.jsonl", lines)
+
+    return prompts
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import write_lines, write_llama
+from conftest import prompts_fixture, write_llama
 from pipecut.cli import EXIT_ERROR, main
 from pipecut.generate.prompts import PromptsError, read_prompts
 from test_readme import readme_block
@@ -27,9 +27,7 @@ def folder(generation_folder: Path) -> Path:
     return generation_folder
 
 
-@pytest.fixture(scope="module")
-def prompts(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_lines(tmp_path_factory.mktemp("prompts") / "prompts.jsonl", PROMPTS)
+prompts = prompts_fixture(PROMPTS, "prompts")
 
 
 def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[list[dict[str, object]], str]:

@@ -20,7 +20,7 @@ import pytest
 from gen_cli_workers import failure, generate
 from test_generate_cli import PROMPTS
 
-from conftest import write_lines
+from conftest import prompts_fixture
 from pipecut.cli import EXIT_ERROR, main
 from rank_pool import Cases, spawn
 
@@ -38,9 +38,7 @@ def folder(generation_folder: Path) -> Path:
     return generation_folder
 
 
-@pytest.fixture(scope="module")
-def prompts(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_lines(tmp_path_factory.mktemp("torchrun-prompts") / "prompts.jsonl", MORE)
+prompts = prompts_fixture(MORE, "torchrun-prompts")
 
 
 def _flags(folder: Path, prompts: Path, *extra: str) -> list[str]:

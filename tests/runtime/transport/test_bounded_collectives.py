@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from parity import case, make_trainer
-from rank_pool import LaunchError, spawn
+from runtime.transport.launch import LaunchError, spawn  # a fresh spawn: a rank patches torch.distributed, or is killed
 
 TIMEOUT = 2.0  # the trainer's timeout
 STALL = 10.0  # how long the stalled rank would sleep before entering the collective

@@ -15,8 +15,8 @@ may be stuck in a collective), and the next case starts a fresh one, so no case 
 peer; a case in which every rank returned or raised leaves the pool as it was.
 
 What the pool cannot give a case is a process of its own, so these keep the plain spawn: a case
-that measures the process's peak memory (VmHWM), kills or exits a rank on purpose, or checks what
-a spawn itself reports.
+that measures the process's peak memory (VmHWM), kills or exits a rank on purpose, patches a
+library and leaves it patched (a stalled collective), or checks what a spawn itself reports.
 """
 
 from __future__ import annotations

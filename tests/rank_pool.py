@@ -47,7 +47,7 @@ import torch.multiprocessing as mp
 from runtime.transport.launch import LaunchError
 from runtime.transport.launch import spawn as fresh_spawn
 
-__all__ = ["RankPool", "spawn", "shared_pool", "Cases", "per_case", "LaunchError"]
+__all__ = ["RankPool", "spawn", "shared_pool", "Cases", "LaunchError"]
 
 # What a rank imports before its first case, so that no case pays for it (best effort: an import
 # that fails here fails again, with its message, in the case that needs it).
@@ -63,7 +63,7 @@ class RankPool:
         >>> pool = RankPool(size=2)
         >>> pool.run(_ranks_and_world, 2)  # doctest: +SKIP
         [(0, 2), (1, 2)]
-        >>> pool.close()
+        >>> pool.remove()
     """
 
     def __init__(self, size: int = 4, *, warm: tuple[str, ...] = _WARM) -> None:
@@ -307,8 +307,3 @@ class Cases:
         """Per rank, ``{key: that rank's result}`` for each of ``keys``."""
         runs = {key: self(key) for key in keys}
         return [{key: runs[key][rank] for key in keys} for rank in range(self.world)]
-
-
-def per_case(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300.0) -> Cases:
-    """:class:`Cases` of ``fn`` on ``world`` ranks."""
-    return Cases(fn, world, *args, timeout=timeout)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from partitioner.search import LayoutSearch
-from rank_pool import per_case
+from rank_pool import Cases
 from runtime.options import DataParallel
 from tests.runtime.parity import (
     TOL,
@@ -392,19 +392,19 @@ _SAVED = ("gpt2/1f1b",)  # runs that save a checkpoint and load it three ways
 
 
 @pytest.fixture(scope="module")
-def sharded(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], list[Any]]:
+def sharded(tmp_path_factory: pytest.TempPathFactory) -> Cases:
     """Each rank's result of one part of the file's matrix (``_part``), run when a test first asks
     for it on the test process's pool of 4 ranks (started once: processes and imports cost more
     than a run)."""
     tmp = tmp_path_factory.mktemp("fsdp")
     for label in _SAVED:
         (tmp / label.replace("/", "-")).mkdir()
-    return per_case(_part, 4, str(tmp), timeout=600)
+    return Cases(_part, 4, str(tmp), timeout=600)
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("label", _params(_RUNS))
-def test_fsdp_over_two_replicas_equals_the_plain_model(sharded: Callable[[str], list[Any]], label: str) -> None:
+def test_fsdp_over_two_replicas_equals_the_plain_model(sharded: Cases, label: str) -> None:
     results = sharded(label)
     for r in results:
         assert "error" not in r, r.get("error")
@@ -418,7 +418,7 @@ def test_fsdp_over_two_replicas_equals_the_plain_model(sharded: Callable[[str], 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("label", list(COMBINED))
-def test_fsdp_with_recomputation_and_mixed_precision(sharded: Callable[[str], list[Any]], label: str) -> None:
+def test_fsdp_with_recomputation_and_mixed_precision(sharded: Cases, label: str) -> None:
     # Autocast (bf16, fp16 with loss scaling) and recomputation run inside the stage's forward and
     # backward, which FSDP gathers around: the gathered gradients equal the plain model's under
     # the same autocast over the same micro-batches (round-off only).
@@ -432,7 +432,7 @@ def test_fsdp_with_recomputation_and_mixed_precision(sharded: Callable[[str], li
 
 @pytest.mark.multiprocess
 def test_fsdp_refuses_a_tied_weight_within_a_rank_a_stray_optimizer_and_reusing_its_model(
-    sharded: Callable[[str], list[Any]]
+    sharded: Cases
 ) -> None:
     for r in sharded("refused"):
         assert "error" not in r, r.get("error")
@@ -453,7 +453,7 @@ def test_engine_options_are_checked() -> None:
 
 
 @pytest.mark.multiprocess
-def test_an_fsdp_checkpoint_loads_unsharded_sharded_and_resumes_exactly(sharded: Callable[[str], list[Any]]) -> None:
+def test_an_fsdp_checkpoint_loads_unsharded_sharded_and_resumes_exactly(sharded: Cases) -> None:
     # A safetensors export gathers the shards and loads back per stage as weights=.
     # DCP writes each rank's shards; the plain model, a new FSDP trainer and the home-made
     # engine's trainer read every weight and Adam moment back, and the new FSDP trainer's next
@@ -479,7 +479,7 @@ def _reset_before_a_forward(ranks: int) -> str:
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("label", list(_CUT_RUNS))
-def test_fsdp_trains_a_block_the_cut_splits_exactly(sharded: Callable[[str], list[Any]], label: str) -> None:
+def test_fsdp_trains_a_block_the_cut_splits_exactly(sharded: Cases, label: str) -> None:
     # The plan cuts inside block h.1 (as node granularity may): each stage shards the part of the
     # block it holds as a unit of its own, or, holding none of its weights (the tail: a residual
     # add), computes that part in its own unit. Loss, every gradient, clipped AdamW steps and the
@@ -496,7 +496,7 @@ def test_fsdp_trains_a_block_the_cut_splits_exactly(sharded: Callable[[str], lis
 
 
 @pytest.mark.multiprocess
-def test_reshard_after_forward_false_gathers_each_unit_once_per_step(sharded: Callable[[str], list[Any]]) -> None:
+def test_reshard_after_forward_false_gathers_each_unit_once_per_step(sharded: Cases) -> None:
     # Each block of a stage is its own FSDP unit (runtime.parallel.blocks), the rest of the stage
     # one more. ZeRO-3 gathers a block again for backward after each forward freed it; kept
     # gathered, each unit is gathered at its first forward and freed after its last backward.
@@ -508,14 +508,14 @@ def test_reshard_after_forward_false_gathers_each_unit_once_per_step(sharded: Ca
 
 
 @pytest.mark.multiprocess
-def test_fsdp_accumulates_gradients_over_two_calls(sharded: Callable[[str], list[Any]]) -> None:
+def test_fsdp_accumulates_gradients_over_two_calls(sharded: Cases) -> None:
     for r in sharded("accumulated"):
         assert isinstance(r, float), r
         assert r < 1e-5
 
 
 @pytest.mark.multiprocess
-def test_a_rank_holds_its_stage_unit_and_two_blocks_gathered_at_most(sharded: Callable[[str], list[Any]]) -> None:
+def test_a_rank_holds_its_stage_unit_and_two_blocks_gathered_at_most(sharded: Cases) -> None:
     # Each block is its own FSDP unit: under 1F1B a rank gathers the block computing and the next,
     # beside its stage's own unit (embeddings, final norm, head), never the whole stage at once.
     for got in sharded("peak gathered"):
@@ -529,7 +529,7 @@ def test_a_rank_holds_its_stage_unit_and_two_blocks_gathered_at_most(sharded: Ca
 
 
 @pytest.mark.multiprocess
-def test_fsdp_resets_after_a_step_that_failed_before_any_forward(sharded: Callable[[str], list[Any]]) -> None:
+def test_fsdp_resets_after_a_step_that_failed_before_any_forward(sharded: Cases) -> None:
     # FSDP's step state exists once a forward has run through the stage (its lazy init): a reset
     # before that raised "'FSDPCommContext' object has no attribute 'all_gather_state'" in
     # place of the step's own error.

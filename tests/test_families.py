@@ -34,6 +34,7 @@ from families import (
     reference,
 )
 from partitioner import Plan
+from profiles import LONG
 from rank_pool import spawn
 from runtime import PipelineTrainer
 
@@ -42,14 +43,22 @@ SCHEDULES = ("1f1b", "zbh1")
 # Over 2 gloo processes: a rotary mixture-of-experts decoder, an image classifier, and an
 # encoder-decoder with two inputs whose tied embedding sits on both ranks (its plan saved to JSON
 # and loaded back on every rank: the ModelOutput is rebuilt from the file's output structure).
-GLOO_FAMILIES = ["mixtral", "vit", "t5"]
+# The default profile runs the encoder-decoder alone, the long profile all three.
+GLOO_FAMILIES = ["t5", "mixtral", "vit"] if LONG else ["t5"]
 VIA_FILE = "t5"
 # Known failures, each naming its cause (a strict xfail: fixing one turns the test red until removed).
 XFAIL: dict[tuple[str, int, str], str] = {}
 # The families cut into 4 stages by default, one of each kind of model: a rotary decoder, an
 # encoder-decoder with a tied embedding on both ends, an image classifier and a state-space model.
 # Tracing is most of a case's time; the long profile cuts every family into 4.
-FOUR_STAGES = ("llama", "t5", "vit", "mamba")
+FOUR_STAGES = ("llama", "vit", "mamba")
+# Families whose mechanisms another family already runs by default, each with the one that does:
+# the long profile runs them (every test), the default profile one family of each mechanism.
+SAME_MECHANISM = {
+    "mistral": "gemma2 (a sliding window)", "qwen2": "llama (a rotary GQA decoder)",
+    "gemma": "gemma2 (the embedding scale)", "roberta": "bert (an encoder, masked LM)",
+    "qwen2_moe": "mixtral (routed experts)", "bart": "t5 and whisper (encoder-decoders)",
+}
 
 
 @dataclass
@@ -107,13 +116,19 @@ def _params(marks: dict[tuple[Any, ...], str], *axes: tuple[Any, ...]) -> list[A
 
 def _marks(xfail: dict[tuple[Any, ...], str], combo: tuple[Any, ...]) -> list[pytest.MarkDecorator]:
     """A strict xfail where ``xfail`` names a cause; ``long`` for a (family, 4 stages, ...) case of
-    a family outside ``FOUR_STAGES``."""
+    a family outside ``FOUR_STAGES``, and for every case of a family in ``SAME_MECHANISM``."""
     marks = [pytest.mark.xfail(strict=True, reason=xfail[combo])] if combo in xfail else []
     name, p = combo[0], combo[1]
-    return marks + ([pytest.mark.long] if p == 4 and name not in FOUR_STAGES else [])
+    long = name in SAME_MECHANISM or (p == 4 and name not in FOUR_STAGES)
+    return marks + ([pytest.mark.long] if long else [])
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+def _families(names: Any = FAMILIES) -> list[Any]:
+    """``names``, those in ``SAME_MECHANISM`` marked ``long``."""
+    return [pytest.param(n, marks=[pytest.mark.long] if n in SAME_MECHANISM else []) for n in names]
+
+
+@pytest.mark.parametrize("name", _families())
 def test_the_config_leaves_training_deterministic(lab: _Lab, name: str) -> None:
     f = lab.family(name)
     assert f.model.training
@@ -152,7 +167,7 @@ def test_pipeline_gradients_equal_the_model(lab: _Lab, name: str, p: int, schedu
     assert {first[n] for n in checked} == set(first.values())
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", _families())
 def test_recomputed_stages_equal_the_model(lab: _Lab, name: str) -> None:
     # Every stage recomputes (its forward keeps only its inputs; B replays it first): rotary
     # tables, masks, routers and state-space scans must replay to the same numbers.
@@ -165,7 +180,9 @@ def test_recomputed_stages_equal_the_model(lab: _Lab, name: str) -> None:
 
 
 # Under bf16 autocast, with values kept in their autocast dtypes between stages.
-BF16_FAMILIES = ["llama", "mixtral", "gemma2", "t5", "bert", "vit"]
+# The default profile runs a decoder and an image classifier, the long one all six.
+BF16_FAMILIES = ["llama", "vit",
+                 *(pytest.param(n, marks=pytest.mark.long) for n in ("mixtral", "gemma2", "t5", "bert"))]
 
 
 @pytest.mark.parametrize("name", BF16_FAMILIES)

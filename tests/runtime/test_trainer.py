@@ -36,6 +36,9 @@ MODELS = ["mlp", "gpt2", "skip"]
 SCHEDULES = ["gpipe", "1f1b"]
 # Split backward and several stages per rank: interleaved (v = 2) and ZB-V put 2 stages per rank.
 NEW_SCHEDULES = ["interleaved", "zbh1", "zbv"]
+# Gloo world sizes: 2 runs every schedule (interleaved and ZB-V with two stages a rank); the same
+# matrix over 4 ranks is the long profile's.
+WORLDS = [2, pytest.param(4, marks=pytest.mark.long)]
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -114,7 +117,7 @@ def over_gloo(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], _Gloo
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", WORLDS)
 def test_gloo_processes_match_reference(world: int, over_gloo: Callable[[int], _Gloo]) -> None:
     plain, _, trace = over_gloo(world)
     results = [dict(res) for res in plain]
@@ -151,7 +154,7 @@ def test_gloo_processes_match_reference(world: int, over_gloo: Callable[[int], _
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", WORLDS)
 def test_grouped_messages_match_reference(world: int, over_gloo: Callable[[int], _Gloo]) -> None:
     """The program NCCL runs (each action's sends posted with the next one's receives, as one
     ``batch_isend_irecv``), run over gloo: exact for the schedules NCCL accepts."""

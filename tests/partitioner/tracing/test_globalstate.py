@@ -68,8 +68,14 @@ def _unchanged(model: nn.Module) -> Iterator[None]:
         assert torch.equal(t, values[name]), f"{name} changed"
 
 
-@pytest.mark.parametrize("ambient", list(AMBIENT))
-@pytest.mark.parametrize("name", list(MODELS))
+# Every model under every state; the Llama (two traces a case, the slowest) under grad mode off and
+# inference mode in the long profile only: the small models take those states by default.
+_LLAMA_LONG = ("no_grad", "inference_mode")
+
+
+@pytest.mark.parametrize(("name", "ambient"), [
+    pytest.param(n, a, marks=[pytest.mark.long] if n == "llama" and a in _LLAMA_LONG else [])
+    for n in MODELS for a in AMBIENT])
 def test_partition_and_bind_change_nothing(name: str, ambient: str, tmp_path: Path) -> None:
     model, example = MODELS[name]()
     model = _oddly_flagged(model)

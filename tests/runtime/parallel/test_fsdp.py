@@ -221,8 +221,12 @@ _CUT_RUNS: dict[str, tuple[str, str, dict[str, Any]]] = {
 
 
 # Left to the long profile: combinations of behaviours the default runs apart (kept gathered, split
-# backward), GPipe's order (the cut runs below run it), every W apart from its I (ZB-H1 defers some).
-_LONG_RUNS = ("gpt2/zbh1/gathered", "gpt2/gpipe", "gpt2/zbh1/unfused")
+# backward), GPipe's order (the cut runs below run it), every W apart from its I (ZB-H1 defers some),
+# and the schedules and options another default run already takes under FSDP: weights kept gathered
+# (the GPipe cut run), ZB-H1's split backward (with recomputation below), interleaved (with
+# recomputation and bf16 below).
+_LONG_RUNS = ("gpt2/zbh1/gathered", "gpt2/gpipe", "gpt2/zbh1/unfused", "gpt2/1f1b/gathered", "gpt2/zbh1",
+              "gpt2/interleaved", "gpt2/1f1b/fp16")
 
 
 def _params(labels: dict[str, Any]) -> list[Any]:
@@ -417,7 +421,7 @@ def test_fsdp_over_two_replicas_equals_the_plain_model(sharded: Cases, label: st
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("label", list(COMBINED))
+@pytest.mark.parametrize("label", _params(COMBINED))
 def test_fsdp_with_recomputation_and_mixed_precision(sharded: Cases, label: str) -> None:
     # Autocast (bf16, fp16 with loss scaling) and recomputation run inside the stage's forward and
     # backward, which FSDP gathers around: the gathered gradients equal the plain model's under

@@ -289,8 +289,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Cases:
     return Cases(_part, 2, str(tmp_path_factory.mktemp("tp")), timeout=300)
 
 
-@pytest.mark.parametrize("case", ["llama", "llama outlined", "qwen2 outlined", "gpt2", "mixtral, experts whole",
-                                  "llama, 1 kv head"])
+# The long profile adds the plain Llama (GPT-2 runs the blocks inlined, Llama outlined) and Qwen2's biases.
+@pytest.mark.parametrize("case", [pytest.param("llama", marks=pytest.mark.long), "llama outlined",
+                                  pytest.param("qwen2 outlined", marks=pytest.mark.long), "gpt2",
+                                  "mixtral, experts whole", "llama, 1 kv head"])
 def test_a_stage_over_tp_2_computes_the_unsharded_stage_with_two_all_reduces_a_block(runs: Cases, case: str) -> None:
     for got in runs(case):
         # 2 blocks: one all-reduce after each attention's o_proj and each MLP's down_proj forward,

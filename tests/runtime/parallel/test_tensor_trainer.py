@@ -2,7 +2,8 @@
 its embedding tied to the LM head of the last stage) from transformers on 4 gloo processes, 2 tp x
 2 pp (world rank ``(d * pp + s) * tp + t``), train as the plain model does: the loss, every
 gradient (shards gathered) and the parameters after 3 clipped AdamW steps, under 1F1B, ZB-H1 and
-interleaved, with recompute and bf16 (GPT-2: 1F1B; its ZB-H1 and interleaved in the long profile);
+interleaved, with recompute, bf16 and fp16 (the default profile: Llama under 1F1B and ZB-H1, bf16,
+GPT-2 under 1F1B; interleaved, recompute, fp16 and GPT-2's other schedules in the long profile);
 2 dp x 2 tp of one stage and, on 8, 2 dp x 2 pp x 2 tp, replicated and ZeRO-1 (the long profile's);
 clipping over tp shards (checkpoints: test_tensor_state.py). Each case runs on the test process's
 pool of ranks when a test first asks for it (``rank_pool.Cases``)."""
@@ -250,7 +251,8 @@ def runs() -> Cases:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("case", ["1f1b", "zbh1", "interleaved", "1f1b recompute", "gpt2 1f1b",
+@pytest.mark.parametrize("case", ["1f1b", "zbh1", pytest.param("interleaved", marks=pytest.mark.long),
+                                  pytest.param("1f1b recompute", marks=pytest.mark.long), "gpt2 1f1b",
                                   pytest.param("gpt2 zbh1", marks=pytest.mark.long),
                                   pytest.param("gpt2 interleaved", marks=pytest.mark.long)])
 def test_2_tp_x_2_pp_trains_as_the_plain_model(runs: Cases, case: str) -> None:
@@ -287,6 +289,8 @@ def test_bf16_under_tp_is_as_close_to_the_plain_bf16_model_as_bf16_is_to_fp32(ru
         assert got["tp_loss"] < got["plain_loss"] and got["tp_err"] < 2 * got["plain_err"], got
 
 
+@pytest.mark.long  # bf16 runs the autocast path by default; fp16's loss scaling is the long profile's
+@pytest.mark.multiprocess
 def test_fp16_under_tp_is_as_close_to_the_plain_fp16_model_as_fp16_is_to_fp32(runs: Cases) -> None:
     # Loss-scaled (the scale a power of two: scaling and unscaling are exact), no step skipped.
     # fp16 keeps 3 more mantissa bits than bf16: measured, the worst relative gradient error 0.0042

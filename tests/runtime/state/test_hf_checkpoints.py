@@ -95,8 +95,18 @@ FAMILIES = {f.name: f for f in [
 # Whose checkpoint keys are not the model's names: transformers' conversion mapping renames or merges them.
 CONVERTED = ("gpt_neox", "mixtral", "qwen2_moe", "qwen3_moe")
 # pipecut train runs the loader and exporter the other tests check for every family: it is run
-# for the converted families (one of each conversion) and Llama, to keep the file fast.
+# for the converted families (one of each conversion) and Llama, to keep the file fast; by
+# default for Llama and Mixtral (experts merged), the other conversions in the long profile.
 TRAINED = ("gpt_neox", "mixtral", "qwen2_moe", "llama")
+# Families whose checkpoint keys another default family already loads as they are (Llama's
+# names; the long profile runs them): Qwen2 and Gemma 2, and OPT (GPT-2 stands for the
+# non-Llama names). Every converted family runs by default.
+SAME_KEYS = ("qwen2", "gemma2", "opt")
+
+
+def _long(names: Any, long: Any) -> list[Any]:
+    """``names`` as parameters, those in ``long`` marked ``long``."""
+    return [pytest.param(n, marks=pytest.mark.long) if n in long else n for n in names]
 
 
 @dataclass
@@ -177,7 +187,7 @@ def _keys(folder: Path) -> set[str]:
     return keys
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", _long(FAMILIES, SAME_KEYS))
 def test_only_the_converted_families_folders_hold_keys_that_are_not_model_names(cases: Any, name: str) -> None:
     """What makes the matrix test the conversion: these folders cannot load by name alone."""
     case = cases(name)
@@ -199,7 +209,7 @@ def _check_state(trainer: PipelineTrainer, model: Any) -> None:
 
 
 @pytest.mark.parametrize("p", STAGES)
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", _long(FAMILIES, SAME_KEYS))
 def test_weights_give_from_pretrained_loss_and_every_gradient(cases: Any, name: str, p: int) -> None:
     case = cases(name)
     trainer = PipelineTrainer(case.plans[p], lm_loss, init=Init(weights=str(case.folder)))
@@ -214,7 +224,7 @@ def test_weights_give_from_pretrained_loss_and_every_gradient(cases: Any, name: 
     _check_grads(trainer, want)
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", _long(FAMILIES, SAME_KEYS))
 def test_the_export_has_save_pretrained_keys_and_reloads_with_the_trainers_logits(
     cases: Any, name: str, tmp_path: Path
 ) -> None:
@@ -246,7 +256,7 @@ def token_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@pytest.mark.parametrize("name", TRAINED)
+@pytest.mark.parametrize("name", _long(TRAINED, ("gpt_neox", "qwen2_moe")))
 def test_pipecut_train_starts_at_from_pretrained_loss_and_its_final_export_reloads(
     cases: Any, name: str, token_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -20,20 +20,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from runtime.state import weight_errors as errors
 from runtime.state import weight_export, weight_sources
 from runtime.state import weights as weights_module
-from runtime.state.weight_errors import (
-    AmbiguousPrefixError,
-    MissingWeightsError,
-    NonFiniteWeightsError,
-    PartialLoadError,
-    UnexpectedWeightsError,
-    WeightDtypeError,
-    WeightsDestinationError,
-    WeightsError,
-    WeightShapeError,
-    WeightsSourceError,
-)
 from runtime.state.weight_export import save_safetensors
 from runtime.state.weights import PrefixMap, checkpoint_index, detect_prefix, load_weights
 
@@ -287,7 +276,7 @@ def test_missing_key_names_stage_and_close_match(tmp_path: Path) -> None:
     state["layers.1.weights"] = state.pop("layers.1.weight")
     source = _source("safetensors", tmp_path, state)
     into = _dests(RANKS[1], ref)
-    with pytest.raises(MissingWeightsError) as info:
+    with pytest.raises(errors.MissingWeightsError) as info:
         load_weights(source, into, names=ref, stage_of=STAGE_OF, prefix="", strict=False)
     msg = str(info.value)
     assert "'layers.1.weight' (stage 1)" in msg and "close keys: 'layers.1.weights'" in msg
@@ -300,7 +289,7 @@ def test_tied_weight_without_aliases_is_missing(tmp_path: Path) -> None:
     pretrained = _llama(tie=True)
     pretrained.save_pretrained(tmp_path)
     into = {"lm_head.weight": torch.zeros(64, 32)}
-    with pytest.raises(MissingWeightsError, match=r"aliases=plan.param_aliases"):
+    with pytest.raises(errors.MissingWeightsError, match=r"aliases=plan.param_aliases"):
         load_weights(tmp_path, into, names=list(pretrained.state_dict()))
     pairs = tuple(_tied_aliases(pretrained).items())  # the form of plan.param_aliases
     load_weights(tmp_path, into, names=list(pretrained.state_dict()), aliases=pairs)
@@ -316,7 +305,7 @@ def test_unexpected_key_error_and_strict_false(tmp_path: Path) -> None:
     index["weight_map"]["rotary_emb.inv_freq"] = "extra.safetensors"
     (source / "model.safetensors.index.json").write_text(json.dumps(index))
     into = _dests(RANKS[0], ref)
-    with pytest.raises(UnexpectedWeightsError) as info:
+    with pytest.raises(errors.UnexpectedWeightsError) as info:
         load_weights(source, into, names=ref)
     msg = str(info.value)
     assert "'rotary_emb.inv_freq'" in msg and "extra.safetensors" in msg
@@ -330,7 +319,7 @@ def test_unexpected_key_error_and_strict_false(tmp_path: Path) -> None:
 def test_shape_mismatch(tmp_path: Path) -> None:
     ref = _toy_state()
     source = _source("shards", tmp_path, {**ref, "head.weight": torch.zeros(12, 4)})
-    with pytest.raises(WeightShapeError) as info:
+    with pytest.raises(errors.WeightShapeError) as info:
         load_weights(source, _dests(RANKS[1], ref), names=ref, stage_of=STAGE_OF)
     msg = str(info.value)
     assert "'head.weight' (stage 1)" in msg and "model-00003-of-00003.safetensors" in msg
@@ -342,7 +331,7 @@ def test_dtype_mismatch_and_cast(tmp_path: Path) -> None:
     half = {k: t.to(torch.bfloat16) for k, t in ref.items()}
     source = _source("dcp", tmp_path, half)
     into = _dests(RANKS[0], ref)
-    with pytest.raises(WeightDtypeError) as info:
+    with pytest.raises(errors.WeightDtypeError) as info:
         load_weights(source, into, names=ref, stage_of=STAGE_OF)
     msg = str(info.value)
     assert "torch.float32, checkpoint has torch.bfloat16" in msg and "cast=True" in msg
@@ -361,7 +350,7 @@ def test_nonfinite_values_are_counted_exactly(tmp_path: Path) -> None:
     path = tmp_path / "model.safetensors"
     safetensors.torch.save_file({"bad": bad, "big": big, "ok": torch.ones(3)}, path)
     into = {"bad": torch.empty(n), "big": torch.empty(4096, dtype=torch.float16), "ok": torch.empty(3)}
-    with pytest.raises(NonFiniteWeightsError) as info:
+    with pytest.raises(errors.NonFiniteWeightsError) as info:
         load_weights(path, into, names=into)
     msg = str(info.value)
     assert f"3 of {n} NaN or infinite" in msg and "1 weight(s)" in msg and "allow_nonfinite" in msg
@@ -387,13 +376,13 @@ def test_errors_say_what_else_is_wrong(tmp_path: Path) -> None:
     state = {**ref, "head.weight": torch.zeros(3)}
     del state["layers.1.bias"]
     source = _source("torch", tmp_path, state)
-    with pytest.raises(MissingWeightsError, match="Also found: 1 shape"):
+    with pytest.raises(errors.MissingWeightsError, match="Also found: 1 shape"):
         load_weights(source, _dests(RANKS[1], ref), names=ref)
 
 
 def test_ambiguous_prefix(tmp_path: Path) -> None:
     source = _source("safetensors", tmp_path, {"p.x.weight": torch.ones(1), "q.y.weight": torch.ones(1)})
-    with pytest.raises(AmbiguousPrefixError) as info:
+    with pytest.raises(errors.AmbiguousPrefixError) as info:
         load_weights(source, {"x.weight": torch.zeros(1)}, names=["x.weight", "y.weight"], strict=False)
     msg = str(info.value)
     assert "PrefixMap(model='', checkpoint='p.')" in msg and "checkpoint='q.'" in msg
@@ -404,26 +393,26 @@ def test_ambiguous_prefix(tmp_path: Path) -> None:
 def test_destination_refusals(tmp_path: Path) -> None:
     ref = _toy_state()
     source = _source("safetensors", tmp_path, ref)
-    with pytest.raises(WeightsDestinationError, match=r"meta device.*to_empty"):
+    with pytest.raises(errors.WeightsDestinationError, match=r"meta device.*to_empty"):
         load_weights(source, {"embed.weight": torch.empty(10, 4, device="meta")}, names=ref)
-    with pytest.raises(WeightsDestinationError, match="not among the model's names: 'nope'"):
+    with pytest.raises(errors.WeightsDestinationError, match="not among the model's names: 'nope'"):
         load_weights(source, {"nope": torch.zeros(1)}, names=ref)
-    with pytest.raises(WeightsDestinationError, match="must be tensors"):
+    with pytest.raises(errors.WeightsDestinationError, match="must be tensors"):
         load_weights(source, {"embed.weight": [0.0]}, names=ref)  # type: ignore[dict-item]
 
 
 def test_source_refusals(tmp_path: Path) -> None:
-    with pytest.raises(WeightsSourceError, match="does not exist"):
+    with pytest.raises(errors.WeightsSourceError, match="does not exist"):
         load_weights(tmp_path / "nope.safetensors", {}, names=[])
-    with pytest.raises(WeightsSourceError, match="no checkpoint pipecut reads"):
+    with pytest.raises(errors.WeightsSourceError, match="no checkpoint pipecut reads"):
         load_weights(tmp_path, {}, names=[])
     (tmp_path / "junk.pt").write_bytes(b"not a pickle")
-    with pytest.raises(WeightsSourceError, match=r"torch.save"):
+    with pytest.raises(errors.WeightsSourceError, match=r"torch.save"):
         checkpoint_index(tmp_path / "junk.pt")
     ref = _toy_state()
     source = _source("shards", tmp_path, ref)
     os.remove(source / "model-00003-of-00003.safetensors")
-    with pytest.raises(WeightsSourceError, match=r"model-00003-of-00003.safetensors does not exist"):
+    with pytest.raises(errors.WeightsSourceError, match=r"model-00003-of-00003.safetensors does not exist"):
         load_weights(source, _dests(["head.weight"], ref), names=ref)
 
 
@@ -453,7 +442,7 @@ def test_partial_load_names_what_was_loaded(tmp_path: Path, monkeypatch: pytest.
 
     monkeypatch.setattr(weight_sources, "safe_open", Flaky)
     into = _dests(RANKS[0], ref)
-    with pytest.raises(PartialLoadError) as info:
+    with pytest.raises(errors.PartialLoadError) as info:
         load_weights(source, into, names=ref)
     err = info.value
     assert isinstance(err.__cause__, OSError) and "Input/output error" in str(err)
@@ -537,7 +526,7 @@ def test_export_loads_in_transformers(tie: bool, shard_bytes: int, tmp_path: Pat
 def test_export_is_atomic_and_refuses_to_overwrite(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ref = _toy_state()
     save_safetensors(ref, tmp_path)
-    with pytest.raises(WeightsError, match=r"already holds a checkpoint.*overwrite=True"):
+    with pytest.raises(errors.WeightsError, match=r"already holds a checkpoint.*overwrite=True"):
         save_safetensors(ref, tmp_path)
     real = os.replace
 
@@ -551,7 +540,7 @@ def test_export_is_atomic_and_refuses_to_overwrite(tmp_path: Path, monkeypatch: 
         save_safetensors(ref, tmp_path, max_shard_bytes=200, overwrite=True)
     # The shards are in place, but without their index nothing loads as a whole checkpoint.
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".pipecut")]
-    with pytest.raises(WeightsSourceError, match="no index: an interrupted export"):
+    with pytest.raises(errors.WeightsSourceError, match="no index: an interrupted export"):
         load_weights(tmp_path, {}, names=ref)
     monkeypatch.setattr(weight_export.os, "replace", real)
     save_safetensors(ref, tmp_path, max_shard_bytes=200, overwrite=True)
@@ -559,9 +548,9 @@ def test_export_is_atomic_and_refuses_to_overwrite(tmp_path: Path, monkeypatch: 
 
 
 def test_export_refusals(tmp_path: Path) -> None:
-    with pytest.raises(WeightsError, match=r"lacking the prefix 'model.'"):
+    with pytest.raises(errors.WeightsError, match=r"lacking the prefix 'model.'"):
         save_safetensors({"x": torch.ones(1)}, tmp_path, prefix="model.")
-    with pytest.raises(WeightsError, match="meta device"):
+    with pytest.raises(errors.WeightsError, match="meta device"):
         save_safetensors({"x": torch.empty(1, device="meta")}, tmp_path)
 
 

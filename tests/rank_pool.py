@@ -192,6 +192,9 @@ def _serve(inbox: Any, outbox: Any, parent: int, warm: tuple[str, ...]) -> None:
             return
         case, path, payload, rank, world, init, timeout, threads = task
         sys.path[:] = path
+        if "trace_memo" not in sys.modules:  # the tests' folder is on the path from the first case
+            with contextlib.suppress(ImportError):
+                __import__("trace_memo").install()
         torch.set_num_threads(threads)
         torch.seed()  # fresh, as a new process's generators are: a case seeds what it needs itself
         random.seed()

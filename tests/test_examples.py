@@ -17,7 +17,6 @@ from types import ModuleType
 import pytest
 import torch
 
-from profiles import LONG
 from test_readme import readme_block
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,6 +61,10 @@ def test_train_pipelined_zbv_writes_its_trace(tmp_path: Path) -> None:
     assert len(spans) == 4 * 8 * 3 and {e["tid"] for e in spans} == {0, 1}  # S x m x (F, I, W), 2 ranks
 
 
+# The examples under torchrun are the long profile's: the default runs each in one process
+# (test_train_pipelined_in_one_process, test_train_big_loads_pretrained_weights_resumes_and_exports),
+# and pipecut's own commands under torchrun (tests/test_readme.py, tests/pipecut/).
+@pytest.mark.long
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_the_readme_training_commands() -> None:
@@ -91,12 +94,10 @@ def test_the_readme_training_commands() -> None:
     # One process, 4 stages on threads (main() returns the last step's loss), and the same 1F1B
     # pipeline cut in 2 across 2 processes (the README says 4: each process costs 7-8 s of CPU
     # here, and the 4-process launch below already runs). A cut moves layers, not arithmetic.
-    # The long profile's: the 4-process launch below runs torchrun's pipeline by default.
-    if LONG:
-        alone = main([*one.argv[2:], "--steps", "5"])
-        out = launch(pp.argv, "2")
-        assert "'dist' transport, torchrun, 1 x 2 (dp x pp)" in out
-        assert last_loss(out) == pytest.approx(alone, rel=1e-4)
+    alone = main([*one.argv[2:], "--steps", "5"])
+    out = launch(pp.argv, "2")
+    assert "'dist' transport, torchrun, 1 x 2 (dp x pp)" in out
+    assert last_loss(out) == pytest.approx(alone, rel=1e-4)
     # 2 replicas of 2 stages over 4 processes, and one process, one pipeline of 2 stages on the
     # same global batch (micro-batches twice as large): the same losses, exact either way.
     out = launch(dp_pp.argv, "4")
@@ -138,6 +139,7 @@ def test_train_big_loads_pretrained_weights_resumes_and_exports(tmp_path: Path) 
     assert not exported["missing_keys"] and not exported["unexpected_keys"], exported
 
 
+@pytest.mark.long  # see test_the_readme_training_commands
 @pytest.mark.multiprocess
 def test_train_big_under_torchrun(tmp_path: Path) -> None:
     torchrun = shutil.which("torchrun")

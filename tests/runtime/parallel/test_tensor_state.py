@@ -180,7 +180,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Cases:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+# GPT-2's packed and tied weights in the long profile (a packed weight's checkpoint by default:
+# test_tensor_parallel.py's test_a_packed_weight_loads_its_heads_of_each_part_and_checkpoints_as_its_parts).
+@pytest.mark.parametrize("family", ["llama", pytest.param("gpt2", marks=pytest.mark.long)])
 def test_tp_checkpoints_resume_bitwise_reshard_to_tp_1_and_export_whole(runs: Cases, family: str) -> None:
     for got in runs(family):
         if family == "llama":

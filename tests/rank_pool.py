@@ -16,7 +16,8 @@ peer; a case in which every rank returned or raised leaves the pool as it was.
 
 What the pool cannot give a case is a process of its own, so these keep the plain spawn: a case
 that measures the process's peak memory (VmHWM), kills or exits a rank on purpose, patches a
-library and leaves it patched (a stalled collective), or checks what a spawn itself reports.
+library and leaves it patched (a case that patches one puts it back before it returns, as the
+stalled collectives do), or checks what a spawn itself reports.
 """
 
 from __future__ import annotations

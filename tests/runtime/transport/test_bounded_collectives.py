@@ -6,7 +6,9 @@ naming the collective, its ranks and the seconds waited (``runtime.transport.col
 for a killed peer, a one-line ``PeerGone`` naming the rank that is gone.
 
 The stalled rank sleeps until the survivor gave up (a file in ``tmp_path``), at most ``STALL``
-seconds, then leaves without entering the collective, so no test waits for the stall.
+seconds, then leaves without entering the collective, so no test waits for the stall. It puts the
+real collective back before it returns, so the stalls run on the tests' pool of ranks; the killed
+peer takes a fresh spawn.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +26,8 @@ import pytest
 import torch
 
 from parity import case, make_trainer
-from runtime.transport.launch import LaunchError, spawn  # a fresh spawn: a rank patches torch.distributed, or is killed
+from rank_pool import spawn as pool_spawn
+from runtime.transport.launch import LaunchError, spawn  # a fresh spawn: a rank is killed
 
 TIMEOUT = 2.0  # the trainer's timeout
 STALL = 10.0  # how long the stalled rank would sleep before entering the collective
@@ -42,8 +46,9 @@ class _Stalled(Exception):
     """Raised on the stalled rank when it stops stalling: it never enters the collective."""
 
 
-def _stall_in(name: str, caller: str, gave_up: Path, *, kill: bool = False) -> None:
-    """Make ``dist.<name>`` stall (or kill this process) when called under ``caller``."""
+def _stall_in(name: str, caller: str, gave_up: Path, *, kill: bool = False) -> Callable[[], None]:
+    """Make ``dist.<name>`` stall (or kill this process) when called under ``caller``; returns
+    what puts the real one back."""
     import torch.distributed as dist
 
     real = getattr(dist, name)
@@ -62,6 +67,7 @@ def _stall_in(name: str, caller: str, gave_up: Path, *, kill: bool = False) -> N
         raise _Stalled
 
     setattr(dist, name, stalling)
+    return lambda: setattr(dist, name, real)
 
 
 def _one_step(rank: int, world: int, which: str, tmp: str, kill: bool) -> dict[str, Any]:
@@ -77,8 +83,7 @@ def _one_step(rank: int, world: int, which: str, tmp: str, kill: bool) -> dict[s
     # Building takes seconds and differs between ranks: start the step together, so that only
     # the stall can outlast the short timeout.
     dist.barrier()
-    if rank == STALLER:
-        _stall_in(name, caller, gave_up, kill=kill)
+    unpatch = _stall_in(name, caller, gave_up, kill=kill) if rank == STALLER else lambda: None
     x, y = trainer.local_batch(c["x"].repeat(dp, 1), c["y"].repeat(dp, 1))
     start = time.monotonic()
     try:
@@ -89,6 +94,7 @@ def _one_step(rank: int, world: int, which: str, tmp: str, kill: bool) -> dict[s
     except Exception as e:
         got = {"type": type(e).__name__, "message": str(e), "elapsed": time.monotonic() - start}
     finally:
+        unpatch()  # the next case on this pooled rank finds torch.distributed as it was
         if rank == SURVIVOR:
             gave_up.touch()
     (Path(tmp) / f"rank-{rank}.json").write_text(json.dumps(got))
@@ -99,7 +105,7 @@ def _one_step(rank: int, world: int, which: str, tmp: str, kill: bool) -> dict[s
 @pytest.mark.parametrize("which", list(CASES))
 def test_a_stalled_peer_times_out_at_the_trainers_timeout(which: str, tmp_path: Path) -> None:
     world = 2
-    got, stalled = spawn(_one_step, world, which, str(tmp_path), False, timeout=60)
+    got, stalled = pool_spawn(_one_step, world, which, str(tmp_path), False, timeout=60)
     assert stalled == {"type": "stalled"}, stalled
     assert got["type"] == "TransportTimeout", got
     assert TIMEOUT <= got["elapsed"] < STALL - 3, got  # ended at the timeout, not after the stall

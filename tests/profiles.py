@@ -43,6 +43,22 @@ def in_profile(cases: Mapping[K, V], long_only: Iterable[K]) -> dict[K, V]:
     return {k: v for k, v in cases.items() if LONG or k not in left_out}
 
 
+def long_only(values: Iterable[K], long: Iterable[K]) -> list[Any]:
+    """``values`` as ``pytest.parametrize`` values, those in ``long`` marked ``long`` (the
+    parametrized twin of :func:`in_profile`).
+
+    Example:
+        >>> [getattr(v, "marks", ()) and v.values for v in long_only(["a", "b"], ["b"])]
+        [(), ('b',)]
+    """
+    values = list(values)
+    left_out = set(long)
+    unknown = left_out - set(values)
+    if unknown:  # a renamed case would otherwise run in every profile
+        raise KeyError(f"long names cases that do not exist: {sorted(map(str, unknown))}")
+    return [pytest.param(v, marks=pytest.mark.long) if v in left_out else v for v in values]
+
+
 def skip_long(items: Iterable[pytest.Item]) -> None:
     """Mark every item marked ``long`` to be skipped, unless the long profile runs (collected all
     the same: the ids in a run's report show what the default profile leaves out)."""

@@ -193,9 +193,8 @@ def _serve(inbox: Any, outbox: Any, parent: int, warm: tuple[str, ...]) -> None:
             return
         case, path, payload, rank, world, init, timeout, threads = task
         sys.path[:] = path
-        if "trace_memo" not in sys.modules:  # the tests' folder is on the path from the first case
-            with contextlib.suppress(ImportError):
-                __import__("trace_memo").install()
+        with contextlib.suppress(ImportError):  # the tests' folder is on the path from the first case
+            __import__("trace_memo").install()  # once: install() leaves a memoised export as it is
         torch.set_num_threads(threads)
         torch.seed()  # fresh, as a new process's generators are: a case seeds what it needs itself
         random.seed()

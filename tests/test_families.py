@@ -35,7 +35,7 @@ from families import (
     reference,
 )
 from partitioner import Plan
-from profiles import LONG
+from profiles import LONG, long_only
 from rank_pool import spawn
 from runtime import PipelineTrainer
 
@@ -125,12 +125,7 @@ def _marks(xfail: dict[tuple[Any, ...], str], combo: tuple[Any, ...]) -> list[py
     return marks + ([pytest.mark.long] if long else [])
 
 
-def _families(names: Any = FAMILIES) -> list[Any]:
-    """``names``, those in ``SAME_MECHANISM`` marked ``long``."""
-    return [pytest.param(n, marks=[pytest.mark.long] if n in SAME_MECHANISM else []) for n in names]
-
-
-@pytest.mark.parametrize("name", _families())
+@pytest.mark.parametrize("name", long_only(FAMILIES, SAME_MECHANISM))
 def test_the_config_leaves_training_deterministic(lab: _Lab, name: str) -> None:
     f = lab.family(name)
     assert f.model.training
@@ -169,7 +164,7 @@ def test_pipeline_gradients_equal_the_model(lab: _Lab, name: str, p: int, schedu
     assert {first[n] for n in checked} == set(first.values())
 
 
-@pytest.mark.parametrize("name", _families())
+@pytest.mark.parametrize("name", long_only(FAMILIES, SAME_MECHANISM))
 def test_recomputed_stages_equal_the_model(lab: _Lab, name: str) -> None:
     # Every stage recomputes (its forward keeps only its inputs; B replays it first): rotary
     # tables, masks, routers and state-space scans must replay to the same numbers.

@@ -14,8 +14,8 @@ tensor's name, shape, dtype, device and ``requires_grad``, the example's structu
 non-tensor values, the dynamic-shape specs, and the ambient grad, inference and autocast modes and
 default dtype. A model with hooks, an instance-level ``forward`` or a class outside transformers is
 never memoised, nor one with Hugging Face's gradient checkpointing on (the tracer watches its
-checkpoint calls as they run). The tests of the tracer itself (``tests/partitioner/tracing/``) export afresh
-(:func:`off`), as does any test marked ``fresh_trace``. Only successful exports are kept: an export
+checkpoint calls as they run). The tests of the tracer itself (``tests/partitioner/tracing/``)
+export afresh (:func:`off`), as does any test marked ``fresh_trace``. Only successful exports are kept: an export
 that failed is tried again, so its failure path runs every time.
 """
 

@@ -13,7 +13,7 @@ import torch
 from gen_cases import CASES, EXAMPLE, PROMPTS, build, planned
 
 from partitioner import partition
-from profiles import LONG
+from profiles import LONG, long_only
 from runtime import empty_weights
 from runtime.generate import GenerateModelError, GenerateOptionError, Generator, Sampling, left_pad
 
@@ -46,8 +46,7 @@ def _positions_per_call(gen: Generator) -> list[list[int]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.long) if n in _SAME_MECHANISM else n
-                                  for n in sorted(CASES)])
+@pytest.mark.parametrize("name", long_only(sorted(CASES), _SAME_MECHANISM))
 def test_greedy_tokens_are_generates_on_2_and_4_stages(name: str) -> None:
     want = _reference(planned(name, 2)[0])
     for p in (2, 4) if LONG or name in _FOUR_STAGES else (2,):
@@ -178,8 +177,8 @@ def test_bf16_reaches_every_rank_thread_whatever_the_transport() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [n if n == "qwen2_mixed" else pytest.param(n, marks=pytest.mark.long)
-                                  for n in sorted(CASES)])  # windowed and full layers by default, every family long
+# windowed and full layers by default, every family long
+@pytest.mark.parametrize("name", long_only(sorted(CASES), set(CASES) - {"qwen2_mixed"}))
 def test_a_prompt_in_pieces_gives_generates_tokens_and_logits(name: str) -> None:
     # A chunked prefill: the padded prompt (7 positions) enters in pieces of 3, 3 and 1; each stage
     # extends its cache piece by piece (sliding windows of 4 included), then decodes as before.

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from partitioner.search import LayoutSearch
+from profiles import long_only
 from rank_pool import Cases
 from runtime.options import DataParallel
 from tests.runtime.parity import (
@@ -229,9 +230,6 @@ _LONG_RUNS = ("gpt2/zbh1/gathered", "gpt2/gpipe", "gpt2/zbh1/unfused", "gpt2/1f1
               "gpt2/interleaved", "gpt2/1f1b/fp16")
 
 
-def _params(labels: dict[str, Any]) -> list[Any]:
-    return [pytest.param(label, marks=pytest.mark.long) if label in _LONG_RUNS else label for label in labels]
-
 
 # Features combined with FSDP: (schedule, trainer options, autocast dtype); gradients after one
 # forward_backward against the plain model under the same autocast over the same micro-batches.
@@ -407,7 +405,7 @@ def sharded(tmp_path_factory: pytest.TempPathFactory) -> Cases:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("label", _params(_RUNS))
+@pytest.mark.parametrize("label", long_only(_RUNS, set(_LONG_RUNS) & set(_RUNS)))
 def test_fsdp_over_two_replicas_equals_the_plain_model(sharded: Cases, label: str) -> None:
     results = sharded(label)
     for r in results:
@@ -421,7 +419,7 @@ def test_fsdp_over_two_replicas_equals_the_plain_model(sharded: Cases, label: st
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("label", _params(COMBINED))
+@pytest.mark.parametrize("label", long_only(COMBINED, set(_LONG_RUNS) & set(COMBINED)))
 def test_fsdp_with_recomputation_and_mixed_precision(sharded: Cases, label: str) -> None:
     # Autocast (bf16, fp16 with loss scaling) and recomputation run inside the stage's forward and
     # backward, which FSDP gathers around: the gathered gradients equal the plain model's under

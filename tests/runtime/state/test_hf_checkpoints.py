@@ -41,6 +41,7 @@ from partitioner.search import LayoutSearch
 from pipecut.cli import main
 from pipecut.train.data import TRAIN, open_tokens
 from pipecut.train.loop import lm_loss
+from profiles import long_only
 from runtime import Init, PipelineTrainer, empty_weights
 
 transformers = pytest.importorskip("transformers")
@@ -102,11 +103,6 @@ TRAINED = ("gpt_neox", "mixtral", "qwen2_moe", "llama")
 # names; the long profile runs them): Qwen2 and Gemma 2, and OPT (GPT-2 stands for the
 # non-Llama names). Every converted family runs by default.
 SAME_KEYS = ("qwen2", "gemma2", "opt")
-
-
-def _long(names: Any, long: Any) -> list[Any]:
-    """``names`` as parameters, those in ``long`` marked ``long``."""
-    return [pytest.param(n, marks=pytest.mark.long) if n in long else n for n in names]
 
 
 @dataclass
@@ -187,7 +183,7 @@ def _keys(folder: Path) -> set[str]:
     return keys
 
 
-@pytest.mark.parametrize("name", _long(FAMILIES, SAME_KEYS))
+@pytest.mark.parametrize("name", long_only(FAMILIES, SAME_KEYS))
 def test_only_the_converted_families_folders_hold_keys_that_are_not_model_names(cases: Any, name: str) -> None:
     """What makes the matrix test the conversion: these folders cannot load by name alone."""
     case = cases(name)
@@ -209,7 +205,7 @@ def _check_state(trainer: PipelineTrainer, model: Any) -> None:
 
 
 @pytest.mark.parametrize("p", STAGES)
-@pytest.mark.parametrize("name", _long(FAMILIES, SAME_KEYS))
+@pytest.mark.parametrize("name", long_only(FAMILIES, SAME_KEYS))
 def test_weights_give_from_pretrained_loss_and_every_gradient(cases: Any, name: str, p: int) -> None:
     case = cases(name)
     trainer = PipelineTrainer(case.plans[p], lm_loss, init=Init(weights=str(case.folder)))
@@ -224,7 +220,7 @@ def test_weights_give_from_pretrained_loss_and_every_gradient(cases: Any, name: 
     _check_grads(trainer, want)
 
 
-@pytest.mark.parametrize("name", _long(FAMILIES, SAME_KEYS))
+@pytest.mark.parametrize("name", long_only(FAMILIES, SAME_KEYS))
 def test_the_export_has_save_pretrained_keys_and_reloads_with_the_trainers_logits(
     cases: Any, name: str, tmp_path: Path
 ) -> None:
@@ -256,7 +252,7 @@ def token_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@pytest.mark.parametrize("name", _long(TRAINED, ("gpt_neox", "qwen2_moe")))
+@pytest.mark.parametrize("name", long_only(TRAINED, ("gpt_neox", "qwen2_moe")))
 def test_pipecut_train_starts_at_from_pretrained_loss_and_its_final_export_reloads(
     cases: Any, name: str, token_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -113,6 +113,7 @@ from runtime.state.weight_errors import WeightsError as WeightsError
 from runtime.state.weight_errors import WeightShapeError as WeightShapeError
 from runtime.state.weight_errors import WeightsSourceError as WeightsSourceError
 from runtime.transport.launch import LaunchError as LaunchError
+from runtime.transport.launch import StartMethodError as StartMethodError
 from runtime.transport.p2p import PeerFailed as PeerFailed
 from runtime.transport.p2p import PeerGone as PeerGone
 from runtime.transport.p2p import TransportTimeout as TransportTimeout

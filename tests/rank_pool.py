@@ -43,9 +43,8 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 
-from runtime.transport.launch import LaunchError
+from runtime.transport.launch import LaunchError, start_context
 from runtime.transport.launch import spawn as fresh_spawn
 
 __all__ = ["RankPool", "spawn", "shared_pool", "Cases", "LaunchError"]
@@ -71,8 +70,8 @@ class RankPool:
         self.size = size
         self.warm = warm  # modules each rank imports before its first case
         self.starts = 0  # how many times the workers were started (a failed case restarts them)
-        self._ctx = mp.get_context("spawn")
         self._tmp = tempfile.mkdtemp(prefix="pipecut-pool-")
+        self._ctx: Any = None  # the start context, taken as the workers start
         self._procs: list[Any] = []
         self._inboxes: list[Any] = []
         self._outbox: Any = None
@@ -160,25 +159,29 @@ class RankPool:
         alive = bool(self._procs) and all(p.is_alive() for p in self._procs)
         if not alive:
             self.close()
+            self._ctx = start_context()  # forked from torch's and pipecut's imports, as spawn's ranks are
             self._outbox = self._ctx.SimpleQueue()
             self.starts += 1
         while len(self._procs) < world:
             inbox = self._ctx.Queue()
-            proc = self._ctx.Process(target=_serve, args=(inbox, self._outbox, os.getpid(), self.warm),
-                                     daemon=True)
+            proc = self._ctx.Process(target=_serve, daemon=True,
+                                     args=(inbox, self._outbox, os.getpid(), self.warm, dict(os.environ)))
             proc.start()
             self._procs.append(proc)
             self._inboxes.append(inbox)
 
 
-def _serve(inbox: Any, outbox: Any, parent: int, warm: tuple[str, ...]) -> None:
-    """A worker: take cases from ``inbox`` until ``None`` (or the parent is gone), one at a time."""
+def _serve(inbox: Any, outbox: Any, parent: int, warm: tuple[str, ...], environ: dict[str, str]) -> None:
+    """A worker: take cases from ``inbox`` until ``None`` (or the parent is gone), one at a time,
+    in the test process's environment as it was when the worker started (``environ``)."""
+    os.environ.clear()
+    os.environ.update(environ)
     for name in warm:
         with contextlib.suppress(Exception):
             __import__(name)
     import torch.distributed as dist
 
-    environ, cwd = dict(os.environ), os.getcwd()
+    cwd = os.getcwd()
     handlers = {s: signal.getsignal(s) for s in _SIGNALS}
     root = logging.getLogger()
     root_state = (list(root.handlers), root.level)
@@ -186,7 +189,7 @@ def _serve(inbox: Any, outbox: Any, parent: int, warm: tuple[str, ...]) -> None:
         try:
             task = inbox.get(timeout=5)
         except queue_mod.Empty:
-            if os.getppid() != parent:  # the test process died without closing the pool
+            if not _alive(parent):  # the test process died without closing the pool
                 return
             continue
         if task is None:
@@ -204,6 +207,7 @@ def _serve(inbox: Any, outbox: Any, parent: int, warm: tuple[str, ...]) -> None:
             dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
                                     timeout=timedelta(seconds=timeout))
             joined = True
+            dist.barrier()  # every rank has joined before one can finish and close its connections
             reply = (case, rank, True, fn(rank, world, *args))
         except BaseException:  # every failure goes to the parent, which owns the message
             # Reported before the group is destroyed: destroying it fails the peers' waits, and
@@ -228,6 +232,17 @@ def _serve(inbox: Any, outbox: Any, parent: int, warm: tuple[str, ...]) -> None:
             outbox.put(reply)
         except Exception:
             outbox.put((case, rank, False, traceback.format_exc()))
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (a worker's parent is the fork server, not the test process)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _ranks_and_world(rank: int, world: int) -> tuple[int, int]:
@@ -271,13 +286,14 @@ def shared_pool() -> RankPool:
 
 def spawn(
     fn: Callable[..., Any], nprocs: int, *args: Any, backend: str = "gloo", timeout: float = 300.0,
-    threads: int = 1,
+    threads: int = 1, start_method: str = "forkserver",
 ) -> list[Any]:
     """:func:`runtime.transport.launch.spawn` on the shared pool's ranks (a world larger than the
-    pool, or a backend other than gloo, gets a fresh spawn)."""
+    pool, a backend other than gloo, or ``start_method="spawn"`` gets a fresh spawn)."""
     pool = shared_pool()
-    if backend != "gloo" or nprocs > pool.size:
-        return fresh_spawn(fn, nprocs, *args, backend=backend, timeout=timeout, threads=threads)
+    if backend != "gloo" or nprocs > pool.size or start_method != "forkserver":
+        return fresh_spawn(fn, nprocs, *args, backend=backend, timeout=timeout, threads=threads,
+                           start_method=start_method)
     return pool.run(fn, nprocs, *args, timeout=timeout, threads=threads)
 
 

@@ -263,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
                                          "prefill_chunk", "short", "long", "cache_batch", "repeat", "timeout")}
     t0 = time.time()
     load = load_before(f"the {args.ranks} pipeline processes")
-    ranks = spawn(_worker, args.ranks, cfg, timeout=args.timeout, threads=1)
+    # Fresh interpreters, as torchrun starts ranks: each peak RSS is set against the estimate as a whole.
+    ranks = spawn(_worker, args.ranks, cfg, timeout=args.timeout, threads=1, start_method="spawn")
     rows, cache = ranks[0]["rows"], ranks[0]["cache_s_per_token"]
     ratio = cache[args.long] / cache[args.short] if cache[args.short] > 0 else float("inf")
     rss = [r["peak_rss_bytes"] for r in ranks]

@@ -335,20 +335,21 @@ def run(cfg: Config, *, tmpdir: str | None = None, keep: bool = False) -> dict[s
     phases = {"plan_s": time.perf_counter() - t0}
     try:
         t = time.perf_counter()
-        writer = spawn(_write_checkpoint, 1, cfg, directory, timeout=cfg.timeout)[0]
+        # Fresh interpreters, as torchrun starts ranks: each figure is a whole process's peak RSS (VmHWM).
+        writer = spawn(_write_checkpoint, 1, cfg, directory, timeout=cfg.timeout, start_method="spawn")[0]
         phases["checkpoint_s"] = time.perf_counter() - t
         cfg = dataclasses.replace(cfg, checkpoint=directory, sums=tuple(writer.pop("sums")))
         if cfg.model_bytes + _IDLE_GUESS > _mem_available():
             raise MemoryError(f"building the whole model needs {cfg.model_bytes / _GIB:.1f} GiB; "
                               f"{_mem_available() / _GIB:.1f} GiB are available")
         t = time.perf_counter()
-        whole = spawn(_whole_model, 1, cfg, timeout=cfg.timeout)[0]
+        whole = spawn(_whole_model, 1, cfg, timeout=cfg.timeout, start_method="spawn")[0]
         phases["whole_model_s"] = time.perf_counter() - t
         if need > _mem_available():
             raise MemoryError(f"{cfg.ranks} ranks need about {need / _GIB:.1f} GiB and "
                               f"{_mem_available() / _GIB:.1f} GiB are available")
         t = time.perf_counter()
-        ranks = spawn(_train_rank, cfg.ranks, cfg, timeout=cfg.timeout, threads=1)
+        ranks = spawn(_train_rank, cfg.ranks, cfg, timeout=cfg.timeout, threads=1, start_method="spawn")
         phases["ranks_s"] = time.perf_counter() - t
     finally:
         if keep:

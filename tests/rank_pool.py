@@ -51,7 +51,7 @@ __all__ = ["RankPool", "spawn", "shared_pool", "Cases", "LaunchError"]
 
 # What a rank imports before its first case, so that no case pays for it (best effort: an import
 # that fails here fails again, with its message, in the case that needs it).
-_WARM = ("torch.distributed", "transformers", "partitioner", "runtime", "pipecut")
+_WARM = ("torch.distributed", "torch._dynamo", "transformers", "partitioner", "runtime", "pipecut")
 _GRACE = 10.0  # seconds the other ranks get to report after one has failed
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 

@@ -348,6 +348,10 @@ def _count_whole_grads(trainer: PipelineTrainer) -> list[int]:
 
 # -- the run and its report (in the launching process) ----------------------------------------------
 
+# Fresh interpreters, as torchrun starts ranks: glibc reads MALLOC_MMAP_THRESHOLD_ as a process starts
+# (a rank forked from a fork server would have the server's), and each baseline is a whole process's.
+_START = "spawn"
+
 
 def run_all(cfg: dict[str, Any], *, timeout: float, names: Sequence[str] = tuple(ENGINES)) -> dict[str, Any]:
     """The configurations ``names`` of :data:`ENGINES` on ``dp * PP * tp`` (4) fresh processes each; the summary."""
@@ -359,14 +363,14 @@ def run_all(cfg: dict[str, Any], *, timeout: float, names: Sequence[str] = tuple
         t = time.perf_counter()
         world = ENGINES[name].dp * PP * ENGINES[name].tp
         if cfg["tensor_pass"] == "separate":
-            rows = spawn(run_engine, world, cfg, name, False, timeout=timeout, threads=1)
-            traced = spawn(run_engine, world, cfg, name, True, timeout=timeout, threads=1)
+            rows = spawn(run_engine, world, cfg, name, False, timeout=timeout, threads=1, start_method=_START)
+            traced = spawn(run_engine, world, cfg, name, True, timeout=timeout, threads=1, start_method=_START)
             for r, tr in zip(rows, traced):
                 assert r["stages"] == tr["stages"], (name, r["stages"], tr["stages"])
                 r.update({k: v for k, v in tr.items() if k.startswith("tensor_")}, traced_peak_bytes=tr["peak_bytes"],
                          traced_step_s=tr["step_s"])
         else:
-            rows = spawn(run_engine, world, cfg, name, True, timeout=timeout, threads=1)
+            rows = spawn(run_engine, world, cfg, name, True, timeout=timeout, threads=1, start_method=_START)
         ranks[name] = rows
         phases[name] = time.perf_counter() - t
     return {"config": {**cfg, "dp": DP, "pp": PP, "schedule": SCHEDULE, "optimizer": "AdamW(lr=1e-4)",

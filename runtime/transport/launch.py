@@ -40,7 +40,8 @@ log = logging.getLogger(__name__)
 START_METHODS = ("forkserver", "spawn")
 # What the fork server imports before its first fork (those of them the caller has imported), so
 # that no rank imports them again.
-_PRELOAD = ("torch", "torch.distributed", "safetensors", "transformers", "partitioner", "runtime", "pipecut")
+_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "safetensors", "transformers", "partitioner", "runtime",
+            "pipecut")
 
 
 class LaunchError(PipecutError, RuntimeError):

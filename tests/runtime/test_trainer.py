@@ -28,6 +28,7 @@ from parity import (
 from partitioner import partition
 from partitioner.schedule.registry import get_schedule
 from partitioner.schedule.validation import peak_inflight
+from profiles import in_profile
 from rank_pool import LaunchError, spawn
 from runtime.errors import StageError, TrainerStateError
 from runtime.trainer import MicrobatchError, PipelineTrainer, split_microbatches
@@ -88,7 +89,14 @@ def _gloo_cases(world: int) -> tuple[list[tuple[str, str]], list[tuple[str, str]
     # programs could wait in a circle, and NCCL refuses them (test_placement); GPipe's finishes.
     grouped = [(n, s) for n in MODELS for s in ("gpipe", "1f1b", "zbh1")
                if not (n == "skip" and world > 2 and s != "gpipe")] + [("mlp-mb4", "1f1b")]
-    return cases, grouped
+    # The default profile: every schedule over gloo on GPT-2 (tied embedding, every placement), the
+    # skip model's stem crossing ranks in a loop and a V, and micro-batches of another size; the
+    # MLP's and the rest of the skip model's cases (each also run in-process above) are the long
+    # profile's.
+    plain_long = [(n, s) for n, s in cases if n == "mlp" or (n == "skip" and s not in ("1f1b", "zbv"))]
+    grouped_long = [(n, s) for n, s in grouped if n == "mlp" or (n == "skip" and s != "gpipe")]
+    return (list(in_profile(dict.fromkeys(cases), plain_long)),
+            list(in_profile(dict.fromkeys(grouped), grouped_long)))
 
 
 _Gloo = tuple[list[dict[str, Any]], list[dict[str, Any]], Path | None]

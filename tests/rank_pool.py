@@ -46,6 +46,7 @@ import torch
 
 from runtime.transport.launch import LaunchError, start_context
 from runtime.transport.launch import spawn as fresh_spawn
+from runtime.transport.liveness import _alive  # a worker's parent is the fork server, not the test process
 
 __all__ = ["RankPool", "spawn", "shared_pool", "Cases", "LaunchError"]
 
@@ -232,17 +233,6 @@ def _serve(inbox: Any, outbox: Any, parent: int, warm: tuple[str, ...], environ:
             outbox.put(reply)
         except Exception:
             outbox.put((case, rank, False, traceback.format_exc()))
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (a worker's parent is the fork server, not the test process)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _ranks_and_world(rank: int, world: int) -> tuple[int, int]:

@@ -44,15 +44,16 @@ from typing import Any
 
 import torch
 
-from runtime.transport.launch import LaunchError, start_context
+from runtime.transport.launch import _PRELOAD, LaunchError, start_context
 from runtime.transport.launch import spawn as fresh_spawn
 from runtime.transport.liveness import _alive  # a worker's parent is the fork server, not the test process
 
 __all__ = ["RankPool", "spawn", "shared_pool", "Cases", "LaunchError"]
 
-# What a rank imports before its first case, so that no case pays for it (best effort: an import
-# that fails here fails again, with its message, in the case that needs it).
-_WARM = ("torch.distributed", "torch._dynamo", "transformers", "partitioner", "runtime", "pipecut")
+# What a rank imports before its first case, so that no case pays for it: what the launcher's fork
+# server preloads (best effort: an import that fails here fails again, with its message, in the
+# case that needs it).
+_WARM = _PRELOAD
 _GRACE = 10.0  # seconds the other ranks get to report after one has failed
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 

@@ -90,7 +90,7 @@ def spawn(
         [0, 10]
     """
     ctx = start_context(start_method)
-    env = dict(os.environ) if ctx.get_start_method() == "forkserver" else None
+    env = dict(os.environ)  # a forked rank starts with the server's environment: it takes this one
     with tempfile.TemporaryDirectory(prefix="pipecut-launch-") as tmp:
         init = "file://" + os.path.join(tmp, "rendezvous")
         queue = ctx.SimpleQueue()
@@ -168,11 +168,10 @@ def start_context(start_method: str = "forkserver") -> Any:
 
 def _entry(
     fn: Callable[..., Any], rank: int, world: int, args: tuple[Any, ...], backend: str,
-    init: str, timeout: float, threads: int, queue: Any, env: dict[str, str] | None,
+    init: str, timeout: float, threads: int, queue: Any, env: dict[str, str],
 ) -> None:
-    if env is not None:  # forked from the server: the caller's environment now, not the server's
-        os.environ.clear()
-        os.environ.update(env)
+    os.environ.clear()  # the caller's environment at the call (a forked rank has the server's)
+    os.environ.update(env)
     torch.set_num_threads(threads)
     try:
         dist.init_process_group(

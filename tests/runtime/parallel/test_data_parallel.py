@@ -124,8 +124,8 @@ _RUNS: dict[str, tuple[str, str, bool, bool, bool]] = {
 # ZB-H1's deferred weight gradients with replicas are checked sharded in the default profile, and
 # these two replicated in the long one.
 _REPLICATED_LONG = ["gpt2/zbh1", "mlp/1f1b"]
-_REPLICATED = list(in_profile({label: None for label, (*_, overlap, shard, _files) in _RUNS.items()
-                               if overlap and not shard}, _REPLICATED_LONG))
+_REPLICATED = list(in_profile(dict.fromkeys(label for label, (*_, overlap, shard, _files) in _RUNS.items()
+                                            if overlap and not shard), _REPLICATED_LONG))
 
 
 def _folder(tmp: Path, label: str) -> Path:

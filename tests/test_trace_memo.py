@@ -80,3 +80,26 @@ def test_only_transformers_models_are_keyed() -> None:
     assert trace_memo.key(m, (torch.zeros(1, 8, dtype=torch.long),), {}, None) is not None
     m.forward = m.forward  # an instance-level forward: someone wrapped it
     assert trace_memo.key(m, (torch.zeros(1, 8, dtype=torch.long),), {}, None) is None
+
+
+def test_the_logits_wrapper_is_keyed_by_the_model_it_wraps() -> None:
+    # The zoo's gpt2-tiny is CausalLMLogits(GPT2LMHeadModel): keyed like the model inside, its
+    # config included (the wrapper has none of its own).
+    from partitioner.tracing.trace import CausalLMLogits
+
+    def gpt2(**overrides: object) -> torch.nn.Module:
+        cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=64, n_positions=32,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **overrides)
+        return CausalLMLogits(transformers.GPT2LMHeadModel(cfg))
+
+    ids = torch.randint(0, 64, (2, 8))
+    base = trace_memo.key(gpt2(), (ids,), {}, None)
+    assert base is not None and trace_memo.key(gpt2(), (ids,), {}, None) == base
+    assert trace_memo.key(gpt2(layer_norm_epsilon=1e-3), (ids,), {}, None) != base  # a config value, same shapes
+    assert trace_memo.key(CausalLMLogits(torch.nn.Linear(2, 2)), (ids,), {}, None) is None
+    a, b = gpt2(), gpt2()
+    first, _, misses = _counted(lambda: trace(a, (ids,)))
+    second, hits, _ = _counted(lambda: trace(b, (ids,)))
+    assert (misses, hits) == (1, 1) and second.fingerprint() == first.fingerprint()
+    with torch.no_grad():
+        torch.testing.assert_close(second.gm(ids)[0], b(ids))  # b's weights, not a's

@@ -12,11 +12,12 @@ What makes two exports the same (:func:`key`): the model's class and config (eve
 private ones included), every module's class, ``forward``, mode and plain attributes, every
 tensor's name, shape, dtype, device and ``requires_grad``, the example's structure, shapes and
 non-tensor values, the dynamic-shape specs, and the ambient grad, inference and autocast modes and
-default dtype. A model with hooks, an instance-level ``forward`` or a class outside transformers is
-never memoised, nor one with Hugging Face's gradient checkpointing on (the tracer watches its
-checkpoint calls as they run). The tests of the tracer itself (``tests/partitioner/tracing/``)
-export afresh (:func:`off`), as does any test marked ``fresh_trace``. Only successful exports are kept: an export
-that failed is tried again, so its failure path runs every time.
+default dtype. A model with hooks, an instance-level ``forward`` or a class outside transformers
+(pipecut's ``CausalLMLogits`` around a transformers model aside) is never memoised, nor one with
+Hugging Face's gradient checkpointing on (the tracer watches its checkpoint calls as they run).
+The tests of the tracer itself (``tests/partitioner/tracing/``) export afresh (:func:`off`), as
+does any test marked ``fresh_trace``. Only successful exports are kept: an export that failed is
+tried again, so its failure path runs every time.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ _PLAIN = (bool, int, float, str, type(None))
 def key(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], specs: Any) -> str | None:
     """What determines ``torch.export.export(model, args, kwargs, dynamic_shapes=specs)``'s program,
     hashed; ``None`` where the model is not one to memoise."""
-    if not type(model).__module__.startswith("transformers."):
+    hf = _hugging_face(model)
+    if hf is None:
         return None
     modules = []
     for name, m in model.named_modules():
@@ -50,7 +52,7 @@ def key(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], specs: 
         plain = sorted((k, repr(v)) for k, v in vars(m).items() if isinstance(v, _PLAIN) or
                        (isinstance(v, tuple) and all(isinstance(x, _PLAIN) for x in v)))
         modules.append((name, type(m).__module__, type(m).__qualname__, id(type(m).forward), m.training, plain))
-    config = getattr(model, "config", None)
+    config = getattr(hf, "config", None)
     named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
     tensors = [(n, _tensor(t), type(t).__name__) for n, t in named]
     leaves, spec = pytree.tree_flatten((args, kwargs))
@@ -60,6 +62,16 @@ def key(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], specs: 
     parts = (type(model).__module__, type(model).__qualname__, _config(config), modules, tensors, str(spec), example,
              repr(specs), ambient)
     return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+def _hugging_face(model: nn.Module) -> nn.Module | None:
+    """The Hugging Face model that ``model`` is, or that pipecut's ``CausalLMLogits`` wraps (the
+    zoo's ``gpt2-tiny``, most of the suite's GPT-2s: its ``forward`` reads nothing but the model it
+    wraps, whose config then keys the program); ``None`` for any other model."""
+    from partitioner.tracing.trace import CausalLMLogits
+
+    inner = model.model if type(model) is CausalLMLogits else model
+    return inner if type(inner).__module__.startswith("transformers.") else None
 
 
 def _tensor(t: torch.Tensor) -> tuple[Any, ...]:

@@ -7,6 +7,7 @@ run one case per test on the pool (``rank_pool.Cases``)."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -94,10 +95,26 @@ def test_sampled_tokens_are_the_same_across_transports_groups_and_stage_counts()
         assert gen.generate(MANY, max_new_tokens=NEW, eos_token_id=[], sampling=sampling, groups=groups).tokens == want
 
 
-def test_the_first_rank_starts_the_next_group_before_the_last_rank_returns_a_group() -> None:
+def test_the_first_rank_starts_the_next_group_before_the_last_rank_returns_a_group(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """The order each rank ran its steps in (not their timing): with groups in flight rank 0 runs group g + 1's
     step while group g's is on rank 1; with one group, the ranks take turns."""
+    from runtime.generate.stage import StageRunner
+
     gen = Generator(planned("llama", 2)[1], transport="threads")
+    real_call = StageRunner.__call__
+    held: list[int] = []
+
+    def holding(self: StageRunner, hop: Any) -> Any:
+        # The last stage's first prefill (group 0's) takes a while: a first rank that did not wait
+        # for group 0's tokens starts group 1 inside it, whatever the threads' scheduling (without
+        # the hold, rank 1 may finish a tiny prefill before rank 0's thread is scheduled again).
+        if self.span.head and not held:
+            held.append(1)
+            time.sleep(0.5)
+        return real_call(self, hop)
+
+    monkeypatch.setattr(StageRunner, "__call__", holding)
     out = gen.generate(MANY, max_new_tokens=4, eos_token_id=[], pad_token_id=0, groups=2)
     per_rank = {r: [(s.group, s.step) for s in out.timeline if s.rank == r] for r in (0, 1)}
     # Each rank takes the groups in turn: group 1's step k comes before group 0's step k + 1 on both ranks.
@@ -105,6 +122,7 @@ def test_the_first_rank_starts_the_next_group_before_the_last_rank_returns_a_gro
     # Rank 0 ran group 1's prefill without waiting for group 0's tokens: before rank 1 finished group 0's prefill.
     first = {(s.rank, s.group, s.step): s for s in out.timeline}
     assert first[(0, 1, 0)].start <= first[(1, 0, 0)].end
+    monkeypatch.setattr(StageRunner, "__call__", real_call)
     one = gen.generate(MANY, max_new_tokens=4, eos_token_id=[], pad_token_id=0, groups=1)
     ends = [(s.rank, s.step) for s in one.timeline]
     assert ends == [(r, k) for k in range(4) for r in (0, 1)]  # one group: the ranks strictly alternate

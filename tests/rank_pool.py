@@ -10,9 +10,11 @@ rank's result back in rank order, a rank's failure raised as :class:`LaunchError
 -- but the processes outlive the call. Each case gets a process group of its own (a fresh
 rendezvous file), and each rank puts back what a case may have changed in the process: environment,
 working directory, signal handlers, the root logger, grad mode, default dtype, thread count, and
-fresh RNG seeds. A case in which a rank dies or does not finish in time takes the pool down with it (a rank
-may be stuck in a collective), and the next case starts a fresh one, so no case inherits a broken
-peer; a case in which every rank returned or raised leaves the pool as it was.
+fresh RNG seeds; then it collects the case's garbage and freezes what is left (``gc.freeze``), so
+that a case's collections do not walk the modules and programs every case keeps. A case in which
+a rank dies or does not finish in time takes the pool down with it (a rank may be stuck in a
+collective), and the next case starts a fresh one, so no case inherits a broken peer; a case in
+which every rank returned or raised leaves the pool as it was.
 
 What the pool cannot give a case is a process of its own, so these keep the plain spawn: a case
 that measures the process's peak memory (VmHWM), kills or exits a rank on purpose, patches a
@@ -227,7 +229,11 @@ def _serve(inbox: Any, outbox: Any, parent: int, warm: tuple[str, ...], environ:
             torch.set_grad_enabled(True)
             torch.set_default_dtype(torch.float32)
             _forget_distributed_caches()
+            # What is alive now outlives the case (modules, memoised programs): frozen after a
+            # full collection, so that the next case's collections walk only what that case made
+            # (0.3-0.5 s a collection otherwise, with torch and transformers imported).
             gc.collect()
+            gc.freeze()
         if reply is None:
             continue
         try:

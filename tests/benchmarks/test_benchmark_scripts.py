@@ -167,7 +167,7 @@ def test_memory_quick(tmp_path: Path, width: int, shard_mib: int) -> None:
 
 # --engines --quick spawns 4 fresh processes per engine, each rank tracing the tiny GPT-2 to plan
 # it (most of a spawn's time: one spawn is the smallest run of this path). The default profile runs
-# two engines in one run of the script: FSDP, the engine the benchmark is about (its sharded
+# two engines, each in a test of its own: FSDP, the engine the benchmark is about (its sharded
 # state, the whole gradient before its reduce-scatter, the gathered units it is priced with), and
 # tensor parallelism at the same pp (tp 2: 1 dp x 2 pp x 2 tp); each is checked against its own
 # whole parameter count. Replicate (what the others are compared with) runs beside them in the long
@@ -175,10 +175,11 @@ def test_memory_quick(tmp_path: Path, width: int, shard_mib: int) -> None:
 # tests/runtime/parallel/test_data_parallel.py).
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("only", [
-    ["--only", "fsdp;tp 2"],
+    ["--only", "fsdp"],
+    ["--only", "tp 2"],
     pytest.param(["--only", "replicate;fsdp;tp 2"], marks=pytest.mark.long),
     pytest.param([], marks=pytest.mark.long),
-], ids=["fsdp-tp", "replicate-fsdp-tp", "quick"])
+], ids=["fsdp", "tp", "replicate-fsdp-tp", "quick"])
 def test_memory_engines_quick(tmp_path: Path, only: list[str]) -> None:
     # --engines: each rank's peak under each data-parallel engine on 2 dp x 2 pp (a tiny GPT-2).
     out = tmp_path / "memory_fsdp.json"

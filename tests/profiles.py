@@ -8,7 +8,7 @@ profile (``tests/conftest.py``); a fixture that runs a matrix in one spawn asks 
 which cases to run.
 
 The default profile has a budget per test: with ``PIPECUT_TEST_BUDGET=SECONDS`` set (``.ci/run``
-sets 90 for now; 60 is the goal), a run in which one test took longer -- its setup, call and
+sets 60), a run in which one test took longer -- its setup, call and
 teardown together, so a module's shared spawn counts against the test that starts it -- fails
 after its report, with the tests over budget named (:func:`over_budget`). The long profile has none.
 """
@@ -79,9 +79,9 @@ def budget() -> float | None:
     try:
         seconds = float(raw)
     except ValueError:
-        raise ValueError(f"{BUDGET_VARIABLE}={raw!r} is not a number of seconds (CI sets 90)") from None
+        raise ValueError(f"{BUDGET_VARIABLE}={raw!r} is not a number of seconds (CI sets 60)") from None
     if not seconds > 0:
-        raise ValueError(f"{BUDGET_VARIABLE}={raw!r} must be above 0 seconds (CI sets 90)")
+        raise ValueError(f"{BUDGET_VARIABLE}={raw!r} must be above 0 seconds (CI sets 60)")
     return seconds
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from partitioner.errors import PipecutError
 
-__all__ = ["GenerateError", "GenerateModelError", "CutInsideBlockError", "GenerateOptionError"]
+__all__ = ["GenerateError", "GenerateModelError", "GenerateFamilyError", "SelfCheckError", "CutInsideBlockError",
+           "GenerateOptionError"]
 
 
 class GenerateError(PipecutError, ValueError):
@@ -13,6 +14,38 @@ class GenerateError(PipecutError, ValueError):
 
 class GenerateModelError(GenerateError):
     """The model is not a Hugging Face decoder-only causal LM whose parts the generator can find."""
+
+
+class GenerateFamilyError(GenerateModelError):
+    """A family's own module raised inside the generator.
+
+    Attributes:
+        family: the model class and ``model_type``.
+        part: the part that raised (a layer's name, the embedding side, the head...).
+        stage: the stage index.
+        rank: the pipeline rank, or ``None`` in one process.
+    """
+
+    def __init__(self, message: str, *, family: str = "", part: str = "", stage: int = -1,
+                 rank: int | None = None) -> None:
+        super().__init__(message)
+        self.family, self.part, self.stage, self.rank = family, part, stage, rank
+
+
+class SelfCheckError(GenerateModelError):
+    """The generator's cached path does not compute the model's own logits on its probe.
+
+    Attributes:
+        family: the model class and ``model_type``.
+        part: the first part whose output differs from the model's own forward.
+        stage: the stage that runs it.
+        error: the largest absolute difference there.
+    """
+
+    def __init__(self, message: str, *, family: str = "", part: str = "", stage: int = -1,
+                 error: float = 0.0) -> None:
+        super().__init__(message)
+        self.family, self.part, self.stage, self.error = family, part, stage, error
 
 
 class CutInsideBlockError(GenerateError):

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -33,11 +33,13 @@ from partitioner.plan.plan import Plan
 from runtime.generate.build import build_stages
 from runtime.generate.cut import StageSpan, stage_spans
 from runtime.generate.errors import GenerateOptionError
+from runtime.generate.glue import derive_glue
 from runtime.generate.parts import DecoderParts, decoder_parts
 from runtime.generate.pipelined import Batch, GroupResult, GroupState, Step, chunk_groups, run_rank, split_groups
 from runtime.generate.ranks import Layout, dist_layout, rank_spans, run_dist, run_threads
 from runtime.generate.ring import Ring
 from runtime.generate.sampling import Sampling, kept_generators, next_tokens, sequence_generators
+from runtime.generate.selfcheck import self_check
 from runtime.generate.stage import StageRunner
 from runtime.precision import MixedPrecision, caller_policy, resolve_precision
 from runtime.state.materialize import InitFn
@@ -113,10 +115,17 @@ class Generator:
             :class:`~runtime.precision.MixedPrecision`; default: the one the plan was costed for.
             A caller's ``torch.autocast`` around :meth:`generate` is honoured too, on every rank
             (a :class:`~runtime.precision.AutocastConflictError` if it names another low dtype).
+        check: run the self-check (:func:`runtime.generate.selfcheck.self_check`): a 6-token
+            probe prefill through the stages must give the model's own logits, or the build
+            fails. It needs every stage in this process (skipped on a ``'dist'`` rank that holds
+            only its own).
 
     Raises:
         PlanMismatchError: the plan is not bound to a model.
-        GenerateModelError: the model is not a decoder-only causal LM of transformers.
+        GenerateModelError: the model is not a decoder-only causal LM of transformers, or its
+            forward computes something between its parts that a generation step cannot.
+        SelfCheckError: the probe's logits through the stages differ from the model's own.
+        GenerateFamilyError: a family's module raised on the generator's path.
         CutInsideBlockError: the plan cuts inside a layer, or out of model order.
         PrecisionError: an unknown ``precision``.
         MaterializeError, WeightsError: building or loading the stages failed.
@@ -137,11 +146,12 @@ class Generator:
         self, plan: Plan, *, weights: str | os.PathLike[str] | Weights | None = None,
         device: torch.device | str | None = None, seed: int = 0, init_fn: InitFn | None = None,
         transport: str = "auto", pp: int | None = None, dp: int = 1, timeout: float = 300.0,
-        precision: str | MixedPrecision | None = None,
+        precision: str | MixedPrecision | None = None, check: bool = True,
     ) -> None:
         self.plan = plan
         self.precision = resolve_precision(precision, plan.precision)
-        self.parts: DecoderParts = decoder_parts(plan.model)
+        parts = decoder_parts(plan.model)
+        self.parts: DecoderParts = replace(parts, glue=derive_glue(plan, parts))
         self.spans: tuple[StageSpan, ...] = stage_spans(plan, self.parts)
         self.transport = _transport(transport)
         self.timeout = timeout
@@ -167,6 +177,11 @@ class Generator:
         self.stages = [StageRunner(self.parts, span) for span in own]
         first = next((t for m in self.modules.values() for t in m.parameters()), None)
         self.device = first.device if first is not None else torch.device("cpu")
+        if check and len(own) == len(self.spans):
+            self_check(self.parts, self.spans, self.device)
+        elif check:
+            log.info("generator: the self-check needs every stage in one process; this rank holds %d of %d",
+                     len(own), len(self.spans))
         log.info("generator (%s, %d pipeline ranks): %d stages: %s", self.transport, len(self.per_rank),
                  len(self.spans), ", ".join(_describe(s) for s in self.spans))
 

@@ -6,16 +6,22 @@ Legend: ``B`` sequences, ``T`` new positions this call, ``K`` positions seen so 
 A stage never calls the model's top-level ``forward`` (it loops over every layer); it calls the
 model's *modules* one by one, as that forward does, with the model's own helpers in between:
 
-* the token embedding (``get_input_embeddings()``; Gemma's scaled embedding scales itself), a
-  learned position embedding where the model has one (GPT-2's ``wpe``) and the embedding dropout;
+* the embedding side: the token embedding (``get_input_embeddings()``) and every other child of
+  the base model that is not a layer, the final norm or the rotary embedding (GPT-2's ``wpe`` and
+  ``drop``, BLOOM's embedding norm...);
 * the rotary embedding module (``rotary_emb``), run on each stage from the position ids (it has no
-  weights, so sending its output would cost bytes and save nothing);
+  weights, so sending its output would cost bytes and save nothing), once per kind of layer when
+  its ``forward`` takes a ``layer_type`` (Gemma 3's local and global rotaries);
 * ``transformers.masking_utils.create_causal_mask`` / ``create_sliding_window_causal_mask``, one
   per kind of layer the stage holds, sized from the stage's own cache (see :func:`layer_masks`);
 * each decoder layer, called with the keyword names its ``forward`` declares (the cache's keyword
   is ``cache`` in transformers 5.24 and ``past_key_values`` before: read from the signature);
-* the final norm, the head on the last position only (as ``generate`` asks with
-  ``logits_to_keep=1``) and the config's ``final_logit_softcapping`` (Gemma 2).
+* the final norm and the head, on the last position only (as ``generate`` asks with
+  ``logits_to_keep=1``).
+
+What the model's forward does *between* those parts (an embedding multiplier, a position
+embedding's sum, a logit scale or soft-cap) is read off the plan's traced graph and replayed
+(:mod:`runtime.generate.glue`), not listed per family here.
 
 ``transformers`` is imported inside the functions that need it only: pipecut does not require it.
 """
@@ -35,19 +41,16 @@ from torch import nn
 from partitioner.tracing.hf import blocks, is_hf_model
 from runtime.generate.errors import GenerateModelError
 
-__all__ = ["DecoderParts", "decoder_parts", "new_cache", "embed", "layer_masks", "run_layer", "final_logits",
-           "CHECKED_FAMILIES", "FULL", "SLIDING"]
+__all__ = ["DecoderParts", "decoder_parts", "new_cache", "layer_masks", "rotary_embeddings", "run_layer",
+           "FULL", "SLIDING"]
 
 log = logging.getLogger(__name__)
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
-# The families whose greedy tokens the tests compare with ``model.generate`` (config.model_type).
-CHECKED_FAMILIES = frozenset({"llama", "qwen2", "mistral", "gemma2", "gpt2", "phi3", "mixtral", "qwen2_moe"})
 _CACHE_KEYWORDS = ("cache", "past_key_values", "past_key_value", "layer_past")
 _NORMS = ("norm", "ln_f", "final_layernorm", "final_layer_norm")
-_POSITIONS = ("wpe", "embed_positions")
-_DROPOUTS = ("drop", "embed_dropout", "emb_drop")
+_ROTARIES = ("rotary_emb",)
 
 
 @dataclass(frozen=True, eq=False)
@@ -57,30 +60,32 @@ class DecoderParts:
     Attributes:
         model: the whole ``...ForCausalLM`` (its tensors may be on ``meta`` for other stages).
         embed: the token embedding.
-        positions: a learned absolute position embedding called with the position ids, or ``None``.
-        dropout: the dropout after the embeddings, or ``None``.
+        others: the base model's other children on the embedding side (a learned position
+            embedding, the embedding dropout or norm), in the model's order.
         rotary: the rotary embedding module, or ``None``.
         layers: the decoder layers (transformer blocks), in order: layer ``i`` is ``layers[i]``.
         kinds: per layer, the mask it attends with: ``'full_attention'`` or ``'sliding_attention'``.
         norm: the final norm.
         head: the LM head.
-        softcap: ``config.final_logit_softcapping`` (``None`` when the model does not cap).
         cache_keyword: the name of the decoder layers' ``forward`` parameter taking the cache.
         layer_keywords: every parameter name of the decoder layers' ``forward``.
+        rotary_kinds: whether the rotary's ``forward`` takes a ``layer_type`` (one rotary per kind).
+        glue: the model's arithmetic between these parts (:func:`runtime.generate.glue.derive_glue`),
+            set by the generator from its plan; ``None`` until then.
     """
 
     model: nn.Module
     embed: str
-    positions: str | None
-    dropout: str | None
+    others: tuple[str, ...]
     rotary: str | None
     layers: tuple[str, ...]
     kinds: tuple[str, ...]
     norm: str
     head: str
-    softcap: float | None
     cache_keyword: str
     layer_keywords: frozenset[str]
+    rotary_kinds: bool = False
+    glue: Any = None  # a runtime.generate.glue.Glue (parts cannot import glue: glue reads the parts)
 
     @property
     def config(self) -> Any:
@@ -93,8 +98,8 @@ class DecoderParts:
 
     @property
     def pre(self) -> tuple[str, ...]:
-        """The modules the embedding side runs: token embedding, position embedding, dropout."""
-        return tuple(n for n in (self.embed, self.positions, self.dropout) if n is not None)
+        """The modules of the embedding side: the token embedding, then the others."""
+        return (self.embed, *self.others)
 
 
 def decoder_parts(model: nn.Module) -> DecoderParts:
@@ -149,21 +154,21 @@ def decoder_parts(model: nn.Module) -> DecoderParts:
             f"{name}: its decoder layers' forward takes no cache (parameters {list(signature)}; looked for "
             f"{list(_CACHE_KEYWORDS)})"
         )
-    if config.model_type not in CHECKED_FAMILIES:
-        log.warning("%s (model_type %r): the generator's tokens are compared with model.generate for %s only; "
-                    "check this family's before relying on them", name, config.model_type,
-                    sorted(CHECKED_FAMILIES))
 
-    def child(options: tuple[str, ...]) -> str | None:
-        found = next((n for n in options if n in children), None)
-        return None if found is None else f"{base_name}.{found}".lstrip(".")
+    def qualified(child: str) -> str:
+        return f"{base_name}.{child}".lstrip(".")
 
+    embed = names[id(embed_module)]
+    container = layers[0].rpartition(".")[0]
+    rotary = next((qualified(n) for n in _ROTARIES if n in children), None)
+    taken = {embed, container, qualified(norm), rotary}
+    others = tuple(qualified(n) for n in children if qualified(n) not in taken)
+    rotary_kinds = rotary is not None and "layer_type" in inspect.signature(
+        type(model.get_submodule(rotary)).forward).parameters
     return DecoderParts(
-        model=model, embed=names[id(embed_module)], positions=child(_POSITIONS), dropout=child(_DROPOUTS),
-        rotary=child(("rotary_emb",)), layers=layers, kinds=_kinds(config, len(layers)),
-        norm=f"{base_name}.{norm}".lstrip("."), head=names[id(head_module)],
-        softcap=getattr(config, "final_logit_softcapping", None), cache_keyword=cache_keyword,
-        layer_keywords=frozenset(signature),
+        model=model, embed=embed, others=others, rotary=rotary, layers=layers, kinds=_kinds(config, len(layers)),
+        norm=qualified(norm), head=names[id(head_module)], cache_keyword=cache_keyword,
+        layer_keywords=frozenset(signature), rotary_kinds=rotary_kinds,
     )
 
 
@@ -184,15 +189,16 @@ def new_cache(parts: DecoderParts) -> Any:
     return DynamicCache(config=parts.config)
 
 
-def embed(parts: DecoderParts, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-    """Hidden states (B, T, H) of ``input_ids`` (B, T): token embedding, plus the learned position
-    embedding of ``position_ids`` where the model has one, then the embedding dropout."""
-    hidden: torch.Tensor = parts.module(parts.embed)(input_ids)
-    if parts.positions is not None:
-        hidden = hidden + parts.module(parts.positions)(position_ids).to(hidden.device)
-    if parts.dropout is not None:
-        hidden = parts.module(parts.dropout)(hidden)
-    return hidden
+def rotary_embeddings(parts: DecoderParts, hidden: torch.Tensor, position_ids: torch.Tensor,
+                      kinds: Collection[str]) -> Any:
+    """The rotary's ``(cos, sin)`` for ``position_ids``, or ``None`` without a rotary; per layer kind
+    (a dict by kind) when the rotary's ``forward`` takes a ``layer_type``, as the model's forward calls it."""
+    if parts.rotary is None:
+        return None
+    rotary = parts.module(parts.rotary)
+    if parts.rotary_kinds:
+        return {kind: rotary(hidden, position_ids, layer_type=kind) for kind in sorted(set(kinds))}
+    return rotary(hidden, position_ids)
 
 
 def layer_masks(
@@ -236,21 +242,13 @@ def run_layer(
     """Layer ``i`` on ``hidden`` (B, T, H): it reads and appends its keys and values in ``cache``."""
     available: dict[str, Any] = {
         "attention_mask": masks[parts.kinds[i]], "position_ids": position_ids, parts.cache_keyword: cache,
-        "use_cache": True, "position_embeddings": position_embeddings,
+        "use_cache": True,
+        "position_embeddings": position_embeddings[parts.kinds[i]] if parts.rotary_kinds else position_embeddings,
     }
     kwargs = {k: v for k, v in available.items() if k in parts.layer_keywords}
     out = parts.module(parts.layers[i])(hidden, **kwargs)
     # transformers 5 layers return the hidden states; earlier ones a tuple starting with them.
     return out[0] if isinstance(out, tuple) else out  # type: ignore[no-any-return]
-
-
-def final_logits(parts: DecoderParts, hidden: torch.Tensor) -> torch.Tensor:
-    """Logits (B, V) of the last position of ``hidden`` (B, T, H), already through the final norm:
-    the head on that position only, then the config's soft-capping."""
-    logits: torch.Tensor = parts.module(parts.head)(hidden[:, -1:, :])
-    if parts.softcap is not None:
-        logits = torch.tanh(logits / parts.softcap) * parts.softcap
-    return logits[:, -1, :]
 
 
 def _call(fn: Any, **available: Any) -> Any:

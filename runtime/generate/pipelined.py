@@ -200,7 +200,7 @@ def run_rank(
     round_: deque[int] = deque()
 
     def start(g: int) -> None:  # a group joins the round, with a fresh cache on each of this rank's stages
-        runners[g] = [StageRunner(parts, span) for span in spans]
+        runners[g] = [StageRunner(parts, span, rank=ring.position) for span in spans]
         for stage in runners[g]:
             stage.reset()
         if ring.last and batch.sampling is not None:

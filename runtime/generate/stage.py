@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from runtime.generate.cut import StageSpan
-from runtime.generate.parts import DecoderParts, embed, final_logits, layer_masks, new_cache, run_layer
+from runtime.generate.errors import GenerateFamilyError, GenerateModelError
+from runtime.generate.parts import DecoderParts, layer_masks, new_cache, rotary_embeddings, run_layer
 
 __all__ = ["Hop", "StageRunner"]
 
@@ -55,12 +56,21 @@ class StageRunner:
     stages' layers stay empty (:meth:`cached_layers` lists the filled ones).
 
     Args:
-        parts: the model's parts.
+        parts: the model's parts, with their glue (:func:`runtime.generate.glue.derive_glue`).
         span: what this stage runs.
+        rank: the pipeline rank running the stage (named in errors).
+
+    Raises:
+        GenerateModelError: ``parts`` has no glue.
     """
 
-    def __init__(self, parts: DecoderParts, span: StageSpan) -> None:
+    def __init__(self, parts: DecoderParts, span: StageSpan, rank: int | None = None) -> None:
+        if parts.glue is None:
+            raise GenerateModelError("the stage's parts have no glue: make them with "
+                                     "dataclasses.replace(parts, glue=derive_glue(plan, parts))")
         self.parts = parts
+        self.glue = parts.glue
+        self.rank = rank
         self.span = span
         self.cache: Any = None
         self.calls: list[tuple[int, ...]] = []  # the shape of ``data`` each call received, in order
@@ -75,30 +85,49 @@ class StageRunner:
         """Run the stage's parts on ``hop`` and return what the next stage needs.
 
         Raises:
-            RuntimeError: from the model's modules (e.g. a device mismatch).
+            GenerateFamilyError: the model's modules raised (a device mismatch, an argument the
+                family's layers take that the generator does not give...): the error names the
+                family, the part, the stage and the rank, and chains the original.
         """
         self.calls.append(tuple(hop.data.shape))
         if hop.keep is not None and self.cache is not None:
             self.cache.batch_select_indices(hop.keep)  # stopped sequences leave: their keys and values go
         x = hop.data
+        gm, parts = self.glue.gm, self.parts
         if self.span.embed:
-            x = embed(self.parts, x, hop.position_ids)
+            x = self._part("the embedding side", self.glue.embed, parts, gm,
+                           {"tokens": x, "positions": hop.position_ids})
         if len(self.span.layers):
             if self.cache is None:
                 self.reset()
-            rotary = self.parts.rotary
-            position_embeddings = (
-                None if rotary is None else self.parts.module(rotary)(x, hop.position_ids)
-            )
-            masks = layer_masks(self.parts, self.span.layers, x, hop.attention_mask, hop.position_ids, self.cache)
+            kinds = [parts.kinds[i] for i in self.span.layers]
+            position_embeddings = self._part(parts.rotary or "the rotary", rotary_embeddings, parts, x,
+                                             hop.position_ids, kinds)
+            masks = self._part("the attention masks", layer_masks, parts, self.span.layers, x, hop.attention_mask,
+                               hop.position_ids, self.cache)
             for i in self.span.layers:
-                x = run_layer(self.parts, i, x, masks, hop.position_ids, position_embeddings, self.cache)
+                x = self._part(parts.layers[i], run_layer, parts, i, x, masks, hop.position_ids,
+                               position_embeddings, self.cache)
         if self.span.norm:
             # The head reads the last position only (generate's logits_to_keep=1): only it travels on.
-            x = self.parts.module(self.parts.norm)(x)[:, -1:, :]
+            x = self._part(parts.norm, self.glue.norm, parts, gm, {"hidden": x})[:, -1:, :]
         if self.span.head:
-            x = final_logits(self.parts, x)
+            x = self._part(parts.head, self.glue.head, parts, gm, {"hidden": x})[:, -1, :]
         return replace(hop, data=x)  # the next stage drops the same rows (keep travels on)
+
+    def _part(self, part: str, fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except GenerateModelError:
+            raise
+        except Exception as err:
+            family = f"{type(self.parts.model).__name__} (model_type {self.parts.config.model_type!r})"
+            rank = "" if self.rank is None else f" on pipeline rank {self.rank}"
+            raise GenerateFamilyError(
+                f"{family}: {part} (stage {self.span.index}{rank}) raised {type(err).__name__}: {err}. The "
+                "generator calls the family's own modules; this family's need something it does not give them",
+                family=family, part=part, stage=self.span.index, rank=self.rank,
+            ) from err
 
     def cached_layers(self) -> list[int]:
         """The layers whose keys and values this stage's cache holds (empty before the first call)."""

@@ -1,0 +1,347 @@
+"""A decoder's top-level arithmetic, read off the traced graph: what its own ``forward`` does between its parts.
+
+Legend: ``B`` sequences, ``T`` new positions this call, ``H`` hidden size, ``V`` vocabulary.
+
+A stage calls the model's modules one by one (:mod:`runtime.generate.parts`). What the model's
+top-level ``forward`` does *between* them is not a module: Gemma multiplies the token embeddings
+by ``sqrt(H)``, Granite by ``embedding_multiplier``, GPT-2 adds its position embedding, Cohere
+multiplies the logits by ``logit_scale``, Granite divides them by ``logits_scaling``, Gemma 2
+soft-caps them. Those are ops of the traced graph that no part's module owns: the *glue*.
+
+:func:`derive_glue` finds, in the plan's traced graph (the model's own forward, traced whole),
+the node that is the first layer's hidden-state input, the node that is the last layer's output,
+the final norm's output and the logits, and :class:`Piece` evaluates the graph between two such
+nodes on new tensors: a node a part owns is that part's module called on the part's own input
+(the model's module, on this stage's real tensors); a node no part owns is replayed from the
+graph (its aten op, with its constants); anything else (a layer's value, a model input other
+than the token ids) cannot be computed at one step of generation, and is refused with the node
+named. The graph is traced with dynamic batch and sequence sizes, so its ops replay on a decode
+step's ``(B, 1)`` as on the example. Nothing about a family is listed here: a family's
+multipliers are in its graph, or the generator refuses it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from partitioner.plan.plan import Plan
+from partitioner.tracing.trace import node_module_path
+from runtime.generate.errors import GenerateModelError
+from runtime.generate.parts import DecoderParts
+
+__all__ = ["Glue", "Piece", "derive_glue"]
+
+# Input names of pre-side parts called on something other than the hidden states.
+TOKENS = "tokens"
+POSITIONS = "positions"
+
+
+def _owner(path: str, names: Sequence[str]) -> str | None:
+    return next((n for n in names if path == n or path.startswith(n + ".")), None)
+
+
+@dataclass
+class Piece:
+    """The traced graph from some bound nodes to ``target``, evaluated on new tensors.
+
+    Attributes:
+        target: the node whose value the piece returns.
+        bound: the nodes given as inputs, by name (``'hidden'``).
+        modules: per part that this piece calls, the node that is its output.
+        inputs: per part, its input node, or :data:`TOKENS` / :data:`POSITIONS` for the parts fed
+            with the token ids or the position ids (the token embedding, a learned position
+            embedding).
+        sizes: the size reads of the token ids' batch and sequence dims (dim by node): at a call
+            they are the sizes of what the piece is given (the token ids, or the hidden states,
+            whose first two dims are the same batch and positions).
+        ops: the glue ops this piece replays (no part owns them), in graph order: what the
+            model's forward does between its parts, e.g. ``['mul(embedding, 3.0)']``.
+    """
+
+    target: fx.Node
+    bound: dict[str, fx.Node]
+    modules: dict[str, fx.Node] = field(default_factory=dict)
+    inputs: dict[str, fx.Node | str] = field(default_factory=dict)
+    ops: list[str] = field(default_factory=list)
+    sizes: dict[fx.Node, int] = field(default_factory=dict)
+
+    def __call__(self, parts: DecoderParts, gm: fx.GraphModule, values: Mapping[str, Any]) -> torch.Tensor:
+        """The target's value, with ``values`` for the bound nodes (and ``'tokens'``, ``'positions'``)."""
+        known: dict[fx.Node, Any] = {node: values[name] for name, node in self.bound.items()}
+        ref = values["tokens"] if "tokens" in values else values["hidden"]
+        known.update((node, ref.shape[dim]) for node, dim in self.sizes.items())
+        by_output = {node: name for name, node in self.modules.items()}
+
+        def value(node: fx.Node) -> Any:
+            if node in known:
+                return known[node]
+            part = by_output.get(node)
+            if part is not None:
+                source = self.inputs[part]
+                arg = values[source] if isinstance(source, str) else value(source)
+                out = parts.module(part)(arg)
+            elif node.op == "get_attr":
+                out = _attr(gm, str(node.target))
+            else:
+                fn: Callable[..., Any] = node.target  # type: ignore[assignment]
+                args = fx.node.map_arg(node.args, value)
+                kwargs = fx.node.map_arg(node.kwargs, value)
+                out = fn(*args, **kwargs)
+            known[node] = out
+            return out
+
+        result: torch.Tensor = value(self.target)
+        return result
+
+
+@dataclass
+class Glue:
+    """The model's top-level arithmetic around its parts, as three :class:`Piece` s.
+
+    Attributes:
+        embed: token ids (and position ids) -> the first layer's hidden input (B, T, H).
+        norm: the last layer's output -> the final norm's output (B, T, H).
+        head: the final norm's output (its last position, B, 1, H) -> the logits (B, 1, V).
+        gm: the traced graph module (for the constants the glue reads).
+    """
+
+    embed: Piece
+    norm: Piece
+    head: Piece
+    gm: fx.GraphModule
+
+    def ops(self) -> dict[str, list[str]]:
+        """The replayed glue ops of each piece, for logs and errors."""
+        return {"embed": self.embed.ops, "norm": self.norm.ops, "head": self.head.ops}
+
+
+def derive_glue(plan: Plan, parts: DecoderParts) -> Glue:
+    """Read the glue around ``parts`` off ``plan``'s traced graph.
+
+    Raises:
+        GenerateModelError: the graph's data path between two parts depends on something a
+            generation step cannot compute (a layer's intermediate value, a model input other
+            than the token ids, a part's value other than its output); the message names the node.
+
+    Example:
+        >>> import torch, transformers
+        >>> from partitioner import partition
+        >>> from runtime.generate.parts import decoder_parts
+        >>> cfg = transformers.GraniteConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2,
+        ...     num_attention_heads=2, intermediate_size=32, embedding_multiplier=3.0, logits_scaling=4.0)
+        >>> model = transformers.GraniteForCausalLM(cfg).eval()
+        >>> glue = derive_glue(partition(model, (torch.zeros(1, 8, dtype=torch.long),), 2), decoder_parts(model))
+        >>> glue.ops()
+        {'embed': ['mul(embedding, 3.0)'], 'norm': [], 'head': ['div(linear, 4.0)']}
+    """
+    gm = plan.traced.gm
+    graph = gm.graph
+    names = [*parts.pre, *parts.layers, parts.norm, parts.head]
+    if parts.rotary is not None:
+        names.append(parts.rotary)
+    owner: dict[fx.Node, str | None] = {}
+    for node in graph.nodes:
+        owner[node] = None if node.op in ("placeholder", "output") else _owner(node_module_path(node), names)
+    outputs, inputs = _part_ends(graph, owner, parts)
+    family = f"{type(parts.model).__name__} (model_type {parts.config.model_type!r})"
+    first, last = parts.layers[0], parts.layers[-1]
+    embed_out = outputs.get(parts.embed)
+    if embed_out is None:
+        raise GenerateModelError(f"{family}: the traced graph has no output of the token embedding {parts.embed}")
+    h0 = _entry(graph, owner, first, embed_out, family)
+    h_last = _exit(graph, owner, last, family)
+    logits = _logits(graph, parts, family)
+    norm_out = outputs.get(parts.norm)
+    if norm_out is None:
+        raise GenerateModelError(f"{family}: the traced graph has no output of the final norm {parts.norm}")
+    pre = set(parts.pre)
+    embed = _piece(h0, {}, owner, outputs, inputs, pre, family, "the embedding side")
+    norm = _piece(norm_out, {"hidden": h_last}, owner, outputs, inputs, {parts.norm}, family,
+                  f"between {last} and the logits")
+    head = _piece(logits, {"hidden": norm_out}, owner, outputs, inputs, {parts.head}, family,
+                  f"between {parts.norm} and the logits")
+    return Glue(embed=embed, norm=norm, head=head, gm=gm)
+
+
+def _part_ends(graph: fx.Graph, owner: Mapping[fx.Node, str | None],
+               parts: DecoderParts) -> tuple[dict[str, fx.Node], dict[str, fx.Node | str]]:
+    # Per part: its output (the node it owns that a node outside it reads) and its input (the
+    # tensor from outside its nodes that is not one of its weights); the token embedding's input
+    # is the token ids, a position embedding's the position ids (both from the model's inputs).
+    outputs: dict[str, fx.Node] = {}
+    inputs: dict[str, fx.Node | str] = {}
+    for node in graph.nodes:
+        part = owner[node]
+        if part is None or node.op == "get_attr":
+            continue
+        if any(owner[user] != part for user in node.users):
+            outputs.setdefault(part, node)
+            outputs[part] = node  # the last such node in graph order
+        for arg in node.all_input_nodes:
+            if owner[arg] != part and arg.op != "get_attr" and _is_tensor(arg) and part not in inputs:
+                inputs[part] = arg
+    for part in parts.pre:
+        source = inputs.get(part)
+        if part == parts.embed:
+            inputs[part] = TOKENS
+        elif source is not None and not isinstance(source, str) and not _descends(source, outputs.get(parts.embed)):
+            inputs[part] = POSITIONS
+    return outputs, inputs
+
+
+def _is_tensor(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def _descends(node: fx.Node, root: fx.Node | None) -> bool:
+    if root is None:
+        return False
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n is root:
+            return True
+        if n in seen:
+            continue
+        seen.add(n)
+        todo.extend(n.all_input_nodes)
+    return False
+
+
+def _shape(node: fx.Node) -> str:
+    val = node.meta.get("val")
+    return str(tuple(val.shape)) if isinstance(val, torch.Tensor) else ""
+
+
+def _entry(graph: fx.Graph, owner: Mapping[fx.Node, str | None], layer: str, embed_out: fx.Node,
+           family: str) -> fx.Node:
+    # The first layer's hidden-state input: the tensor from outside it, of the embeddings' shape,
+    # made from the embeddings (the mask and the rotary's cos/sin are of other shapes or sources).
+    want = _shape(embed_out)
+    found = []
+    for node in graph.nodes:
+        if owner[node] != layer:
+            continue
+        for arg in node.all_input_nodes:
+            if owner[arg] != layer and arg not in found and _shape(arg) == want and _descends(arg, embed_out):
+                found.append(arg)
+    entry: fx.Node
+    if len(found) != 1:
+        raise GenerateModelError(
+            f"{family}: expected one hidden-state input of {layer} of shape {want} made from the token "
+            f"embedding, found {[n.name for n in found]}; the generator cannot tell which tensor a stage hands on"
+        )
+    entry = found[0]
+    return entry
+
+
+def _exit(graph: fx.Graph, owner: Mapping[fx.Node, str | None], layer: str, family: str) -> fx.Node:
+    found: list[fx.Node] = [n for n in graph.nodes if owner[n] == layer and n.op != "get_attr"
+                            and any(owner[u] != layer for u in n.users) and _is_tensor(n)]
+    if len(found) != 1:
+        raise GenerateModelError(
+            f"{family}: the last layer {layer} hands on {len(found)} tensors ({[n.name for n in found]}); the "
+            "generator runs layers that return their hidden states only"
+        )
+    out: fx.Node = found[0]
+    return out
+
+
+def _logits(graph: fx.Graph, parts: DecoderParts, family: str) -> fx.Node:
+    vocab = getattr(parts.module(parts.head), "out_features", None) or parts.config.vocab_size
+    out = next(n for n in graph.nodes if n.op == "output")
+    flat: list[fx.Node] = []
+    fx.node.map_arg(out.args, lambda n: flat.append(n) or n)  # type: ignore[func-returns-value]
+    found = [n for n in flat if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].ndim == 3
+             and n.meta["val"].shape[-1] == vocab]
+    if not found:
+        raise GenerateModelError(
+            f"{family}: none of the traced forward's outputs ({[n.name for n in flat]}) is (B, T, {vocab}) "
+            "logits; the generator needs a causal LM that returns its logits"
+        )
+    return found[0]
+
+
+def _piece(target: fx.Node, bound: dict[str, fx.Node], owner: Mapping[fx.Node, str | None],
+           outputs: Mapping[str, fx.Node], inputs: Mapping[str, fx.Node | str], callable_parts: set[str],
+           family: str, where: str) -> Piece:
+    # Walk back from the target: stop at bound nodes; a callable part's output is that part
+    # (walk on from its input); glue is replayed; a constant subgraph is replayed too.
+    piece = Piece(target=target, bound=bound)
+    stops = set(bound.values())
+    by_output = {node: part for part, node in outputs.items() if part in callable_parts}
+    seen: set[fx.Node] = set()
+    order: list[fx.Node] = []
+
+    def visit(node: fx.Node) -> None:
+        if node in seen or node in stops:
+            return
+        seen.add(node)
+        part = by_output.get(node)
+        if part is not None:
+            piece.modules[part] = node
+            source = inputs.get(part)
+            if source is None:
+                raise GenerateModelError(f"{family}: {part} has no input in the traced graph ({where})")
+            piece.inputs[part] = source
+            if not isinstance(source, str):
+                visit(source)
+            return
+        if owner[node] is not None and node.op != "get_attr":
+            raise GenerateModelError(
+                f"{family}: {where}, the model's forward reads {node.name} ({node.target}), a value inside "
+                f"{owner[node]} that is not that part's output; the generator calls each part as a whole, so it "
+                "cannot compute this"
+            )
+        read, dim = (node.args[0], node.args[1]) if len(node.args) == 2 else (None, None)
+        if node.target is torch.ops.aten.sym_size.int and isinstance(read, fx.Node) \
+                and read.op == "placeholder" and isinstance(dim, int) and dim in (0, 1):
+            piece.sizes[node] = dim
+            return
+        if node.op == "placeholder":
+            raise GenerateModelError(
+                f"{family}: {where}, the model's forward reads its input {node.target!r} directly ({node.name}); "
+                "the generator feeds the model token ids and positions only, so it cannot compute this"
+            )
+        for arg in node.all_input_nodes:
+            visit(arg)
+        order.append(node)
+
+    visit(target)
+    for node in order:  # graph order: inputs first
+        if node.op == "call_function" and _on_path(node, stops, piece.modules.values()) and not _whole(node):
+            args = ", ".join(_name(a) for a in node.args)
+            piece.ops.append(f"{getattr(node.target, '__name__', node.target)}({args})".replace(".default", "")
+                             .replace(".Tensor", "").replace(".Scalar", ""))
+    return piece
+
+
+def _whole(node: fx.Node) -> bool:
+    # A slice of a whole dim (``x[:, 0:]``, how logits_to_keep=0 reads): replayed, not worth listing.
+    args = node.args
+    return bool(node.target is torch.ops.aten.slice.Tensor and 4 <= len(args) <= 5 and args[2] == 0
+                and isinstance(args[3], int) and args[3] >= 2**62)
+
+
+def _on_path(node: fx.Node, stops: set[fx.Node], outs: Any) -> bool:
+    # A replayed op that touches the hidden states or logits (not a shape read, not a constant).
+    roots = stops | set(outs)
+    return any(_descends(node, r) for r in roots) and _is_tensor(node)
+
+
+def _name(arg: Any) -> str:
+    if isinstance(arg, fx.Node):
+        return arg.name.rstrip("_0123456789") or arg.name
+    return repr(arg)
+
+
+def _attr(gm: nn.Module, target: str) -> Any:
+    obj: Any = gm
+    for key in target.split("."):
+        obj = getattr(obj, key)
+    return obj

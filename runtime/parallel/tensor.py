@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
-from runtime.parallel.tensor_rules import TensorParallelError, op_name, propagate, shape_of
+from runtime.parallel.tensor_rules import ELEMENTWISE, TensorParallelError, op_name, propagate, shape_of
 
 __all__ = [
     "DERIVED_PLANS", "STYLES", "TensorParallelError", "TensorParallelLayout", "config_patterns", "parallelize_stage",
@@ -55,7 +55,18 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-STYLES = ("colwise", "rowwise", "packed_colwise")
+STYLES = ("colwise", "rowwise", "packed_colwise", "colwise_gather_output", "rowwise_split_input")
+# Styles of transformers' tp plans that shard nothing here, kept whole with the reason logged:
+# a whole weight read by split activations has its gradient all-reduced over tp by construction
+# (see _Rewriter.rewrite), which is what ``replicated_with_grad_allreduce`` asks for; the token
+# embedding is split over the vocabulary by TensorParallel(vocab=True) instead; experts stay whole.
+WHOLE_STYLES = {
+    "replicated_with_grad_allreduce": "whole on every rank; its gradient is all-reduced over tp where split "
+                                      "activations read it (pipecut does this for every whole weight)",
+    "embedding_rowwise": "whole on every rank (TensorParallel(vocab=True) splits the embedding over the vocabulary)",
+    "moe_tp_experts": "whole on every rank (experts are not split; the attention is)",
+}
+_COLUMN = ("colwise", "packed_colwise", "colwise_gather_output")
 
 # Hugging Face configs without a ``base_model_tp_plan`` whose layers pipecut splits all the same,
 # by ``config.model_type``. GPT-2's ``Conv1D`` layers run ``addmm`` on ``(in, out)`` weights, and
@@ -105,11 +116,18 @@ def plan_for(patterns: Mapping[str, str], names: Iterable[str]) -> dict[str, str
 
     Raises:
         TensorParallelError: a pattern matching one of ``names`` has a style this module does
-            not implement (``moe_tp_experts``, ``embedding_rowwise``...): the message lists the
-            weights it matches.
+            not implement (``mla_kv_a_proj``, ``local_params``...): the message lists the weights
+            it matches. Styles of :data:`WHOLE_STYLES` (and every entry under a ``moe_tp_experts``
+            one) shard nothing: their weights stay whole.
     """
+    whole = {p for p, s in patterns.items() if s in WHOLE_STYLES}
+    # A MoE block's experts stay whole, with every entry under them (their fused gate_up/down).
+    experts = [p for p, s in patterns.items() if s == "moe_tp_experts"]
+    whole |= {p for p in patterns if any(p.startswith(e + ".") for e in experts)}
+    if whole:
+        log.debug("tp plan entries kept whole: %s", {p: patterns[p] for p in sorted(whole)})
     compiled = [(re.compile(r"(?:^|.*\.)" + re.escape(p).replace(r"\*", r"[^.]+") + r"$"), p, s)
-                for p, s in patterns.items()]
+                for p, s in patterns.items() if p not in whole]
     out: dict[str, str] = {}
     names = list(names)
     for name in names:
@@ -297,6 +315,40 @@ class _Reduce(torch.autograd.Function):
         return grad, None
 
 
+class _Gather(torch.autograd.Function):
+    """A column-parallel output made whole: all-gather along the last dim forward; backward, this
+    rank's columns of the gradient (every rank holds the whole gradient: the layers after run whole)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group, ctx.rank, ctx.n = group, dist.get_rank(group), x.shape[-1]
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, -1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad.narrow(-1, ctx.rank * ctx.n, ctx.n).contiguous(), None
+
+
+class _Split(torch.autograd.Function):
+    """A whole input of a row-parallel layer cut to this rank's columns forward; backward, the
+    ranks' column gradients gathered: the whole input's gradient, on every rank."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        tp = dist.get_world_size(group)
+        n = x.shape[-1] // tp
+        ctx.group, ctx.tp = group, tp
+        return x.narrow(-1, dist.get_rank(group) * n, n).contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        parts = [torch.empty_like(grad) for _ in range(ctx.tp)]
+        dist.all_gather(parts, grad.contiguous(), group=ctx.group)
+        return torch.cat(parts, -1), None
+
+
 class _GroupCall(nn.Module):
     """A module a rewritten stage graph calls to apply ``function`` over the tp ``group``."""
 
@@ -320,6 +372,18 @@ class TensorParallelOut(_GroupCall):
     """Called by a rewritten stage graph after a row-parallel layer (see :class:`_Reduce`)."""
 
     function = _Reduce
+
+
+class TensorParallelGather(_GroupCall):
+    """Called by a rewritten stage graph after a ``colwise_gather_output`` layer (see :class:`_Gather`)."""
+
+    function = _Gather
+
+
+class TensorParallelSplit(_GroupCall):
+    """Called by a rewritten stage graph before a ``rowwise_split_input`` layer (see :class:`_Split`)."""
+
+    function = _Split
 
 
 class _Heads(torch.autograd.Function):
@@ -392,6 +456,8 @@ class _Rewriter:
                 continue
             if op_name(node) == "scaled_dot_product_attention":
                 self._select_heads(gm, node, local)
+            if op_name(node) in ELEMENTWISE:
+                self._enter_whole(gm, node, local, entered)
             if node.op == "output":
                 raise TensorParallelError(
                     f"{prefix or 'the stage'}: {ins[0].name} leaves the graph split over tp (a cut between a "
@@ -431,6 +497,30 @@ class _Rewriter:
         self.whole.append(prefix + str(w.target))
         return True
 
+    def _enter_whole(self, gm: fx.GraphModule, node: fx.Node, local: dict[fx.Node, int],
+                     entered: dict[fx.Node, fx.Node]) -> None:
+        """A whole tensor combined with a split one (a per-head norm's weight times this rank's
+        heads, a gate broadcast over them): each rank's gradient of it covers its own part only,
+        so it is read through :class:`_Enter`, whose backward all-reduces it over tp (only when
+        it needs a gradient: a constant, cos or sin, a mask runs no collective). This is what
+        transformers' ``replicated_with_grad_allreduce`` asks for, done wherever it is needed."""
+        for arg in dict.fromkeys(node.all_input_nodes):
+            if arg in local or not isinstance(arg.meta.get("val"), torch.Tensor):
+                continue
+            source = _gradient_source(gm, arg)
+            if source is None:
+                continue  # made of buffers, constants and integer inputs only (cos, sin, a mask): no gradient
+            if arg not in entered:
+                path = _free(gm, "pipecut_tp_whole")
+                gm.add_submodule(path, TensorParallelIn(self.group))
+                with gm.graph.inserting_before(node):
+                    entered[arg] = gm.graph.call_module(path, (arg,))
+                entered[arg].meta = dict(arg.meta)
+                # Counted where a weight's gradient surely runs it; a stage input runs it only when
+                # it arrives with a gradient (the previous stage's activations, not its cos/sin).
+                self.enters += source == "weight"
+            node.replace_input_with(arg, entered[arg])
+
     def _select_heads(self, gm: fx.GraphModule, node: fx.Node, local: dict[fx.Node, int]) -> None:
         """Attention with split queries and whole keys or values (kv heads < tp, repeated to every
         query head): each rank takes the heads of its queries (and all-reduces their gradient)."""
@@ -457,7 +547,7 @@ class _Rewriter:
         x, w, b, conv = layer
         wname = prefix + str(w.target)
         shape = tuple(gm.get_parameter(str(w.target)).shape)
-        col = style != "rowwise"
+        col = style in _COLUMN
         dim = (1 if conv else 0) if col else (0 if conv else 1)  # a Conv1D's weight is (in, out)
         k = _packed_parts(node, wname) if style == "packed_colwise" else 1
         if shape[dim] % (k * self.tp):
@@ -497,10 +587,32 @@ class _Rewriter:
                 entered[x].meta = dict(node.meta)
                 self.enters += 1
             node.replace_input_with(x, entered[x])
+            if style == "colwise_gather_output":  # whole again after it: this rank's columns gathered
+                path = _free(gm, owner + ".pipecut_tp_gather")
+                gm.add_submodule(path, TensorParallelGather(self.group))
+                with graph.inserting_after(node):
+                    gathered = graph.call_module(path, (node,))
+                gathered.meta = dict(node.meta)
+                node.replace_all_uses_with(gathered, delete_user_cb=lambda user: user is not gathered)
+                self.reduces += 1
+                return
             local[node] = len(shape_of(node)) - 1
             if k > 1:
                 packed[node] = k
             return
+        if style == "rowwise_split_input":  # a whole input: each rank takes its columns of it
+            if x in local:
+                raise TensorParallelError(f"node {node.name}: {wname!r} is rowwise_split_input but its input {x.name} "
+                                          "is already split over tp: make it 'rowwise'")
+            path = _free(gm, owner + ".pipecut_tp_split")
+            gm.add_submodule(path, TensorParallelSplit(self.group))
+            with graph.inserting_before(node):
+                part_in = graph.call_module(path, (x,))
+            part_in.meta = dict(x.meta)
+            node.replace_input_with(x, part_in)
+            x = part_in
+            local[x] = len(shape_of(x)) - 1
+            self.enters += 1
         if local.get(x) != len(shape_of(x)) - 1 or x in packed:
             where = "whole on every rank" if x not in local else (
                 f"split on dim {local[x]}, not its last" if x not in packed else "a packed layer's output")
@@ -582,6 +694,37 @@ def _packed_parts(node: fx.Node, wname: str) -> int:
     raise TensorParallelError(
         f"{wname!r} is packed_colwise but its output ({node.name}) is not split into its parts along the last dim "
         "(a split or chunk after it, through views only): mark it 'colwise' if it is one output, or leave it whole")
+
+
+def _gradient_source(gm: nn.Module, node: fx.Node) -> str | None:
+    """``'weight'`` when ``node`` is computed from a trainable parameter, ``'input'`` when from a
+    floating-point stage input (which may arrive with a gradient), else ``None``."""
+    seen: set[fx.Node] = set()
+    todo, found = [node], None
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "get_attr":
+            attr = _attr_or_none(gm, str(n.target))
+            if isinstance(attr, nn.Parameter) and attr.requires_grad:
+                return "weight"
+        elif n.op == "placeholder":
+            val = n.meta.get("val")
+            if isinstance(val, torch.Tensor) and val.is_floating_point():
+                found = "input"
+        todo.extend(n.all_input_nodes)
+    return found
+
+
+def _attr_or_none(gm: nn.Module, target: str) -> Any:
+    obj: Any = gm
+    for key in target.split("."):
+        obj = getattr(obj, key, None)
+        if obj is None:
+            return None
+    return obj
 
 
 def _free(gm: nn.Module, path: str) -> str:

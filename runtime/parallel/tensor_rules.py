@@ -27,13 +27,15 @@ from torch import fx
 
 from partitioner.errors import PipecutError
 
-__all__ = ["TensorParallelError", "op_name", "propagate", "shape_of"]
+__all__ = ["ELEMENTWISE", "TensorParallelError", "op_name", "propagate", "shape_of"]
 
-_ELEMENTWISE = {
+ELEMENTWISE = {
     "add", "sub", "mul", "div", "neg", "silu", "gelu", "relu", "tanh", "sigmoid", "pow", "rsqrt", "exp",
     "to", "_to_copy", "clone", "contiguous", "alias", "dropout", "type_as", "where", "masked_fill",
 }
 _VIEWS = {"view", "reshape", "_unsafe_view"}
+# Reductions over some dims (``aten.mean(x, [-1], True)``: a per-head norm over the head dim).
+_REDUCTIONS = {"mean", "sum", "amax", "amin", "var", "std", "linalg_vector_norm", "norm"}
 _SPLITS = {"split", "split_with_sizes", "chunk"}
 
 
@@ -70,7 +72,8 @@ def _refuse(node: fx.Node, why: str) -> TensorParallelError:
     return TensorParallelError(
         f"node {node.name} ({node.target}) reads an activation split over tp, and {why}: pipecut's tensor "
         "parallelism knows the ops of attention and MLP blocks (elementwise, views, transpose, slice, cat, "
-        "expand, attention); cut the stage so this op is outside a column/row pair, or drop the pair from the plan")
+        "stack, expand, reductions over other dims, attention); cut the stage so this op is outside a "
+        "column/row pair, or drop the pair from the plan")
 
 
 def propagate(node: fx.Node, local: dict[fx.Node, int], packed: dict[fx.Node, int], tp: int) -> int | None:
@@ -98,10 +101,10 @@ def propagate(node: fx.Node, local: dict[fx.Node, int], packed: dict[fx.Node, in
         return _split(node, d, packed.get(x) if isinstance(x, fx.Node) else None, tp)
     out = shape_of(node)
     k = packed.get(x) if isinstance(x, fx.Node) else None
-    if k is not None and op not in _VIEWS and op not in _ELEMENTWISE:
+    if k is not None and op not in _VIEWS and op not in ELEMENTWISE:
         raise _refuse(node, f"reads the output of a packed layer ({k} parts side by side) before it is split "
                       "into its parts")
-    if op in _ELEMENTWISE:
+    if op in ELEMENTWISE:
         d = _elementwise(node, local, out)
         if k is not None:
             packed[node] = k
@@ -122,6 +125,24 @@ def propagate(node: fx.Node, local: dict[fx.Node, int], packed: dict[fx.Node, in
         if dim == d and not whole:
             raise _refuse(node, f"slices the split dim {d}")
         return d
+    if op in _REDUCTIONS:
+        return _reduction(node, d, len(shape_of(x)))
+    if op == "flatten":  # flatten(x, start, end): dims start..end become one
+        rank = len(shape_of(x))
+        start = int(a[1]) % rank if len(node.args) > 1 else 0
+        end = int(a[2]) % rank if len(node.args) > 2 else rank - 1
+        if start < d <= end:
+            raise _refuse(node, f"flattens the split dim {d} into dim {start}")
+        return d if d <= start else d - (end - start)
+    if op == "stack":
+        parts = a[0]
+        kw: Any = node.kwargs
+        dim = int(a[1] if len(node.args) > 1 else kw.get("dim", 0)) % len(out)
+        dims = {local.get(p, -1) for p in parts}
+        if len(dims) != 1 or -1 in dims:
+            raise _refuse(node, "stacks it with a whole tensor")
+        (d,) = dims
+        return d + 1 if dim <= d else d
     if op == "cat":
         parts, dim = a[0], int(a[1]) if len(node.args) > 1 else 0
         dims = {local.get(p, -1) for p in parts}
@@ -160,6 +181,23 @@ def propagate(node: fx.Node, local: dict[fx.Node, int], packed: dict[fx.Node, in
     if op == "sym_size" and int(a[1]) % len(shape_of(x)) != d:
         return None  # the size of a dim that is whole: the same on every rank
     raise _refuse(node, f"{op} has no rule for split tensors")
+
+
+def _reduction(node: fx.Node, d: int, rank: int) -> int:
+    """The rule of a reduction: over dims other than ``d`` each rank reduces its own part (its
+    heads' own norms); over ``d`` it would need the other ranks' parts, and is refused."""
+    a: Any = node.args
+    kw: Any = node.kwargs
+    op = op_name(node)
+    at = 2 if op in ("linalg_vector_norm", "norm") else 1  # norm(x, ord, dim, keepdim)
+    dims = a[at] if len(a) > at else kw.get("dim")
+    keep = a[at + 1] if len(a) > at + 1 else kw.get("keepdim", False)
+    if dims is None or (isinstance(dims, (list, tuple)) and not dims):
+        raise _refuse(node, "reduces over every dim, the split one included")
+    dims = [int(i) % rank for i in (dims if isinstance(dims, (list, tuple)) else [dims])]
+    if d in dims:
+        raise _refuse(node, f"reduces over the split dim {d}")
+    return d if keep else d - sum(1 for i in dims if i < d)
 
 
 def _split(node: fx.Node, d: int, k: int | None, tp: int) -> int:

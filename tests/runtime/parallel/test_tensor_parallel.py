@@ -37,18 +37,25 @@ def test_a_plan_maps_onto_the_names_under_any_prefix_and_biases_follow_their_wei
 
 
 def test_a_style_not_implemented_is_refused_only_where_it_matches() -> None:
-    moe = {**LLAMA_PLAN, "layers.*.mlp.experts": "moe_tp_experts"}
+    # transformers' MoE plans: the experts (and every entry under them) stay whole, the rest is split.
+    moe = {**LLAMA_PLAN, "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+           "layers.*.mlp.experts.down_proj": "rowwise", "layers.*.mlp.experts": "moe_tp_experts",
+           "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce", "embed_tokens": "embedding_rowwise"}
     dense = ["model.layers.0.self_attn.o_proj.weight"]
-    assert plan_for(moe, dense) == {dense[0]: "rowwise"}  # no experts in this stage: nothing to refuse
     experts = [f"model.layers.{i}.mlp.experts.{w}" for i in range(3) for w in ("gate_up_proj", "down_proj")]
+    whole = ["model.layers.0.self_attn.q_norm.weight", "model.embed_tokens.weight"]
+    assert plan_for(moe, [*dense, *experts, *whole]) == {dense[0]: "rowwise"}
+    local = {**LLAMA_PLAN, "layers.*.self_attn.sinks": "local_params"}
+    assert plan_for(local, dense) == {dense[0]: "rowwise"}  # no such weight in this stage: nothing to refuse
+    sinks = [f"model.layers.{i}.self_attn.sinks.weight" for i in range(6)]
     with pytest.raises(TensorParallelError) as refused:
-        plan_for(moe, [*dense, *experts])
-    # The message names the entry, the expert weights it matches (how many, the first few) and the way out.
+        plan_for(local, [*dense, *sinks])
+    # The message names the entry, the weights it matches (how many, the first few) and the way out.
     said = str(refused.value)
-    assert ("'layers.*.mlp.experts': 'moe_tp_experts' matches 6 expert (MoE) weights" in said
-            and "'model.layers.0.mlp.experts.gate_up_proj', 'model.layers.0.mlp.experts.down_proj'" in said
-            and "and 2 more" in said and "without the entry 'layers.*.mlp.experts' to keep those weights whole" in said
-            and "tp=1" in said), said
+    assert ("'layers.*.self_attn.sinks': 'local_params' matches 6 weights" in said
+            and "'model.layers.0.self_attn.sinks.weight', 'model.layers.1.self_attn.sinks.weight'" in said
+            and "and 2 more" in said and "without the entry 'layers.*.self_attn.sinks' to keep those weights whole"
+            in said and "tp=1" in said), said
 
 
 def test_the_plans_of_hugging_face_configs() -> None:
@@ -63,10 +70,12 @@ def test_the_plans_of_hugging_face_configs() -> None:
         zip(gpt2[:5], ("packed_colwise", "packed_colwise", "rowwise", "colwise", "rowwise")))
     with pytest.raises(TensorParallelError, match=r"BertConfig has no base_model_tp_plan \(and pipecut derives.*plan="):
         plan_from_config(transformers.BertConfig(), ["encoder.layer.0.attention.self.query.weight"])
-    for moe in (transformers.MixtralConfig(), transformers.Qwen2MoeConfig()):
-        with pytest.raises(TensorParallelError, match=r"'moe_tp_experts' matches 1 expert \(MoE\) weights: "
-                                                      r"'model.layers.0.mlp.experts.gate_up_proj'.*without the entry"):
-            plan_from_config(moe, ["model.layers.0.mlp.experts.gate_up_proj"])
+    for moe in (transformers.MixtralConfig(), transformers.Qwen2MoeConfig()):  # experts whole, attention split
+        names = ["model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.self_attn.q_proj.weight"]
+        assert plan_from_config(moe, names) == {names[1]: "colwise"}
+    # Qwen3's per-head norms: whole, their gradients all-reduced where split heads read them.
+    qwen3 = ["model.layers.0.self_attn.q_norm.weight", "model.layers.0.self_attn.o_proj.weight"]
+    assert plan_from_config(transformers.Qwen3Config(), qwen3) == {qwen3[1]: "rowwise"}
 
 
 # ---- 2 gloo processes ------------------------------------------------------------------------

@@ -40,6 +40,7 @@ from partitioner.cost.devices import Cluster, default_device
 from partitioner.options import Capture, Costing, Cut, Inference
 from pipecut.folder import FolderError, HFFolder, max_positions
 from runtime.generate import GenerateOptionError, Generator, Sampling
+from runtime.generate.admit import generation_problems, layer_count
 from runtime.precision import MixedPrecision
 from runtime.state.weights import Weights
 
@@ -131,11 +132,21 @@ def build_generator(
         prompt_len: the prompt length the plan's prefill is costed at (default ``seq_len``).
 
     Raises:
-        GenerateOptionError: ``pp``, ``dp`` and the world do not fit (with what to launch).
+        GenerateOptionError: ``pp``, ``dp`` and the world do not fit (with what to launch), or the
+            folder's ``config.json`` rules generation out (layers that keep a state, not keys and
+            values; more stages than layers), before any model is built.
         PrecisionError: an unknown ``precision``.
         WeightsError, MaterializeError: loading the stages failed.
     """
     stages = _stage_count(pp, dp, transport)
+    problems = generation_problems(opened.config, stages)
+    layers = layer_count(opened.config)
+    if problems:
+        name = getattr(opened.config, "model_type", "this model")
+        if layers is not None and stages > layers and len(problems) == 1:
+            raise GenerateOptionError(f"--pp {stages}: {problems[0]}: pick --pp of at most {layers}")
+        raise GenerateOptionError(f"pipecut generate cannot run {name}: {'; '.join(problems)}; generate it with "
+                                  "transformers' model.generate")
     limit = opened.max_positions
     length = seq_len or min(_DEFAULT_LENGTH, limit or _DEFAULT_LENGTH)
     policy = MixedPrecision(precision)  # refused before the model is planned

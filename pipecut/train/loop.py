@@ -46,6 +46,7 @@ from pipecut.train.lr import lr_at
 from runtime.calibration import next_token_loss
 from runtime.errors import LossError
 from runtime.options import DataParallel, Execution, Init
+from runtime.parallel.tensor_fit import tp_problems
 from runtime.state.weights import Weights
 from runtime.trainer import PipelineTrainer
 from runtime.transport.process_group import ensure_process_group, world_split
@@ -134,6 +135,25 @@ def layout(cfg: TrainConfig, world: int, rank: int) -> Layout:
     return Layout(pp=pp, dp=dp, m=cfg.global_batch // per_replica, rank=rank, dp_rank=rank // (pp * tp), tp=tp)
 
 
+def check_tp_fits(cfg: TrainConfig, config: Any) -> None:
+    """Refuse ``--tp`` the model's ``config.json`` cannot split, in one line, before any model is built.
+
+    Raises:
+        TrainConfigError: the family has no tensor-parallel plan, or a size it splits does not
+            divide by ``--tp`` (the sizes named, with the ``--tp`` values that fit).
+    """
+    tp = cfg.tp or 1
+    problems = tp_problems(config, tp)
+    if not problems:
+        return
+    name = getattr(config, "model_type", "this model")
+    if "no tensor-parallel plan" in problems[0]:
+        raise TrainConfigError(f"--tp {tp}: {name} has no tensor-parallel plan: drop --tp, or use --pp/--dp")
+    fits = [t for t in range(1, 65) if not tp_problems(config, t)]
+    raise TrainConfigError(f"--tp {tp} does not fit {name}'s config.json: {'; '.join(problems)}. Pick --tp from "
+                           f"{', '.join(map(str, fits[:8]))}, or use --pp/--dp")
+
+
 def _check_tp(cfg: TrainConfig, world: int) -> None:
     """Refuse ``--tp`` where the job cannot run it: too few processes, or an option tp does not compose with."""
     tp = cfg.tp or 1
@@ -194,6 +214,7 @@ def _open_folder(cfg: TrainConfig, *, warn: bool) -> tuple[HFFolder, Any, Path |
     folder = HFFolder(cfg.model, trust_remote_code=cfg.trust_remote_code)
     config = folder.config
     folder.check_causal_lm(config, command="pipecut train")
+    check_tp_fits(cfg, config)
     return folder, config, _weights(folder, cfg, warn=warn)
 
 

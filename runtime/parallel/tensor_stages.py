@@ -33,6 +33,7 @@ from runtime.parallel.tensor import (
     parallelize_stage,
     plan_for,
 )
+from runtime.parallel.tensor_fit import tp_problems
 from runtime.parallel.vocab import parallelize_vocab, vocab_names
 
 __all__ = ["TensorParallelOptionError", "split_stages", "refuse_unsupported"]
@@ -97,10 +98,15 @@ def split_stages(
             split (see ``parallelize_stage``); ``VocabParallelError`` (a subclass) where the vocabulary
             cannot be split (see ``parallelize_vocab``).
     """
+    config = getattr(model, "config", None)
     if patterns is None:
-        config = getattr(model, "config", None)
         owner = type(config).__name__ if config is not None else f"{type(model).__name__} (no Hugging Face config)"
         patterns = config_patterns(config, owner)
+    tp = tp_mesh.size()
+    problems = [p for p in tp_problems(config, tp) if "no tensor-parallel plan" not in p] if config is not None else []
+    if problems:
+        raise TensorParallelError(f"TensorParallel(size={tp}) does not fit {type(config).__name__}: "
+                                  f"{'; '.join(problems)}: pick a size that divides them")
     out: dict[int, TensorParallelLayout] = {}
     swapped: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # one Replicate parameter a whole weight
     rows: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # one Shard(0) parameter a vocabulary weight

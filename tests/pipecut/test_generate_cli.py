@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import prompts_fixture, write_llama
+from conftest import prompts_fixture, write_llama, write_tokenizer
 from pipecut.cli import EXIT_ERROR, main
 from pipecut.generate.prompts import PromptsError, read_prompts
 from test_readme import readme_block
@@ -130,6 +130,31 @@ def test_refusals_are_one_line_exit_2(
     capsys.readouterr()  # save_pretrained's progress bar
     assert "has no tokenizer files" in _refused(capsys, "--model", str(bare), *base[2:])
     assert "more than the model's 64" in _refused(capsys, *base[:4], "--max-new-tokens", "60")
+
+
+def test_settings_config_json_rules_out_are_refused_before_any_model_is_built(
+    folder: Path, prompts: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from transformers import MambaConfig, MambaForCausalLM
+
+    from pipecut.folder import HFFolder
+
+    def no_build(*_: object, **__: object) -> None:
+        raise AssertionError("a model was built")
+
+    monkeypatch.setattr(HFFolder, "build", no_build)
+    base = ["--prompts", str(prompts), "--max-new-tokens", "4"]
+    layers = HFFolder(str(folder)).config.num_hidden_layers
+    too_many = _refused(capsys, "--model", str(folder), *base, "--pp", str(layers + 1))
+    assert f"--pp {layers + 1}: {layers + 1} stages for {layers} layers" in too_many
+    assert f"pick --pp of at most {layers}" in too_many
+    mamba = tmp_path / "mamba"
+    MambaForCausalLM(MambaConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, state_size=4)).save_pretrained(mamba)
+    write_tokenizer(mamba)
+    capsys.readouterr()
+    refused = _refused(capsys, "--model", str(mamba), *base)
+    assert "pipecut generate cannot run mamba: mamba" in refused and "cache is a state, not keys and values" in refused
+    assert "model.generate" in refused
 
 
 def test_a_bad_prompt_line_is_named(tmp_path: Path) -> None:

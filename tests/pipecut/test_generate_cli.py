@@ -149,7 +149,8 @@ def test_settings_config_json_rules_out_are_refused_before_any_model_is_built(
     assert f"--pp {layers + 1}: {layers + 1} stages for {layers} layers" in too_many
     assert f"pick --pp of at most {layers}" in too_many
     mamba = tmp_path / "mamba"
-    MambaForCausalLM(MambaConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, state_size=4)).save_pretrained(mamba)
+    config = MambaConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, state_size=4)
+    MambaForCausalLM(config).save_pretrained(mamba)
     write_tokenizer(mamba)
     capsys.readouterr()
     refused = _refused(capsys, "--model", str(mamba), *base)

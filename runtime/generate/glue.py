@@ -155,6 +155,13 @@ def derive_glue(plan: Plan, parts: DecoderParts) -> Glue:
         raise GenerateModelError(f"{family}: the traced graph has no output of the token embedding {parts.embed}")
     h0 = _entry(graph, owner, first, embed_out, family)
     h_last = _exit(graph, owner, last, family)
+    for before, after in zip(parts.layers, parts.layers[1:]):  # the layers run back to back
+        out, into = _exit(graph, owner, before, family), _entry(graph, owner, after, embed_out, family)
+        if out is not into:
+            raise GenerateModelError(
+                f"{family}: between {before} and {after} the model's forward computes {into.name} ({into.target}) "
+                f"from {before}'s output {out.name}; the generator hands each layer's output to the next as it is"
+            )
     logits = _logits(graph, parts, family)
     norm_out = outputs.get(parts.norm)
     if norm_out is None:

@@ -101,7 +101,9 @@ def blocks(model: nn.Module) -> list[str]:
     """The qualified names of the model's transformer blocks, outermost only, in model order.
 
     A block is a module whose class ``transformers`` lists in ``model._no_split_modules`` (the
-    modules it never splits across devices itself: ``LlamaDecoderLayer``, ``T5Block``...).
+    modules it never splits across devices itself: ``LlamaDecoderLayer``, ``T5Block``...). A
+    model that lists none (BioGPT, CTRL) has as blocks the children of its one ``ModuleList`` of
+    ``config.num_hidden_layers`` modules of one class, where it has exactly one such list.
 
     Example:
         >>> from torch import nn
@@ -119,7 +121,23 @@ def blocks(model: nn.Module) -> list[str]:
     for name, module in model.named_modules():
         if name and type(module).__name__ in classes and not any(name.startswith(b + ".") for b in found):
             found.append(name)
+    if not found and not classes:
+        return _layer_list(model)
     return found
+
+
+def _layer_list(model: nn.Module) -> list[str]:
+    # The children of the one ModuleList holding config.num_hidden_layers modules of one class.
+    depth = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+    if not isinstance(depth, int) or depth < 1:
+        return []
+    lists = [(name, module) for name, module in model.named_modules()
+             if isinstance(module, nn.ModuleList) and len(module) == depth
+             and len({type(m) for m in module}) == 1]
+    if len(lists) != 1:
+        return []
+    name, module = lists[0]
+    return [f"{name}.{i}" if name else str(i) for i in range(len(module))]
 
 
 def block_depth(model: nn.Module) -> int | None:

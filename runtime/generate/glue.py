@@ -22,6 +22,7 @@ multipliers are in its graph, or the generator refuses it.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -84,7 +85,8 @@ class Piece:
             if part is not None:
                 source = self.inputs[part]
                 arg = values[source] if isinstance(source, str) else value(source)
-                out = parts.module(part)(arg)
+                module = parts.module(part)
+                out = _positions_call(module, arg) if source == POSITIONS else module(arg)
             elif node.op == "get_attr":
                 out = _attr(gm, str(node.target))
             else:
@@ -173,6 +175,18 @@ def derive_glue(plan: Plan, parts: DecoderParts) -> Glue:
     head = _piece(logits, {"hidden": norm_out}, owner, outputs, inputs, {parts.head}, family,
                   f"between {parts.norm} and the logits")
     return Glue(embed=embed, norm=norm, head=head, gm=gm)
+
+
+def _positions_call(module: nn.Module, position_ids: torch.Tensor) -> Any:
+    # A learned position embedding takes the position ids first (GPT-2's wpe, an nn.Embedding),
+    # or by name after the inputs it would make them from (BioGPT's and OPT's take the attention
+    # mask first): then by name, with those inputs left None.
+    params = list(inspect.signature(type(module).forward).parameters.values())[1:]
+    if not params or params[0].name == "position_ids" or all(p.name != "position_ids" for p in params):
+        return module(position_ids)
+    before = [None for p in params[:[p.name for p in params].index("position_ids")]
+              if p.default is inspect.Parameter.empty]
+    return module(*before, position_ids=position_ids)
 
 
 def _part_ends(graph: fx.Graph, owner: Mapping[fx.Node, str | None],

@@ -140,7 +140,7 @@ def decoder_parts(model: nn.Module) -> DecoderParts:
     base: nn.Module = hf.base_model
     base_name = names[id(base)]
     children = dict(base.named_children())
-    norm = next((n for n in _NORMS if n in children), None)
+    norm = next((n for n in _NORMS if n in children), None) or _norm_after(children, layers, base_name)
     if not layers or norm is None:
         raise GenerateModelError(
             f"{name}: found {len(layers)} decoder layers (model._no_split_modules = "
@@ -162,7 +162,9 @@ def decoder_parts(model: nn.Module) -> DecoderParts:
     container = layers[0].rpartition(".")[0]
     rotary = next((qualified(n) for n in _ROTARIES if n in children), None)
     taken = {embed, container, qualified(norm), rotary}
-    others = tuple(qualified(n) for n in children if qualified(n) not in taken)
+    # The embedding side: the other children, but none holding the layers (BERT's encoder).
+    others = tuple(qualified(n) for n in children if qualified(n) not in taken
+                   and not container.startswith(qualified(n) + "."))
     rotary_kinds = rotary is not None and "layer_type" in inspect.signature(
         type(model.get_submodule(rotary)).forward).parameters
     return DecoderParts(
@@ -170,6 +172,19 @@ def decoder_parts(model: nn.Module) -> DecoderParts:
         norm=qualified(norm), head=names[id(head_module)], cache_keyword=cache_keyword,
         layer_keywords=frozenset(signature), rotary_kinds=rotary_kinds,
     )
+
+
+def _norm_after(children: Mapping[str, nn.Module], layers: tuple[str, ...], base_name: str) -> str | None:
+    # A family whose final norm has its own name (BioGPT's layer_norm, CTRL's layernorm): the last
+    # child registered after the layers that is a norm.
+    if not layers:
+        return None
+    top = layers[0].removeprefix(base_name + ".").split(".")[0] if base_name else layers[0].split(".")[0]
+    order = list(children)
+    if top not in order:
+        return None
+    after = [n for n in order[order.index(top) + 1:] if "norm" in type(children[n]).__name__.lower()]
+    return after[-1] if after else None
 
 
 def _kinds(config: Any, n: int) -> tuple[str, ...]:

@@ -88,6 +88,11 @@ def test_blocks_are_the_no_split_modules_outermost() -> None:
     assert hf.blocks(bert)[0] == "bert.embeddings"
     assert hf.block_depth(bert) == 4
     assert hf.block_depth(nn.Sequential(nn.Linear(2, 2))) is None
+    # BioGPT lists no _no_split_modules: its blocks are its one list of num_hidden_layers layers.
+    with torch.device("meta"):
+        biogpt = transformers.BioGptForCausalLM(transformers.BioGptConfig(
+            vocab_size=32, hidden_size=16, num_hidden_layers=3, num_attention_heads=4, intermediate_size=32))
+    assert not biogpt._no_split_modules and hf.blocks(biogpt) == [f"biogpt.layers.{i}" for i in range(3)]
 
 
 def test_partition_keeps_blocks_whole_by_default_and_obeys_an_explicit_granularity(llama: nn.Module) -> None:

@@ -54,7 +54,7 @@ def stage_module(parts: DecoderParts, span: StageSpan) -> nn.Module:
     if span.norm:
         names.append(parts.norm)
     if span.head:
-        names.append(parts.head)
+        names += [*parts.post, parts.head]
     root = nn.Module()
     for name in names:
         *path, leaf = name.split(".")

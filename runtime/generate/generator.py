@@ -151,7 +151,10 @@ class Generator:
         self.plan = plan
         self.precision = resolve_precision(precision, plan.precision)
         parts = decoder_parts(plan.model)
-        self.parts: DecoderParts = replace(parts, glue=derive_glue(plan, parts))
+        glue = derive_glue(plan, parts)
+        # The base model's other children: on the embedding side, or between the norm and the head.
+        self.parts: DecoderParts = replace(parts, others=tuple(n for n in parts.others if n in glue.pre),
+                                           post=glue.post, glue=glue)
         self.spans: tuple[StageSpan, ...] = stage_spans(plan, self.parts)
         self.transport = _transport(transport)
         self.timeout = timeout

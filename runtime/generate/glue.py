@@ -110,12 +110,24 @@ class Glue:
         norm: the last layer's output -> the final norm's output (B, T, H).
         head: the final norm's output (its last position, B, 1, H) -> the logits (B, 1, V).
         gm: the traced graph module (for the constants the glue reads).
+        head_name: the LM head's module name.
     """
 
     embed: Piece
     norm: Piece
     head: Piece
     gm: fx.GraphModule
+    head_name: str = ""
+
+    @property
+    def post(self) -> tuple[str, ...]:
+        """The base model's other children the head piece calls (OPT's ``project_out``)."""
+        return tuple(name for name in self.head.modules if name != self.head_name)
+
+    @property
+    def pre(self) -> tuple[str, ...]:
+        """The embedding-side modules the embedding piece calls."""
+        return tuple(self.embed.modules)
 
     def ops(self) -> dict[str, list[str]]:
         """The replayed glue ops of each piece, for logs and errors."""
@@ -172,9 +184,11 @@ def derive_glue(plan: Plan, parts: DecoderParts) -> Glue:
     embed = _piece(h0, {}, owner, outputs, inputs, pre, family, "the embedding side")
     norm = _piece(norm_out, {"hidden": h_last}, owner, outputs, inputs, {parts.norm}, family,
                   f"between {last} and the logits")
-    head = _piece(logits, {"hidden": norm_out}, owner, outputs, inputs, {parts.head}, family,
+    # After the final norm the head may be preceded by another child of the base model (OPT's
+    # project_out): the head piece calls it, and the generator puts it on the head's stage.
+    head = _piece(logits, {"hidden": norm_out}, owner, outputs, inputs, {parts.head, *parts.others}, family,
                   f"between {parts.norm} and the logits")
-    return Glue(embed=embed, norm=norm, head=head, gm=gm)
+    return Glue(embed=embed, norm=norm, head=head, gm=gm, head_name=parts.head)
 
 
 def _positions_call(module: nn.Module, position_ids: torch.Tensor) -> Any:
@@ -241,9 +255,10 @@ def _shape(node: fx.Node) -> str:
 
 def _entry(graph: fx.Graph, owner: Mapping[fx.Node, str | None], layer: str, embed_out: fx.Node,
            family: str) -> fx.Node:
-    # The first layer's hidden-state input: the tensor from outside it, of the embeddings' shape,
-    # made from the embeddings (the mask and the rotary's cos/sin are of other shapes or sources).
-    want = _shape(embed_out)
+    # A layer's hidden-state input: the tensor from outside it, of the shape of its output, made
+    # from the embeddings (the mask and the rotary's cos/sin are of other shapes or sources; OPT
+    # projects its embeddings to the hidden size first).
+    want = _shape(_exit(graph, owner, layer, family))
     found = []
     for node in graph.nodes:
         if owner[node] != layer:
@@ -254,7 +269,7 @@ def _entry(graph: fx.Graph, owner: Mapping[fx.Node, str | None], layer: str, emb
     entry: fx.Node
     if len(found) != 1:
         raise GenerateModelError(
-            f"{family}: expected one hidden-state input of {layer} of shape {want} made from the token "
+            f"{family}: expected one hidden-state input of {layer} of its output's shape {want} made from the token "
             f"embedding, found {[n.name for n in found]}; the generator cannot tell which tensor a stage hands on"
         )
     entry = found[0]

@@ -70,6 +70,8 @@ class DecoderParts:
         cache_keyword: the name of the decoder layers' ``forward`` parameter taking the cache.
         layer_keywords: every parameter name of the decoder layers' ``forward``.
         rotary_kinds: whether the rotary's ``forward`` takes a ``layer_type`` (one rotary per kind).
+        post: the base model's children that run between the final norm and the head (OPT's
+            ``project_out``), found by the glue; they are on the head's stage.
         glue: the model's arithmetic between these parts (:func:`runtime.generate.glue.derive_glue`),
             set by the generator from its plan; ``None`` until then.
     """
@@ -85,6 +87,7 @@ class DecoderParts:
     cache_keyword: str
     layer_keywords: frozenset[str]
     rotary_kinds: bool = False
+    post: tuple[str, ...] = ()
     glue: Any = None  # a runtime.generate.glue.Glue (parts cannot import glue: glue reads the parts)
 
     @property
@@ -137,8 +140,10 @@ def decoder_parts(model: nn.Module) -> DecoderParts:
             "generator needs a ...ForCausalLM model, not its base model"
         )
     layers = tuple(blocks(model))
-    base: nn.Module = hf.base_model
-    base_name = names[id(base)]
+    # The module holding the layers' list is the base (OPT's model.decoder, not model).
+    holder = layers[0].rpartition(".")[0].rpartition(".")[0] if layers else ""
+    base: nn.Module = model.get_submodule(holder) if layers else hf.base_model
+    base_name = holder if layers else names[id(base)]
     children = dict(base.named_children())
     norm = next((n for n in _NORMS if n in children), None) or _norm_after(children, layers, base_name)
     if not layers or norm is None:

@@ -157,6 +157,13 @@ def _print(rows: list[dict[str, Any]]) -> None:
     print(json.dumps(summary(rows)))
 
 
+def _kept(row: dict[str, Any], path: str | None) -> dict[str, Any]:
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--families", default="", help="comma-separated model types (default: every entry)")
@@ -164,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--axes", default=",".join(AXES), help=f"comma-separated, of {', '.join(AXES)} (tp spawns 4 "
                     "gloo processes per family)")
     ap.add_argument("--merge", default=None, help="a JSON this script wrote: its rows' other axes are kept")
+    ap.add_argument("--rows", default=None, help="append each family's row to this JSON-lines file as it ends")
+    ap.add_argument("--from-rows", default=None, help="make the table from a --rows file instead of measuring")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--doc", default=None, help="write the Markdown table here (docs/families.md)")
     args = ap.parse_args(argv)
@@ -183,11 +192,15 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown axes {sorted(set(axes) - set(AXES))}; known: {', '.join(AXES)}")
     t0 = time.perf_counter()
     tasks = [(n, axes) for n in names]
-    if args.jobs > 1:
+    if args.from_rows:
+        got = {r["family"]: r for r in map(json.loads, Path(args.from_rows).read_text().splitlines())}
+        rows = [got[n] for n in names if n in got]
+    elif args.jobs > 1:
         with mp.get_context("spawn").Pool(args.jobs, maxtasksperchild=8) as pool:
-            rows = pool.map(measure, tasks, chunksize=1)
+            rows = [_kept(row, args.rows) for row in pool.imap_unordered(measure, tasks, chunksize=1)]
     else:
-        rows = [measure(t) for t in tasks]
+        rows = [_kept(measure(t), args.rows) for t in tasks]
+    rows.sort(key=lambda r: r["family"])
     if args.merge:
         before = {r["family"]: r for r in json.loads(Path(args.merge).read_text())["results"]}
         rows = [{**before.get(r["family"], {}), **r} for r in rows]

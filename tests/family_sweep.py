@@ -176,6 +176,11 @@ def check_tp(entry: Entry, spawner: Any = None) -> Result:
 
     if entry.config is None:
         return Result("n/a", entry.reason)
+    from runtime.parallel.tensor_fit import tp_problems
+
+    problems = tp_problems(entry.config, 2)
+    if problems:  # what pipecut train --tp refuses from config.json before anything is built
+        return Result("refused", f"TensorParallelError (from the config): {'; '.join(problems)}")
     try:
         results = (spawner or spawn)(tp_worker, 4, entry.model_type, timeout=300)
     except LaunchError as err:

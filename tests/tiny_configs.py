@@ -148,6 +148,17 @@ def tiny_config(model_type: str) -> Any:
             kwargs[key] = 1.5
         elif isinstance(value, list) and depth and len(value) == depth:
             kwargs[key] = _layer_list(value, LAYERS)
+    # Sizes tied to others: a partial rotary within the head (GPT-J's rotary_dim), an attention
+    # width that is the hidden size (RWKV's), expert groups that must divide the experts (DeepSeek's).
+    for key, value in (("rotary_dim", HEAD_DIM // 2), ("attention_hidden_size", HIDDEN), ("n_group", 1),
+                       ("topk_group", 1)):
+        if key in names and isinstance(getattr(base, key, None), int):
+            kwargs[key] = value
+    if "qk_rope_head_dim" in names:  # multi-head latent attention: its rope part is the head_dim the rotary uses
+        # (and its keys and values are made per query head from the latent: as many kv heads as heads)
+        kwargs.update(qk_rope_head_dim=HEAD_DIM, qk_nope_head_dim=HEAD_DIM, v_head_dim=HEAD_DIM, head_dim=HEAD_DIM)
+        if "num_key_value_heads" in names:
+            kwargs["num_key_value_heads"] = HEADS
     kwargs.update(_OVERRIDES.get(model_type, {}))
     cfg = cls(**kwargs)
     return zero_dropout(cfg)
@@ -162,8 +173,27 @@ def build_model(entry: Entry, seed: int = 0) -> Any:
     return getattr(transformers, entry.model)(entry.config).train()
 
 
-def sweep_entries(only: list[str] | None = None) -> list[Entry]:
-    """Every entry of transformers' causal-LM mapping (or those named in ``only``), classified."""
+def _runs(model: str, cfg: Any) -> str | None:
+    # Whether the plain model runs a forward and a short greedy generate on the tiny config;
+    # the failure, if not (a family whose sizes are tied in ways the standard names do not say).
+    import torch
+    import transformers
+
+    try:
+        torch.manual_seed(0)
+        built = getattr(transformers, model)(cfg).eval()
+        ids = torch.randint(3, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            built(input_ids=ids)
+    except Exception as err:  # the reason is the result
+        text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        return f"{type(err).__name__}: {text[:160]}"
+    return None
+
+
+def sweep_entries(only: list[str] | None = None, *, run: bool = True) -> list[Entry]:
+    """Every entry of transformers' causal-LM mapping (or those named in ``only``), classified; with
+    ``run``, an entry whose tiny model's plain forward fails is not swept either (the reason given)."""
     import torch
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -186,6 +216,10 @@ def sweep_entries(only: list[str] | None = None) -> list[Entry]:
         if n > MAX_PARAMS:
             big = sorted(((t.numel(), name) for name, t in built.named_parameters()), reverse=True)[:3]
             entries.append(Entry(model_type, model, reason=f"{n:,} parameters after shrinking (largest {big})"))
+            continue
+        failure = _runs(model, cfg) if run else None
+        if failure:
+            entries.append(Entry(model_type, model, reason=f"the tiny config does not run in transformers: {failure}"))
             continue
         entries.append(Entry(model_type, model, config=cfg))
     return entries

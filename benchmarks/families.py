@@ -34,6 +34,7 @@ import platform
 import sys
 import time
 from collections import Counter
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -196,8 +197,10 @@ def main(argv: list[str] | None = None) -> int:
         got = {r["family"]: r for r in map(json.loads, Path(args.from_rows).read_text().splitlines())}
         rows = [got[n] for n in names if n in got]
     elif args.jobs > 1:
-        with mp.get_context("spawn").Pool(args.jobs, maxtasksperchild=8) as pool:
-            rows = [_kept(row, args.rows) for row in pool.imap_unordered(measure, tasks, chunksize=1)]
+        # Not a multiprocessing.Pool: its workers are daemons, which cannot start the tp check's ranks.
+        with ProcessPoolExecutor(args.jobs, mp_context=mp.get_context("spawn"), max_tasks_per_child=8) as pool:
+            futures = [pool.submit(measure, t) for t in tasks]
+            rows = [_kept(f.result(), args.rows) for f in as_completed(futures)]
     else:
         rows = [_kept(measure(t), args.rows) for t in tasks]
     rows.sort(key=lambda r: r["family"])

@@ -149,6 +149,8 @@ def check_tp_fits(cfg: TrainConfig, config: Any) -> None:
     name = getattr(config, "model_type", "this model")
     if "no tensor-parallel plan" in problems[0]:
         raise TrainConfigError(f"--tp {tp}: {name} has no tensor-parallel plan: drop --tp, or use --pp/--dp")
+    if "would split nothing" in problems[0]:
+        raise TrainConfigError(f"--tp {tp}: {problems[0]}: drop --tp, or use --pp/--dp")
     fits = [t for t in range(1, 65) if not tp_problems(config, t)]
     raise TrainConfigError(f"--tp {tp} does not fit {name}'s config.json: {'; '.join(problems)}. Pick --tp from "
                            f"{', '.join(map(str, fits[:8]))}, or use --pp/--dp")

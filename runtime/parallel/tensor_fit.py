@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from runtime.parallel.tensor import DERIVED_PLANS
+from runtime.parallel.tensor import DERIVED_PLANS, WHOLE_STYLES
 
 __all__ = ["tp_problems"]
 
@@ -51,9 +51,15 @@ def tp_problems(config: Any, tp: int) -> list[str]:
     if tp <= 1:
         return []
     model_type = getattr(config, "model_type", "") or type(config).__name__
-    if not (getattr(config, "base_model_tp_plan", None) or DERIVED_PLANS.get(model_type)):
+    plan = getattr(config, "base_model_tp_plan", None) or DERIVED_PLANS.get(model_type)
+    if not plan:
         return [(f"{model_type} has no tensor-parallel plan (no base_model_tp_plan in its config, and pipecut "
                  "derives none)")]
+    experts = [p for p, s in plan.items() if s == "moe_tp_experts"]
+    split = [p for p, s in plan.items() if s not in WHOLE_STYLES and not any(p.startswith(e + ".") for e in experts)]
+    if not split:
+        return [(f"{model_type}'s tensor-parallel plan splits only weights pipecut keeps whole ({sorted(plan)}: "
+                 "MoE experts, embeddings, replicated weights), so tp would split nothing")]
     problems = []
     heads = _first(config, _HEADS)
     if heads is not None and heads[1] % tp:

@@ -32,6 +32,13 @@ __all__ = ["ELEMENTWISE", "TensorParallelError", "op_name", "propagate", "shape_
 ELEMENTWISE = {
     "add", "sub", "mul", "div", "neg", "silu", "gelu", "relu", "tanh", "sigmoid", "pow", "rsqrt", "exp",
     "to", "_to_copy", "clone", "contiguous", "alias", "dropout", "type_as", "where", "masked_fill",
+    # Comparisons and the other pointwise ops activations are made of (xIELU's gt/expm1/where,
+    # squared ReLU's square, clamps): each element of the output from the same elements of the inputs.
+    "gt", "ge", "lt", "le", "eq", "ne", "square", "abs", "sqrt", "log", "log1p", "expm1", "erf", "softplus",
+    "clamp", "clamp_min", "clamp_max", "minimum", "maximum", "sign", "reciprocal", "sin", "cos", "elu",
+    "leaky_relu", "hardtanh", "mish", "hardswish", "hardsigmoid", "relu6", "logical_and", "logical_or",
+    "logical_not", "bitwise_and", "bitwise_or", "bitwise_not", "__and__", "__or__", "lerp", "addcmul",
+    "addcdiv", "zeros_like", "ones_like", "full_like", "empty_like", "copy", "floor", "ceil", "round",
 }
 _VIEWS = {"view", "reshape", "_unsafe_view"}
 # Reductions over some dims (``aten.mean(x, [-1], True)``: a per-head norm over the head dim).

@@ -85,8 +85,10 @@ from runtime.execute.microbatch import MicrobatchError as MicrobatchError
 from runtime.execute.recompute import RecomputeOptionError as RecomputeOptionError
 from runtime.generate.errors import CutInsideBlockError as CutInsideBlockError
 from runtime.generate.errors import GenerateError as GenerateError
+from runtime.generate.errors import GenerateFamilyError as GenerateFamilyError
 from runtime.generate.errors import GenerateModelError as GenerateModelError
 from runtime.generate.errors import GenerateOptionError as GenerateOptionError
+from runtime.generate.errors import SelfCheckError as SelfCheckError
 from runtime.parallel.fsdp import FSDPOptionError as FSDPOptionError
 from runtime.parallel.tensor import TensorParallelError as TensorParallelError
 from runtime.parallel.tensor_stages import TensorParallelOptionError as TensorParallelOptionError

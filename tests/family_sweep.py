@@ -176,7 +176,7 @@ def check_tp(entry: Entry, spawner: Any = None) -> Result:
 
     if entry.config is None:
         return Result("n/a", entry.reason)
-    from runtime.parallel.tensor_fit import tp_problems
+    from runtime.parallel.tensor_stages import tp_problems
 
     problems = tp_problems(entry.config, 2)
     if problems:  # what pipecut train --tp refuses from config.json before anything is built

@@ -99,7 +99,7 @@ def tiny_config(model_type: str) -> Any:
             sub-configs, or one that fails to build with the tiny sizes.
 
     Example:
-        >>> cfg = tiny_config("llama")  # doctest: +SKIP
+        >>> cfg = tiny_config("llama")
         >>> cfg.hidden_size, cfg.num_hidden_layers, cfg.num_key_value_heads
         (32, 4, 2)
     """

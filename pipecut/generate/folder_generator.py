@@ -40,7 +40,7 @@ from partitioner.cost.devices import Cluster, default_device
 from partitioner.options import Capture, Costing, Cut, Inference
 from pipecut.folder import FolderError, HFFolder, max_positions
 from runtime.generate import GenerateOptionError, Generator, Sampling
-from runtime.generate.admit import generation_problems, layer_count
+from runtime.generate.parts import generation_problems, layer_count
 from runtime.precision import MixedPrecision
 from runtime.state.weights import Weights
 

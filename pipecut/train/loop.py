@@ -46,7 +46,7 @@ from pipecut.train.lr import lr_at
 from runtime.calibration import next_token_loss
 from runtime.errors import LossError
 from runtime.options import DataParallel, Execution, Init
-from runtime.parallel.tensor_fit import tp_problems
+from runtime.parallel.tensor_stages import tp_problems
 from runtime.state.weights import Weights
 from runtime.trainer import PipelineTrainer
 from runtime.transport.process_group import ensure_process_group, world_split

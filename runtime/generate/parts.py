@@ -42,7 +42,7 @@ from partitioner.tracing.hf import blocks, is_hf_model
 from runtime.generate.errors import GenerateModelError
 
 __all__ = ["DecoderParts", "decoder_parts", "new_cache", "layer_masks", "rotary_embeddings", "run_layer",
-           "FULL", "SLIDING"]
+           "generation_problems", "layer_count", "ATTENTION_KINDS", "FULL", "SLIDING"]
 
 log = logging.getLogger(__name__)
 
@@ -289,3 +289,56 @@ def _call(fn: Any, **available: Any) -> Any:
 def _version() -> str:
     transformers = sys.modules.get("transformers")
     return str(getattr(transformers, "__version__", "unknown"))
+
+
+# -- what a config rules out, before any model is built -------------------------------------------
+# The generator keeps each layer's keys and values in a transformers DynamicCache and makes the
+# masks of full and sliding attention. generation_problems says, as facts, what in a config rules
+# that out: layers of another kind (a state-space, linear-attention or convolution layer keeps a
+# state, not keys and values), no attention at all (Mamba, RWKV), or more stages than layers. The
+# command line turns the facts into flag words (pipecut generate); anything the config does not
+# show is caught when the generator is built (its self-check).
+
+ATTENTION_KINDS = frozenset({"full_attention", "sliding_attention"})
+_CONFIG_HEADS = ("num_attention_heads", "n_head", "num_heads")
+_CONFIG_LAYERS = ("num_hidden_layers", "n_layer", "num_layers")
+
+
+def _first(config: Any, names: tuple[str, ...]) -> int | None:
+    for name in names:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def layer_count(config: Any) -> int | None:
+    """The decoder layers ``config`` declares (``num_hidden_layers`` or a family's own name), if any."""
+    return _first(config, _CONFIG_LAYERS)
+
+
+def generation_problems(config: Any, p: int) -> list[str]:
+    """Why ``p`` stages cannot generate with the model of ``config``, as facts; empty when they can.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> cfg = SimpleNamespace(model_type="qwen3_next", num_attention_heads=4, num_hidden_layers=4,
+        ...                       layer_types=["linear_attention"] * 3 + ["full_attention"])
+        >>> generation_problems(cfg, 2)
+        ["qwen3_next's layers include 'linear_attention' layers, whose cache is a state, not keys and values"]
+        >>> generation_problems(SimpleNamespace(model_type="llama", num_attention_heads=4, num_hidden_layers=4), 8)
+        ['8 stages for 4 layers: each stage but the last holds at least one layer']
+    """
+    name = getattr(config, "model_type", "") or type(config).__name__
+    problems = []
+    kinds = sorted({k for k in (getattr(config, "layer_types", None) or ()) if k not in ATTENTION_KINDS})
+    if kinds:
+        problems.append(f"{name}'s layers include {', '.join(repr(k) for k in kinds)} layers, whose cache is a "
+                        "state, not keys and values")
+    elif not _first(config, _CONFIG_HEADS):
+        problems.append(f"{name} has no attention heads in its config (a state-space or recurrent model): its "
+                        "cache is a state, not keys and values")
+    layers = layer_count(config)
+    if layers is not None and p > layers:
+        problems.append(f"{p} stages for {layers} layers: each stage but the last holds at least one layer")
+    return problems

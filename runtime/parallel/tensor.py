@@ -40,13 +40,29 @@ import logging
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import fx, nn
 
-from runtime.parallel.tensor_rules import ELEMENTWISE, TensorParallelError, op_name, propagate, shape_of
+from runtime.parallel.tensor_collectives import (
+    TensorParallelGather,
+    TensorParallelHeads,
+    TensorParallelIn,
+    TensorParallelOut,
+    TensorParallelSplit,
+)
+from runtime.parallel.tensor_rules import (
+    ELEMENTWISE,
+    TensorParallelError,
+    _gradient_source,
+    _head_count,
+    _packed_parts,
+    op_name,
+    propagate,
+    shape_of,
+)
 
 __all__ = [
     "DERIVED_PLANS", "STYLES", "TensorParallelError", "TensorParallelLayout", "config_patterns", "parallelize_stage",
@@ -284,134 +300,6 @@ def _shard(whole: torch.Tensor, dim: int, k: int, mesh: Any, tp: int, rank: int)
     local = torch.cat([p.narrow(dim, rank * part, part) for p in whole.chunk(k, dim)], dim).clone()
     placement = Shard(dim) if k == 1 else _StridedShard(dim, split_factor=k)
     return DTensor.from_local(local, mesh, [placement], run_check=False, shape=whole.shape, stride=whole.stride())
-
-
-class _Enter(torch.autograd.Function):
-    """The input of column-parallel layers: identity forward, all-reduce of the gradient backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _Reduce(torch.autograd.Function):
-    """The output of a row-parallel layer: all-reduce forward, identity backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        out = x.contiguous().clone()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
-
-
-class _Gather(torch.autograd.Function):
-    """A column-parallel output made whole: all-gather along the last dim forward; backward, this
-    rank's columns of the gradient (every rank holds the whole gradient: the layers after run whole)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group, ctx.rank, ctx.n = group, dist.get_rank(group), x.shape[-1]
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, -1)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad.narrow(-1, ctx.rank * ctx.n, ctx.n).contiguous(), None
-
-
-class _Split(torch.autograd.Function):
-    """A whole input of a row-parallel layer cut to this rank's columns forward; backward, the
-    ranks' column gradients gathered: the whole input's gradient, on every rank."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        tp = dist.get_world_size(group)
-        n = x.shape[-1] // tp
-        ctx.group, ctx.tp = group, tp
-        return x.narrow(-1, dist.get_rank(group) * n, n).contiguous()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        parts = [torch.empty_like(grad) for _ in range(ctx.tp)]
-        dist.all_gather(parts, grad.contiguous(), group=ctx.group)
-        return torch.cat(parts, -1), None
-
-
-class _GroupCall(nn.Module):
-    """A module a rewritten stage graph calls to apply ``function`` over the tp ``group``."""
-
-    function: ClassVar[type[torch.autograd.Function]]
-
-    def __init__(self, group: Any) -> None:
-        super().__init__()
-        self.group = group
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.function.apply(x, self.group)  # type: ignore[no-any-return]
-
-
-class TensorParallelIn(_GroupCall):
-    """Called by a rewritten stage graph before its column-parallel layers (see :class:`_Enter`)."""
-
-    function = _Enter
-
-
-class TensorParallelOut(_GroupCall):
-    """Called by a rewritten stage graph after a row-parallel layer (see :class:`_Reduce`)."""
-
-    function = _Reduce
-
-
-class TensorParallelGather(_GroupCall):
-    """Called by a rewritten stage graph after a ``colwise_gather_output`` layer (see :class:`_Gather`)."""
-
-    function = _Gather
-
-
-class TensorParallelSplit(_GroupCall):
-    """Called by a rewritten stage graph before a ``rowwise_split_input`` layer (see :class:`_Split`)."""
-
-    function = _Split
-
-
-class _Heads(torch.autograd.Function):
-    """Whole keys or values to this rank's heads: a slice forward; backward, the slice's gradient
-    in place in a zero tensor of the whole shape, all-reduced (every rank's heads, whole again)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any, dim: int, n: int) -> torch.Tensor:
-        ctx.group, ctx.dim, ctx.start, ctx.shape = group, dim, dist.get_rank(group) * n, x.shape
-        return x.narrow(dim, ctx.start, n).contiguous()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        whole = grad.new_zeros(ctx.shape)
-        whole.narrow(ctx.dim, ctx.start, grad.shape[ctx.dim]).copy_(grad)
-        dist.all_reduce(whole, group=ctx.group)
-        return whole, None, None, None
-
-
-class TensorParallelHeads(nn.Module):
-    """Called by a rewritten stage graph on whole keys or values before attention (see :class:`_Heads`)."""
-
-    def __init__(self, group: Any, dim: int, n: int) -> None:
-        super().__init__()
-        self.group, self.dim, self.n = group, dim, n
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Heads.apply(x, self.group, self.dim, self.n)  # type: ignore[no-untyped-call,no-any-return]
 
 
 class _Rewriter:
@@ -655,76 +543,6 @@ def _layer(node: fx.Node) -> _Layer | None:
             return None  # not a Conv1D: its weight, if planned, is refused as not read by a layer
         return a[1], a[2], a[0], True
     return None
-
-
-def _head_count(node: fx.Node) -> int | None:
-    """The heads a layer's output is viewed as (``(..., n * hd) -> (..., n, hd)``, through views
-    only), or ``None``: no such view (an MLP's hidden units)."""
-    at = node
-    while len(at.users) == 1:
-        (nxt,) = at.users
-        if op_name(nxt) not in ("view", "reshape", "_unsafe_view"):
-            return None
-        src, out = shape_of(at), shape_of(nxt)
-        if len(out) == len(src) + 1 and out[:-2] == src[:-1] and out[-2] * out[-1] == src[-1]:
-            return out[-2]
-        at = nxt
-    return None
-
-
-def _packed_parts(node: fx.Node, wname: str) -> int:
-    """How many outputs a ``packed_colwise`` layer holds side by side: the parts of the ``split``
-    (or ``chunk``) of its output along its last dim, found through the views between."""
-    at = node
-    while len(at.users) == 1:
-        (nxt,) = at.users
-        op, a, kw = op_name(nxt), list[Any](nxt.args), dict[str, Any](nxt.kwargs)  # the op fixes the types
-        if op in ("view", "reshape", "_unsafe_view") and shape_of(nxt)[-1] == shape_of(at)[-1]:
-            at = nxt
-            continue
-        if op in ("split", "split_with_sizes", "chunk"):
-            dim = int(a[2] if len(a) > 2 else kw.get("dim", 0))
-            whole = shape_of(at)[-1]
-            if dim % len(shape_of(at)) == len(shape_of(at)) - 1:
-                size = a[1]
-                if op == "chunk":
-                    return int(size)
-                return whole // int(size) if op == "split" else len(size)
-        break
-    raise TensorParallelError(
-        f"{wname!r} is packed_colwise but its output ({node.name}) is not split into its parts along the last dim "
-        "(a split or chunk after it, through views only): mark it 'colwise' if it is one output, or leave it whole")
-
-
-def _gradient_source(gm: nn.Module, node: fx.Node) -> str | None:
-    """``'weight'`` when ``node`` is computed from a trainable parameter, ``'input'`` when from a
-    floating-point stage input (which may arrive with a gradient), else ``None``."""
-    seen: set[fx.Node] = set()
-    todo, found = [node], None
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op == "get_attr":
-            attr = _attr_or_none(gm, str(n.target))
-            if isinstance(attr, nn.Parameter) and attr.requires_grad:
-                return "weight"
-        elif n.op == "placeholder":
-            val = n.meta.get("val")
-            if isinstance(val, torch.Tensor) and val.is_floating_point():
-                found = "input"
-        todo.extend(n.all_input_nodes)
-    return found
-
-
-def _attr_or_none(gm: nn.Module, target: str) -> Any:
-    obj: Any = gm
-    for key in target.split("."):
-        obj = getattr(obj, key, None)
-        if obj is None:
-            return None
-    return obj
 
 
 def _free(gm: nn.Module, path: str) -> str:

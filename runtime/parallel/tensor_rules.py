@@ -13,6 +13,8 @@ rule, or one that would mix the ranks' parts (a slice across heads, a cat with a
 is refused with the node named. A packed layer's output is split into its ``k`` parts by a
 ``split`` along the sharded dim: that split (and only that one) is rewritten to the local part
 size, since each rank holds its slice of every part (``_StridedShard``), not a contiguous block.
+At the end, the graph readings the rewrite asks: a layer's head count, a packed layer's parts,
+and whether a whole tensor can carry a gradient.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from torch import fx
+from torch import fx, nn
 
 from partitioner.errors import PipecutError
 
@@ -278,3 +280,72 @@ def _local_sizes(node: fx.Node, sizes: list[Any], d: int, out: tuple[int, ...], 
         sizes[d] = out[d] // tp
     return sizes
 
+
+def _head_count(node: fx.Node) -> int | None:
+    """The heads a layer's output is viewed as (``(..., n * hd) -> (..., n, hd)``, through views
+    only), or ``None``: no such view (an MLP's hidden units)."""
+    at = node
+    while len(at.users) == 1:
+        (nxt,) = at.users
+        if op_name(nxt) not in ("view", "reshape", "_unsafe_view"):
+            return None
+        src, out = shape_of(at), shape_of(nxt)
+        if len(out) == len(src) + 1 and out[:-2] == src[:-1] and out[-2] * out[-1] == src[-1]:
+            return out[-2]
+        at = nxt
+    return None
+
+
+def _packed_parts(node: fx.Node, wname: str) -> int:
+    """How many outputs a ``packed_colwise`` layer holds side by side: the parts of the ``split``
+    (or ``chunk``) of its output along its last dim, found through the views between."""
+    at = node
+    while len(at.users) == 1:
+        (nxt,) = at.users
+        op, a, kw = op_name(nxt), list[Any](nxt.args), dict[str, Any](nxt.kwargs)  # the op fixes the types
+        if op in ("view", "reshape", "_unsafe_view") and shape_of(nxt)[-1] == shape_of(at)[-1]:
+            at = nxt
+            continue
+        if op in ("split", "split_with_sizes", "chunk"):
+            dim = int(a[2] if len(a) > 2 else kw.get("dim", 0))
+            whole = shape_of(at)[-1]
+            if dim % len(shape_of(at)) == len(shape_of(at)) - 1:
+                size = a[1]
+                if op == "chunk":
+                    return int(size)
+                return whole // int(size) if op == "split" else len(size)
+        break
+    raise TensorParallelError(
+        f"{wname!r} is packed_colwise but its output ({node.name}) is not split into its parts along the last dim "
+        "(a split or chunk after it, through views only): mark it 'colwise' if it is one output, or leave it whole")
+
+
+def _gradient_source(gm: nn.Module, node: fx.Node) -> str | None:
+    """``'weight'`` when ``node`` is computed from a trainable parameter, ``'input'`` when from a
+    floating-point stage input (which may arrive with a gradient), else ``None``."""
+    seen: set[fx.Node] = set()
+    todo, found = [node], None
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "get_attr":
+            attr = _attr_or_none(gm, str(n.target))
+            if isinstance(attr, nn.Parameter) and attr.requires_grad:
+                return "weight"
+        elif n.op == "placeholder":
+            val = n.meta.get("val")
+            if isinstance(val, torch.Tensor) and val.is_floating_point():
+                found = "input"
+        todo.extend(n.all_input_nodes)
+    return found
+
+
+def _attr_or_none(gm: nn.Module, target: str) -> Any:
+    obj: Any = gm
+    for key in target.split("."):
+        obj = getattr(obj, key, None)
+        if obj is None:
+            return None
+    return obj

@@ -38,7 +38,8 @@ import torch
 from torch import fx, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from runtime.parallel.tensor import TensorParallelIn, TensorParallelOut, _free
+from runtime.parallel.tensor import _free
+from runtime.parallel.tensor_collectives import TensorParallelIn, TensorParallelOut
 from runtime.parallel.tensor_rules import TensorParallelError, op_name
 
 __all__ = [

@@ -198,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = [got[n] for n in names if n in got]
     elif args.jobs > 1:
         # Not a multiprocessing.Pool: its workers are daemons, which cannot start the tp check's ranks.
-        with ProcessPoolExecutor(args.jobs, mp_context=mp.get_context("spawn"), max_tasks_per_child=8) as pool:
+        # (No max_tasks_per_child: Python 3.11's executor stops handing out tasks once a worker retires.)
+        with ProcessPoolExecutor(args.jobs, mp_context=mp.get_context("spawn")) as pool:
             futures = [pool.submit(measure, t) for t in tasks]
             rows = [_kept(f.result(), args.rows) for f in as_completed(futures)]
     else:

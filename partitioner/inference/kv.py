@@ -104,15 +104,15 @@ def kv_layers(config: Any) -> tuple[KVLayer, ...]:
     """
     if hasattr(config, "get_text_config"):
         config = config.get_text_config(decoder=True)
-    n = _first(config, ("num_hidden_layers", "n_layer", "num_layers"))
-    heads = _first(config, ("num_attention_heads", "n_head", "num_heads"))
+    n = config_int(config, ("num_hidden_layers", "n_layer", "num_layers"))
+    heads = config_int(config, ("num_attention_heads", "n_head", "num_heads"))
     if n is None or heads is None:
         raise PartitionOptionError(
             f"{type(config).__name__} does not say its decoder layers and attention heads (num_hidden_layers / "
             "n_layer, num_attention_heads / n_head): inference costing reads the key/value cache's shape from them"
         )
-    kv_heads = _first(config, ("num_key_value_heads", "num_kv_heads", "n_head_kv")) or heads
-    hidden = _first(config, ("hidden_size", "n_embd", "d_model"))
+    kv_heads = config_int(config, ("num_key_value_heads", "num_kv_heads", "n_head_kv")) or heads
+    hidden = config_int(config, ("hidden_size", "n_embd", "d_model"))
     head_dim = getattr(config, "head_dim", None) or (hidden // heads if hidden else None)
     if head_dim is None:
         raise PartitionOptionError(
@@ -145,7 +145,8 @@ def kv_layers(config: Any) -> tuple[KVLayer, ...]:
     return tuple(layers)
 
 
-def _first(config: Any, names: tuple[str, ...]) -> int | None:
+def config_int(config: Any, names: tuple[str, ...]) -> int | None:
+    """The first of ``names`` that ``config`` sets to an int (a family's own spelling of a size)."""
     for name in names:
         value = getattr(config, name, None)
         if isinstance(value, int) and not isinstance(value, bool):

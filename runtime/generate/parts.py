@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from partitioner.inference.kv import config_int
 from partitioner.tracing.hf import blocks, is_hf_model
 from runtime.generate.errors import GenerateModelError
 
@@ -304,17 +305,9 @@ _CONFIG_HEADS = ("num_attention_heads", "n_head", "num_heads")
 _CONFIG_LAYERS = ("num_hidden_layers", "n_layer", "num_layers")
 
 
-def _first(config: Any, names: tuple[str, ...]) -> int | None:
-    for name in names:
-        value = getattr(config, name, None)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    return None
-
-
 def layer_count(config: Any) -> int | None:
     """The decoder layers ``config`` declares (``num_hidden_layers`` or a family's own name), if any."""
-    return _first(config, _CONFIG_LAYERS)
+    return config_int(config, _CONFIG_LAYERS)
 
 
 def generation_problems(config: Any, p: int) -> list[str]:
@@ -335,7 +328,7 @@ def generation_problems(config: Any, p: int) -> list[str]:
     if kinds:
         problems.append(f"{name}'s layers include {', '.join(repr(k) for k in kinds)} layers, whose cache is a "
                         "state, not keys and values")
-    elif not _first(config, _CONFIG_HEADS):
+    elif not config_int(config, _CONFIG_HEADS):
         problems.append(f"{name} has no attention heads in its config (a state-space or recurrent model): its "
                         "cache is a state, not keys and values")
     layers = layer_count(config)

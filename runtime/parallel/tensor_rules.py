@@ -343,9 +343,7 @@ def _gradient_source(gm: nn.Module, node: fx.Node) -> str | None:
 
 
 def _attr_or_none(gm: nn.Module, target: str) -> Any:
-    obj: Any = gm
-    for key in target.split("."):
-        obj = getattr(obj, key, None)
-        if obj is None:
-            return None
-    return obj
+    try:
+        return operator.attrgetter(target)(gm)
+    except AttributeError:
+        return None

@@ -121,6 +121,9 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "",
         *(AXIS_TEXT[a] for a in axes),
         "",
+        *([(f"The rows were measured into {meta['rows']} by `python benchmarks/families.py --axes AXES --rows "
+            "FILE` (every entry for train and generate; the families named for tp) and joined by `--from-rows`."), ""]
+          if meta.get("rows") else []),
         ("`exact`: within the test suite's tolerance. `refused`: a typed pipecut error, raised before anything "
          "different is computed (the reason is given). `n/a`: `model.generate` itself cannot run the tiny model. "
          "`differs` would be a silently different answer, and `error` an untyped exception."),
@@ -229,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
             "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "git": git_state(), "seconds": round(time.perf_counter() - t0, 1),
             "summary": summary(rows)}
+    if args.from_rows:
+        meta["rows"] = ", ".join(f"`{p}`" for p in args.from_rows.split(","))
     if args.out:
         Path(args.out).write_text(json.dumps({"meta": meta, "results": rows}, indent=2) + "\n")
     if args.doc:

@@ -281,7 +281,7 @@ def _exit(graph: fx.Graph, owner: Mapping[fx.Node, str | None], layer: str, fami
                             and any(owner[u] != layer for u in n.users) and _is_tensor(n)]
     if len(found) != 1:
         raise GenerateModelError(
-            f"{family}: the last layer {layer} hands on {len(found)} tensors ({[n.name for n in found]}); the "
+            f"{family}: layer {layer} hands on {len(found)} tensors ({[n.name for n in found]}); the "
             "generator runs layers that return their hidden states only"
         )
     out: fx.Node = found[0]

@@ -136,6 +136,16 @@ def propagate(node: fx.Node, local: dict[fx.Node, int], packed: dict[fx.Node, in
         return d
     if op in _REDUCTIONS:
         return _reduction(node, d, len(shape_of(x)))
+    if op in ("softmax", "_softmax", "log_softmax", "_log_softmax"):  # eager attention's, over the keys
+        if int(a[1]) % len(out) == d:
+            raise _refuse(node, f"normalises over the split dim {d}")
+        return d
+    if op in ("matmul", "bmm"):  # eager attention's q @ k^T and p @ v: both split on one batch (head) dim
+        other = a[1]
+        dims = {local.get(t, -1) + len(out) - len(shape_of(t)) for t in (x, other) if isinstance(t, fx.Node)}
+        if len(dims) != 1 or any(t not in local for t in (x, other)) or next(iter(dims)) >= len(out) - 2:
+            raise _refuse(node, "multiplies it with a tensor not split on the same batch (head) dim")
+        return next(iter(dims))
     if op == "flatten":  # flatten(x, start, end): dims start..end become one
         rank = len(shape_of(x))
         start = int(a[1]) % rank if len(node.args) > 1 else 0

@@ -113,6 +113,8 @@ def propagate(node: fx.Node, local: dict[fx.Node, int], packed: dict[fx.Node, in
     if k is not None and op not in _VIEWS and op not in ELEMENTWISE:
         raise _refuse(node, f"reads the output of a packed layer ({k} parts side by side) before it is split "
                       "into its parts")
+    if op in ("min", "max") and len(node.args) > 1 and isinstance(a[1], fx.Node):
+        op = "minimum"  # min(x, other), max(x, other): pointwise, as minimum and maximum
     if op in ELEMENTWISE:
         d = _elementwise(node, local, out)
         if k is not None:

@@ -46,7 +46,7 @@ from pipecut.train.lr import lr_at
 from runtime.calibration import next_token_loss
 from runtime.errors import LossError
 from runtime.options import DataParallel, Execution, Init
-from runtime.parallel.tensor_stages import tp_problems
+from runtime.parallel.tensor_stages import plan_problem, size_problems
 from runtime.state.weights import Weights
 from runtime.trainer import PipelineTrainer
 from runtime.transport.process_group import ensure_process_group, world_split
@@ -143,15 +143,17 @@ def check_tp_fits(cfg: TrainConfig, config: Any) -> None:
             divide by ``--tp`` (the sizes named, with the ``--tp`` values that fit).
     """
     tp = cfg.tp or 1
-    problems = tp_problems(config, tp)
-    if not problems:
+    if tp == 1:
         return
     name = getattr(config, "model_type", "this model")
-    if "no tensor-parallel plan" in problems[0]:
-        raise TrainConfigError(f"--tp {tp}: {name} has no tensor-parallel plan: drop --tp, or use --pp/--dp")
-    if "would split nothing" in problems[0]:
-        raise TrainConfigError(f"--tp {tp}: {problems[0]}: drop --tp, or use --pp/--dp")
-    fits = [t for t in range(1, 65) if not tp_problems(config, t)]
+    unplanned = plan_problem(config)
+    if unplanned is not None:
+        said = f"{name} has no tensor-parallel plan" if "no tensor-parallel plan" in unplanned else unplanned
+        raise TrainConfigError(f"--tp {tp}: {said}: drop --tp, or use --pp/--dp")
+    problems = size_problems(config, tp)
+    if not problems:
+        return
+    fits = [t for t in range(1, 65) if not size_problems(config, t)]
     raise TrainConfigError(f"--tp {tp} does not fit {name}'s config.json: {'; '.join(problems)}. Pick --tp from "
                            f"{', '.join(map(str, fits[:8]))}, or use --pp/--dp")
 

@@ -162,15 +162,16 @@ def derive_glue(plan: Plan, parts: DecoderParts) -> Glue:
     for node in graph.nodes:
         owner[node] = None if node.op in ("placeholder", "output") else _owner(node_module_path(node), names)
     outputs, inputs = _part_ends(graph, owner, parts)
-    family = f"{type(parts.model).__name__} (model_type {parts.config.model_type!r})"
+    family = parts.family
     first, last = parts.layers[0], parts.layers[-1]
     embed_out = outputs.get(parts.embed)
     if embed_out is None:
         raise GenerateModelError(f"{family}: the traced graph has no output of the token embedding {parts.embed}")
-    h0 = _entry(graph, owner, first, embed_out, family)
-    h_last = _exit(graph, owner, last, family)
+    exits = {layer: _exit(graph, owner, layer, family) for layer in parts.layers}
+    h0 = _entry(graph, owner, first, exits[first], embed_out, family)
+    h_last = exits[last]
     for before, after in zip(parts.layers, parts.layers[1:]):  # the layers run back to back
-        out, into = _exit(graph, owner, before, family), _entry(graph, owner, after, embed_out, family)
+        out, into = exits[before], _entry(graph, owner, after, exits[after], embed_out, family)
         if out is not into:
             raise GenerateModelError(
                 f"{family}: between {before} and {after} the model's forward computes {into.name} ({into.target}) "
@@ -215,7 +216,6 @@ def _part_ends(graph: fx.Graph, owner: Mapping[fx.Node, str | None],
         if part is None or node.op == "get_attr":
             continue
         if any(owner[user] != part for user in node.users):
-            outputs.setdefault(part, node)
             outputs[part] = node  # the last such node in graph order
         for arg in node.all_input_nodes:
             if owner[arg] != part and arg.op != "get_attr" and _is_tensor(arg) and part not in inputs:
@@ -253,12 +253,12 @@ def _shape(node: fx.Node) -> str:
     return str(tuple(val.shape)) if isinstance(val, torch.Tensor) else ""
 
 
-def _entry(graph: fx.Graph, owner: Mapping[fx.Node, str | None], layer: str, embed_out: fx.Node,
-           family: str) -> fx.Node:
+def _entry(graph: fx.Graph, owner: Mapping[fx.Node, str | None], layer: str, layer_out: fx.Node,
+           embed_out: fx.Node, family: str) -> fx.Node:
     # A layer's hidden-state input: the tensor from outside it, of the shape of its output, made
     # from the embeddings (the mask and the rotary's cos/sin are of other shapes or sources; OPT
     # projects its embeddings to the hidden size first).
-    want = _shape(_exit(graph, owner, layer, family))
+    want = _shape(layer_out)
     found = []
     for node in graph.nodes:
         if owner[node] != layer:

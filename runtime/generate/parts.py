@@ -96,6 +96,11 @@ class DecoderParts:
         """The model's config."""
         return self.model.config
 
+    @property
+    def family(self) -> str:
+        """The model's class and ``model_type``, as errors name the family."""
+        return f"{type(self.model).__name__} (model_type {self.config.model_type!r})"
+
     def module(self, name: str) -> nn.Module:
         """The submodule ``name`` of the model."""
         return self.model.get_submodule(name)

@@ -61,9 +61,12 @@ def _eval(model: torch.nn.Module) -> Iterator[None]:
             m.train(mode)
 
 
-def _worst(a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor) -> tuple[float, float]:
-    diff = (a.float() - b.float()).abs()[rows]
-    return (diff.max().item() if diff.numel() else 0.0), b.float()[rows].abs().max().item() if diff.numel() else 0.0
+def _worst(a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor | None = None) -> tuple[float, float]:
+    # The largest difference and the largest reference value, over ``rows`` (a mask) or everything.
+    diff, ref = (a.float() - b.float()).abs(), b.float().abs()
+    if rows is not None:
+        diff, ref = diff[rows], ref[rows]
+    return (diff.max().item(), ref.max().item()) if diff.numel() else (0.0, 0.0)
 
 
 def self_check(parts: DecoderParts, spans: Sequence[StageSpan], device: torch.device) -> None:
@@ -117,7 +120,7 @@ def self_check(parts: DecoderParts, spans: Sequence[StageSpan], device: torch.de
             out = model(input_ids=ids, attention_mask=mask, use_cache=False)
             states = None
         want = out.logits[:, -1, :]
-    family = f"{type(model).__name__} (model_type {parts.config.model_type!r})"
+    family = parts.family
     stage_of = {name: span.index for span in spans for name in
                 ([parts.embed] if span.embed else []) + [parts.layers[i] for i in span.layers]}
     scale = max(want.abs().max().item(), 1.0)
@@ -131,7 +134,7 @@ def self_check(parts: DecoderParts, spans: Sequence[StageSpan], device: torch.de
             worst, size = _worst(mine, ref, real)
             if worst > RTOL * max(size, 1.0):
                 _fail(parts, family, part, stage_of.get(owner, 0), worst, size)
-    worst, size = _worst(got, want, torch.ones(got.shape[0], dtype=torch.bool, device=got.device))
+    worst, size = _worst(got, want)
     if worst > RTOL * scale:
         last = next(span.index for span in spans if span.head)
         _fail(parts, family, f"{parts.layers[-1]}, {parts.norm} or {parts.head} (the logits)", last, worst, size)

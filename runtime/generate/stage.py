@@ -121,7 +121,7 @@ class StageRunner:
         except GenerateModelError:
             raise
         except Exception as err:
-            family = f"{type(self.parts.model).__name__} (model_type {self.parts.config.model_type!r})"
+            family = self.parts.family
             rank = "" if self.rank is None else f" on pipeline rank {self.rank}"
             raise GenerateFamilyError(
                 f"{family}: {part} (stage {self.span.index}{rank}) raised {type(err).__name__}: {err}. The "

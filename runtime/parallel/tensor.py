@@ -65,7 +65,8 @@ from runtime.parallel.tensor_rules import (
 )
 
 __all__ = [
-    "DERIVED_PLANS", "STYLES", "TensorParallelError", "TensorParallelLayout", "config_patterns", "parallelize_stage",
+    "DERIVED_PLANS", "STYLES", "WHOLE_STYLES", "whole_entries",
+    "TensorParallelError", "TensorParallelLayout", "config_patterns", "parallelize_stage",
     "plan_for", "plan_from_config",
 ]
 
@@ -136,10 +137,7 @@ def plan_for(patterns: Mapping[str, str], names: Iterable[str]) -> dict[str, str
             it matches. Styles of :data:`WHOLE_STYLES` (and every entry under a ``moe_tp_experts``
             one) shard nothing: their weights stay whole.
     """
-    whole = {p for p, s in patterns.items() if s in WHOLE_STYLES}
-    # A MoE block's experts stay whole, with every entry under them (their fused gate_up/down).
-    experts = [p for p, s in patterns.items() if s == "moe_tp_experts"]
-    whole |= {p for p in patterns if any(p.startswith(e + ".") for e in experts)}
+    whole = whole_entries(patterns)
     if whole:
         log.debug("tp plan entries kept whole: %s", {p: patterns[p] for p in sorted(whole)})
     compiled = [(re.compile(r"(?:^|.*\.)" + re.escape(p).replace(r"\*", r"[^.]+") + r"$"), p, s)
@@ -156,6 +154,19 @@ def plan_for(patterns: Mapping[str, str], names: Iterable[str]) -> dict[str, str
             out[name] = style
             break
     return out
+
+
+def whole_entries(patterns: Mapping[str, str]) -> set[str]:
+    """The entries of a tp plan that shard nothing: those of :data:`WHOLE_STYLES`, and every entry
+    under a ``moe_tp_experts`` one (a MoE block's fused ``gate_up``/``down`` stay whole with it).
+
+    Example:
+        >>> sorted(whole_entries({"layers.*.mlp.experts": "moe_tp_experts", "layers.*.mlp.experts.down_proj":
+        ...                       "rowwise", "layers.*.self_attn.o_proj": "rowwise"}))
+        ['layers.*.mlp.experts', 'layers.*.mlp.experts.down_proj']
+    """
+    experts = [p for p, s in patterns.items() if s == "moe_tp_experts"]
+    return {p for p, s in patterns.items() if s in WHOLE_STYLES or any(p.startswith(e + ".") for e in experts)}
 
 
 def _unknown_style(pattern: str, style: str, matched: Sequence[str]) -> TensorParallelError:

@@ -28,16 +28,17 @@ from torch import fx, nn
 
 from runtime.parallel.tensor import (
     DERIVED_PLANS,
-    WHOLE_STYLES,
     TensorParallelError,
     TensorParallelLayout,
     config_patterns,
     parallelize_stage,
     plan_for,
+    whole_entries,
 )
 from runtime.parallel.vocab import parallelize_vocab, vocab_names
 
-__all__ = ["TensorParallelOptionError", "split_stages", "refuse_unsupported", "tp_problems"]
+__all__ = ["TensorParallelOptionError", "split_stages", "refuse_unsupported", "tp_problems", "plan_problem",
+           "size_problems"]
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +105,7 @@ def split_stages(
         owner = type(config).__name__ if config is not None else f"{type(model).__name__} (no Hugging Face config)"
         patterns = config_patterns(config, owner)
     tp = tp_mesh.size()
-    problems = [p for p in tp_problems(config, tp) if "no tensor-parallel plan" not in p] if config is not None else []
+    problems = size_problems(config, tp) if config is not None else []  # the plan is resolved above
     if problems:
         raise TensorParallelError(f"TensorParallel(size={tp}) does not fit {type(config).__name__}: "
                                   f"{'; '.join(problems)}: pick a size that divides them")
@@ -214,34 +215,41 @@ def _first(config: Any, names: tuple[str, ...]) -> tuple[str, int] | None:
     return None
 
 
-def tp_problems(config: Any, tp: int) -> list[str]:
-    """Why ``tp`` ranks cannot split the model of ``config``, as facts; empty when they can.
+def plan_problem(config: Any) -> str | None:
+    """Why the config's tp plan cannot split the model, as a fact: it has none (and pipecut derives
+    none for its ``model_type``), or every entry is one pipecut keeps whole; ``None`` when it can.
 
     Example:
         >>> from types import SimpleNamespace
-        >>> cfg = SimpleNamespace(model_type="llama", base_model_tp_plan={"layers.*.mlp.up_proj": "colwise"},
-        ...                       num_attention_heads=12, num_key_value_heads=4, intermediate_size=64)
-        >>> tp_problems(cfg, 4)
-        []
-        >>> tp_problems(cfg, 8)  # 4 kv heads for 8 ranks: kept whole, each rank takes its queries' heads
-        ['num_attention_heads = 12 does not divide by 8']
-        >>> tp_problems(cfg, 3)
-        ['num_key_value_heads = 4 neither divides by 3 nor divides it', 'intermediate_size = 64 does not divide by 3']
-        >>> tp_problems(SimpleNamespace(model_type="opt"), 2)
-        ['opt has no tensor-parallel plan (no base_model_tp_plan in its config, and pipecut derives none)']
+        >>> plan_problem(SimpleNamespace(model_type="opt"))
+        'opt has no tensor-parallel plan (no base_model_tp_plan in its config, and pipecut derives none)'
+        >>> plan_problem(SimpleNamespace(model_type="gpt2")) is None  # pipecut's own plan
+        True
     """
-    if tp <= 1:
-        return []
     model_type = getattr(config, "model_type", "") or type(config).__name__
     plan = getattr(config, "base_model_tp_plan", None) or DERIVED_PLANS.get(model_type)
     if not plan:
-        return [(f"{model_type} has no tensor-parallel plan (no base_model_tp_plan in its config, and pipecut "
-                 "derives none)")]
-    experts = [p for p, s in plan.items() if s == "moe_tp_experts"]
-    split = [p for p, s in plan.items() if s not in WHOLE_STYLES and not any(p.startswith(e + ".") for e in experts)]
-    if not split:
-        return [(f"{model_type}'s tensor-parallel plan splits only weights pipecut keeps whole ({sorted(plan)}: "
-                 "MoE experts, embeddings, replicated weights), so tp would split nothing")]
+        return (f"{model_type} has no tensor-parallel plan (no base_model_tp_plan in its config, and pipecut "
+                "derives none)")
+    if not set(plan) - whole_entries(plan):
+        return (f"{model_type}'s tensor-parallel plan splits only weights pipecut keeps whole ({sorted(plan)}: "
+                "MoE experts, embeddings, replicated weights), so tp would split nothing")
+    return None
+
+
+def size_problems(config: Any, tp: int) -> list[str]:
+    """Which sizes of ``config`` that column/row pairs split do not divide by ``tp``, as facts: the
+    heads, the kv heads (fewer than ``tp`` is fine when ``tp`` is a multiple of them), the MLP's
+    hidden units; empty when all do.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> cfg = SimpleNamespace(num_attention_heads=12, num_key_value_heads=4, intermediate_size=64)
+        >>> size_problems(cfg, 4), size_problems(cfg, 8)  # 4 kv heads for 8 ranks: each takes its queries'
+        ([], ['num_attention_heads = 12 does not divide by 8'])
+        >>> size_problems(cfg, 3)
+        ['num_key_value_heads = 4 neither divides by 3 nor divides it', 'intermediate_size = 64 does not divide by 3']
+    """
     problems = []
     heads = _first(config, _HEADS)
     if heads is not None and heads[1] % tp:
@@ -253,3 +261,22 @@ def tp_problems(config: Any, tp: int) -> list[str]:
     if units is not None and units[1] % tp:
         problems.append(f"{units[0]} = {units[1]} does not divide by {tp}")
     return problems
+
+
+def tp_problems(config: Any, tp: int) -> list[str]:
+    """Why ``tp`` ranks cannot split the model of ``config`` with its own tp plan, as facts
+    (:func:`plan_problem`, then :func:`size_problems`); empty when they can, and for ``tp`` 1.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> cfg = SimpleNamespace(model_type="llama", base_model_tp_plan={"layers.*.mlp.up_proj": "colwise"},
+        ...                       num_attention_heads=12, num_key_value_heads=4, intermediate_size=64)
+        >>> tp_problems(cfg, 4), tp_problems(cfg, 8)
+        ([], ['num_attention_heads = 12 does not divide by 8'])
+        >>> tp_problems(SimpleNamespace(model_type="opt"), 2)
+        ['opt has no tensor-parallel plan (no base_model_tp_plan in its config, and pipecut derives none)']
+    """
+    if tp <= 1:
+        return []
+    problem = plan_problem(config)
+    return [problem] if problem is not None else size_problems(config, tp)

@@ -184,7 +184,8 @@ def check_tp(entry: Entry, spawner: Any = None) -> Result:
     try:
         results = (spawner or spawn)(tp_worker, 4, entry.model_type, timeout=300)
     except LaunchError as err:
-        return Result("error", f"LaunchError: {str(err).strip().splitlines()[0][:250]}")
+        lines = str(err).strip().splitlines()  # the first line names the rank, the last its exception
+        return Result("error", f"LaunchError: {lines[0][:200]} {lines[-1][:300] if len(lines) > 1 else ''}")
     statuses = {r["status"] for r in results}
     worst = next((r for s in ("differs", "error", "refused") for r in results if r["status"] == s), results[0])
     if len(statuses) > 1 and worst["status"] == "refused":

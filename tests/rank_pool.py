@@ -9,9 +9,10 @@ own distributed tests amortise it the same way (``MultiProcessTestCase``, ``DTen
 rank's result back in rank order, a rank's failure raised as :class:`LaunchError` with its traceback
 -- but the processes outlive the call. Each case gets a process group of its own (a fresh
 rendezvous file), and each rank puts back what a case may have changed in the process: environment,
-working directory, signal handlers, the root logger, grad mode, default dtype, thread count, and
-fresh RNG seeds; then it collects the case's garbage and freezes what is left (``gc.freeze``), so
-that a case's collections do not walk the modules and programs every case keeps. A case in which
+working directory, signal handlers, the root logger, grad mode, default dtype, thread count,
+pipecut's own functions (a case that patched one to make a rank fail), and fresh RNG seeds; then
+it collects the case's garbage and freezes what is left (``gc.freeze``), so that a case's
+collections do not walk the modules and programs every case keeps. A case in which
 a rank dies or does not finish in time takes the pool down with it (a rank may be stuck in a
 collective), and the next case starts a fresh one, so no case inherits a broken peer; a case in
 which every rank returned or raised leaves the pool as it was.
@@ -186,6 +187,7 @@ def _serve(inbox: Any, outbox: Any, parent: int, warm: tuple[str, ...], environ:
     import torch.distributed as dist
 
     cwd = os.getcwd()
+    own = _own_functions()
     handlers = {s: signal.getsignal(s) for s in _SIGNALS}
     root = logging.getLogger()
     root_state = (list(root.handlers), root.level)
@@ -228,6 +230,7 @@ def _serve(inbox: Any, outbox: Any, parent: int, warm: tuple[str, ...], environ:
             root.handlers[:], root.level = root_state[0], root_state[1]
             torch.set_grad_enabled(True)
             torch.set_default_dtype(torch.float32)
+            _put_back(own)
             _forget_distributed_caches()
             # What is alive now outlives the case (modules, memoised programs): frozen after a
             # full collection, so that the next case's collections walk only what that case made
@@ -240,6 +243,30 @@ def _serve(inbox: Any, outbox: Any, parent: int, warm: tuple[str, ...], environ:
             outbox.put(reply)
         except Exception:
             outbox.put((case, rank, False, traceback.format_exc()))
+
+
+_OWN_PACKAGES = ("runtime", "partitioner", "pipecut")
+
+
+def _own_functions() -> dict[tuple[str, str], Any]:
+    """The functions and classes of pipecut's packages imported so far, by module and name."""
+    found = {}
+    for name, module in list(sys.modules.items()):
+        if module is None or name.split(".")[0] not in _OWN_PACKAGES:
+            continue
+        for attr, value in list(vars(module).items()):
+            if callable(value):
+                found[(name, attr)] = value
+    return found
+
+
+def _put_back(own: dict[tuple[str, str], Any]) -> None:
+    """Undo a case's patch of a pipecut function it forgot to put back (a test that makes a rank
+    fail by replacing one): the next case would run the patch, on this rank only."""
+    for (name, attr), value in own.items():
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, attr, value) is not value:
+            setattr(module, attr, value)
 
 
 def _ranks_and_world(rank: int, world: int) -> tuple[int, int]:

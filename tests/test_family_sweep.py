@@ -5,8 +5,10 @@ config's own names; ``tests/family_sweep.py`` checks a family's training (2 stag
 gradient) and generation (greedy tokens and logits against ``model.generate``). The default
 profile runs a sample whose mechanisms no other default test runs:
 Granite's embedding, residual and attention multipliers with its logit division, Cohere's logit
-scale, Qwen3's per-head q/k norms (soft-caps, sliding windows, packed qkv, MoE and tied heads are
-in ``tests/runtime/generate/test_generator.py`` and ``tests/test_families.py``), and 2 pp x 2 tp
+scale, Qwen3's per-head q/k norms, positions a forward makes itself, an embedding block's norm and
+a layer argument that is None (soft-caps, sliding windows, packed qkv, MoE and tied heads are in
+``tests/runtime/generate/test_generator.py`` and ``tests/test_families.py``; layers keeping a
+state in ``tests/runtime/generate/test_state_layers.py``), and 2 pp x 2 tp
 of the plans no other test runs (:data:`TP_SAMPLE`). The long profile sweeps every family on every
 axis; ``python benchmarks/families.py`` writes the table (``docs/families.md``).
 """
@@ -22,7 +24,9 @@ from tiny_configs import HIDDEN, LAYERS, _layer_list, sweep_entries, tiny_config
 
 transformers = pytest.importorskip("transformers")
 
-SAMPLE = ("granite", "cohere", "qwen3")
+# CTRL's sinusoid positions (made in its forward from an arange), ModernBERT-decoder's embedding
+# block (its norm is glue), Falcon's layers (an ALiBi argument, None without ALiBi).
+SAMPLE = ("granite", "cohere", "qwen3", "ctrl", "modernbert-decoder", "falcon")
 # 2 pp x 2 tp by default: Qwen3's per-head norms (whole weights read by split heads: their gradients
 # all-reduced), Phi-3's colwise_gather_output / rowwise_split_input, Cohere's interleaved rotary
 # (stack and flatten on split heads); Llama, GPT-2 and Mixtral run in tests/runtime/parallel.

@@ -33,15 +33,20 @@ def _leave_a_mess(rank: int, world: int) -> None:
     torch.set_grad_enabled(False)
     torch.set_default_dtype(torch.float64)
     torch.set_num_threads(2)
+    import runtime.transport.launch
+
+    runtime.transport.launch.start_context = lambda: None  # a patch of pipecut's, not put back
 
 
 def _what_a_case_finds(rank: int, world: int) -> dict[str, Any]:
+    import runtime.transport.launch
+
     root = logging.getLogger()
     return {"env": os.environ.get("PIPECUT_POOL_MESS"), "cwd": os.getcwd(),
             "sigterm": signal.getsignal(signal.SIGTERM) == signal.SIG_IGN,
             "handlers": len(root.handlers), "level": root.level, "grad": torch.is_grad_enabled(),
             "dtype": str(torch.get_default_dtype()), "threads": torch.get_num_threads(),
-            "pid": os.getpid()}
+            "patched": runtime.transport.launch.start_context.__name__, "pid": os.getpid()}
 
 
 @pytest.mark.multiprocess
@@ -68,6 +73,7 @@ def test_one_pool_runs_many_cases_each_in_a_group_of_its_own() -> None:
     assert after == first  # the mess is cleared
     assert first[0]["env"] is None and not first[0]["sigterm"] and first[0]["grad"]
     assert first[0]["dtype"] == "torch.float32" and first[0]["threads"] == 1
+    assert first[0]["patched"] == "start_context"
     assert {r["pid"] for r in fresh}.isdisjoint(r["pid"] for r in two) and pool.starts == 2  # a dead rank: new ones
     assert [r["pid"] for r in again] == [r["pid"] for r in two]  # every rank reported
 

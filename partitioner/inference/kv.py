@@ -21,7 +21,7 @@ from typing import Any
 
 from partitioner.errors import PartitionOptionError
 
-__all__ = ["KVLayer", "kv_layers", "kv_cache_bytes", "FULL", "SLIDING", "NONE"]
+__all__ = ["KVLayer", "kv_layers", "kv_cache_bytes", "pricing_problems", "FULL", "SLIDING", "NONE"]
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
@@ -143,6 +143,23 @@ def kv_layers(config: Any) -> tuple[KVLayer, ...]:
                 f"{', '.join(map(repr, _EMPTY_KINDS))})"
             )
     return tuple(layers)
+
+
+def pricing_problems(config: Any) -> list[str]:
+    """Why inference costing cannot price ``config``'s caches, as facts (empty when it can): what
+    :func:`kv_layers` would raise, for a caller that checks a config before building anything.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> pricing_problems(SimpleNamespace(num_hidden_layers=2, num_attention_heads=4, hidden_size=32,
+        ...                                  layer_types=["linear_attention", "full_attention"]))[0][:49]
+        "layer 0 of SimpleNamespace is 'linear_attention':"
+    """
+    try:
+        kv_layers(config)
+    except PartitionOptionError as err:
+        return [str(err)]
+    return []
 
 
 def config_int(config: Any, names: tuple[str, ...]) -> int | None:

@@ -37,6 +37,7 @@ import torch
 
 from partitioner.api import partition
 from partitioner.cost.devices import Cluster, default_device
+from partitioner.inference.kv import pricing_problems
 from partitioner.options import Capture, Costing, Cut, Inference
 from pipecut.folder import FolderError, HFFolder, max_positions
 from runtime.generate import GenerateOptionError, Generator, Sampling
@@ -141,12 +142,19 @@ def build_generator(
     stages = _stage_count(pp, dp, transport)
     problems = generation_problems(opened.config, stages)
     layers = layer_count(opened.config)
+    name = getattr(opened.config, "model_type", "this model")
     if problems:
-        name = getattr(opened.config, "model_type", "this model")
         if layers is not None and stages > layers and len(problems) == 1:
             raise GenerateOptionError(f"--pp {stages}: {problems[0]}: pick --pp of at most {layers}")
         raise GenerateOptionError(f"pipecut generate cannot run {name}: {'; '.join(problems)}; generate it with "
                                   "transformers' model.generate")
+    unpriced = pricing_problems(opened.config)
+    if unpriced:  # the generator runs these layers; the plan cannot size their caches yet
+        raise GenerateOptionError(
+            f"pipecut generate cannot plan {name}'s stages: {'; '.join(unpriced)}. The generator runs this "
+            "family exactly from Python (runtime.generate.Generator on a plan from partitioner.partition), or "
+            "generate it with transformers' model.generate"
+        )
     limit = opened.max_positions
     length = seq_len or min(_DEFAULT_LENGTH, limit or _DEFAULT_LENGTH)
     policy = MixedPrecision(precision)  # refused before the model is planned

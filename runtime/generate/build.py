@@ -51,7 +51,7 @@ def stage_module(parts: DecoderParts, span: StageSpan) -> nn.Module:
         names += [parts.layers[i] for i in span.layers]
         if parts.rotary is not None:
             names.append(parts.rotary)
-    if span.norm:
+    if span.norm and parts.norm:
         names.append(parts.norm)
     if span.head:
         names += [*parts.post, parts.head]

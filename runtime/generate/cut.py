@@ -55,7 +55,7 @@ def stage_spans(plan: Plan, parts: DecoderParts) -> tuple[StageSpan, ...]:
     """
     stage_of = plan.stage_of()
     found: dict[str, set[int]] = {}
-    names = [*parts.pre, *parts.layers, parts.norm, parts.head]
+    names = [*parts.pre, *parts.layers, *([parts.norm] if parts.norm else []), parts.head]
     for node in plan.traced.gm.graph.nodes:
         s = stage_of.get(node.name)
         if s is None:
@@ -86,7 +86,8 @@ def spans_from_parts(parts: DecoderParts, found: Mapping[str, set[int]], p: int)
     order: list[tuple[str, int | None]] = [
         ("the embedding", min(pre) if pre else None),
         *((n, _only(found.get(n))) for n in parts.layers),
-        (parts.norm, _only(found.get(parts.norm))),
+        # A family without a final norm: the head's stage takes the last layer's output as it is.
+        (parts.norm or "the final norm", _only(found.get(parts.norm or parts.head))),
         (parts.head, _only(found.get(parts.head))),
     ]
     missing = [n for n, s in order if s is None]

@@ -60,6 +60,9 @@ class Piece:
         sizes: the size reads of the token ids' batch and sequence dims (dim by node): at a call
             they are the sizes of what the piece is given (the token ids, or the hidden states,
             whose first two dims are the same batch and positions).
+        positions: the node holding the position ids the model's forward made itself from an
+            ``arange`` over the sequence (CTRL indexes its sinusoid table with them): at a call
+            it is the step's position ids (B, T), as the model's forward takes them when given.
         ops: the glue ops this piece replays (no part owns them), in graph order: what the
             model's forward does between its parts, e.g. ``['mul(embedding, 3.0)']``.
     """
@@ -70,12 +73,15 @@ class Piece:
     inputs: dict[str, fx.Node | str] = field(default_factory=dict)
     ops: list[str] = field(default_factory=list)
     sizes: dict[fx.Node, int] = field(default_factory=dict)
+    positions: fx.Node | None = None
 
     def __call__(self, parts: DecoderParts, gm: fx.GraphModule, values: Mapping[str, Any]) -> torch.Tensor:
         """The target's value, with ``values`` for the bound nodes (and ``'tokens'``, ``'positions'``)."""
         known: dict[fx.Node, Any] = {node: values[name] for name, node in self.bound.items()}
         ref = values["tokens"] if "tokens" in values else values["hidden"]
         known.update((node, ref.shape[dim]) for node, dim in self.sizes.items())
+        if self.positions is not None:
+            known[self.positions] = values[POSITIONS]
         by_output = {node: name for name, node in self.modules.items()}
 
         def value(node: fx.Node) -> Any:
@@ -155,7 +161,7 @@ def derive_glue(plan: Plan, parts: DecoderParts) -> Glue:
     """
     gm = plan.traced.gm
     graph = gm.graph
-    names = [*parts.pre, *parts.layers, parts.norm, parts.head]
+    names = [*parts.pre, *parts.layers, *([parts.norm] if parts.norm else []), parts.head]
     if parts.rotary is not None:
         names.append(parts.rotary)
     owner: dict[fx.Node, str | None] = {}
@@ -178,17 +184,19 @@ def derive_glue(plan: Plan, parts: DecoderParts) -> Glue:
                 f"from {before}'s output {out.name}; the generator hands each layer's output to the next as it is"
             )
     logits = _logits(graph, parts, family)
-    norm_out = outputs.get(parts.norm)
+    # Without a final norm (GPT-1, TrOCR) the norm piece hands the last layer's output on as it is,
+    # and whatever the forward does before the head is the head piece's glue.
+    norm_out = outputs.get(parts.norm) if parts.norm else h_last
     if norm_out is None:
         raise GenerateModelError(f"{family}: the traced graph has no output of the final norm {parts.norm}")
     pre = set(parts.pre)
-    embed = _piece(h0, {}, owner, outputs, inputs, pre, family, "the embedding side")
-    norm = _piece(norm_out, {"hidden": h_last}, owner, outputs, inputs, {parts.norm}, family,
-                  f"between {last} and the logits")
+    embed = _piece(h0, {}, owner, outputs, inputs, pre, family, "the embedding side", made_positions=True)
+    norm = _piece(norm_out, {"hidden": h_last}, owner, outputs, inputs, {parts.norm} if parts.norm else set(),
+                  family, f"between {last} and the logits")
     # After the final norm the head may be preceded by another child of the base model (OPT's
     # project_out): the head piece calls it, and the generator puts it on the head's stage.
     head = _piece(logits, {"hidden": norm_out}, owner, outputs, inputs, {parts.head, *parts.others}, family,
-                  f"between {parts.norm} and the logits")
+                  f"between {parts.norm or last} and the logits")
     return Glue(embed=embed, norm=norm, head=head, gm=gm, head_name=parts.head)
 
 
@@ -305,7 +313,7 @@ def _logits(graph: fx.Graph, parts: DecoderParts, family: str) -> fx.Node:
 
 def _piece(target: fx.Node, bound: dict[str, fx.Node], owner: Mapping[fx.Node, str | None],
            outputs: Mapping[str, fx.Node], inputs: Mapping[str, fx.Node | str], callable_parts: set[str],
-           family: str, where: str) -> Piece:
+           family: str, where: str, made_positions: bool = False) -> Piece:
     # Walk back from the target: stop at bound nodes; a callable part's output is that part
     # (walk on from its input); glue is replayed; a constant subgraph is replayed too.
     piece = Piece(target=target, bound=bound)
@@ -349,12 +357,34 @@ def _piece(target: fx.Node, bound: dict[str, fx.Node], owner: Mapping[fx.Node, s
         order.append(node)
 
     visit(target)
+    if made_positions:  # the embedding side: the positions it is given stand for those the forward made
+        piece.positions = _made_positions(order)
     for node in order:  # graph order: inputs first
         if node.op == "call_function" and _on_path(node, stops, piece.modules.values()) and not _whole(node):
             args = ", ".join(_name(a) for a in node.args)
             piece.ops.append(f"{getattr(node.target, '__name__', node.target)}({args})".replace(".default", "")
                              .replace(".Tensor", "").replace(".Scalar", ""))
     return piece
+
+
+_ARANGES = (torch.ops.aten.arange.default, torch.ops.aten.arange.start, torch.ops.aten.arange.start_step)
+_VIEWS = (torch.ops.aten.unsqueeze.default, torch.ops.aten.view.default, torch.ops.aten.expand.default,
+          torch.ops.aten.reshape.default, torch.ops.aten._to_copy.default)
+
+
+def _made_positions(order: Sequence[fx.Node]) -> fx.Node | None:
+    # The position ids a forward makes when it is given none: an arange over the sequence, then
+    # only views of it (unsqueeze(0), expand) -- the last of those views, which the model would
+    # have taken as its position_ids input.
+    inside = set(order)
+    made = next((n for n in order if n.target in _ARANGES), None)
+    if made is None:
+        return None
+    while True:
+        views = [u for u in made.users if u in inside and u.target in _VIEWS]
+        if len(views) != 1 or len(made.users) != 1:
+            return made
+        made = views[0]
 
 
 def _whole(node: fx.Node) -> bool:

@@ -42,8 +42,8 @@ from partitioner.inference.kv import config_int
 from partitioner.tracing.hf import blocks, is_hf_model
 from runtime.generate.errors import GenerateModelError
 
-__all__ = ["DecoderParts", "decoder_parts", "new_cache", "layer_masks", "rotary_embeddings", "run_layer",
-           "generation_problems", "layer_count", "ATTENTION_KINDS", "FULL", "SLIDING"]
+__all__ = ["DecoderParts", "decoder_parts", "new_cache", "layer_masks", "drop_rows", "rotary_embeddings",
+           "run_layer", "generation_problems", "layer_count", "GENERATED_KINDS", "RECURRENT_KINDS", "FULL", "SLIDING"]
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,8 @@ class DecoderParts:
         rotary: the rotary embedding module, or ``None``.
         layers: the decoder layers (transformer blocks), in order: layer ``i`` is ``layers[i]``.
         kinds: per layer, the mask it attends with: ``'full_attention'`` or ``'sliding_attention'``.
-        norm: the final norm.
+        norm: the final norm, or ``None`` for a family without one (GPT-1, TrOCR): what its forward
+            does between the last layer and the head is then glue.
         head: the LM head.
         cache_keyword: the name of the decoder layers' ``forward`` parameter taking the cache.
         layer_keywords: every parameter name of the decoder layers' ``forward``.
@@ -83,7 +84,7 @@ class DecoderParts:
     rotary: str | None
     layers: tuple[str, ...]
     kinds: tuple[str, ...]
-    norm: str
+    norm: str | None
     head: str
     cache_keyword: str
     layer_keywords: frozenset[str]
@@ -152,11 +153,11 @@ def decoder_parts(model: nn.Module) -> DecoderParts:
     base_name = holder if layers else names[id(base)]
     children = dict(base.named_children())
     norm = next((n for n in _NORMS if n in children), None) or _norm_after(children, layers, base_name)
-    if not layers or norm is None:
+    if not layers:
         raise GenerateModelError(
-            f"{name}: found {len(layers)} decoder layers (model._no_split_modules = "
-            f"{getattr(model, '_no_split_modules', None)}) and final norm {norm!r} among {sorted(children)}; "
-            f"the generator needs both (it knows the final norms {list(_NORMS)})"
+            f"{name}: found no decoder layers (model._no_split_modules = "
+            f"{getattr(model, '_no_split_modules', None)}) among {sorted(children)}; the generator runs a "
+            "model's decoder layers one by one"
         )
     signature = inspect.signature(type(model.get_submodule(layers[0])).forward).parameters
     cache_keyword = next((k for k in _CACHE_KEYWORDS if k in signature), None)
@@ -166,21 +167,29 @@ def decoder_parts(model: nn.Module) -> DecoderParts:
             f"{list(_CACHE_KEYWORDS)})"
         )
 
+    supports = getattr(model, "_supports_default_dynamic_cache", None)
+    if callable(supports) and not supports():  # transformers' own word: MiniMax, RWKV, xLSTM...
+        raise GenerateModelError(
+            f"{name}: transformers keeps this family's cache in a class of its own, not a DynamicCache "
+            "(its _supports_default_dynamic_cache() is False); the generator keeps a DynamicCache per stage"
+        )
+
     def qualified(child: str) -> str:
         return f"{base_name}.{child}".lstrip(".")
 
     embed = names[id(embed_module)]
     container = layers[0].rpartition(".")[0]
     rotary = next((qualified(n) for n in _ROTARIES if n in children), None)
-    taken = {embed, container, qualified(norm), rotary}
-    # The embedding side: the other children, but none holding the layers (BERT's encoder).
+    taken = {embed, container, qualified(norm) if norm else None, rotary}
+    # The embedding side: the other children, but none holding the layers (BERT's encoder) or the
+    # token embedding (ModernBERT's embeddings block: its other ops, a norm, are glue).
     others = tuple(qualified(n) for n in children if qualified(n) not in taken
-                   and not container.startswith(qualified(n) + "."))
+                   and not container.startswith(qualified(n) + ".") and not embed.startswith(qualified(n) + "."))
     rotary_kinds = rotary is not None and "layer_type" in inspect.signature(
         type(model.get_submodule(rotary)).forward).parameters
     return DecoderParts(
         model=model, embed=embed, others=others, rotary=rotary, layers=layers, kinds=_kinds(config, len(layers)),
-        norm=qualified(norm), head=names[id(head_module)], cache_keyword=cache_keyword,
+        norm=qualified(norm) if norm else None, head=names[id(head_module)], cache_keyword=cache_keyword,
         layer_keywords=frozenset(signature), rotary_kinds=rotary_kinds,
     )
 
@@ -223,42 +232,105 @@ def rotary_embeddings(parts: DecoderParts, hidden: torch.Tensor, position_ids: t
         return None
     rotary = parts.module(parts.rotary)
     if parts.rotary_kinds:
-        return {kind: rotary(hidden, position_ids, layer_type=kind) for kind in sorted(set(kinds))}
+        # A rotary that lists the kinds it serves (LFM3's skips its convolution layers) runs for those.
+        served = getattr(rotary, "layer_types", None)
+        return {kind: rotary(hidden, position_ids, layer_type=kind) for kind in sorted(set(kinds))
+                if served is None or kind in served}
     return rotary(hidden, position_ids)
+
+
+# Per kind of layer, the transformers helper making its attention mask and the helper's options,
+# as the families' forwards call them (transformers' own vocabulary of layer kinds, the one
+# DynamicCache dispatches on): the indexer of an indexed layer needs causality spelled out even
+# where a plain causal mask could be skipped. A layer that keeps a state (linear attention, a
+# state-space mixer, a convolution) gets the 2-D padding mask of its new positions
+# (``create_recurrent_attention_mask``); a hybrid layer both.
+_ATTENTION_HELPERS = {
+    FULL: ("create_causal_mask", {}),
+    SLIDING: ("create_sliding_window_causal_mask", {}),
+    "chunked_attention": ("create_chunked_causal_mask", {}),
+    "indexed_attention": ("create_causal_mask", {"allow_is_causal_skip": False}),
+    "hybrid": ("create_causal_mask", {}),
+    "hybrid_sliding": ("create_sliding_window_causal_mask", {}),
+}
+RECURRENT_KINDS = frozenset({"linear_attention", "conv", "hybrid", "hybrid_sliding"})
+_RECURRENT_HELPER = "create_recurrent_attention_mask"
+GENERATED_KINDS = frozenset(_ATTENTION_HELPERS) | RECURRENT_KINDS | {"moe", "mlp", "dummy"}
 
 
 def layer_masks(
     parts: DecoderParts, own: Collection[int], hidden: torch.Tensor, attention_mask: torch.Tensor,
     position_ids: torch.Tensor, cache: Any,
-) -> dict[str, Any]:
-    """The attention mask of each kind the layers ``own`` use, made by transformers' own helpers.
+) -> dict[str, dict[str, Any]]:
+    """The masks of each kind of layer in ``own``, by kind, as the keyword arguments the layer takes
+    them under, made by transformers' own helpers.
 
     ``attention_mask`` is the 2-D mask (B, K) of every position seen so far, new ones included.
+
+    An attention layer's mask goes in as ``attention_mask``. A layer keeping a state (linear
+    attention, a state-space mixer, a convolution) gets the padding mask of its new positions there;
+    a hybrid layer, which holds both, gets its attention mask as ``attention_mask`` and the state's
+    under its other keyword ending in ``mask`` (Falcon-H1's ``mamba_attention_mask``). Layers
+    without attention (``'moe'``, ``'mlp'``) get no mask.
 
     The helpers size the mask from the cache: how many positions a layer of that kind holds (a
     sliding layer keeps only its window). Left to choose, they read the *model's* first layer of
     that kind, which may live on another stage and so be empty here. Every layer of one kind has
     seen the same positions, so the helper is given a one-layer view of this cache holding this
     stage's first own layer of that kind: exact, and nothing is stored or sent to track the others.
+
+    Raises:
+        GenerateModelError: a layer kind transformers' caches do not know.
     """
     from transformers import masking_utils
     from transformers.cache_utils import Cache
 
-    helpers = {FULL: masking_utils.create_causal_mask, SLIDING: masking_utils.create_sliding_window_causal_mask}
-    masks: dict[str, Any] = {}
+    masks: dict[str, dict[str, Any]] = {}
     for i in sorted(own):
         kind = parts.kinds[i]
         if kind in masks:
             continue
-        if kind not in helpers:
+        if kind not in GENERATED_KINDS:
             raise GenerateModelError(
-                f"layer {i} ({parts.layers[i]}) is of kind {kind!r}; the generator makes masks for "
-                f"{sorted(helpers)} layers only"
+                f"layer {i} ({parts.layers[i]}) is of kind {kind!r}; the generator makes the masks of "
+                f"{sorted(GENERATED_KINDS)} layers only"
             )
         view = Cache(layers=[cache.layers[i]])
-        masks[kind] = _call(helpers[kind], config=parts.config, inputs_embeds=hidden,
-                            attention_mask=attention_mask, cache=view, position_ids=position_ids)
+        available = {"config": parts.config, "inputs_embeds": hidden, "attention_mask": attention_mask,
+                     "cache": view, "position_ids": position_ids}
+        made: dict[str, Any] = {}
+        if kind in _ATTENTION_HELPERS:
+            helper, options = _ATTENTION_HELPERS[kind]
+            made["attention_mask"] = _call(getattr(masking_utils, helper), **available, **options)
+        if kind in RECURRENT_KINDS:
+            state_mask = _call(getattr(masking_utils, _RECURRENT_HELPER), **available)
+            other = sorted(k for k in parts.layer_keywords if k.endswith("mask") and k != "attention_mask")
+            if kind in _ATTENTION_HELPERS and not other:
+                raise GenerateModelError(
+                    f"layer {i} ({parts.layers[i]}) is a hybrid ({kind!r}) whose forward takes one mask only "
+                    f"(parameters {sorted(parts.layer_keywords)}): the generator does not know which of its "
+                    "attention and its state it masks"
+                )
+            made[other[0] if kind in _ATTENTION_HELPERS else "attention_mask"] = state_mask
+        masks[kind] = made
     return masks
+
+
+def drop_rows(cache: Any, keep: torch.Tensor) -> None:
+    """Keep only the sequences ``keep`` (their indices, ascending) in every layer of ``cache``.
+
+    ``Cache.batch_select_indices`` drops rows of keys and values only; a layer that keeps a state
+    (linear attention, a convolution, and the state half of a hybrid layer) drops its rows through
+    its ``reorder_cache``, which selects the same rows of its states.
+    """
+    from transformers import cache_utils
+
+    stateful: Any = getattr(cache_utils, "LinearAttentionCacheLayerMixin", None)  # transformers 5.x
+    for layer in cache.layers:
+        if stateful is not None and isinstance(layer, stateful):
+            stateful.reorder_cache(layer, keep)
+        if hasattr(layer, "batch_select_indices"):  # keys and values (a hybrid's attention half too)
+            layer.batch_select_indices(keep)
 
 
 def run_layer(
@@ -266,11 +338,13 @@ def run_layer(
     position_embeddings: Any, cache: Any,
 ) -> torch.Tensor:
     """Layer ``i`` on ``hidden`` (B, T, H): it reads and appends its keys and values in ``cache``."""
+    kind = parts.kinds[i]
     available: dict[str, Any] = {
-        "attention_mask": masks[parts.kinds[i]], "position_ids": position_ids, parts.cache_keyword: cache,
-        "use_cache": True,
-        "position_embeddings": position_embeddings[parts.kinds[i]] if parts.rotary_kinds else position_embeddings,
+        **masks.get(kind, {}), "position_ids": position_ids, parts.cache_keyword: cache, "use_cache": True,
+        "position_embeddings": position_embeddings.get(kind) if parts.rotary_kinds else position_embeddings,
     }
+    if getattr(parts.config, "alibi", None) is False:
+        available["alibi"] = None  # Falcon's layers take the ALiBi bias its forward makes only with config.alibi
     kwargs = {k: v for k, v in available.items() if k in parts.layer_keywords}
     out = parts.module(parts.layers[i])(hidden, **kwargs)
     # transformers 5 layers return the hidden states; earlier ones a tuple starting with them.
@@ -298,14 +372,13 @@ def _version() -> str:
 
 
 # -- what a config rules out, before any model is built -------------------------------------------
-# The generator keeps each layer's keys and values in a transformers DynamicCache and makes the
-# masks of full and sliding attention. generation_problems says, as facts, what in a config rules
-# that out: layers of another kind (a state-space, linear-attention or convolution layer keeps a
-# state, not keys and values), no attention at all (Mamba, RWKV), or more stages than layers. The
+# The generator keeps each layer's keys and values, or its state, in a transformers DynamicCache and
+# makes the masks of the layer kinds in GENERATED_KINDS. generation_problems says, as facts, what in a
+# config rules that out: layers of another kind, no attention and no layer kinds at all (a recurrent
+# model whose cache transformers' DynamicCache does not hold), or more stages than layers. The
 # command line turns the facts into flag words (pipecut generate); anything the config does not
 # show is caught when the generator is built (its self-check).
 
-ATTENTION_KINDS = frozenset({"full_attention", "sliding_attention"})
 _CONFIG_HEADS = ("num_attention_heads", "n_head", "num_heads")
 _CONFIG_LAYERS = ("num_hidden_layers", "n_layer", "num_layers")
 
@@ -320,22 +393,23 @@ def generation_problems(config: Any, p: int) -> list[str]:
 
     Example:
         >>> from types import SimpleNamespace
-        >>> cfg = SimpleNamespace(model_type="qwen3_next", num_attention_heads=4, num_hidden_layers=4,
-        ...                       layer_types=["linear_attention"] * 3 + ["full_attention"])
+        >>> cfg = SimpleNamespace(model_type="deepseek_v4", num_attention_heads=4, num_hidden_layers=2,
+        ...                       layer_types=["compressed_sparse_attention", "full_attention"])
         >>> generation_problems(cfg, 2)
-        ["qwen3_next's layers include 'linear_attention' layers, whose cache is a state, not keys and values"]
+        ["deepseek_v4's layers include 'compressed_sparse_attention' layers, whose cache the generator does not keep"]
         >>> generation_problems(SimpleNamespace(model_type="llama", num_attention_heads=4, num_hidden_layers=4), 8)
         ['8 stages for 4 layers: each stage but the last holds at least one layer']
     """
     name = getattr(config, "model_type", "") or type(config).__name__
     problems = []
-    kinds = sorted({k for k in (getattr(config, "layer_types", None) or ()) if k not in ATTENTION_KINDS})
+    types = getattr(config, "layer_types", None) or ()
+    kinds = sorted({k for k in types if k not in GENERATED_KINDS})
     if kinds:
-        problems.append(f"{name}'s layers include {', '.join(repr(k) for k in kinds)} layers, whose cache is a "
-                        "state, not keys and values")
-    elif not config_int(config, _CONFIG_HEADS):
-        problems.append(f"{name} has no attention heads in its config (a state-space or recurrent model): its "
-                        "cache is a state, not keys and values")
+        problems.append(f"{name}'s layers include {', '.join(repr(k) for k in kinds)} layers, whose cache the "
+                        "generator does not keep")
+    elif not types and not config_int(config, _CONFIG_HEADS):
+        problems.append(f"{name} has neither attention heads nor layer kinds in its config (a recurrent model): "
+                        "its cache is a state the generator does not keep")
     layers = layer_count(config)
     if layers is not None and p > layers:
         problems.append(f"{p} stages for {layers} layers: each stage but the last holds at least one layer")

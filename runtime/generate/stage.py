@@ -20,7 +20,7 @@ import torch
 
 from runtime.generate.cut import StageSpan
 from runtime.generate.errors import GenerateFamilyError, GenerateModelError
-from runtime.generate.parts import DecoderParts, layer_masks, new_cache, rotary_embeddings, run_layer
+from runtime.generate.parts import DecoderParts, drop_rows, layer_masks, new_cache, rotary_embeddings, run_layer
 
 __all__ = ["Hop", "StageRunner"]
 
@@ -91,7 +91,7 @@ class StageRunner:
         """
         self.calls.append(tuple(hop.data.shape))
         if hop.keep is not None and self.cache is not None:
-            self.cache.batch_select_indices(hop.keep)  # stopped sequences leave: their keys and values go
+            drop_rows(self.cache, hop.keep)  # stopped sequences leave: their keys, values and states go
         x = hop.data
         gm, parts = self.glue.gm, self.parts
         if self.span.embed:
@@ -110,7 +110,8 @@ class StageRunner:
                                position_embeddings, self.cache)
         if self.span.norm:
             # The head reads the last position only (generate's logits_to_keep=1): only it travels on.
-            x = self._part(parts.norm, self.glue.norm, parts, gm, {"hidden": x})[:, -1:, :]
+            x = self._part(parts.norm or "the last layer's output", self.glue.norm, parts, gm,
+                           {"hidden": x})[:, -1:, :]
         if self.span.head:
             x = self._part(parts.head, self.glue.head, parts, gm, {"hidden": x})[:, -1, :]
         return replace(hop, data=x)  # the next stage drops the same rows (keep travels on)
@@ -130,15 +131,22 @@ class StageRunner:
             ) from err
 
     def cached_layers(self) -> list[int]:
-        """The layers whose keys and values this stage's cache holds (empty before the first call)."""
+        """The layers whose keys and values (or states) this stage's cache holds (empty before the first call)."""
         if self.cache is None:
             return []
-        return [i for i, layer in enumerate(self.cache.layers)
-                if getattr(layer, "keys", None) is not None and layer.keys.numel() > 0]
+        return [i for i, layer in enumerate(self.cache.layers) if any(t.numel() for t in _held(layer))]
 
     def cached_bytes(self) -> int:
-        """Bytes of keys and values this stage's cache holds."""
+        """Bytes of keys, values and states this stage's cache holds."""
         if self.cache is None:
             return 0
-        return sum(t.numel() * t.element_size() for layer in self.cache.layers
-                   for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None)
+        return sum(t.numel() * t.element_size() for layer in self.cache.layers for t in _held(layer))
+
+
+def _held(layer: Any) -> list[torch.Tensor]:
+    # A cache layer's tensors: keys and values, and the convolution and recurrent states of a layer
+    # that keeps a state (transformers keeps those in dicts by state index).
+    held = [getattr(layer, name, None) for name in ("keys", "values")]
+    for name in ("conv_states", "recurrent_states"):
+        held += list((getattr(layer, name, None) or {}).values())
+    return [t for t in held if isinstance(t, torch.Tensor)]

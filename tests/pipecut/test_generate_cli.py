@@ -154,8 +154,8 @@ def test_settings_config_json_rules_out_are_refused_before_any_model_is_built(
     write_tokenizer(mamba)
     capsys.readouterr()
     refused = _refused(capsys, "--model", str(mamba), *base)
-    assert "pipecut generate cannot run mamba: mamba" in refused and "cache is a state, not keys and values" in refused
-    assert "model.generate" in refused
+    assert "pipecut generate cannot plan mamba's stages" in refused and "attention heads" in refused
+    assert "runtime.generate.Generator" in refused and "model.generate" in refused
 
 
 def test_a_bad_prompt_line_is_named(tmp_path: Path) -> None:

@@ -46,6 +46,7 @@ def _rank_1_misses_the_tied_sum(rank: int, world: int, how: str, gave_up: str) -
 
     trainer = _tied_trainer()
     assert trainer._tied, "the plan has no tied weight across ranks"
+    sum_tied_grads = runtime.trainer.sum_tied_grads
     if rank == 1:
         def miss(*args: Any, **kwargs: Any) -> None:
             if how == "late":  # never arrives while rank 0 waits: fails only once rank 0 gave up
@@ -62,6 +63,8 @@ def _rank_1_misses_the_tied_sum(rank: int, world: int, how: str, gave_up: str) -
         waited = time.monotonic() - start
         Path(gave_up).touch()
         return {"type": type(e).__name__, "message": str(e), "waited": waited}
+    finally:  # the pool's rank runs later cases: the patch goes with this one
+        runtime.trainer.sum_tied_grads = sum_tied_grads
     Path(gave_up).touch()
     return {"type": "", "message": "", "waited": time.monotonic() - start}
 

@@ -29,8 +29,9 @@ transformers = pytest.importorskip("transformers")
 SAMPLE = ("granite", "cohere", "qwen3", "ctrl", "modernbert-decoder", "falcon")
 # 2 pp x 2 tp by default: Qwen3's per-head norms (whole weights read by split heads: their gradients
 # all-reduced), Phi-3's colwise_gather_output / rowwise_split_input, Cohere's interleaved rotary
-# (stack and flatten on split heads); Llama, GPT-2 and Mixtral run in tests/runtime/parallel.
-TP_SAMPLE = ("qwen3", "phi3", "cohere")
+# (stack and flatten on split heads), OPT on pipecut's derived plan (its config has none); Llama,
+# GPT-2 and Mixtral run in tests/runtime/parallel.
+TP_SAMPLE = ("qwen3", "phi3", "cohere", "opt")
 
 
 def test_a_tiny_config_is_made_from_the_configs_own_names() -> None:

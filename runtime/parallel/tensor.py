@@ -88,9 +88,19 @@ _COLUMN = ("colwise", "packed_colwise", "colwise_gather_output")
 # Hugging Face configs without a ``base_model_tp_plan`` whose layers pipecut splits all the same,
 # by ``config.model_type``. GPT-2's ``Conv1D`` layers run ``addmm`` on ``(in, out)`` weights, and
 # ``c_attn`` packs q, k and v side by side in one: each rank keeps its heads' slice of each.
+# OPT-style layers (q, k, v and out projections, fc1 and fc2: OPT, BioGPT) and StableLM's
+# Llama-style ones are split as Megatron splits them.
+_OPT_LAYER = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+              "self_attn.out_proj": "rowwise", "fc1": "colwise", "fc2": "rowwise"}
+_LLAMA_LAYER = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+                "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
+                "mlp.down_proj": "rowwise"}
 DERIVED_PLANS: dict[str, dict[str, str]] = {
     "gpt2": {"h.*.attn.c_attn": "packed_colwise", "h.*.attn.c_proj": "rowwise",
              "h.*.mlp.c_fc": "colwise", "h.*.mlp.c_proj": "rowwise"},
+    "opt": {f"decoder.layers.*.{k}": v for k, v in _OPT_LAYER.items()},
+    "biogpt": {f"layers.*.{k}": v for k, v in _OPT_LAYER.items()},
+    "stablelm": {f"layers.*.{k}": v for k, v in _LLAMA_LAYER.items()},
 }
 
 

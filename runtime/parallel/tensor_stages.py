@@ -221,8 +221,8 @@ def plan_problem(config: Any) -> str | None:
 
     Example:
         >>> from types import SimpleNamespace
-        >>> plan_problem(SimpleNamespace(model_type="opt"))
-        'opt has no tensor-parallel plan (no base_model_tp_plan in its config, and pipecut derives none)'
+        >>> plan_problem(SimpleNamespace(model_type="bloom"))
+        'bloom has no tensor-parallel plan (no base_model_tp_plan in its config, and pipecut derives none)'
         >>> plan_problem(SimpleNamespace(model_type="gpt2")) is None  # pipecut's own plan
         True
     """
@@ -273,8 +273,8 @@ def tp_problems(config: Any, tp: int) -> list[str]:
         ...                       num_attention_heads=12, num_key_value_heads=4, intermediate_size=64)
         >>> tp_problems(cfg, 4), tp_problems(cfg, 8)
         ([], ['num_attention_heads = 12 does not divide by 8'])
-        >>> tp_problems(SimpleNamespace(model_type="opt"), 2)
-        ['opt has no tensor-parallel plan (no base_model_tp_plan in its config, and pipecut derives none)']
+        >>> tp_problems(SimpleNamespace(model_type="bloom"), 2)
+        ['bloom has no tensor-parallel plan (no base_model_tp_plan in its config, and pipecut derives none)']
     """
     if tp <= 1:
         return []

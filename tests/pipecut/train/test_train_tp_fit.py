@@ -32,12 +32,11 @@ def test_tp_that_does_not_divide_the_heads_is_refused_in_flag_words(tmp_path: Pa
 
 
 def test_a_family_without_a_plan_is_told_to_drop_tp(tmp_path: Path) -> None:
-    from transformers import OPTConfig
+    from transformers import BloomConfig
 
-    OPTConfig(hidden_size=16, num_hidden_layers=2, ffn_dim=32, num_attention_heads=2, vocab_size=64,
-              word_embed_proj_dim=16).save_pretrained(tmp_path / "opt")
-    config = HFFolder(str(tmp_path / "opt")).config
-    with pytest.raises(TrainConfigError, match=r"^--tp 2: opt has no tensor-parallel plan: drop --tp, or use "
+    BloomConfig(hidden_size=16, n_layer=2, n_head=2, vocab_size=64).save_pretrained(tmp_path / "bloom")
+    config = HFFolder(str(tmp_path / "bloom")).config
+    with pytest.raises(TrainConfigError, match=r"^--tp 2: bloom has no tensor-parallel plan: drop --tp, or use "
                                                r"--pp/--dp$"):
         check_tp_fits(_cfg(2), config)
     check_tp_fits(_cfg(1), config)

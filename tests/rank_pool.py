@@ -100,7 +100,7 @@ class RankPool:
         case = self._cases
         init = "file://" + os.path.join(self._tmp, f"case-{case}")
         for rank in range(world):
-            self._inboxes[rank].put((case, list(sys.path), payload, rank, world, init, timeout, threads))
+            self._inboxes[rank].put((case, _case_path(), payload, rank, world, init, timeout, threads))
         results: dict[int, Any] = {}
         errors: dict[int, str] = {}  # insertion order is arrival order: the first is the cause
         deadline = time.monotonic() + timeout
@@ -267,6 +267,20 @@ def _put_back(own: dict[tuple[str, str], Any]) -> None:
         module = sys.modules.get(name)
         if module is not None and getattr(module, attr, value) is not value:
             setattr(module, attr, value)
+
+
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def _case_path() -> list[str]:
+    """This process's ``sys.path`` with the tests' own folders first: a benchmark script run in
+    the test process puts ``benchmarks/`` ahead of them, and its ``families.py`` would shadow the
+    tests' ``families`` helper in a rank that imports it afresh."""
+    def ours(p: str) -> bool:
+        full = os.path.abspath(p or ".")
+        return full == _TESTS or full.startswith(_TESTS + os.sep)
+
+    return sorted(sys.path, key=lambda p: not ours(p))  # stable: each group keeps its order
 
 
 def _ranks_and_world(rank: int, world: int) -> tuple[int, int]:

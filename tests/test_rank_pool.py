@@ -84,3 +84,25 @@ def test_a_case_larger_than_the_pool_is_refused_before_anything_starts() -> None
         pool.run(_sum_of_ranks, 3, 1)
     assert pool.starts == 0
     pool.remove()
+
+
+def _where_families_is(rank: int, world: int) -> str:
+    import families
+
+    return str(families.__file__)
+
+
+@pytest.mark.multiprocess
+def test_a_benchmark_folder_ahead_on_the_path_does_not_shadow_the_tests_helpers() -> None:
+    import sys
+    from pathlib import Path
+
+    benchmarks = str(Path(__file__).resolve().parents[1] / "benchmarks")  # holds a families.py too
+    pool = RankPool(size=1, warm=())
+    sys.path.insert(0, benchmarks)  # as a benchmark script run in the test process leaves it
+    try:
+        (found,) = pool.run(_where_families_is, 1)
+    finally:
+        sys.path.remove(benchmarks)
+        pool.remove()
+    assert Path(found) == Path(__file__).resolve().parent / "families.py"

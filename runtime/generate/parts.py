@@ -340,7 +340,7 @@ def run_layer(
     """Layer ``i`` on ``hidden`` (B, T, H): it reads and appends its keys and values in ``cache``."""
     kind = parts.kinds[i]
     available: dict[str, Any] = {
-        **masks.get(kind, {}), "position_ids": position_ids, parts.cache_keyword: cache, "use_cache": True,
+        **masks[kind], "position_ids": position_ids, parts.cache_keyword: cache, "use_cache": True,
         "position_embeddings": position_embeddings.get(kind) if parts.rotary_kinds else position_embeddings,
     }
     if getattr(parts.config, "alibi", None) is False:

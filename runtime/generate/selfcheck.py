@@ -140,20 +140,20 @@ def self_check(parts: DecoderParts, spans: Sequence[StageSpan], device: torch.de
             runners = [StageRunner(parts, span) for span in spans]
             for runner in runners:
                 runner.reset()
-            t0 = PROBE
-            for t in range(t0, PROBE + STEPS + 1):
-                lo = 0 if t == t0 else t - 1  # the prefill's positions, then one at a time
+            for t in range(PROBE, PROBE + STEPS + 1):
+                prefill = t == PROBE  # its parts are compared; a decode step's logits only
+                lo = 0 if prefill else t - 1  # the prefill's positions, then one at a time
                 mine: dict[str, torch.Tensor] = {}
                 theirs: dict[str, torch.Tensor] = {}
-                with _caught(layers, mine):
+                with _caught(layers, mine) if prefill else contextlib.nullcontext():
                     hop = Hop(ids[:, lo:t], positions[:, lo:t], mask[:, :t])
                     for runner in runners:
                         hop = runner(hop)
-                with _caught(layers, theirs):
+                with _caught(layers, theirs) if prefill else contextlib.nullcontext():
                     want = _own_logits(model, ids[:, :t], mask[:, :t], positions[:, :t])
-                if t == t0:
+                if prefill:
                     _compare_parts(parts, mine, theirs, mask[:, :t].bool(), stage_of)
-                step = "" if t == t0 else f", decode step {t - t0} of {STEPS}"
+                step = "" if prefill else f", decode step {t - PROBE} of {STEPS}"
                 diff, size = _worst(hop.data, want)
                 if diff > RTOL * max(want.abs().max().item(), 1.0):
                     _fail(parts, logits_part + step, last, diff, size)

@@ -45,6 +45,9 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     "dots3_note_text": {"num_key_value_heads": HEADS},  # "num_key_value_heads must match num_attention_heads"
     "mamba2": {"num_heads": 8, "head_dim": 8},  # num_heads * head_dim must be hidden_size * expand (64)
     "gemma4_assistant": {"hidden_size_per_layer_input": 0},  # "must be 0"
+    # "If you want to use BertGenerationDecoder as a standalone, add is_decoder=True": without it the
+    # decoder attends both ways and caches nothing.
+    "bert-generation": {"is_decoder": True},
 }
 # Integers named like these are counts that stay small but above one (a router needs a choice).
 _EXPERTS = re.compile(r"(^|_)(num_experts|num_local_experts|n_routed_experts|moe_num_experts|num_experts_total)$")

@@ -51,8 +51,8 @@ def stage_module(parts: DecoderParts, span: StageSpan) -> nn.Module:
         names += [parts.layers[i] for i in span.layers]
         if parts.rotary is not None:
             names.append(parts.rotary)
-    if span.norm and parts.norm:
-        names.append(parts.norm)
+    if span.norm:
+        names += [*parts.tail, *([parts.norm] if parts.norm else [])]
     if span.head:
         names += [*parts.post, parts.head]
     root = nn.Module()

@@ -152,9 +152,9 @@ class Generator:
         self.precision = resolve_precision(precision, plan.precision)
         parts = decoder_parts(plan.model)
         glue = derive_glue(plan, parts)
-        # The base model's other children: on the embedding side, or between the norm and the head.
+        # The base model's other children: on the embedding side, before the norm, or between the norm and the head.
         self.parts: DecoderParts = replace(parts, others=tuple(n for n in parts.others if n in glue.pre),
-                                           post=glue.post, glue=glue)
+                                           tail=glue.tail, post=glue.post, glue=glue)
         self.spans: tuple[StageSpan, ...] = stage_spans(plan, self.parts)
         self.transport = _transport(transport)
         self.timeout = timeout

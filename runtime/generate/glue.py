@@ -117,6 +117,9 @@ class Glue:
         head: the final norm's output (its last position, B, 1, H) -> the logits (B, 1, V).
         gm: the traced graph module (for the constants the glue reads).
         head_name: the LM head's module name.
+        norm_name: the final norm's module name (``None`` without one).
+        unrotated: the layers the model's forward gives no rotary embedding (they read none of
+            its output in the trace): the generator passes them ``position_embeddings=None``.
     """
 
     embed: Piece
@@ -124,11 +127,18 @@ class Glue:
     head: Piece
     gm: fx.GraphModule
     head_name: str = ""
+    norm_name: str | None = None
+    unrotated: frozenset[str] = frozenset()
 
     @property
     def post(self) -> tuple[str, ...]:
         """The base model's other children the head piece calls (OPT's ``project_out``)."""
         return tuple(name for name in self.head.modules if name != self.head_name)
+
+    @property
+    def tail(self) -> tuple[str, ...]:
+        """The base model's other children the norm piece calls before the final norm (HY-V4's ``hc_head``)."""
+        return tuple(name for name in self.norm.modules if name != self.norm_name)
 
     @property
     def pre(self) -> tuple[str, ...]:
@@ -173,7 +183,7 @@ def derive_glue(plan: Plan, parts: DecoderParts) -> Glue:
     embed_out = outputs.get(parts.embed)
     if embed_out is None:
         raise GenerateModelError(f"{family}: the traced graph has no output of the token embedding {parts.embed}")
-    exits = {layer: _exit(graph, owner, layer, family) for layer in parts.layers}
+    exits = {layer: _exit(graph, owner, layer, embed_out, parts.carries, family) for layer in parts.layers}
     h0 = _entry(graph, owner, first, exits[first], embed_out, family)
     h_last = exits[last]
     for before, after in zip(parts.layers, parts.layers[1:]):  # the layers run back to back
@@ -191,13 +201,50 @@ def derive_glue(plan: Plan, parts: DecoderParts) -> Glue:
         raise GenerateModelError(f"{family}: the traced graph has no output of the final norm {parts.norm}")
     pre = set(parts.pre)
     embed = _piece(h0, {}, owner, outputs, inputs, pre, family, "the embedding side", made_positions=True)
-    norm = _piece(norm_out, {"hidden": h_last}, owner, outputs, inputs, {parts.norm} if parts.norm else set(),
-                  family, f"between {last} and the logits")
+    # Between the last layer and the final norm a forward may call another child of the base model
+    # (HY-V4's hc_head): the norm piece calls it, on the norm's stage.
+    norm = _piece(norm_out, {"hidden": h_last}, owner, outputs, inputs,
+                  {parts.norm, *parts.others} if parts.norm else set(), family, f"between {last} and the logits")
     # After the final norm the head may be preceded by another child of the base model (OPT's
     # project_out): the head piece calls it, and the generator puts it on the head's stage.
     head = _piece(logits, {"hidden": norm_out}, owner, outputs, inputs, {parts.head, *parts.others}, family,
                   f"between {parts.norm or last} and the logits")
-    return Glue(embed=embed, norm=norm, head=head, gm=gm, head_name=parts.head)
+    return Glue(embed=embed, norm=norm, head=head, gm=gm, head_name=parts.head, norm_name=parts.norm,
+                unrotated=_unrotated(graph, owner, parts))
+
+
+def _after(graph: fx.Graph, owner: Mapping[fx.Node, str | None], parts: DecoderParts) -> set[fx.Node]:
+    # Every node computed from the token embedding's output.
+    todo = [n for n in graph.nodes if owner[n] == parts.embed and any(owner[u] != parts.embed for u in n.users)]
+    seen: set[fx.Node] = set()
+    while todo:
+        node = todo.pop()
+        if node not in seen:
+            seen.add(node)
+            todo.extend(node.users)
+    return seen
+
+
+def _unrotated(graph: fx.Graph, owner: Mapping[fx.Node, str | None], parts: DecoderParts) -> frozenset[str]:
+    # The layers that read nothing of the rotary's output: the model's forward gave them none
+    # (LaraMini's global layers use no positional encoding: position_embeddings=None).
+    if parts.rotary is None:
+        return frozenset()
+    # What the rotary's output reaches before it meets the hidden states (a cast a layer makes of it
+    # may be shared with the layers after it, as in Llama 4); past the hidden states everything after
+    # would count, so the walk stops at the first node that mixes them in.
+    hidden = _after(graph, owner, parts)
+    reach = [n for n in graph.nodes if owner[n] == parts.rotary and n.op != "get_attr"
+             and any(owner[u] != parts.rotary for u in n.users)]
+    seen: set[fx.Node] = set()
+    while reach:
+        node = reach.pop()
+        if node not in seen:
+            seen.add(node)
+            if node not in hidden:
+                reach.extend(node.users)
+    read = {owner[n] for n in seen}
+    return frozenset(layer for layer in parts.layers if layer not in read)
 
 
 def _positions_call(module: nn.Module, position_ids: torch.Tensor) -> Any:
@@ -284,9 +331,18 @@ def _entry(graph: fx.Graph, owner: Mapping[fx.Node, str | None], layer: str, lay
     return entry
 
 
-def _exit(graph: fx.Graph, owner: Mapping[fx.Node, str | None], layer: str, family: str) -> fx.Node:
+def _exit(graph: fx.Graph, owner: Mapping[fx.Node, str | None], layer: str, embed_out: fx.Node,
+          carries: Sequence[str], family: str) -> fx.Node:
+    # What a layer hands on is made from the hidden states: a value it computes from the position
+    # embeddings alone, which the trace lets later layers share (Llama 4's position_embeddings.to()
+    # in its first layer), is not -- each layer the generator calls computes its own.
     found: list[fx.Node] = [n for n in graph.nodes if owner[n] == layer and n.op != "get_attr"
-                            and any(owner[u] != layer for u in n.users) and _is_tensor(n)]
+                            and any(owner[u] != layer for u in n.users) and _is_tensor(n)
+                            and _descends(n, embed_out)]
+    if carries and 1 < len(found) <= 1 + len(carries):
+        # A layer handing on values beside its hidden states (its forward's prev_... parameters take
+        # them): the hidden states are what it computes last, the residual sum its forward returns.
+        found = found[-1:]
     if len(found) != 1:
         raise GenerateModelError(
             f"{family}: layer {layer} hands on {len(found)} tensors ({[n.name for n in found]}); the "
@@ -373,11 +429,12 @@ _VIEWS = (torch.ops.aten.unsqueeze.default, torch.ops.aten.view.default, torch.o
 
 
 def _made_positions(order: Sequence[fx.Node]) -> fx.Node | None:
-    # The position ids a forward makes when it is given none: an arange over the sequence, then
+    # The position ids a forward makes when it is given none: an arange over the sequence (or a
+    # slice of a buffer holding one), then
     # only views of it (unsqueeze(0), expand) -- the last of those views, which the model would
     # have taken as its position_ids input.
     inside = set(order)
-    made = next((n for n in order if n.target in _ARANGES), None)
+    made = next((n for n in order if n.target in _ARANGES or _buffer_slice(n)), None)
     if made is None:
         return None
     while True:
@@ -385,6 +442,15 @@ def _made_positions(order: Sequence[fx.Node]) -> fx.Node | None:
         if len(views) != 1 or len(made.users) != 1:
             return made
         made = views[0]
+
+
+def _buffer_slice(node: fx.Node) -> bool:
+    # BERT's way: a slice of the model's registered ``position_ids`` buffer (an arange made at build).
+    if node.target is not torch.ops.aten.slice.Tensor or not node.args:
+        return False
+    source = node.args[0]
+    return (isinstance(source, fx.Node) and source.op == "get_attr" and isinstance(source.target, str)
+            and source.target.endswith("position_ids"))
 
 
 def _whole(node: fx.Node) -> bool:

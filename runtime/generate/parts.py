@@ -31,7 +31,7 @@ from __future__ import annotations
 import inspect
 import logging
 import sys
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +52,7 @@ SLIDING = "sliding_attention"
 _CACHE_KEYWORDS = ("cache", "past_key_values", "past_key_value", "layer_past")
 _NORMS = ("norm", "ln_f", "final_layernorm", "final_layer_norm")
 _ROTARIES = ("rotary_emb",)
+_CARRY_PREFIX = "prev_"  # a layer's parameter taking what the layer before it handed on (prev_topk_indices)
 
 
 @dataclass(frozen=True, eq=False)
@@ -72,6 +73,11 @@ class DecoderParts:
         cache_keyword: the name of the decoder layers' ``forward`` parameter taking the cache.
         layer_keywords: every parameter name of the decoder layers' ``forward``.
         rotary_kinds: whether the rotary's ``forward`` takes a ``layer_type`` (one rotary per kind).
+        carries: the decoder layers' ``forward`` parameters taking what the layer before handed on
+            beside its hidden states (``prev_...``: Zaya's router states, HY-V4's top-k indices);
+            a layer then returns ``(hidden_states, *carried)`` and the first layer gets ``None``.
+        tail: the base model's children that run between the last layer and the final norm
+            (HY-V4's ``hc_head``), found by the glue; they are on the norm's stage.
         post: the base model's children that run between the final norm and the head (OPT's
             ``project_out``), found by the glue; they are on the head's stage.
         glue: the model's arithmetic between these parts (:func:`runtime.generate.glue.derive_glue`),
@@ -89,6 +95,8 @@ class DecoderParts:
     cache_keyword: str
     layer_keywords: frozenset[str]
     rotary_kinds: bool = False
+    carries: tuple[str, ...] = ()
+    tail: tuple[str, ...] = ()
     post: tuple[str, ...] = ()
     glue: Any = None  # a runtime.generate.glue.Glue (parts cannot import glue: glue reads the parts)
 
@@ -191,6 +199,7 @@ def decoder_parts(model: nn.Module) -> DecoderParts:
         model=model, embed=embed, others=others, rotary=rotary, layers=layers, kinds=_kinds(config, len(layers)),
         norm=qualified(norm) if norm else None, head=names[id(head_module)], cache_keyword=cache_keyword,
         layer_keywords=frozenset(signature), rotary_kinds=rotary_kinds,
+        carries=tuple(k for k in signature if k.startswith(_CARRY_PREFIX)),
     )
 
 
@@ -313,7 +322,24 @@ def layer_masks(
                 )
             made[other[0] if kind in _ATTENTION_HELPERS else "attention_mask"] = state_mask
         masks[kind] = made
+    alibi = _alibi(parts, hidden, attention_mask)
+    if alibi is not None:
+        for made in masks.values():
+            made["alibi"] = alibi
     return masks
+
+
+def _alibi(parts: DecoderParts, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor | None:
+    # An ALiBi bias its forward makes from the 2-D mask of every position seen so far, with the base
+    # model's own builder (BLOOM's build_alibi_tensor): it depends on the padding, not on a layer.
+    build = getattr(getattr(parts.model, "base_model", None), "build_alibi_tensor", None)
+    if "alibi" not in parts.layer_keywords or build is None:
+        return None
+    heads = config_int(parts.config, _CONFIG_HEADS)
+    if heads is None:
+        raise GenerateModelError(f"{parts.family}: its layers take an ALiBi bias, and its config names no head count "
+                                 f"(looked for {list(_CONFIG_HEADS)})")
+    return build(attention_mask, heads, dtype=hidden.dtype)  # type: ignore[no-any-return]
 
 
 def drop_rows(cache: Any, keep: torch.Tensor) -> None:
@@ -335,20 +361,42 @@ def drop_rows(cache: Any, keep: torch.Tensor) -> None:
 
 def run_layer(
     parts: DecoderParts, i: int, hidden: torch.Tensor, masks: Mapping[str, Any], position_ids: torch.Tensor,
-    position_embeddings: Any, cache: Any,
-) -> torch.Tensor:
-    """Layer ``i`` on ``hidden`` (B, T, H): it reads and appends its keys and values in ``cache``."""
+    position_embeddings: Any, cache: Any, carried: Sequence[Any] = (),
+) -> tuple[torch.Tensor, tuple[Any, ...]]:
+    """Layer ``i`` on ``hidden`` (B, T, H): it reads and appends its keys and values in ``cache``.
+
+    Returns its hidden states and what it hands the next layer beside them (``parts.carries``:
+    ``carried`` is what the layer before handed on, empty for the first layer, which gets ``None``).
+
+    Raises:
+        GenerateModelError: a layer taking ``prev_...`` values returned fewer values than it takes.
+    """
     kind = parts.kinds[i]
+    if parts.glue is not None and parts.layers[i] in parts.glue.unrotated:
+        position_embeddings = None  # the model's forward gives this layer none (LaraMini's global layers)
+    elif parts.rotary_kinds:
+        position_embeddings = position_embeddings.get(kind)
     available: dict[str, Any] = {
         **masks[kind], "position_ids": position_ids, parts.cache_keyword: cache, "use_cache": True,
-        "position_embeddings": position_embeddings.get(kind) if parts.rotary_kinds else position_embeddings,
+        "position_embeddings": position_embeddings,
     }
     if getattr(parts.config, "alibi", None) is False:
         available["alibi"] = None  # Falcon's layers take the ALiBi bias its forward makes only with config.alibi
     kwargs = {k: v for k, v in available.items() if k in parts.layer_keywords}
+    if parts.carries:
+        kwargs.update(zip(parts.carries, carried or (None,) * len(parts.carries)))
     out = parts.module(parts.layers[i])(hidden, **kwargs)
-    # transformers 5 layers return the hidden states; earlier ones a tuple starting with them.
-    return out[0] if isinstance(out, tuple) else out  # type: ignore[no-any-return]
+    if not parts.carries:
+        # transformers 5 layers return the hidden states; earlier ones a tuple starting with them.
+        return (out[0] if isinstance(out, tuple) else out), ()
+    n = len(parts.carries)
+    if not isinstance(out, tuple) or len(out) < 1 + n:
+        raise GenerateModelError(
+            f"{parts.family}: layer {i} ({parts.layers[i]}) takes {list(parts.carries)} from the layer before it but "
+            f"returned {type(out).__name__}{'' if not isinstance(out, tuple) else f' of {len(out)}'}; the generator "
+            f"hands a layer's values after its hidden states to those parameters of the next"
+        )
+    return out[0], tuple(out[1:1 + n])
 
 
 def _call(fn: Any, **available: Any) -> Any:

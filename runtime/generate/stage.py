@@ -40,12 +40,16 @@ class Hop:
         keep: ``None`` when the hop's sequences are those of the step before; else which of the
             step before's sequences still run (their indices among them, ascending): the others
             have stopped and left, and each stage drops their rows from its cache first.
+        carried: what the stage's last layer handed on beside its hidden states, for the next
+            stage's first layer (``DecoderParts.carries``: Zaya's router states); empty for most
+            families, and before the first layer.
     """
 
     data: torch.Tensor
     position_ids: torch.Tensor
     attention_mask: torch.Tensor
     keep: torch.Tensor | None = None
+    carried: tuple[torch.Tensor | None, ...] = ()
 
 
 class StageRunner:
@@ -105,13 +109,16 @@ class StageRunner:
                                              hop.position_ids, kinds)
             masks = self._part("the attention masks", layer_masks, parts, self.span.layers, x, hop.attention_mask,
                                hop.position_ids, self.cache)
+            carried = hop.carried
             for i in self.span.layers:
-                x = self._part(parts.layers[i], run_layer, parts, i, x, masks, hop.position_ids,
-                               position_embeddings, self.cache)
+                x, carried = self._part(parts.layers[i], run_layer, parts, i, x, masks, hop.position_ids,
+                                        position_embeddings, self.cache, carried)
+            hop = replace(hop, carried=carried)
         if self.span.norm:
             # The head reads the last position only (generate's logits_to_keep=1): only it travels on.
             x = self._part(parts.norm or "the last layer's output", self.glue.norm, parts, gm,
                            {"hidden": x})[:, -1:, :]
+            hop = replace(hop, carried=())  # the layers are done: nothing is handed on to a head
         if self.span.head:
             x = self._part(parts.head, self.glue.head, parts, gm, {"hidden": x})[:, -1, :]
         return replace(hop, data=x)  # the next stage drops the same rows (keep travels on)

@@ -35,7 +35,12 @@ def test_generate_benchmark_quick(tmp_path: Path) -> None:
         for key in ("pipelined_tok_s", "pipelined_pieces_tok_s", "one_group_tok_s", "one_process_tok_s"):
             assert r[key] > 0, key
         assert r["new_tokens"] == r["sequences"] * 4
-    assert set(data["cache"]["s_per_token"]) == {"8", "32"} and data["cache"]["long_over_short"] > 0
+    # A timing, not a count: k extra steps can be lost in a shared machine's noise (then 0 s per token),
+    # so the figures are checked for their shape and their ratio, not for a sign.
+    per_token = data["cache"]["s_per_token"]
+    assert set(per_token) == {"8", "32"} and min(per_token.values()) >= 0
+    short, long = per_token["8"], per_token["32"]
+    assert data["cache"]["long_over_short"] == (long / short if short > 0 else float("inf"))
     assert len(data["peak_rss_bytes_per_rank"]) == 2 and min(data["peak_rss_bytes_per_rank"]) > 0
     assert "against the planner's estimate" in run.stdout and "added/estimate" in run.stdout
     memory = data["memory_per_rank"]

@@ -118,8 +118,10 @@ class Glue:
         gm: the traced graph module (for the constants the glue reads).
         head_name: the LM head's module name.
         norm_name: the final norm's module name (``None`` without one).
-        unrotated: the layers the model's forward gives no rotary embedding (they read none of
-            its output in the trace): the generator passes them ``position_embeddings=None``.
+        unrotated: the layers that read none of the rotary's output in the trace: the model's
+            forward gave them none, or they ignore it.
+        none_ok: per layer of ``unrotated``, whether it runs given ``position_embeddings=None``
+            (found at its first call: :func:`runtime.generate.parts.run_layer`).
     """
 
     embed: Piece
@@ -129,6 +131,7 @@ class Glue:
     head_name: str = ""
     norm_name: str | None = None
     unrotated: frozenset[str] = frozenset()
+    none_ok: dict[str, bool] = field(default_factory=dict)
 
     @property
     def post(self) -> tuple[str, ...]:

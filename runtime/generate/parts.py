@@ -372,9 +372,7 @@ def run_layer(
         GenerateModelError: a layer taking ``prev_...`` values returned fewer values than it takes.
     """
     kind = parts.kinds[i]
-    if parts.glue is not None and parts.layers[i] in parts.glue.unrotated:
-        position_embeddings = None  # the model's forward gives this layer none (LaraMini's global layers)
-    elif parts.rotary_kinds:
+    if parts.rotary_kinds:
         position_embeddings = position_embeddings.get(kind)
     available: dict[str, Any] = {
         **masks[kind], "position_ids": position_ids, parts.cache_keyword: cache, "use_cache": True,
@@ -385,7 +383,10 @@ def run_layer(
     kwargs = {k: v for k, v in available.items() if k in parts.layer_keywords}
     if parts.carries:
         kwargs.update(zip(parts.carries, carried or (None,) * len(parts.carries)))
-    out = parts.module(parts.layers[i])(hidden, **kwargs)
+    layer = parts.module(parts.layers[i])
+    if "position_embeddings" in kwargs and _given_none(parts, i, layer, hidden, kwargs):
+        kwargs["position_embeddings"] = None
+    out = layer(hidden, **kwargs)
     if not parts.carries:
         # transformers 5 layers return the hidden states; earlier ones a tuple starting with them.
         return (out[0] if isinstance(out, tuple) else out), ()
@@ -397,6 +398,29 @@ def run_layer(
             f"hands a layer's values after its hidden states to those parameters of the next"
         )
     return out[0], tuple(out[1:1 + n])
+
+
+def _given_none(parts: DecoderParts, i: int, layer: nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any]) -> bool:
+    """Whether layer ``i`` runs with ``position_embeddings=None``: a layer that reads nothing of the
+    rotary in the trace either was given none by the model's forward (LaraMini's NoPE layers, which
+    would apply a rotary they are given) or ignores the one it was given (Cohere 2's global layers,
+    which unpack it all the same). The layer tells which, once, at its first call (a prefill, so
+    on an empty cache): given ``None`` on a cache of its own, it runs, or it raises and needs the
+    rotary. The self-check then holds the choice to the model's own forward."""
+    glue = parts.glue
+    name = parts.layers[i]
+    if glue is None or name not in glue.unrotated:
+        return False
+    if name not in glue.none_ok:
+        trial = {**kwargs, "position_embeddings": None, parts.cache_keyword: new_cache(parts)}
+        try:
+            layer(hidden, **trial)
+            glue.none_ok[name] = True
+        except Exception as err:  # the layer unpacks what it is given: it was given the rotary
+            log.debug("%s: %s needs the rotary it ignores (given None: %s: %s)", parts.family, name,
+                      type(err).__name__, err)
+            glue.none_ok[name] = False
+    return bool(glue.none_ok[name])
 
 
 def _call(fn: Any, **available: Any) -> Any:

@@ -42,7 +42,7 @@ from partitioner.tracing.hops import bodies, run_with_autocast
 
 __all__ = [
     "InputMeta", "TracedModel", "trace", "first_microbatch", "retarget_device", "retargeted", "graph_fingerprint",
-    "CausalLMLogits", "node_module_path",
+    "CausalLMLogits", "node_module_path", "clean_module_path", "module_call_index",
 ]
 
 log = logging.getLogger(__name__)
@@ -468,11 +468,27 @@ def node_module_path(node: fx.Node) -> str:
     if not stack:
         return ""
     path, _ = list(stack.values())[-1]
-    return _clean_path(str(path))
+    return clean_module_path(str(path))
 
 
-def _clean_path(path: str) -> str:
-    # Dynamo-style stacks spell the root L['self'] or L__self__; repeated calls add '@N'.
+def module_call_index(node: fx.Node, path: str) -> int:
+    """Which call of the module ``path`` traced ``node``: 0 for its first (or only) call in the
+    forward, ``k`` for its ``k+1``-th (export's module stack spells that call ``...@k``).
+
+    A module a forward calls twice (NanoChat's final norm, run on the embeddings too) owns nodes
+    of both calls; this tells them apart.
+    """
+    for key, (name, _) in (node.meta.get("nn_module_stack") or {}).items():
+        if clean_module_path(str(name)) == path:
+            _, at, n = str(key).rpartition("@")
+            return int(n) if at and n.isdigit() else 0
+    return 0
+
+
+def clean_module_path(path: str) -> str:
+    """A module stack entry's path as the model names the module: ``'L__self__.model.norm@1'`` is
+    ``'model.norm'`` (Dynamo-style stacks spell the root ``L['self']`` or ``L__self__``; a module's
+    repeated calls add ``@N``), ``''`` for the root."""
     for prefix in ("L['self'].", "L__self__."):
         path = path.removeprefix(prefix)
     # Export gives the size reads of dynamic inputs (sym_size) a placeholder stack of this name.

@@ -46,7 +46,8 @@ def stage_module(parts: DecoderParts, span: StageSpan) -> nn.Module:
     """
     names: list[str] = []
     if span.embed:
-        names += parts.pre
+        # and what else the embedding side calls (NanoChat's final norm, run on the embeddings too)
+        names += [*parts.pre, *(n for n in (parts.glue.pre if parts.glue is not None else ()) if n not in parts.pre)]
     if len(span.layers):
         names += [parts.layers[i] for i in span.layers]
         if parts.rotary is not None:

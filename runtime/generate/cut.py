@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from partitioner.plan.plan import Plan
-from partitioner.tracing.trace import node_module_path
+from partitioner.tracing.trace import module_call_index, node_module_path
 from runtime.generate.errors import CutInsideBlockError
 from runtime.generate.parts import DecoderParts
 
@@ -54,8 +54,8 @@ def stage_spans(plan: Plan, parts: DecoderParts) -> tuple[StageSpan, ...]:
             node, or the parts are not in model order along the stages; the message names them.
     """
     stage_of = plan.stage_of()
-    found: dict[str, set[int]] = {}
     names = [*parts.pre, *parts.layers, *([parts.norm] if parts.norm else []), parts.head]
+    by_call: dict[tuple[str, int], set[int]] = {}
     for node in plan.traced.gm.graph.nodes:
         s = stage_of.get(node.name)
         if s is None:
@@ -63,7 +63,11 @@ def stage_spans(plan: Plan, parts: DecoderParts) -> tuple[StageSpan, ...]:
         path = node_module_path(node)
         owner = next((n for n in names if path == n or path.startswith(n + ".")), None)
         if owner is not None:
-            found.setdefault(owner, set()).add(s)
+            by_call.setdefault((owner, module_call_index(node, owner)), set()).add(s)
+    # A part a forward calls more than once is where its last call is (NanoChat's final norm also
+    # runs on the embeddings: that call is the embedding stage's glue).
+    last = dict(sorted(by_call))  # by part: its last call
+    found = {owner: stages for (owner, call), stages in by_call.items() if call == last[owner]}
     return spans_from_parts(parts, found, plan.num_stages)
 
 

@@ -31,7 +31,7 @@ import torch
 from torch import fx, nn
 
 from partitioner.plan.plan import Plan
-from partitioner.tracing.trace import node_module_path
+from partitioner.tracing.trace import module_call_index, node_module_path
 from runtime.generate.errors import GenerateModelError
 from runtime.generate.parts import DecoderParts
 
@@ -180,7 +180,7 @@ def derive_glue(plan: Plan, parts: DecoderParts) -> Glue:
     owner: dict[fx.Node, str | None] = {}
     for node in graph.nodes:
         owner[node] = None if node.op in ("placeholder", "output") else _owner(node_module_path(node), names)
-    outputs, inputs = _part_ends(graph, owner, parts)
+    outputs, inputs, earlier = _part_ends(graph, owner, parts)
     family = parts.family
     first, last = parts.layers[0], parts.layers[-1]
     embed_out = outputs.get(parts.embed)
@@ -203,7 +203,9 @@ def derive_glue(plan: Plan, parts: DecoderParts) -> Glue:
     if norm_out is None:
         raise GenerateModelError(f"{family}: the traced graph has no output of the final norm {parts.norm}")
     pre = set(parts.pre)
-    embed = _piece(h0, {}, owner, outputs, inputs, pre, family, "the embedding side", made_positions=True)
+    # The final norm may run on the embeddings too (NanoChat's, before the first layer): an earlier call.
+    embed = _piece(h0, {}, owner, outputs, inputs, pre | ({parts.norm} if parts.norm else set()), family,
+                   "the embedding side", made_positions=True, earlier=earlier)
     # Between the last layer and the final norm a forward may call another child of the base model
     # (HY-V4's hc_head): the norm piece calls it, on the norm's stage.
     norm = _piece(norm_out, {"hidden": h_last}, owner, outputs, inputs,
@@ -247,7 +249,10 @@ def _unrotated(graph: fx.Graph, owner: Mapping[fx.Node, str | None], parts: Deco
             if node not in hidden:
                 reach.extend(node.users)
     read = {owner[n] for n in seen}
-    return frozenset(layer for layer in parts.layers if layer not in read)
+    unread = frozenset(layer for layer in parts.layers if layer not in read)
+    # No layer reading it: the forward's rotary is another module (Granite-SWA's one per theta in
+    # rotary_embs), not one some layers go without; the self-check holds the layers to the model.
+    return unread if len(unread) < len(parts.layers) else frozenset()
 
 
 def _positions_call(module: nn.Module, position_ids: torch.Tensor) -> Any:
@@ -262,29 +267,43 @@ def _positions_call(module: nn.Module, position_ids: torch.Tensor) -> Any:
     return module(*before, position_ids=position_ids)
 
 
-def _part_ends(graph: fx.Graph, owner: Mapping[fx.Node, str | None],
-               parts: DecoderParts) -> tuple[dict[str, fx.Node], dict[str, fx.Node | str]]:
+def _part_ends(graph: fx.Graph, owner: Mapping[fx.Node, str | None], parts: DecoderParts,
+               ) -> tuple[dict[str, fx.Node], dict[str, fx.Node | str], dict[fx.Node, tuple[str, fx.Node]]]:
     # Per part: its output (the node it owns that a node outside it reads) and its input (the
-    # tensor from outside its nodes that is not one of its weights); the token embedding's input
-    # is the token ids, a position embedding's the position ids (both from the model's inputs).
-    outputs: dict[str, fx.Node] = {}
-    inputs: dict[str, fx.Node | str] = {}
+    # tensor from outside its nodes that is not one of its weights), of its last call; the token
+    # embedding's input is the token ids, a position embedding's the position ids (both from the
+    # model's inputs). A part called more than once also has its earlier calls' outputs, each with
+    # its own input (the third value: output -> (part, input)).
+    ends: dict[tuple[str, int], list[fx.Node | None]] = {}
     for node in graph.nodes:
         part = owner[node]
         if part is None or node.op == "get_attr":
             continue
+        end = ends.setdefault((part, module_call_index(node, part)), [None, None])
         if any(owner[user] != part for user in node.users):
-            outputs[part] = node  # the last such node in graph order
+            end[0] = node  # the last such node in graph order
         for arg in node.all_input_nodes:
-            if owner[arg] != part and arg.op != "get_attr" and _is_tensor(arg) and part not in inputs:
-                inputs[part] = arg
+            if owner[arg] != part and arg.op != "get_attr" and _is_tensor(arg) and end[1] is None:
+                end[1] = arg
+    outputs: dict[str, fx.Node] = {}
+    inputs: dict[str, fx.Node | str] = {}
+    earlier: dict[fx.Node, tuple[str, fx.Node]] = {}
+    last = dict(sorted(ends))  # by part: its last call
+    for (part, call), (out, source) in ends.items():
+        if call == last[part]:
+            if out is not None:
+                outputs[part] = out
+            if source is not None:
+                inputs[part] = source
+        elif out is not None and source is not None:
+            earlier[out] = (part, source)
     for part in parts.pre:
-        source = inputs.get(part)
+        given = inputs.get(part)
         if part == parts.embed:
             inputs[part] = TOKENS
-        elif source is not None and not isinstance(source, str) and not _descends(source, outputs.get(parts.embed)):
+        elif given is not None and not isinstance(given, str) and not _descends(given, outputs.get(parts.embed)):
             inputs[part] = POSITIONS
-    return outputs, inputs
+    return outputs, inputs, earlier
 
 
 def _is_tensor(node: fx.Node) -> bool:
@@ -372,12 +391,18 @@ def _logits(graph: fx.Graph, parts: DecoderParts, family: str) -> fx.Node:
 
 def _piece(target: fx.Node, bound: dict[str, fx.Node], owner: Mapping[fx.Node, str | None],
            outputs: Mapping[str, fx.Node], inputs: Mapping[str, fx.Node | str], callable_parts: set[str],
-           family: str, where: str, made_positions: bool = False) -> Piece:
+           family: str, where: str, made_positions: bool = False,
+           earlier: Mapping[fx.Node, tuple[str, fx.Node]] | None = None) -> Piece:
     # Walk back from the target: stop at bound nodes; a callable part's output is that part
-    # (walk on from its input); glue is replayed; a constant subgraph is replayed too.
+    # (walk on from its input); glue is replayed; a constant subgraph is replayed too. A part
+    # called earlier in the forward too (``earlier``) is that call's part, with that call's input.
     piece = Piece(target=target, bound=bound)
     stops = set(bound.values())
     by_output = {node: part for part, node in outputs.items() if part in callable_parts}
+    call_inputs: dict[fx.Node, fx.Node | str] = {}
+    for node, (part, source) in (earlier or {}).items():
+        if part in callable_parts:
+            by_output[node], call_inputs[node] = part, source
     seen: set[fx.Node] = set()
     order: list[fx.Node] = []
 
@@ -387,8 +412,11 @@ def _piece(target: fx.Node, bound: dict[str, fx.Node], owner: Mapping[fx.Node, s
         seen.add(node)
         part = by_output.get(node)
         if part is not None:
+            if part in piece.modules and piece.modules[part] is not node:
+                raise GenerateModelError(f"{family}: {where}, the model's forward calls {part} twice; the generator "
+                                         "calls a part once between two others")
             piece.modules[part] = node
-            source = inputs.get(part)
+            source = call_inputs.get(node, inputs.get(part))
             if source is None:
                 raise GenerateModelError(f"{family}: {part} has no input in the traced graph ({where})")
             piece.inputs[part] = source

@@ -16,7 +16,8 @@ import torch
 from gen_cases import PROMPTS, build
 
 from partitioner import partition
-from runtime.generate import GenerateFamilyError, Generator, SelfCheckError, derive_glue, left_pad, self_check
+from profiles import LONG
+from runtime.generate import GenerateFamilyError, Generator, SelfCheckError, left_pad, self_check
 
 transformers = pytest.importorskip("transformers")
 
@@ -52,15 +53,14 @@ def _scaled_llama(embed_scale: float, logit_scale: float) -> Any:
 
 def test_an_unlisted_familys_top_level_scales_are_replayed_from_its_graph() -> None:
     model = _scaled_llama(3.0, 0.25)
-    plan = partition(model, EXAMPLE, 2)
-    glue = derive_glue(plan, Generator(plan).parts)
+    two = Generator(partition(model, EXAMPLE, 2))
+    glue = two.parts.glue
     assert glue.ops()["embed"] == ["mul(embedding, 3.0)"] and glue.ops()["head"] == ["mul(linear, 0.25)"]
     ids, mask = left_pad(PROMPTS, pad_token_id=0)
     want = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW, eos_token_id=[],
                           pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-    for p in (2, 4):
-        got = Generator(partition(model, EXAMPLE, p)).generate(PROMPTS, max_new_tokens=NEW, eos_token_id=[],
-                                                               pad_token_id=0, output_logits=True)
+    for gen in (two, *([Generator(partition(model, EXAMPLE, 4))] if LONG else [])):  # 4 stages: the long profile's
+        got = gen.generate(PROMPTS, max_new_tokens=NEW, eos_token_id=[], pad_token_id=0, output_logits=True)
         assert torch.equal(got.sequences, want.sequences)
         assert got.logits is not None
         torch.testing.assert_close(torch.stack(got.logits, 1), torch.stack(want.logits, 1), rtol=1e-5, atol=1e-5)

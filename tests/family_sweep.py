@@ -29,6 +29,9 @@ __all__ = ["Result", "check_train", "check_generate", "check_tp", "tp_worker", "
 PROMPTS = [[5, 17, 33, 8, 91, 40, 12], [60, 3, 77], [9, 9, 21, 54, 30]]
 NEW = 6
 SEQ = 8
+# A tp gradient outside TOL of the fp32 model's is exact when it is at most this many times as far
+# from the float64 model's gradient as the fp32 model's own is (summation order, not arithmetic).
+FP32_ROUNDING = 4.0
 
 
 @dataclass(frozen=True)
@@ -135,6 +138,7 @@ def tp_worker(rank: int, world: int, model_type: str) -> dict[str, Any]:
     try:
         model = build_model(entry)
         ref = copy.deepcopy(model)
+        ref64 = copy.deepcopy(model)  # made float64 only if a gradient is not within TOL (fp32 rounding or not)
         gen = torch.Generator().manual_seed(5)
         x = torch.randint(3, VOCAB, (8, SEQ), generator=gen)
         y = torch.randint(3, VOCAB, (8, SEQ), generator=gen)
@@ -152,6 +156,7 @@ def tp_worker(rank: int, world: int, model_type: str) -> dict[str, Any]:
         return Result("differs", f"loss {loss.item():.6g} against {want_loss.item():.6g}").as_dict()
     grads = {n: p.grad for n, p in ref.named_parameters(remove_duplicate=False)}
     sharded = 0
+    exact64: dict[str, torch.Tensor] | None = None
     for name, prm in trainer.named_parameters():
         if prm.grad is None:
             if grads.get(name) is not None:
@@ -160,12 +165,41 @@ def tp_worker(rank: int, world: int, model_type: str) -> dict[str, Any]:
         g = prm.grad.full_tensor() if isinstance(prm.grad, DTensor) else prm.grad
         if isinstance(prm, DTensor) and any(not pl.is_replicate() for pl in prm.placements):
             sharded += 1
-        if not torch.allclose(g, grads[name], **TOL):
-            return Result("differs", f"gradient of {name} differs by up to "
-                                     f"{(g - grads[name]).abs().max().item():.3g}").as_dict()
+        if torch.allclose(g, grads[name], **TOL):
+            continue
+        # Not within TOL of the fp32 model: judged against the float64 model, the fp32 model's
+        # own rounding is the yardstick (a tied embedding's gradient, summed over both ends and
+        # the tp ranks in another order, can stray by a few times that: Gemma 4's by 2x).
+        if exact64 is None:
+            loss_fn(ref64.double()(x), y).backward()
+            exact64 = {n: p.grad for n, p in ref64.named_parameters(remove_duplicate=False)}
+        if not within_fp32_rounding(g, grads[name], exact64[name]):
+            mine = (g.double() - exact64[name]).abs().max().item()
+            plain = (grads[name].double() - exact64[name]).abs().max().item()
+            return Result("differs", f"gradient of {name} differs by up to {(g - grads[name]).abs().max().item():.3g} "
+                                     f"({mine:.3g} from the float64 model's, where the fp32 model's is {plain:.3g} "
+                                     "from it)").as_dict()
     if not sharded:
         return Result("differs", "no weight was sharded over tp: the run was not tensor-parallel").as_dict()
     return Result("exact", f"loss {loss.item():.4f}, {sharded} sharded weights").as_dict()
+
+
+def within_fp32_rounding(got: torch.Tensor, plain: torch.Tensor, exact: torch.Tensor) -> bool:
+    """Whether ``got`` is as close to the float64 model's ``exact`` as fp32 arithmetic allows: at
+    most :data:`FP32_ROUNDING` times as far as the fp32 model's own ``plain`` (and never held to
+    less than 1e-7 of the largest value).
+
+    Example:
+        >>> exact = torch.tensor([1.0, -0.5], dtype=torch.float64)
+        >>> plain = torch.tensor([1.0 + 1e-6, -0.5])
+        >>> within_fp32_rounding(torch.tensor([1.0 + 3e-6, -0.5]), plain, exact)
+        True
+        >>> within_fp32_rounding(torch.tensor([1.0 + 1e-5, -0.5]), plain, exact)
+        False
+    """
+    mine = (got.double() - exact).abs().max().item()
+    own = (plain.double() - exact).abs().max().item()
+    return mine <= FP32_ROUNDING * max(own, 1e-7 * exact.abs().max().item())
 
 
 def check_tp(entry: Entry, spawner: Any = None) -> Result:

@@ -82,6 +82,7 @@ WHOLE_STYLES = {
                                       "activations read it (pipecut does this for every whole weight)",
     "embedding_rowwise": "whole on every rank (TensorParallel(vocab=True) splits the embedding over the vocabulary)",
     "moe_tp_experts": "whole on every rank (experts are not split; the attention is)",
+    "replicate": "whole on every rank (transformers' own word for it: every rank keeps the full parameter)",
 }
 _COLUMN = ("colwise", "packed_colwise", "colwise_gather_output")
 

@@ -40,10 +40,12 @@ def test_a_style_not_implemented_is_refused_only_where_it_matches() -> None:
     # transformers' MoE plans: the experts (and every entry under them) stay whole, the rest is split.
     moe = {**LLAMA_PLAN, "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
            "layers.*.mlp.experts.down_proj": "rowwise", "layers.*.mlp.experts": "moe_tp_experts",
-           "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce", "embed_tokens": "embedding_rowwise"}
+           "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce", "embed_tokens": "embedding_rowwise",
+           "layers.*.self_attn.k_norm": "replicate"}
     dense = ["model.layers.0.self_attn.o_proj.weight"]
     experts = [f"model.layers.{i}.mlp.experts.{w}" for i in range(3) for w in ("gate_up_proj", "down_proj")]
-    whole = ["model.layers.0.self_attn.q_norm.weight", "model.embed_tokens.weight"]
+    whole = ["model.layers.0.self_attn.q_norm.weight", "model.embed_tokens.weight",
+             "model.layers.0.self_attn.k_norm.weight"]
     assert plan_for(moe, [*dense, *experts, *whole]) == {dense[0]: "rowwise"}
     local = {**LLAMA_PLAN, "layers.*.self_attn.sinks": "local_params"}
     assert plan_for(local, dense) == {dense[0]: "rowwise"}  # no such weight in this stage: nothing to refuse

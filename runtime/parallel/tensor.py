@@ -90,9 +90,9 @@ _COLUMN = ("colwise", "packed_colwise", "colwise_gather_output")
 # by ``config.model_type``. GPT-2's ``Conv1D`` layers run ``addmm`` on ``(in, out)`` weights, and
 # ``c_attn`` packs q, k and v side by side in one: each rank keeps its heads' slice of each.
 # OPT-style layers (q, k, v and out projections, fc1 and fc2: OPT, BioGPT), StableLM's
-# Llama-style ones and GPT-Neo's are split as Megatron splits them. (GPT-NeoX's plan on
-# GPT-NeoX-Japanese and Persimmon is refused by the op rules: a view folding the split heads into
-# the batch dim, a select on them; they are left without a plan, refused from config.json.)
+# Llama-style ones, GPT-Neo's and CTRL's are split as Megatron splits them. (GPT-NeoX's plan on
+# GPT-NeoX-Japanese, Persimmon and BLOOM is refused by the op rules: a view folding the split heads
+# into the batch dim, a select on them; they are left without a plan, refused from config.json.)
 _OPT_LAYER = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
               "self_attn.out_proj": "rowwise", "fc1": "colwise", "fc2": "rowwise"}
 _LLAMA_LAYER = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
@@ -107,6 +107,9 @@ DERIVED_PLANS: dict[str, dict[str, str]] = {
     "gpt_neo": {"h.*.attn.attention.q_proj": "colwise", "h.*.attn.attention.k_proj": "colwise",
                 "h.*.attn.attention.v_proj": "colwise", "h.*.attn.attention.out_proj": "rowwise",
                 "h.*.mlp.c_fc": "colwise", "h.*.mlp.c_proj": "rowwise"},
+    "ctrl": {"h.*.multi_head_attention.Wq": "colwise", "h.*.multi_head_attention.Wk": "colwise",
+             "h.*.multi_head_attention.Wv": "colwise", "h.*.multi_head_attention.dense": "rowwise",
+             "h.*.ffn.0": "colwise", "h.*.ffn.2": "rowwise"},
 }
 
 

@@ -70,11 +70,15 @@ def test_the_plans_of_hugging_face_configs() -> None:
                                              "mlp.c_fc.weight", "mlp.c_proj.bias")] + ["transformer.wte.weight"]
     assert plan_from_config(transformers.GPT2Config(), gpt2) == dict(
         zip(gpt2[:5], ("packed_colwise", "packed_colwise", "rowwise", "colwise", "rowwise")))
-    # GPT-Neo's (exact at 2 pp x 2 tp in the family sweep's long profile): Megatron's split of its layers.
+    # GPT-Neo's and CTRL's (exact at 2 pp x 2 tp in the family sweep's long profile): Megatron's split.
     neo = [f"transformer.h.0.{w}.weight" for w in ("attn.attention.q_proj", "attn.attention.out_proj", "mlp.c_fc",
                                                    "mlp.c_proj")]
     assert plan_from_config(transformers.GPTNeoConfig(), neo) == dict(zip(neo, ("colwise", "rowwise", "colwise",
                                                                                  "rowwise")))
+    ctrl = [f"transformer.h.0.{w}.weight" for w in ("multi_head_attention.Wk", "multi_head_attention.dense", "ffn.0",
+                                                    "ffn.2")]
+    assert plan_from_config(transformers.CTRLConfig(), ctrl) == dict(zip(ctrl, ("colwise", "rowwise", "colwise",
+                                                                                "rowwise")))
     with pytest.raises(TensorParallelError, match=r"BertConfig has no base_model_tp_plan \(and pipecut derives.*plan="):
         plan_from_config(transformers.BertConfig(), ["encoder.layer.0.attention.self.query.weight"])
     for moe in (transformers.MixtralConfig(), transformers.Qwen2MoeConfig()):  # experts whole, attention split

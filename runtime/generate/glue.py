@@ -186,11 +186,12 @@ def derive_glue(plan: Plan, parts: DecoderParts) -> Glue:
     embed_out = outputs.get(parts.embed)
     if embed_out is None:
         raise GenerateModelError(f"{family}: the traced graph has no output of the token embedding {parts.embed}")
-    exits = {layer: _exit(graph, owner, layer, embed_out, parts.carries, family) for layer in parts.layers}
-    h0 = _entry(graph, owner, first, exits[first], embed_out, family)
+    hidden = _made_from(embed_out)  # every node computed from the token embedding's output
+    exits = {layer: _exit(graph, owner, layer, hidden, parts.carries, family) for layer in parts.layers}
+    h0 = _entry(graph, owner, first, exits[first], hidden, family)
     h_last = exits[last]
     for before, after in zip(parts.layers, parts.layers[1:]):  # the layers run back to back
-        out, into = exits[before], _entry(graph, owner, after, exits[after], embed_out, family)
+        out, into = exits[before], _entry(graph, owner, after, exits[after], hidden, family)
         if out is not into:
             raise GenerateModelError(
                 f"{family}: between {before} and {after} the model's forward computes {into.name} ({into.target}) "
@@ -215,13 +216,12 @@ def derive_glue(plan: Plan, parts: DecoderParts) -> Glue:
     head = _piece(logits, {"hidden": norm_out}, owner, outputs, inputs, {parts.head, *parts.others}, family,
                   f"between {parts.norm or last} and the logits")
     return Glue(embed=embed, norm=norm, head=head, gm=gm, head_name=parts.head, norm_name=parts.norm,
-                unrotated=_unrotated(graph, owner, parts))
+                unrotated=_unrotated(graph, owner, parts, hidden))
 
 
-def _after(graph: fx.Graph, owner: Mapping[fx.Node, str | None], parts: DecoderParts) -> set[fx.Node]:
-    # Every node computed from the token embedding's output.
-    todo = [n for n in graph.nodes if owner[n] == parts.embed and any(owner[u] != parts.embed for u in n.users)]
-    seen: set[fx.Node] = set()
+def _made_from(root: fx.Node) -> set[fx.Node]:
+    # ``root`` and every node computed from it (those for which _descends(node, root) holds), in one walk.
+    todo, seen = [root], set()
     while todo:
         node = todo.pop()
         if node not in seen:
@@ -230,15 +230,15 @@ def _after(graph: fx.Graph, owner: Mapping[fx.Node, str | None], parts: DecoderP
     return seen
 
 
-def _unrotated(graph: fx.Graph, owner: Mapping[fx.Node, str | None], parts: DecoderParts) -> frozenset[str]:
+def _unrotated(graph: fx.Graph, owner: Mapping[fx.Node, str | None], parts: DecoderParts,
+               hidden: set[fx.Node]) -> frozenset[str]:
     # The layers that read nothing of the rotary's output: the model's forward gave them none
     # (LaraMini's global layers use no positional encoding: position_embeddings=None).
     if parts.rotary is None:
         return frozenset()
     # What the rotary's output reaches before it meets the hidden states (a cast a layer makes of it
     # may be shared with the layers after it, as in Llama 4); past the hidden states everything after
-    # would count, so the walk stops at the first node that mixes them in.
-    hidden = _after(graph, owner, parts)
+    # would count, so the walk stops at the first node that mixes them in (``hidden``).
     reach = [n for n in graph.nodes if owner[n] == parts.rotary and n.op != "get_attr"
              and any(owner[u] != parts.rotary for u in n.users)]
     seen: set[fx.Node] = set()
@@ -331,7 +331,7 @@ def _shape(node: fx.Node) -> str:
 
 
 def _entry(graph: fx.Graph, owner: Mapping[fx.Node, str | None], layer: str, layer_out: fx.Node,
-           embed_out: fx.Node, family: str) -> fx.Node:
+           hidden: set[fx.Node], family: str) -> fx.Node:
     # A layer's hidden-state input: the tensor from outside it, of the shape of its output, made
     # from the embeddings (the mask and the rotary's cos/sin are of other shapes or sources; OPT
     # projects its embeddings to the hidden size first).
@@ -341,7 +341,7 @@ def _entry(graph: fx.Graph, owner: Mapping[fx.Node, str | None], layer: str, lay
         if owner[node] != layer:
             continue
         for arg in node.all_input_nodes:
-            if owner[arg] != layer and arg not in found and _shape(arg) == want and _descends(arg, embed_out):
+            if owner[arg] != layer and arg not in found and _shape(arg) == want and arg in hidden:
                 found.append(arg)
     entry: fx.Node
     if len(found) != 1:
@@ -353,14 +353,14 @@ def _entry(graph: fx.Graph, owner: Mapping[fx.Node, str | None], layer: str, lay
     return entry
 
 
-def _exit(graph: fx.Graph, owner: Mapping[fx.Node, str | None], layer: str, embed_out: fx.Node,
+def _exit(graph: fx.Graph, owner: Mapping[fx.Node, str | None], layer: str, hidden: set[fx.Node],
           carries: Sequence[str], family: str) -> fx.Node:
     # What a layer hands on is made from the hidden states: a value it computes from the position
     # embeddings alone, which the trace lets later layers share (Llama 4's position_embeddings.to()
     # in its first layer), is not -- each layer the generator calls computes its own.
     found: list[fx.Node] = [n for n in graph.nodes if owner[n] == layer and n.op != "get_attr"
                             and any(owner[u] != layer for u in n.users) and _is_tensor(n)
-                            and _descends(n, embed_out)]
+                            and n in hidden]
     if carries and 1 < len(found) <= 1 + len(carries):
         # A layer handing on values beside its hidden states (its forward's prev_... parameters take
         # them): the hidden states are what it computes last, the residual sum its forward returns.

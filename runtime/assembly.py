@@ -224,8 +224,9 @@ def assemble(plan: Plan, run: Run) -> Assembly:
             if isinstance(module, fx.GraphModule):
                 unshare_bodies(module)  # the rewrite must not reach the traced graph's bodies
         tp = run.options.tensor_parallel
+        vocab = tp.splits_vocab(getattr(model, "config", None))
         layouts = split_stages(mine, tp.patterns(), model, placement.mesh.tp_mesh, tied=staged.shared_params,
-                               vocab_last=run.num_stages - 1 if tp.vocab else None)
+                               vocab_last=run.num_stages - 1 if vocab else None)
         # A split weight is a new tensor (the rank's shard); a whole one a DTensor over the same storage,
         # which stays. The planned model's tensors of the split ones go to meta, as FSDP's do.
         live = {local_shard(p).untyped_storage().data_ptr() for module in mine.values() for p in module.parameters()}

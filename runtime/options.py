@@ -216,26 +216,45 @@ class TensorParallel:
     (``runtime.parallel.tensor.plan_for``); ``None``: the model's Hugging Face
     ``config.base_model_tp_plan``, or pipecut's own for its model type (GPT-2). Kept as a tuple of pairs."""
 
-    vocab: bool = False
+    vocab: bool | None = None
     """Split the token embedding and the LM head over the vocabulary too (``runtime.parallel.vocab``):
     each tp rank holds ``V / tp`` of their rows, the last stage's logits stay sharded over the classes
     and ``loss_fn`` runs under torch's ``loss_parallel`` (``F.cross_entropy`` on the sharded logits).
-    Found through the model's ``get_input_embeddings()`` / ``get_output_embeddings()``. Off (and at
-    ``size=1``): both stay whole on every tp rank."""
+    Found through the model's ``get_input_embeddings()`` / ``get_output_embeddings()``. ``None`` (the
+    default): on where the model's own plan (``plan=None``) splits nothing but the token embedding
+    (transformers' ``embedding_rowwise``: DiffLlama, GPT-OSS, LFM2, ...;
+    ``runtime.parallel.tensor_stages.vocab_only_plan``), off otherwise. Off (and at ``size=1``):
+    both stay whole on every tp rank."""
 
     def __post_init__(self) -> None:
         if type(self.size) is not int or self.size < 1:
             raise TrainerOptionError(f"TensorParallel(size={self.size!r}): the size must be an int >= 1 (tp ranks "
                                      "per stage), e.g. TensorParallel(size=2)")
-        if type(self.vocab) is not bool:
+        if self.vocab is not None and type(self.vocab) is not bool:
             raise TrainerOptionError(f"TensorParallel(vocab={self.vocab!r}): vocab is True (embedding and LM head "
-                                     "split over the vocabulary) or False (kept whole)")
+                                     "split over the vocabulary), False (kept whole) or None (as the model's plan "
+                                     "says)")
         if isinstance(self.plan, Mapping):  # frozen means hashable: no dict inside
             object.__setattr__(self, "plan", tuple(self.plan.items()))
 
     def patterns(self) -> dict[str, str] | None:
         """The plan as a dict (``None``: the model's config's)."""
         return None if self.plan is None else dict(self.plan)
+
+    def splits_vocab(self, config: Any) -> bool:
+        """Whether the vocabulary is split for a model of ``config``: ``vocab`` where it is given, else
+        whether the model's own plan splits nothing but the token embedding (see ``vocab``).
+
+        Example:
+            >>> from types import SimpleNamespace
+            >>> only = SimpleNamespace(base_model_tp_plan={"embed_tokens": "embedding_rowwise"})
+            >>> TensorParallel(size=2).splits_vocab(only), TensorParallel(size=2, vocab=False).splits_vocab(only)
+            (True, False)
+        """
+        if self.vocab is not None:
+            return self.vocab
+        from runtime.parallel.tensor_stages import vocab_only_plan  # the parallel package imports torch.distributed
+        return self.plan is None and vocab_only_plan(config)
 
 
 @dataclass(frozen=True)

@@ -80,7 +80,8 @@ STYLES = ("colwise", "rowwise", "packed_colwise", "colwise_gather_output", "roww
 WHOLE_STYLES = {
     "replicated_with_grad_allreduce": "whole on every rank; its gradient is all-reduced over tp where split "
                                       "activations read it (pipecut does this for every whole weight)",
-    "embedding_rowwise": "whole on every rank (TensorParallel(vocab=True) splits the embedding over the vocabulary)",
+    "embedding_rowwise": "whole on every rank, unless the plan splits nothing else (then it is run as "
+                         "TensorParallel(vocab=True), which splits the embedding over the vocabulary)",
     "moe_tp_experts": "whole on every rank (experts are not split; the attention is)",
     "replicate": "whole on every rank (transformers' own word for it: every rank keeps the full parameter)",
 }

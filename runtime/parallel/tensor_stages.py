@@ -38,7 +38,7 @@ from runtime.parallel.tensor import (
 from runtime.parallel.vocab import parallelize_vocab, vocab_names
 
 __all__ = ["TensorParallelOptionError", "split_stages", "refuse_unsupported", "tp_problems", "plan_problem",
-           "size_problems"]
+           "size_problems", "vocab_only_plan"]
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ def split_stages(
             parallelize_vocab(module, vocab, tp_mesh, last=s == vocab_last, shared=rows)
         _replicate_whole(s, module, tp_mesh, swapped)
         log.info("stage %d: %d weights split over tp=%d", s, len(out[s].sharded), out[s].tp)
-    if not any(lay.sharded for lay in out.values()):
+    if not vocab and not any(lay.sharded for lay in out.values()):
         log.warning("tensor parallelism: no weight of stages %s matches the tp plan; they run whole on every "
                     "tp rank (check the plan's patterns against the parameter names)", sorted(stages))
     return out
@@ -215,6 +215,26 @@ def _first(config: Any, names: tuple[str, ...]) -> tuple[str, int] | None:
     return None
 
 
+def vocab_only_plan(config: Any) -> bool:
+    """Whether the config's own tp plan splits nothing but the token embedding, by vocabulary rows
+    (transformers' ``embedding_rowwise`` on a base-model child, torch's ``RowwiseParallel`` on an
+    ``nn.Embedding``; DiffLlama's, GPT-OSS's, LFM2's plans). pipecut runs such a plan as
+    ``TensorParallel(vocab=True)`` (``runtime.parallel.vocab``): the embedding and the LM head split
+    over the vocabulary, the layers whole.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> vocab_only_plan(SimpleNamespace(base_model_tp_plan={"embed_tokens": "embedding_rowwise"}))
+        True
+        >>> vocab_only_plan(SimpleNamespace(base_model_tp_plan={"embed_tokens": "embedding_rowwise",
+        ...                                                     "layers.*.mlp.up_proj": "colwise"}))
+        False
+    """
+    plan = getattr(config, "base_model_tp_plan", None) or {}
+    splits = set(plan) - whole_entries(plan)
+    return not splits and any(s == "embedding_rowwise" and "." not in p for p, s in plan.items())
+
+
 def plan_problem(config: Any) -> str | None:
     """Why the config's tp plan cannot split the model, as a fact: it has none (and pipecut derives
     none for its ``model_type``), or every entry is one pipecut keeps whole; ``None`` when it can.
@@ -231,7 +251,7 @@ def plan_problem(config: Any) -> str | None:
     if not plan:
         return (f"{model_type} has no tensor-parallel plan (no base_model_tp_plan in its config, and pipecut "
                 "derives none)")
-    if not set(plan) - whole_entries(plan):
+    if not set(plan) - whole_entries(plan) and not vocab_only_plan(config):
         return (f"{model_type}'s tensor-parallel plan splits only weights pipecut keeps whole ({sorted(plan)}: "
                 "MoE experts, embeddings, replicated weights), so tp would split nothing")
     return None
@@ -260,6 +280,9 @@ def size_problems(config: Any, tp: int) -> list[str]:
     units = _first(config, _HIDDEN_UNITS)
     if units is not None and units[1] % tp:
         problems.append(f"{units[0]} = {units[1]} does not divide by {tp}")
+    vocab = getattr(config, "vocab_size", None)
+    if vocab_only_plan(config) and isinstance(vocab, int) and vocab % tp:
+        problems.append(f"vocab_size = {vocab} does not divide by {tp} (the plan splits the embedding's rows)")
     return problems
 
 

@@ -45,8 +45,17 @@ def _gpt2(layers: int = 4) -> nn.Module:
     return T.GPT2LMHeadModel(cfg)  # wte tied to lm_head: the first stage and the last read it
 
 
+def _llama_embedding_plan(layers: int = 4) -> nn.Module:
+    """A Llama whose config's tp plan splits nothing but the token embedding (``embedding_rowwise``),
+    as DiffLlama's, GPT-OSS's and LFM2's do."""
+    model = _llama(layers)
+    model.config.base_model_tp_plan = {"embed_tokens": "embedding_rowwise"}
+    return model
+
+
 # family -> (the model, the module path of block i)
-_FAMILIES = {"llama": (_llama, "model.layers.{}"), "gpt2": (_gpt2, "transformer.h.{}")}
+_FAMILIES = {"llama": (_llama, "model.layers.{}"), "gpt2": (_gpt2, "transformer.h.{}"),
+             "llama embedding plan": (_llama_embedding_plan, "model.layers.{}")}
 
 
 def _batch(gen: torch.Generator, rows: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,7 +64,7 @@ def _batch(gen: torch.Generator, rows: int = 8) -> tuple[torch.Tensor, torch.Ten
 
 def _case(
     schedule: str, stages: int, dp: int = 1, zero1: bool = False, layers: int = 4, family: str = "llama",
-    vocab: bool = False, eps: float = 1e-4, probe: Callable[..., Any] | None = None, **opts: Any
+    vocab: bool | None = False, eps: float = 1e-4, probe: Callable[..., Any] | None = None, **opts: Any
 ) -> dict[str, Any]:
     """One trainer of this rank (tp 2, ``dp`` replicas; ``vocab``: embedding and LM head split over
     the vocabulary) of a ``family`` model against the plain model on the global batch:

@@ -101,6 +101,8 @@ _CASES: dict[str, tuple[str, int, dict[str, Any]]] = {
     "llama": ("1f1b", 2, {"probe": _probe}), "gpt2": ("1f1b", 2, {"family": "gpt2"}),
     "llama zbh1": ("zbh1", 2, {}), "gpt2 interleaved": ("interleaved", 4, {"family": "gpt2"}),
     "llama recompute": ("1f1b", 2, {"recompute": True}), "labels": ("labels", 2, {}),
+    # TensorParallel(size=2), vocab left to the plan: one that splits only the embedding splits the vocabulary
+    "embedding plan": ("1f1b", 2, {"family": "llama embedding plan", "vocab": None}),
 }
 
 
@@ -108,7 +110,7 @@ def _part(rank: int, world: int, key: str) -> dict[str, Any]:
     schedule, stages, opts = _CASES[key]
     # eps 1e-4: the split head and loss sum the logits' classes in two halves; Adam's step near a
     # zero gradient moves by lr / eps times that round-off (eps 1e-5 left 1 element of 3,072 at 3e-6).
-    return _labels_case() if schedule == "labels" else _case(schedule, stages, vocab=True, eps=1e-4, **opts)
+    return _labels_case() if schedule == "labels" else _case(schedule, stages, **{"vocab": True, "eps": 1e-4, **opts})
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +138,32 @@ def test_vocabulary_split_trains_as_the_plain_model(runs: Cases, case: str) -> N
             assert got["local"][name] == ((V // 2, 32), "S(0)"), (rank, name, got["local"][name])
         for mine, plain in got["norms"]:
             assert mine == pytest.approx(plain, rel=2e-5)
+
+
+@pytest.mark.multiprocess
+def test_a_plan_splitting_only_the_embedding_splits_the_vocabulary_and_nothing_else(runs: Cases) -> None:
+    # transformers' plan for DiffLlama, GPT-OSS, LFM2...: {"embed_tokens": "embedding_rowwise"}, run as
+    # TensorParallel(vocab=True) without being asked; _case asserted the loss, gradients and steps.
+    for rank, got in enumerate(runs("embedding plan")):
+        first = got["stages"][0] == 0
+        assert set(got["sharded"]) == ({"model.embed_tokens.weight"} if first else {"lm_head.weight"}), (rank, got)
+
+
+def test_the_vocabulary_split_defaults_to_what_the_models_plan_says() -> None:
+    from types import SimpleNamespace
+
+    from runtime.parallel.tensor_stages import plan_problem, size_problems, vocab_only_plan
+
+    only = SimpleNamespace(model_type="lfm2", base_model_tp_plan={"embed_tokens": "embedding_rowwise"}, vocab_size=97)
+    mixed = SimpleNamespace(base_model_tp_plan={"wte": "embedding_rowwise", "h.*.mlp.fc_in": "colwise"})
+    inner = SimpleNamespace(base_model_tp_plan={"layers.*.mlp.up_embed": "embedding_rowwise"})  # Doge's
+    assert vocab_only_plan(only) and not vocab_only_plan(mixed) and not vocab_only_plan(inner)
+    assert TensorParallel(size=2).splits_vocab(only)
+    assert not TensorParallel(size=2, vocab=False).splits_vocab(only)
+    assert not TensorParallel(size=2, plan={"embed_tokens": "colwise"}).splits_vocab(only)  # a user's plan: asked
+    assert not TensorParallel(size=2).splits_vocab(mixed) and TensorParallel(size=2, vocab=True).splits_vocab(mixed)
+    assert plan_problem(only) is None and "splits only weights" in str(plan_problem(inner))
+    assert size_problems(only, 2) == ["vocab_size = 97 does not divide by 2 (the plan splits the embedding's rows)"]
 
 
 @pytest.mark.multiprocess

@@ -40,3 +40,14 @@ def test_a_family_without_a_plan_is_told_to_drop_tp(tmp_path: Path) -> None:
                                                r"--pp/--dp$"):
         check_tp_fits(_cfg(2), config)
     check_tp_fits(_cfg(1), config)
+
+
+def test_a_plan_splitting_only_the_embedding_is_run_and_its_vocabulary_checked() -> None:
+    from transformers import Lfm2Config  # its plan: {"embed_tokens": "embedding_rowwise"}
+
+    config = Lfm2Config(vocab_size=96, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64)
+    check_tp_fits(_cfg(2), config)  # the vocabulary splits (TensorParallel(vocab=None) follows the plan)
+    odd = Lfm2Config(vocab_size=97, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64)
+    with pytest.raises(TrainConfigError, match=r"^--tp 2 does not fit lfm2's config.json: vocab_size = 97 does "
+                                               r"not divide by 2"):
+        check_tp_fits(_cfg(2), odd)

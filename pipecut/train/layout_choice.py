@@ -59,6 +59,7 @@ from partitioner.search import LayoutSearch
 from pipecut.folder import HFFolder
 from pipecut.train import checkpoints
 from pipecut.train.config import LAYOUT_KEYS, TrainConfig, TrainConfigError, check_tp_options
+from runtime.parallel.tensor_stages import plan_problem, vocab_only_plan
 
 __all__ = [
     "Choice", "choose", "search_space", "resolved", "bind_plan", "predicted_step", "describe", "job_nodes",
@@ -277,11 +278,29 @@ def describe(plan: Plan, *, dp: int, pp: int, m: int, zero: str | None, how: str
 # -- the search ---------------------------------------------------------------------------------
 
 
+def layers_split(config: Any) -> bool:
+    """Whether tp splits the layers of a model of ``config``: its plan (``base_model_tp_plan``, or
+    pipecut's derived one) splits more than the token embedding. The planner prices tp as Megatron's
+    split layers, so ``--layout auto`` searches tp only where that holds (an explicit ``--tp`` is
+    checked by ``check_tp_fits`` instead).
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> layers_split(SimpleNamespace(model_type="gpt2")), layers_split(SimpleNamespace(model_type="bloom"))
+        (True, False)
+        >>> layers_split(SimpleNamespace(model_type="lfm2", base_model_tp_plan={"embed_tokens": "embedding_rowwise"}))
+        False
+    """
+    return plan_problem(config) is None and not vocab_only_plan(config)
+
+
 def _search(cfg: TrainConfig, folder: HFFolder, config: Any, world: int, preset: str, loss_fn: LossFn
             ) -> tuple[Plan, str]:
     """The planner's layout for the job, the same on every rank, and what its devices were priced as."""
     n = world if world > 1 else cfg.pp or (torch.cuda.device_count() if torch.cuda.is_available() else 0) or 1
     space = search_space(cfg, world=world)  # refused before anything is traced
+    if space["tp_sizes"] is None and not layers_split(config):
+        space["tp_sizes"] = (1,)
     example = folder.example_inputs(seq_len=cfg.seq_len, micro_batch_size=1)
     costing = Costing(precision=cfg.precision, recompute=RECOMPUTE_FLAGS[cfg.recompute])
     if cfg.calibrate is not None:
